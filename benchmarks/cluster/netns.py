@@ -1,0 +1,156 @@
+"""Build and tear down the namespaces, veth pairs, bridge and tc shaping of an emulated cluster.
+
+Layout: one namespace per rank with a single interface, a veth into a bridge that lives in its
+own "switch" namespace (nothing is added to the host's network). Each veth end gets an htb root
+whose classes carry one rate per link class; u32 prefix filters pick the class from the peer's
+address (destination on the rank side, source on the switch side towards the rank), so a
+transfer between two ranks is shaped on the sender's port and again on the receiver's port at
+the rate of the link class it crosses, and concurrent flows of one class share that rate.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+
+from .spec import LINK_CLASSES, SUBNET, ClusterSpec, LinkClass
+
+DEFAULT_PREFIX = "emc"
+RANK_IFACE = "eth0"
+# tbf below each htb class does the actual shaping: measured on veth it holds the rate to ~4 %,
+# while a bare htb class lets GSO super-packets through in bursts. A 256 kB bucket refills
+# while ranks compute, so peakrate (with an mtu covering GSO packets) caps that first burst.
+TBF_BURST = "256kb"
+TBF_LATENCY = "50ms"
+TBF_PEAK_FACTOR = 1.01
+TBF_PEAK_MTU = "128kb"
+# htb classes only classify; their own rate must never be the bottleneck.
+HTB_CLASS_RATE = "20gbit"
+
+
+class ClusterUnavailable(RuntimeError):
+    """The host cannot run an emulated cluster (not root, or ip/tc missing)."""
+
+
+def check_prerequisites() -> None:
+    """Raise ClusterUnavailable naming every missing requirement and how to fix it."""
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root privileges (network namespaces need CAP_NET_ADMIN): run as root, e.g. with sudo -E")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            missing.append(f"the '{tool}' command: install iproute2 (apt-get install -y iproute2)")
+    if missing:
+        raise ClusterUnavailable("emulated cluster unavailable, missing " + "; ".join(missing))
+
+
+def sh(*cmd: str) -> str:
+    """Run one ip/tc command; raise with the command and its stderr when it fails."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stderr.strip()}")
+    return proc.stdout
+
+
+def switch_ns(prefix: str) -> str:
+    """Name of the namespace holding the bridge."""
+    return f"{prefix}-sw"
+
+
+def rank_ns(prefix: str, rank: int) -> str:
+    """Name of the namespace of one rank."""
+    return f"{prefix}-r{rank}"
+
+
+def _port(prefix: str, rank: int) -> str:
+    return f"{prefix}-p{rank}"
+
+
+def list_namespaces(prefix: str) -> list[str]:
+    """Namespaces whose name carries the prefix."""
+    names = [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
+    return [n for n in names if n.startswith(prefix + "-")]
+
+
+def list_host_links(prefix: str) -> list[str]:
+    """Links in the host namespace whose name carries the prefix (only a crashed build leaves any)."""
+    links = json.loads(sh("ip", "-j", "link", "show") or "[]")
+    return [link["ifname"] for link in links if link["ifname"].startswith(prefix + "-")]
+
+
+def teardown(prefix: str) -> None:
+    """Remove every namespace and host link with the prefix, stopping processes still inside."""
+    for ns in list_namespaces(prefix):
+        # A killed run can leave ranks behind; they would keep the namespace (and its links) alive.
+        for pid in sh("ip", "netns", "pids", ns).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        sh("ip", "netns", "del", ns)
+    for link in list_host_links(prefix):
+        sh("ip", "link", "del", link)
+
+
+def _class_nets(spec: ClusterSpec, rank: int) -> dict[LinkClass, str]:
+    # Filters are tried in this order, so the most specific prefix must come first.
+    return {"package": spec.package_net(rank), "node": spec.node_net(rank), "inter_node": f"{SUBNET}.0.0/16"}
+
+
+def _shape(ns: str, dev: str, spec: ClusterSpec, rank: int, match: str) -> None:
+    """Give dev an htb root with one tbf-shaped class per link class, chosen by `match` (src or dst)."""
+    tc = ("tc", "-n", ns)
+    # Unclassified traffic (ARP, IPv6 neighbour discovery) goes out unshaped via htb's direct queue.
+    sh(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "r2q", "1000")
+    nets = _class_nets(spec, rank)
+    for idx, link in enumerate(LINK_CLASSES, start=1):
+        if link not in spec.link_classes():
+            continue
+        rate = spec.rate_mbit(link)
+        sh(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{idx}", "htb", "rate", HTB_CLASS_RATE)
+        sh(*tc, "qdisc", "add", "dev", dev, "parent", f"1:{idx}", "handle", f"{10 + idx}:", "tbf",
+           "rate", f"{rate}mbit", "burst", TBF_BURST, "latency", TBF_LATENCY,
+           "peakrate", f"{rate * TBF_PEAK_FACTOR}mbit", "mtu", TBF_PEAK_MTU)  # fmt: skip
+        sh(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", str(idx),
+           "u32", "match", "ip", match, nets[link], "flowid", f"1:{idx}")  # fmt: skip
+
+
+def _verify_shaping(ns: str, dev: str, spec: ClusterSpec) -> None:
+    """Fail loudly unless dev carries one tbf per link class at its configured rate."""
+    qdiscs = json.loads(sh("tc", "-n", ns, "-j", "qdisc", "show", "dev", dev) or "[]")
+    rates = sorted(round(q["options"]["rate"] * 8 / 1e6) for q in qdiscs if q.get("kind") == "tbf")
+    want = sorted(round(spec.rate_mbit(link)) for link in spec.link_classes())
+    if rates != want or not any(q.get("kind") == "htb" for q in qdiscs):
+        raise RuntimeError(f"shaping on {ns}/{dev} is not as configured: tbf rates {rates} Mbit/s, expected {want}")
+
+
+def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:
+    """Create the switch namespace, one shaped namespace per rank; return the rank namespaces."""
+    if not (prefix.isalnum() and prefix.islower() and len(prefix) <= 8):
+        # Interface names are limited to 15 characters and the prefix is matched on teardown.
+        raise ValueError(f"prefix {prefix!r} must be 1-8 lowercase letters/digits")
+    sw = switch_ns(prefix)
+    bridge = f"{prefix}-br"
+    sh("ip", "netns", "add", sw)
+    sh("ip", "-n", sw, "link", "add", bridge, "type", "bridge")
+    sh("ip", "-n", sw, "link", "set", bridge, "up")
+    namespaces = []
+    for rank in range(spec.world_size):
+        ns, port = rank_ns(prefix, rank), _port(prefix, rank)
+        sh("ip", "netns", "add", ns)
+        # Created inside the switch namespace with the peer directly in the rank's: never on the host.
+        sh("ip", "-n", sw, "link", "add", port, "type", "veth", "peer", "name", RANK_IFACE, "netns", ns)
+        sh("ip", "-n", sw, "link", "set", port, "master", bridge, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{spec.address(rank)}/16", "dev", RANK_IFACE)
+        sh("ip", "-n", ns, "link", "set", RANK_IFACE, "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if spec.link_classes():
+            _shape(ns, RANK_IFACE, spec, rank, "dst")
+            _shape(sw, port, spec, rank, "src")
+            _verify_shaping(ns, RANK_IFACE, spec)
+            _verify_shaping(sw, port, spec)
+        namespaces.append(ns)
+    return namespaces

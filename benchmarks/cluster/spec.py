@@ -1,0 +1,186 @@
+"""Topology of an emulated cluster: dataclasses, named profiles and validation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+LinkClass = Literal["package", "node", "inter_node"]
+LINK_CLASSES: tuple[LinkClass, ...] = ("package", "node", "inter_node")
+
+# Shaping through veth + tbf stays accurate up to about this rate on a small host; above it the
+# kernel's packet processing, not the shaper, becomes the limit and measurements stop meaning much.
+MAX_RATE_MBIT = 500.0
+# Every rank runs a full Python + torch process; beyond this a small host only measures its own CPU.
+MAX_WORLD_SIZE = 64
+# Addresses are 10.77.<node>.<host>: the node octet must stay a valid host part inside 10.77.0.0/16.
+MAX_NODES = 250
+SUBNET = "10.77"
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank sits in the topology."""
+
+    rank: int
+    """Global rank, 0 .. world_size - 1."""
+    node: int
+    """Node index, 0 .. nodes - 1."""
+    package: int
+    """Package (e.g. one MI250X) index inside the node, 0 .. packages_per_node - 1."""
+    local_in_package: int
+    """Index of the rank inside its package, 0 .. ranks_per_package - 1."""
+    local_rank: int
+    """Index of the rank inside its node, as LOCAL_RANK gives it."""
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A cluster of nodes x packages per node x ranks per package with one rate per link class."""
+
+    nodes: int
+    """Number of nodes."""
+    packages_per_node: int
+    """Packages (devices sharing a fast fabric, e.g. the two GCDs of one MI250X) per node."""
+    ranks_per_package: int
+    """Ranks per package."""
+    package_mbit: float
+    """Rate in Mbit/s between two ranks of the same package."""
+    node_mbit: float
+    """Rate in Mbit/s between ranks of different packages of the same node."""
+    inter_node_mbit: float
+    """Rate in Mbit/s between ranks of different nodes."""
+    name: str = "custom"
+    """Label shown in reports."""
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError(f"invalid cluster spec '{self.name}': " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        """Every reason this spec cannot be built, each naming the offending factor."""
+        out: list[str] = []
+        for field in ("nodes", "packages_per_node", "ranks_per_package"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                out.append(f"{field}={value!r} must be an integer >= 1")
+        for field in ("package_mbit", "node_mbit", "inter_node_mbit"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= MAX_RATE_MBIT:
+                out.append(f"{field}={value!r} must be a rate in Mbit/s in (0, {MAX_RATE_MBIT:g}]")
+        if out:
+            return out  # the size checks below need valid integers
+        if self.nodes > MAX_NODES:
+            out.append(f"nodes={self.nodes} exceeds {MAX_NODES} (one address octet per node)")
+        if self.world_size > MAX_WORLD_SIZE:
+            out.append(
+                f"nodes={self.nodes} x packages_per_node={self.packages_per_node} x "
+                f"ranks_per_package={self.ranks_per_package} = {self.world_size} ranks exceeds {MAX_WORLD_SIZE}"
+            )
+        if (self.packages_per_node + 1) * self._package_block > 256:
+            out.append(
+                f"packages_per_node={self.packages_per_node} x ranks_per_package={self.ranks_per_package} "
+                f"do not fit one address octet: (packages_per_node + 1) x "
+                f"{self._package_block} (ranks_per_package rounded up to a power of two) must be <= 256"
+            )
+        return out
+
+    @property
+    def world_size(self) -> int:
+        """Total number of ranks."""
+        return self.nodes * self.packages_per_node * self.ranks_per_package
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on one node (LOCAL_WORLD_SIZE)."""
+        return self.packages_per_node * self.ranks_per_package
+
+    @property
+    def _package_block(self) -> int:
+        # Each package owns an aligned power-of-two block of host numbers so that one u32 prefix
+        # match selects exactly the ranks of that package.
+        return 1 << math.ceil(math.log2(self.ranks_per_package)) if self.ranks_per_package > 1 else 1
+
+    @property
+    def package_prefix_len(self) -> int:
+        """Prefix length of the address block of one package."""
+        return 32 - int(math.log2(self._package_block))
+
+    def place(self, rank: int) -> RankPlace:
+        """Node, package and local indices of a rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside 0..{self.world_size - 1}")
+        node, local_rank = divmod(rank, self.ranks_per_node)
+        package, local_in_package = divmod(local_rank, self.ranks_per_package)
+        return RankPlace(rank, node, package, local_in_package, local_rank)
+
+    def address(self, rank: int) -> str:
+        """IPv4 address of a rank: 10.77.<node>.<(package + 1) * block + index in package>."""
+        p = self.place(rank)
+        # Blocks start at package + 1 so no rank gets host number 0.
+        return f"{SUBNET}.{p.node}.{(p.package + 1) * self._package_block + p.local_in_package}"
+
+    def package_net(self, rank: int) -> str:
+        """CIDR of the address block of the rank's package."""
+        p = self.place(rank)
+        return f"{SUBNET}.{p.node}.{(p.package + 1) * self._package_block}/{self.package_prefix_len}"
+
+    def node_net(self, rank: int) -> str:
+        """CIDR of the addresses of the rank's node."""
+        return f"{SUBNET}.{self.place(rank).node}.0/24"
+
+    def link_class(self, a: int, b: int) -> LinkClass:
+        """Link class that traffic between ranks a and b crosses."""
+        pa, pb = self.place(a), self.place(b)
+        if pa.node != pb.node:
+            return "inter_node"
+        return "package" if pa.package == pb.package else "node"
+
+    def rate_mbit(self, link: LinkClass) -> float:
+        """Configured rate of a link class."""
+        return {"package": self.package_mbit, "node": self.node_mbit, "inter_node": self.inter_node_mbit}[link]
+
+    def link_classes(self) -> list[LinkClass]:
+        """Link classes that actually occur in this layout."""
+        present = []
+        if self.ranks_per_package > 1:
+            present.append("package")
+        if self.packages_per_node > 1:
+            present.append("node")
+        if self.nodes > 1:
+            present.append("inter_node")
+        return present
+
+    def sample_pair(self, link: LinkClass) -> tuple[int, int]:
+        """A pair of ranks (0 and a peer) whose traffic crosses the given link class."""
+        for peer in range(1, self.world_size):
+            if self.link_class(0, peer) == link:
+                return 0, peer
+        raise ValueError(f"layout '{self.name}' has no {link} link")
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain dict for JSON reports."""
+        return asdict(self)
+
+
+def frontier(nodes: int = 2, packages_per_node: int = 2) -> ClusterSpec:
+    """Frontier ratios (GCD-GCD 200 GB/s : MI250X-MI250X 100 GB/s : NIC 25 GB/s) scaled to 400:200:50 Mbit/s."""
+    return ClusterSpec(nodes, packages_per_node, 2, 400.0, 200.0, 50.0, name="frontier")
+
+
+def generic(nodes: int = 2, ranks_per_node: int = 2, node_mbit: float = 400.0, inter_node_mbit: float = 100.0) -> ClusterSpec:
+    """Two-level cluster: one rank per package, node-local links vs inter-node links."""
+    # package_mbit is never used with one rank per package; it only has to be valid.
+    return ClusterSpec(nodes, ranks_per_node, 1, node_mbit, node_mbit, inter_node_mbit, name="generic")
+
+
+PROFILES = {"frontier": frontier, "generic": generic}
+
+
+def profile(name: str) -> ClusterSpec:
+    """Named profile with its default layout."""
+    if name not in PROFILES:
+        raise ValueError(f"unknown profile '{name}', choose one of {sorted(PROFILES)}")
+    return PROFILES[name]()

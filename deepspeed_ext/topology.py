@@ -1,0 +1,199 @@
+"""Where each rank sits (node, package, local index) and the process groups of each level.
+
+Ranks are assumed node-contiguous (global rank = node * ranks_per_node + local index), which is
+what srun's block distribution and torchrun give; a launch that breaks it is rejected. The level
+groups are cut from any parent group (e.g. megatron-core's data-parallel group, whose members are
+strided when TP > 1), never from consecutive global ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from deepspeed_ext.config import ConfigError, TopologyConfig
+
+LEVELS = ("package", "node", "global")
+FRONTIER_RANKS_PER_NODE = 8
+FRONTIER_RANKS_PER_PACKAGE = 2  # two GCDs per MI250X: (0,1), (2,3), (4,5), (6,7)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """The job's layout: ``world_size`` ranks in nodes of ``ranks_per_node``, packages of ``ranks_per_package``."""
+
+    world_size: int
+    """Number of ranks in the job."""
+    ranks_per_node: int
+    """Ranks on each node (the last node may hold fewer only when the job is smaller than a node)."""
+    ranks_per_package: int
+    """Ranks sharing one package (fast link), 1 where a package is one GPU."""
+
+    def __post_init__(self) -> None:
+        if self.ranks_per_node % self.ranks_per_package:
+            raise ConfigError(
+                f"ranks_per_node({self.ranks_per_node}) % ranks_per_package({self.ranks_per_package}) != 0"
+            )
+        if self.world_size > self.ranks_per_node and self.world_size % self.ranks_per_node:
+            raise ConfigError(
+                f"world({self.world_size}) is not nodes * ranks_per_node({self.ranks_per_node}); "
+                "launch whole nodes or set topology.ranks_per_node"
+            )
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.world_size // self.ranks_per_node)
+
+    def node(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_index(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def package(self, rank: int) -> int:
+        """Global package id of ``rank``."""
+        return rank // self.ranks_per_package
+
+    def link_class(self, a: int, b: int) -> str:
+        """The link a transfer between ranks a and b crosses: package, node or inter_node."""
+        if self.package(a) == self.package(b):
+            return "package"
+        return "node" if self.node(a) == self.node(b) else "inter_node"
+
+    def level_of(self, rank: int, level: str) -> int:
+        """Id of the unit at ``level`` that holds ``rank`` (the whole job for global)."""
+        return {"package": self.package, "node": self.node, "global": lambda r: 0}[level](rank)
+
+
+def _is_frontier(env: Mapping[str, str]) -> bool:
+    names = (env.get("SLURM_CLUSTER_NAME", ""), env.get("LMOD_SYSTEM_NAME", ""), socket.gethostname())
+    return any(n.lower().startswith("frontier") for n in names)
+
+
+def _int_env(env: Mapping[str, str], *names: str) -> int | None:
+    for name in names:
+        value = env.get(name)
+        if value not in (None, ""):
+            try:
+                return int(value.split("(")[0].split(",")[0])  # SLURM_TASKS_PER_NODE looks like "8(x2)"
+            except ValueError:
+                raise ConfigError(f"environment variable {name}={value!r} is not an integer") from None
+    return None
+
+
+def detect_topology(
+    config: TopologyConfig | None = None, env: Mapping[str, str] | None = None, world_size: int | None = None
+) -> Topology:
+    """Build the topology from the config section, else Slurm or torchrun variables, Frontier recognised."""
+    env = os.environ if env is None else env
+    config = config or TopologyConfig()
+    world = world_size or _int_env(env, "WORLD_SIZE", "SLURM_NTASKS") or 1
+    frontier = _is_frontier(env)
+    per_node = (
+        config.ranks_per_node
+        or _int_env(env, "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE")
+        or (FRONTIER_RANKS_PER_NODE if frontier else world)
+    )
+    per_package = config.ranks_per_package or (FRONTIER_RANKS_PER_PACKAGE if frontier and per_node % 2 == 0 else 1)
+    topo = Topology(world_size=world, ranks_per_node=min(per_node, world), ranks_per_package=per_package)
+    _check_rank_order(topo, env)
+    return topo
+
+
+def _check_rank_order(topo: Topology, env: Mapping[str, str]) -> None:
+    rank = _int_env(env, "RANK", "SLURM_PROCID")
+    # SLURM_LOCALID first: with one visible GCD per task the scripts set LOCAL_RANK=0 for device choice.
+    local = _int_env(env, "SLURM_LOCALID", "LOCAL_RANK")
+    node = _int_env(env, "SLURM_NODEID", "GROUP_RANK")
+    if rank is None or local is None:
+        return
+    if topo.local_index(rank) != local or (node is not None and topo.node(rank) != node):
+        raise ConfigError(
+            f"rank {rank} has local index {local} on node {node}, but a block layout of "
+            f"{topo.ranks_per_node} ranks per node puts it at {topo.local_index(rank)} on node {topo.node(rank)}: "
+            "launch with block distribution (srun -m block) or set topology.ranks_per_node"
+        )
+
+
+def level_members(topo: Topology, parent: Sequence[int], rank: int) -> dict[str, list[int]]:
+    """Members of ``parent`` that share ``rank``'s package, node and (all of) the job, plus the
+    strided groups a hop needs: same position in the other packages of the node (``cross_package``)
+    and same position in the node on the other nodes (``cross_node``)."""
+    if rank not in parent:
+        raise ValueError(f"rank {rank} is not in the parent group {list(parent)}")
+    members = {level: [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)] for level in LEVELS}
+    pos_in_package = members["package"].index(rank)
+    pos_in_node = members["node"].index(rank)
+    node_members = members["node"]
+    members["cross_package"] = [
+        r for r in node_members if _position(topo, node_members, r, "package") == pos_in_package
+    ]
+    members["cross_node"] = [r for r in parent if _position(topo, parent, r, "node") == pos_in_node]
+    return members
+
+
+def _position(topo: Topology, parent: Sequence[int], rank: int, level: str) -> int:
+    return [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)].index(rank)
+
+
+def partition_of(topo: Topology, parent: Sequence[int], kind: str) -> list[list[int]]:
+    """All groups of one kind (a level or a cross group) that cover ``parent``, in a fixed order."""
+    seen: list[list[int]] = []
+    for r in parent:
+        group = level_members(topo, parent, r)[kind]
+        if group not in seen:
+            seen.append(group)
+    return seen
+
+
+def check_uniform(topo: Topology, parent: Sequence[int]) -> None:
+    """Hierarchical hops need every package (node) to hold the same number of parent members."""
+    for level in ("package", "node"):
+        sizes = {len(g) for g in partition_of(topo, parent, level)}
+        if len(sizes) > 1:
+            raise ConfigError(
+                f"the parent group {list(parent)} has {sorted(sizes)} members per {level}: "
+                "hierarchical levels need the same count in each; change TP size or topology"
+            )
+
+
+@dataclass
+class LevelGroups:
+    """This rank's process groups per level, cut from one parent group."""
+
+    members: dict[str, list[int]]
+    """Global ranks of each group this rank belongs to, by kind."""
+    groups: dict[str, dist.ProcessGroup]
+    """The process group of each kind (package, node, global, cross_package, cross_node)."""
+
+
+def new_level_groups(topo: Topology, parent_ranks: Sequence[int], backend: str | None = None) -> LevelGroups:
+    """Create the level groups of ``parent_ranks``. Collective over the WHOLE job: every rank calls it
+    with the same parent lists in the same order (``dist.new_group`` requires that), even ranks
+    outside the parent. Returns this rank's groups, or empty maps when it is not a member."""
+    parent = sorted(parent_ranks)
+    check_uniform(topo, parent)
+    rank = dist.get_rank()
+    kinds = ("package", "node", "global", "cross_package", "cross_node")
+    groups: dict[str, dist.ProcessGroup] = {}
+    for kind in kinds:
+        for members in partition_of(topo, parent, kind):
+            group = dist.new_group(members, backend=backend)
+            if rank in members:
+                groups[kind] = group
+    return LevelGroups(members=level_members(topo, parent, rank) if rank in parent else {}, groups=groups)
+
+
+def all_level_groups(topo: Topology, parents: Sequence[Sequence[int]], backend: str | None = None) -> LevelGroups:
+    """Level groups for a family of disjoint parents (e.g. every DP group): call on every rank."""
+    mine = LevelGroups(members={}, groups={})
+    rank = dist.get_rank()
+    for parent in parents:
+        lg = new_level_groups(topo, parent, backend)
+        if rank in parent:
+            mine = lg
+    return mine

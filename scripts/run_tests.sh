@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up .venv if needed, lint, then run the whole test suite. Extra arguments go to pytest.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+bash scripts/setup_env.sh
+.venv/bin/ruff check .
+# pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
+.venv/bin/python -m pytest "$@"

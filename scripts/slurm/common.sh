@@ -1,0 +1,377 @@
+# shellcheck shell=bash
+# Launcher logic shared by frontier.sbatch, nvidia.sbatch and local.sbatch.
+# Sourced, never run. The platform script sets its defaults, sources this file,
+# then calls:
+#
+#   launcher_init "$@"          parse arguments, resolve and check parameters
+#   set_env NAME VALUE          export NAME=VALUE and list it in the printout
+#   default_env NAME VALUE      same, unless NAME is already set by the caller
+#   load_modules MOD...         `module load` each one if `module` exists
+#   set_master_addr_port PORT   MASTER_ADDR (first node) and MASTER_PORT
+#   launch SRUN_FLAG...         print the environment and the srun line, then
+#                               run it (or stop there in dry-run mode)
+#
+# Platform defaults (set before sourcing): PLATFORM, DEFAULT_MODEL,
+# DEFAULT_CONFIG, DEFAULT_TASKS_PER_NODE. See docs/slurm.md for the parameters.
+
+if [[ -z "${REPO_DIR:-}" ]]; then
+    REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+fi
+SLURM_SCRIPTS_DIR="$REPO_DIR/scripts/slurm"
+PRESETS_DIR="$REPO_DIR/scripts/presets"
+
+die() {
+    echo "error: $*" >&2
+    exit 2
+}
+
+warn() {
+    echo "warning: $*" >&2
+}
+
+usage() {
+    cat <<EOF
+usage: sbatch [SBATCH OPTIONS] scripts/slurm/${PLATFORM}.sbatch [OPTIONS] [-- TRAINING FLAGS]
+       DRY_RUN=1 bash scripts/slurm/${PLATFORM}.sbatch [OPTIONS]
+
+options (each one overrides the environment variable in brackets):
+  --dry-run               print the environment and the srun line, launch nothing [DRY_RUN=1]
+  --nodes N               number of nodes                      [NODES, default: the allocation, else 1]
+  --tasks-per-node N      ranks per node                       [TASKS_PER_NODE, default: ${DEFAULT_TASKS_PER_NODE}]
+  --model NAME            preset scripts/presets/NAME.args     [MODEL, default: ${DEFAULT_MODEL}]
+  --config FILE           DeepSpeed JSON (path or preset name) [CONFIG, default: ${DEFAULT_CONFIG}]
+  --data-path PATH        Megatron data prefix                 [DATA_PATH, default: built-in small corpus]
+  --checkpoint-dir DIR    --save/--load directory              [CHECKPOINT_DIR, default: none]
+  -h, --help              this text
+Anything else (and everything after --) is appended to the training flags,
+after the preset and EXTRA_ARGS, so it overrides them.
+Presets: $(list_presets)
+EOF
+}
+
+list_presets() {
+    local f names=()
+    for f in "$PRESETS_DIR"/*.args; do
+        [[ -f "$f" ]] && names+=("$(basename "$f" .args)")
+    done
+    echo "${names[*]:-none}"
+}
+
+# ---------------------------------------------------------------- environment
+ENV_NAMES=()
+
+_remember_env() {
+    local n
+    for n in "${ENV_NAMES[@]}"; do
+        [[ "$n" == "$1" ]] && return 0
+    done
+    ENV_NAMES+=("$1")
+}
+
+set_env() {
+    export "$1=$2"
+    _remember_env "$1"
+}
+
+default_env() {
+    if [[ -z "${!1+x}" ]]; then
+        export "$1=$2"
+    else
+        export "${1?}"
+    fi
+    _remember_env "$1"
+}
+
+# Prepend a directory to a PATH-like variable (no duplicate, no empty entry).
+prepend_path() {
+    local name="$1" dir="$2" cur="${!1:-}"
+    case ":$cur:" in
+    *":$dir:"*) set_env "$name" "$cur" ;;
+    *) set_env "$name" "$dir${cur:+:$cur}" ;;
+    esac
+}
+
+MODULE_LINES=()
+
+load_modules() {
+    local m
+    for m in "$@"; do
+        MODULE_LINES+=("module load $m")
+    done
+    if [[ "$DRY_RUN" == 1 ]]; then
+        return 0
+    fi
+    if ! type module >/dev/null 2>&1; then
+        warn "'module' is not available here; not loading: $* (set up the environment yourself, e.g. with ENV_SCRIPT)"
+        return 0
+    fi
+    for m in "$@"; do
+        module load "$m" || die "'module load $m' failed; set MODULES to the module names of this system"
+    done
+}
+
+# ---------------------------------------------------------------- parameters
+is_pos_int() {
+    [[ "$1" =~ ^[1-9][0-9]*$ ]]
+}
+
+_need_value() {
+    [[ $# -ge 2 && -n "$2" ]] || die "option $1 needs a value"
+}
+
+launcher_init() {
+    CLI_ARGS=()
+    local arg
+    while [[ $# -gt 0 ]]; do
+        arg="$1"
+        case "$arg" in
+        --dry-run) DRY_RUN=1 ;;
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        --nodes | --tasks-per-node | --model | --config | --data-path | --checkpoint-dir)
+            _need_value "$@"
+            case "$arg" in
+            --nodes) NODES="$2" ;;
+            --tasks-per-node) TASKS_PER_NODE="$2" ;;
+            --model) MODEL="$2" ;;
+            --config) CONFIG="$2" ;;
+            --data-path) DATA_PATH="$2" ;;
+            --checkpoint-dir) CHECKPOINT_DIR="$2" ;;
+            esac
+            shift
+            ;;
+        --nodes=* | --tasks-per-node=* | --model=* | --config=* | --data-path=* | --checkpoint-dir=*)
+            local key="${arg%%=*}" val="${arg#*=}"
+            _need_value "$key" "$val"
+            case "$key" in
+            --nodes) NODES="$val" ;;
+            --tasks-per-node) TASKS_PER_NODE="$val" ;;
+            --model) MODEL="$val" ;;
+            --config) CONFIG="$val" ;;
+            --data-path) DATA_PATH="$val" ;;
+            --checkpoint-dir) CHECKPOINT_DIR="$val" ;;
+            esac
+            ;;
+        --)
+            shift
+            CLI_ARGS+=("$@")
+            break
+            ;;
+        *) CLI_ARGS+=("$arg") ;;
+        esac
+        shift
+    done
+
+    DRY_RUN="${DRY_RUN:-0}"
+    case "$DRY_RUN" in
+    1 | true | yes) DRY_RUN=1 ;;
+    0 | false | no | "") DRY_RUN=0 ;;
+    *) die "DRY_RUN='$DRY_RUN' is not understood; use DRY_RUN=1 (print only) or DRY_RUN=0 (launch)" ;;
+    esac
+
+    _resolve_nodes
+    _resolve_model
+    _resolve_config
+    _resolve_python
+    _check_data_path
+}
+
+_resolve_nodes() {
+    local alloc="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}"
+    NODES="${NODES:-${alloc:-1}}"
+    is_pos_int "$NODES" ||
+        die "NODES='$NODES' is not a positive integer; set the node count, e.g. NODES=2 (or sbatch -N 2)"
+    if [[ -n "$alloc" ]] && ((NODES > alloc)); then
+        die "NODES=$NODES but this allocation has $alloc node(s); submit with 'sbatch -N $NODES' or lower NODES"
+    fi
+    local alloc_tpn="${SLURM_NTASKS_PER_NODE:-}"
+    if [[ -z "$alloc_tpn" && -n "${SLURM_NTASKS:-}" && -n "$alloc" ]] && ((SLURM_NTASKS % alloc == 0)); then
+        alloc_tpn=$((SLURM_NTASKS / alloc))
+    fi
+    if [[ -z "${TASKS_PER_NODE:-}" ]]; then
+        if [[ "${TASKS_PER_NODE_FROM_ALLOCATION:-0}" == 1 && -n "$alloc_tpn" ]]; then
+            TASKS_PER_NODE="$alloc_tpn"
+        else
+            TASKS_PER_NODE="$DEFAULT_TASKS_PER_NODE"
+        fi
+    fi
+    is_pos_int "$TASKS_PER_NODE" ||
+        die "TASKS_PER_NODE='$TASKS_PER_NODE' is not a positive integer; set the ranks per node, e.g. TASKS_PER_NODE=8"
+    NTASKS=$((NODES * TASKS_PER_NODE))
+}
+
+_resolve_model() {
+    MODEL="${MODEL:-$DEFAULT_MODEL}"
+    [[ -n "$MODEL" ]] || die "MODEL is empty; set MODEL to a preset name ($(list_presets))"
+    if [[ -f "$MODEL" ]]; then
+        MODEL_FILE="$MODEL"
+    elif [[ -f "$PRESETS_DIR/$MODEL.args" ]]; then
+        MODEL_FILE="$PRESETS_DIR/$MODEL.args"
+    elif [[ -f "$PRESETS_DIR/$MODEL" && "$MODEL" == *.args ]]; then
+        MODEL_FILE="$PRESETS_DIR/$MODEL"
+    else
+        die "unknown model preset MODEL='$MODEL'; use one of: $(list_presets) (files scripts/presets/<name>.args) or the path of an .args file"
+    fi
+    MODEL_ARGS=()
+    local line
+    while IFS= read -r line || [[ -n "$line" ]]; do
+        line="${line%%#*}"
+        # shellcheck disable=SC2206 # presets are whitespace-separated flags
+        MODEL_ARGS+=($line)
+    done <"$MODEL_FILE"
+    ((${#MODEL_ARGS[@]} > 0)) || die "model preset $MODEL_FILE holds no flags"
+}
+
+_resolve_config() {
+    CONFIG="${CONFIG:-$DEFAULT_CONFIG}"
+    [[ -n "$CONFIG" ]] || die "CONFIG is empty; set CONFIG to a DeepSpeed JSON file"
+    local c
+    for c in "$CONFIG" "$PRESETS_DIR/$CONFIG" "$PRESETS_DIR/$CONFIG.json"; do
+        if [[ -f "$c" ]]; then
+            CONFIG_FILE="$(cd "$(dirname "$c")" && pwd)/$(basename "$c")"
+            break
+        fi
+    done
+    [[ -n "${CONFIG_FILE:-}" ]] ||
+        die "DeepSpeed config CONFIG='$CONFIG' not found (looked in the current directory and scripts/presets/); set CONFIG to an existing JSON file"
+    if command -v python3 >/dev/null 2>&1; then
+        local err
+        if ! err="$(python3 -c 'import json, sys; json.load(open(sys.argv[1]))' "$CONFIG_FILE" 2>&1)"; then
+            die "DeepSpeed config $CONFIG_FILE is not valid JSON: ${err##*$'\n'}"
+        fi
+    fi
+}
+
+_resolve_python() {
+    if [[ -n "${ENV_SCRIPT:-}" && "$DRY_RUN" != 1 ]]; then
+        [[ -f "$ENV_SCRIPT" ]] || die "ENV_SCRIPT='$ENV_SCRIPT' does not exist; point it at a file to source (e.g. one activating your Python environment)"
+        # shellcheck disable=SC1090
+        source "$ENV_SCRIPT"
+    fi
+    if [[ -z "${PYTHON:-}" ]]; then
+        if [[ -x "$REPO_DIR/.venv/bin/python" ]]; then
+            PYTHON="$REPO_DIR/.venv/bin/python"
+        else
+            PYTHON=python3
+        fi
+    fi
+    TRAIN_SCRIPT="${TRAIN_SCRIPT:-$REPO_DIR/scripts/pretrain_gpt.py}"
+}
+
+_check_data_path() {
+    [[ -n "${DATA_PATH:-}" ]] || return 0
+    local p
+    for p in $DATA_PATH; do
+        [[ "$p" =~ ^[0-9.eE+-]+$ ]] && continue # blend weight
+        if [[ ! -e "$p" && ! -e "$p.bin" && ! -e "$p.idx" ]]; then
+            warn "DATA_PATH entry '$p' not found here (neither $p nor $p.bin/.idx); fine only if it exists on the compute nodes"
+        fi
+    done
+    return 0
+}
+
+# Value of a flag in the final training flags (last one wins), or $2.
+flag_value() {
+    local name="$1" default="$2" i val="$default"
+    local all=("${MODEL_ARGS[@]}" "${EXTRA_ARR[@]}" "${CLI_ARGS[@]}")
+    for ((i = 0; i < ${#all[@]}; i++)); do
+        if [[ "${all[$i]}" == "$name" && $((i + 1)) -lt ${#all[@]} ]]; then
+            val="${all[$((i + 1))]}"
+        elif [[ "${all[$i]}" == "$name="* ]]; then
+            val="${all[$i]#*=}"
+        fi
+    done
+    echo "$val"
+}
+
+# ---------------------------------------------------------------- rendezvous
+first_node() {
+    if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null 2>&1; then
+        scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1
+    else
+        hostname -s 2>/dev/null || hostname
+    fi
+}
+
+# IP of the first node: `hostname -i` when we run on it (the batch script
+# runs on the first node of its allocation), else a name lookup.
+set_master_addr_port() {
+    local default_port="$1"
+    if [[ -z "${MASTER_ADDR:-}" ]]; then
+        local node me addr=""
+        node="$(first_node)"
+        me="$(hostname -s 2>/dev/null || hostname)"
+        if [[ "$node" == "$me" || "$node" == "$(hostname)" ]]; then
+            addr="$(hostname -i 2>/dev/null | awk '{print $1}')"
+        else
+            addr="$(getent hosts "$node" 2>/dev/null | awk 'NR==1 {print $1}')"
+        fi
+        MASTER_ADDR="${addr:-$node}"
+    fi
+    set_env MASTER_ADDR "$MASTER_ADDR"
+    default_env MASTER_PORT "$default_port"
+    is_pos_int "$MASTER_PORT" && ((MASTER_PORT < 65536)) ||
+        die "MASTER_PORT='$MASTER_PORT' is not a TCP port number (1-65535)"
+}
+
+# ---------------------------------------------------------------- launch
+print_plan() {
+    local n
+    echo "# platform: $PLATFORM  nodes: $NODES  tasks/node: $TASKS_PER_NODE  tasks: $NTASKS"
+    echo "# model preset: $MODEL_FILE"
+    echo "# deepspeed config: $CONFIG_FILE"
+    if ((${#MODULE_LINES[@]} > 0)); then
+        echo "# modules"
+        printf '%s\n' "${MODULE_LINES[@]}"
+    fi
+    echo "# environment"
+    for n in "${ENV_NAMES[@]}"; do
+        printf 'export %s=%q\n' "$n" "${!n}"
+    done
+    echo "# command"
+    printf '%q ' "${LAUNCH_CMD[@]}" | sed 's/ $//'
+    echo
+}
+
+launch() {
+    # shellcheck disable=SC2206 # EXTRA_ARGS is a whitespace-separated flag string
+    EXTRA_ARR=(${EXTRA_ARGS:-})
+
+    local tp
+    tp="$(flag_value --tensor-model-parallel-size 1)"
+    is_pos_int "$tp" || die "--tensor-model-parallel-size '$tp' is not a positive integer"
+    ((NTASKS % tp == 0)) ||
+        die "$NTASKS tasks cannot be split into tensor-parallel groups of $tp; change NODES/TASKS_PER_NODE or --tensor-model-parallel-size"
+
+    local train=("${MODEL_ARGS[@]}" --deepspeed-config "$CONFIG_FILE")
+    [[ -n "${DATA_PATH:-}" ]] && train+=(--data-path $DATA_PATH) # word-split: blends "w1 p1 w2 p2"
+    [[ -n "${CHECKPOINT_DIR:-}" ]] && train+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR")
+    train+=("${EXTRA_ARR[@]}" "${CLI_ARGS[@]}")
+
+    LAUNCH_CMD=(srun "$@")
+    # shellcheck disable=SC2206 # SRUN_ARGS is a whitespace-separated flag string
+    LAUNCH_CMD+=(${SRUN_ARGS:-})
+    LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$PYTHON" -u "$TRAIN_SCRIPT" "${train[@]}")
+
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "# DRY RUN: nothing is launched"
+        print_plan
+        return 0
+    fi
+
+    command -v srun >/dev/null 2>&1 ||
+        die "srun not found; run this inside a Slurm allocation (sbatch/salloc) or use DRY_RUN=1 to only print the plan"
+    [[ -n "${SLURM_JOB_ID:-}" ]] ||
+        die "not inside a Slurm allocation (SLURM_JOB_ID unset); submit with sbatch, or use DRY_RUN=1 to only print the plan"
+    [[ -f "$TRAIN_SCRIPT" ]] ||
+        die "training script $TRAIN_SCRIPT not found; check the checkout or set TRAIN_SCRIPT"
+    [[ -n "${CHECKPOINT_DIR:-}" ]] && mkdir -p "$CHECKPOINT_DIR"
+    print_plan
+    echo "# start: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    local rc=0
+    "${LAUNCH_CMD[@]}" || rc=$?
+    echo "# end: $(date -u +%Y-%m-%dT%H:%M:%SZ) exit code $rc"
+    return "$rc"
+}

@@ -1,0 +1,18 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-deepspeed-plugins",
+    version="0.1.0",
+    description="Shared-memory node loader, hierarchical ZeRO-3 and Flash-Overlap TP linears for megatron-core + DeepSpeed",
+    packages=find_packages(include=["deepspeed_ext", "deepspeed_ext.*", "megatron_ext", "megatron_ext.*"]),
+    python_requires=">=3.10",
+    # torch is pinned by the set-up script before this installs; a range here must admit that build.
+    install_requires=[
+        "torch>=2.4",
+        "deepspeed>=0.19,<0.20",
+        "megatron-core>=0.16,<0.17",
+        "pydantic>=2.7",
+        "numpy",
+    ],
+    extras_require={"test": ["pytest>=8", "ruff>=0.6", "matplotlib"]},
+)

@@ -1,0 +1,138 @@
+"""A persistent pool of gloo worker processes per world size, for multi-rank tests.
+
+Spawning a process group costs seconds; the pool keeps one alive and runs a module-level function
+on every rank per call. Rendezvous is a file (no ports). A call that outlives its timeout kills
+the pool (the next call rebuilds it); a rank that raises makes the call raise with that rank's
+traceback, after a short grace for the others to fail too (a peer blocked in a collective would
+otherwise hang until the timeout).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+ERROR_GRACE_S = 3.0
+
+
+class RankError(RuntimeError):
+    """A rank raised inside the function the pool ran."""
+
+
+def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection) -> None:
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+    )
+    for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
+        os.environ.pop(name, None)
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            result = ("ok", fn(*args, **kwargs))
+        except BaseException:
+            result = ("error", traceback.format_exc())
+        finally:
+            _reset_megatron_state()
+        conn.send(result)
+    dist.destroy_process_group()
+
+
+def _reset_megatron_state() -> None:
+    """Tests must not leak model-parallel groups into the next call."""
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+
+
+class WorkerPool:
+    """``world_size`` processes joined in one gloo group, running functions on request."""
+
+    def __init__(self, world_size: int, start_timeout_s: float = 120.0) -> None:
+        self.world_size = world_size
+        self._tmp = tempfile.TemporaryDirectory(prefix="multirank-")
+        init_file = os.path.join(self._tmp.name, "rendezvous")
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_file, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self._collect(start_timeout_s, what="start")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order."""
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(timeout, what=getattr(fn, "__name__", repr(fn)))
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, tuple[str, Any]] = {}
+        error_deadline: float | None = None
+        while len(results) < self.world_size:
+            now = time.monotonic()
+            if now > deadline or (error_deadline is not None and now > error_deadline):
+                break
+            for rank, conn in enumerate(self._conns):
+                if rank in results:
+                    continue
+                if not self._procs[rank].is_alive() and not conn.poll():
+                    results[rank] = ("error", f"rank {rank} died (exit code {self._procs[rank].exitcode})")
+                elif conn.poll(0.01):
+                    results[rank] = conn.recv()
+                else:
+                    continue
+                if results[rank][0] == "error" and error_deadline is None:
+                    error_deadline = time.monotonic() + ERROR_GRACE_S
+        if error_deadline is not None:
+            errors = sorted((r, res[1]) for r, res in results.items() if res[0] == "error")
+            rank, tb = errors[0]
+            self.close(graceful=False)
+            raise RankError(f"{what}: rank {rank} of {self.world_size} failed:\n{tb}")
+        if len(results) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in results]
+            self.close(graceful=False)
+            raise TimeoutError(f"{what}: ranks {missing} of {self.world_size} gave no answer within {timeout:.0f}s")
+        return [results[r][1] for r in range(self.world_size)]
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def close(self, graceful: bool = True) -> None:
+        """Stop the workers: ask them to leave, or kill them (a rank stuck in a collective never reads)."""
+        for conn, proc in zip(self._conns, self._procs):
+            if graceful and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            if graceful:
+                proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs, self._conns = [], []
+        self._tmp.cleanup()
