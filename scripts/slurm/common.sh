@@ -274,7 +274,7 @@ _check_data_path() {
 
 # Value of a flag in the final training flags (last one wins), or $2.
 flag_value() {
-    local name="$1" default="$2" i val="$default"
+    local name="$1" val="$2" i
     local all=("${MODEL_ARGS[@]}" "${EXTRA_ARR[@]}" "${CLI_ARGS[@]}")
     for ((i = 0; i < ${#all[@]}; i++)); do
         if [[ "${all[$i]}" == "$name" && $((i + 1)) -lt ${#all[@]} ]]; then
@@ -330,6 +330,10 @@ print_plan() {
     for n in "${ENV_NAMES[@]}"; do
         printf 'export %s=%q\n' "$n" "${!n}"
     done
+    local lr='$SLURM_LOCALID'
+    [[ "${LAUNCH_LOCAL_RANK:-slurm}" == zero ]] && lr=0
+    echo "# per rank, set by rank_env.sh (SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID stay as srun sets them)"
+    echo "#   RANK=\$SLURM_PROCID WORLD_SIZE=\$SLURM_NTASKS LOCAL_RANK=$lr LOCAL_WORLD_SIZE=\$SLURM_NTASKS_PER_NODE"
     echo "# command"
     printf '%q ' "${LAUNCH_CMD[@]}" | sed 's/ $//'
     echo
