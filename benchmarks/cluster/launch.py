@@ -1,0 +1,205 @@
+"""Run an emulated cluster: build it, launch one process per rank in its namespace, tear it down."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+from . import netns
+from .spec import ClusterSpec
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MASTER_PORT = 29500
+RESULT_ENV = "EMU_RESULT_FILE"
+_TAIL_CHARS = 2000
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks failed or timed out; the message carries each rank's stderr tail."""
+
+
+def write_result(result: Any) -> None:
+    """From inside a rank: store this rank's JSON-serialisable result for launch() to return."""
+    path = Path(os.environ[RESULT_ENV])
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    tmp.replace(path)  # atomic, so a rank killed mid-write never leaves half a result
+
+
+def _raise_exit(signum: int, _frame: FrameType | None) -> None:
+    # Turns SIGTERM/SIGHUP into an exception so the context manager's teardown runs.
+    raise SystemExit(128 + signum)
+
+
+class EmulatedCluster:
+    """Context manager owning the namespaces of one cluster; launch() runs commands on its ranks."""
+
+    def __init__(self, spec: ClusterSpec, prefix: str = netns.DEFAULT_PREFIX, lock_timeout: float = 120.0) -> None:
+        self.spec = spec
+        self.prefix = prefix
+        self.lock_timeout = lock_timeout
+        self.namespaces: list[str] = []
+        self._lock_file: Any = None
+        self._old_handlers: dict[int, Any] = {}
+        self._workdir: Path | None = None
+
+    def __enter__(self) -> EmulatedCluster:
+        netns.check_prerequisites()
+        self._lock()
+        try:
+            if threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGTERM, signal.SIGHUP):
+                    self._old_handlers[sig] = signal.signal(sig, _raise_exit)
+            netns.teardown(self.prefix)  # leftovers of a killed run with the same prefix
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-cluster-"))
+            self.namespaces = netns.build(self.spec, self.prefix)
+        except BaseException:
+            self._cleanup()
+            raise
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._cleanup()
+
+    def _lock(self) -> None:
+        # Two runs with one prefix would delete each other's namespaces: serialise them per host.
+        self._lock_file = open(Path(tempfile.gettempdir()) / f"{self.prefix}-emulated-cluster.lock", "w")  # noqa: SIM115
+        deadline = time.monotonic() + self.lock_timeout
+        while True:
+            try:
+                fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self._lock_file.close()
+                    raise RuntimeError(
+                        f"another emulated cluster with prefix '{self.prefix}' is still running on this host "
+                        f"after {self.lock_timeout:g} s; wait for it or pass a different prefix"
+                    ) from None
+                time.sleep(0.5)
+
+    def _cleanup(self) -> None:
+        try:
+            netns.teardown(self.prefix)
+        finally:
+            self.namespaces = []
+            if self._workdir is not None:
+                shutil.rmtree(self._workdir, ignore_errors=True)
+                self._workdir = None
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)
+            self._old_handlers.clear()
+            if self._lock_file is not None:
+                self._lock_file.close()  # releases the flock
+                self._lock_file = None
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """Environment variables a rank gets on top of the caller's."""
+        place = self.spec.place(rank)
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.spec.world_size),
+            "LOCAL_RANK": str(place.local_rank),
+            "LOCAL_WORLD_SIZE": str(self.spec.ranks_per_node),
+            "MASTER_ADDR": self.spec.address(0),
+            "MASTER_PORT": str(MASTER_PORT),
+            # Without it gloo resolves the hostname to 127.0.0.1 and rendezvous hangs.
+            "GLOO_SOCKET_IFNAME": netns.RANK_IFACE,
+            "EMU_NODE": str(place.node),
+            "EMU_PACKAGE": str(place.package),
+            "EMU_SPEC": json.dumps(self.spec.to_dict()),
+        }
+
+    def launch(
+        self,
+        argv: Sequence[str],
+        timeout: float,
+        env: Mapping[str, str] | None = None,
+        echo: bool = False,
+    ) -> list[Any]:
+        """Run `python *argv` on every rank; return each rank's write_result() value, by rank.
+
+        Raises RankFailure (with every rank's stderr tail) when a rank exits non-zero, writes no
+        result, or the whole run exceeds `timeout` seconds; the remaining ranks are killed first.
+        With echo=True the ranks' stdout lines are printed as they arrive, prefixed with the rank.
+        """
+        if self._workdir is None:
+            raise RuntimeError("launch() needs an entered cluster: use `with EmulatedCluster(spec) as c:`")
+        run_dir = Path(tempfile.mkdtemp(dir=self._workdir))
+        base = {**os.environ, **(env or {})}
+        # One core per rank is all a small host has; torch would otherwise spawn a thread per core per rank.
+        base.setdefault("OMP_NUM_THREADS", "1")
+        # Rank scripts import the project by module path, wherever the caller's cwd is.
+        base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH")) if p)
+        procs, outs, errs = [], [], []
+        try:
+            for rank, ns in enumerate(self.namespaces):
+                rank_env = {**base, **self.rank_env(rank), RESULT_ENV: str(run_dir / f"rank{rank}.json")}
+                outs.append(open(run_dir / f"rank{rank}.out", "w+b"))  # noqa: SIM115
+                errs.append(open(run_dir / f"rank{rank}.err", "w+b"))  # noqa: SIM115
+                procs.append(subprocess.Popen(
+                    ["ip", "netns", "exec", ns, sys.executable, *argv],
+                    env=rank_env, stdout=outs[rank], stderr=errs[rank], stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # its own process group, so a kill reaches its children too
+                ))  # fmt: skip
+            self._wait(procs, outs, errs, timeout, echo)
+            missing = [r for r in range(len(procs)) if not (run_dir / f"rank{r}.json").exists()]
+            if missing:
+                raise RankFailure(f"ranks {missing} exited 0 without write_result()\n" + _tails(errs))
+            return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(len(procs))]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+            for f in outs + errs:
+                f.close()
+
+    @staticmethod
+    def _wait(procs: list[subprocess.Popen], outs: list[Any], errs: list[Any], timeout: float, echo: bool) -> None:
+        deadline = time.monotonic() + timeout
+        printed = [0] * len(procs)
+        while True:
+            if echo:
+                for rank, out in enumerate(outs):
+                    out.seek(printed[rank])
+                    data = out.read()
+                    # Print whole lines only; a partial one waits for its newline.
+                    complete = data[: data.rfind(b"\n") + 1]
+                    for line in complete.decode(errors="replace").splitlines():
+                        print(f"[rank {rank}] {line}", flush=True)
+                    printed[rank] += len(complete)
+            codes = [p.poll() for p in procs]
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                raise RankFailure(f"ranks {failed} failed with exit codes {[codes[r] for r in failed]}\n" + _tails(errs))
+            if all(c == 0 for c in codes):
+                return
+            if time.monotonic() > deadline:
+                running = [r for r, c in enumerate(codes) if c is None]
+                raise RankFailure(f"timeout after {timeout:g} s, ranks {running} still running\n" + _tails(errs))
+            time.sleep(0.1)
+
+
+def _tails(errs: list[Any]) -> str:
+    parts = []
+    for rank, f in enumerate(errs):
+        f.flush()
+        f.seek(0)
+        text = f.read()[-_TAIL_CHARS:].decode(errors="replace").rstrip()
+        parts.append(f"--- rank {rank} stderr (tail) ---\n{text or '(empty)'}")
+    return "\n".join(parts)
