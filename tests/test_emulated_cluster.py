@@ -1,0 +1,88 @@
+"""Emulated cluster: spec validation (fast) and a shaped two-namespace smoke test (root, ip, tc)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from benchmarks.cluster import ClusterSpec, ClusterUnavailable, EmulatedCluster, RankFailure, netns
+from benchmarks.cluster.calibrate import calibrate, main
+from benchmarks.cluster.spec import frontier, generic
+
+PREFIX = "emct"  # not the default prefix, so a calibration running at the same time is left alone
+HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+def test_spec_validation_names_every_factor() -> None:
+    with pytest.raises(ValueError) as err:
+        ClusterSpec(0, 2, -1, 400.0, 0.0, 900.0)
+    msg = str(err.value)
+    for factor in ("nodes=0", "ranks_per_package=-1", "node_mbit=0.0", "inter_node_mbit=900.0"):
+        assert factor in msg
+    assert "packages_per_node" not in msg and "package_mbit=400" not in msg
+    with pytest.raises(ValueError, match=r"packages_per_node=100 x ranks_per_package=4"):
+        ClusterSpec(1, 100, 4, 100.0, 100.0, 100.0)
+    with pytest.raises(ValueError, match=r"= 72 ranks exceeds 64"):
+        ClusterSpec(9, 4, 2, 100.0, 100.0, 100.0)
+
+
+def test_spec_layout_addresses_and_link_classes() -> None:
+    spec = frontier()
+    assert (spec.world_size, spec.ranks_per_node) == (8, 4)
+    assert (spec.package_mbit, spec.node_mbit, spec.inter_node_mbit) == (400.0, 200.0, 50.0)
+    assert [spec.link_class(0, peer) for peer in range(1, 8)] == ["package"] + ["node"] * 2 + ["inter_node"] * 4
+    assert [spec.sample_pair(link) for link in spec.link_classes()] == [(0, 1), (0, 2), (0, 4)]
+    assert len({spec.address(r) for r in range(8)}) == 8
+    place = spec.place(6)
+    assert (place.node, place.package, place.local_in_package, place.local_rank) == (1, 1, 0, 2)
+    # The u32 prefix of a rank's package must cover exactly the ranks of that package.
+    assert spec.address(6) == "10.77.1.4" and spec.package_net(6) == "10.77.1.4/31"
+    assert generic(nodes=3, ranks_per_node=2).link_classes() == ["node", "inter_node"]
+    with pytest.raises(SystemExit):
+        main(["--profile", "frontier", "--node-mbit", "-5"])
+
+
+def test_missing_prerequisites_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(shutil, "which", lambda _tool: None)
+    with pytest.raises(ClusterUnavailable) as err:
+        netns.check_prerequisites()
+    for needed in ("root", "'ip'", "'tc'", "iproute2"):
+        assert needed in str(err.value)
+
+
+def _leftovers() -> tuple[list[str], list[str]]:
+    return netns.list_namespaces(PREFIX), netns.list_host_links(PREFIX)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
+def test_shaped_link_bandwidth_failures_and_teardown() -> None:
+    subprocess.run(["ip", "netns", "add", f"{PREFIX}-r7"], check=True)  # leftover of a "killed" run
+    spec = ClusterSpec(1, 1, 2, 200.0, 200.0, 200.0, name="smoke")
+    (link,) = calibrate(spec, mbytes=4.0, repeats=3, timeout=60.0, prefix=PREFIX)
+    assert link.link == "package" and link.samples == 6
+    assert abs(link.measured_mbit / 200.0 - 1) < 0.25, link
+    assert _leftovers() == ([], [])
+
+    with EmulatedCluster(spec, prefix=PREFIX) as cluster:
+        show = "from benchmarks.cluster import write_result; import os; write_result([os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'EMU_NODE', 'GLOO_SOCKET_IFNAME', 'MASTER_ADDR', 'CALLER')])"
+        assert cluster.launch(["-c", show], timeout=30, env={"CALLER": "x"}) == [
+            ["0", "0", "0", "eth0", "10.77.0.2", "x"],
+            ["1", "1", "0", "eth0", "10.77.0.2", "x"],
+        ]
+        with pytest.raises(RankFailure, match=r"(?s)exit codes \[3.*boom"):
+            cluster.launch(["-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"], timeout=30)
+        with pytest.raises(RankFailure, match=r"timeout after 1 s, ranks \[0, 1\]"):
+            cluster.launch(["-c", "import time; time.sleep(60)"], timeout=1)
+    assert _leftovers() == ([], [])
+
+    # SIGTERM (as from a job scheduler) must unwind through the context manager's teardown.
+    with pytest.raises(SystemExit), EmulatedCluster(spec, prefix=PREFIX):
+        assert len(_leftovers()[0]) == 3
+        os.kill(os.getpid(), signal.SIGTERM)
+    assert _leftovers() == ([], [])
