@@ -107,7 +107,8 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.cluster.calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="frontier")
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--packages-per-node", type=int)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import json
 import os
@@ -24,6 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MASTER_PORT = 29500
 RESULT_ENV = "EMU_RESULT_FILE"
 _TAIL_CHARS = 2000
+_PR_SET_PDEATHSIG = 1
 
 
 class RankFailure(RuntimeError):
@@ -36,6 +38,12 @@ def write_result(result: Any) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     tmp.replace(path)  # atomic, so a rank killed mid-write never leaves half a result
+
+
+def _die_with_parent() -> None:
+    # Runs in the forked child before exec: if the launcher is killed outright (SIGKILL, OOM), its
+    # ranks get SIGKILL too instead of blocking in gloo until their timeout.
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _raise_exit(signum: int, _frame: FrameType | None) -> None:
@@ -62,7 +70,10 @@ class EmulatedCluster:
             if threading.current_thread() is threading.main_thread():
                 for sig in (signal.SIGTERM, signal.SIGHUP):
                     self._old_handlers[sig] = signal.signal(sig, _raise_exit)
-            netns.teardown(self.prefix)  # leftovers of a killed run with the same prefix
+            # Leftovers of a killed run with this prefix; the lock guarantees none of them is live.
+            netns.teardown(self.prefix)
+            for stale in Path(tempfile.gettempdir()).glob(f"{self.prefix}-cluster-*"):
+                shutil.rmtree(stale, ignore_errors=True)
             self._workdir = Path(tempfile.mkdtemp(prefix=f"{self.prefix}-cluster-"))
             self.namespaces = netns.build(self.spec, self.prefix)
         except BaseException:
@@ -155,6 +166,7 @@ class EmulatedCluster:
                     ["ip", "netns", "exec", ns, sys.executable, *argv],
                     env=rank_env, stdout=outs[rank], stderr=errs[rank], stdin=subprocess.DEVNULL,
                     start_new_session=True,  # its own process group, so a kill reaches its children too
+                    preexec_fn=_die_with_parent,
                 ))  # fmt: skip
             self._wait(procs, outs, errs, timeout, echo)
             missing = [r for r in range(len(procs)) if not (run_dir / f"rank{r}.json").exists()]

@@ -66,12 +66,9 @@ class ClusterSpec:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 out.append(f"{field}={value!r} must be an integer >= 1")
-        for field in ("package_mbit", "node_mbit", "inter_node_mbit"):
-            value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= MAX_RATE_MBIT:
-                out.append(f"{field}={value!r} must be a rate in Mbit/s in (0, {MAX_RATE_MBIT:g}]")
+        rates = self._rate_problems()
         if out:
-            return out  # the size checks below need valid integers
+            return out + rates  # the size checks below need valid integers
         if self.nodes > MAX_NODES:
             out.append(f"nodes={self.nodes} exceeds {MAX_NODES} (one address octet per node)")
         if self.world_size > MAX_WORLD_SIZE:
@@ -85,6 +82,14 @@ class ClusterSpec:
                 f"do not fit one address octet: (packages_per_node + 1) x "
                 f"{self._package_block} (ranks_per_package rounded up to a power of two) must be <= 256"
             )
+        return out + rates
+
+    def _rate_problems(self) -> list[str]:
+        out = []
+        for field in ("package_mbit", "node_mbit", "inter_node_mbit"):
+            value = getattr(self, field)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= MAX_RATE_MBIT:
+                out.append(f"{field}={value!r} must be a rate in Mbit/s in (0, {MAX_RATE_MBIT:g}]")
         return out
 
     @property
