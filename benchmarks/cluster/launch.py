@@ -55,6 +55,7 @@ class EmulatedCluster:
     """Context manager owning the namespaces of one cluster; launch() runs commands on its ranks."""
 
     def __init__(self, spec: ClusterSpec, prefix: str = netns.DEFAULT_PREFIX, lock_timeout: float = 120.0) -> None:
+        netns.check_prefix(prefix)
         self.spec = spec
         self.prefix = prefix
         self.lock_timeout = lock_timeout

@@ -46,6 +46,13 @@ def check_prerequisites() -> None:
         raise ClusterUnavailable("emulated cluster unavailable, missing " + "; ".join(missing))
 
 
+def check_prefix(prefix: str) -> None:
+    """Reject prefixes that could collide with foreign names or overflow interface names."""
+    # Interface names are limited to 15 characters, and teardown removes everything named <prefix>-*.
+    if not (prefix.isascii() and prefix.isalnum() and prefix.islower() and 2 <= len(prefix) <= 8):
+        raise ValueError(f"prefix {prefix!r} must be 2-8 lowercase letters/digits")
+
+
 def sh(*cmd: str) -> str:
     """Run one ip/tc command; raise with the command and its stderr when it fails."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
@@ -138,9 +145,7 @@ def _verify_shaping(ns: str, dev: str, spec: ClusterSpec) -> None:
 
 def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Create the switch namespace, one shaped namespace per rank; return the rank namespaces."""
-    if not (prefix.isalnum() and prefix.islower() and len(prefix) <= 8):
-        # Interface names are limited to 15 characters and the prefix is matched on teardown.
-        raise ValueError(f"prefix {prefix!r} must be 1-8 lowercase letters/digits")
+    check_prefix(prefix)
     sw = switch_ns(prefix)
     bridge = f"{prefix}-br"
     sh("ip", "netns", "add", sw)
