@@ -1,0 +1,70 @@
+"""The one call a training script makes to get its batches: our node loader or Megatron's path.
+
+``build_batch_iterator`` is collective (every rank of the job calls it with the same settings). It
+returns an iterator of this rank's micro-batches, each a dict of tensors keyed tokens, labels,
+loss_mask, (attention_mask,) position_ids, identical on both paths; ``.counters`` holds what a
+training loop logs and ``.close()`` releases it. A resume passes the checkpoint's consumed_samples.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.config import ShmDataLoaderConfig
+from deepspeed_ext.topology import Topology, detect_topology
+from megatron_ext.data.batch import BatchIterator
+from megatron_ext.data.gpt_dataset import check_indexed_dataset
+from megatron_ext.data.samplers import SamplerKind
+from megatron_ext.data.shm_loader import ShmBatchIterator
+from megatron_ext.data.shm_segment import resolve_job_id, segment_path
+from megatron_ext.data.stock import StockBatchIterator
+
+
+def indexed_prefixes(dataset: Any) -> list[str]:
+    """The ``.bin``/``.idx`` prefixes under a megatron-core GPTDataset or BlendedDataset."""
+    if hasattr(dataset, "datasets"):  # BlendedDataset
+        return [p for d in dataset.datasets for p in indexed_prefixes(d)]
+    prefix = getattr(getattr(dataset, "dataset", None), "path_prefix", None)
+    return [prefix] if prefix else []
+
+
+def build_batch_iterator(
+    dataset: Any, *, micro_batch_size: int, consumed_samples: int, config: ShmDataLoaderConfig,
+    topology: Topology | None, tp_group: dist.ProcessGroup | None, dp_rank: int, dp_size: int,
+    sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
+    create_attention_mask: bool = False, job_id: str | None = None, name: str = "train",
+    device: torch.device | str | None = None,
+) -> BatchIterator:
+    """This rank's micro-batches in Megatron's sampler order from ``consumed_samples`` on.
+
+    ``dataset``: the megatron-core ``GPTDataset`` (built on every rank: each needs its length and
+    config; only one process per node reads from it when ``config.enabled``). ``sampler``: Megatron's
+    ``single`` or its ``cyclic`` loader (``random``; ``seed=0`` and ``data_sharding=True`` are
+    Megatron's own settings). ``topology`` (None: detect it) places ranks on nodes; ``tp_group`` is
+    the group that shares a batch on the stock path; ``job_id`` (None: Slurm's, or a hash of the
+    rendezvous variables) and ``name`` (one per loader of the job, e.g. train, valid) name the
+    shared-memory segment. ``device``: where the tensors go (a CUDA device on GPU jobs).
+    """
+    for prefix in indexed_prefixes(dataset):
+        check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
+    common = dict(micro_batch_size=micro_batch_size, consumed_samples=consumed_samples, dp_size=dp_size,
+                  sampler=sampler, seed=seed, data_sharding=data_sharding,
+                  create_attention_mask=create_attention_mask, device=device)
+    if not config.enabled:
+        return StockBatchIterator(dataset, tp_group=tp_group, dp_rank=dp_rank, **common)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    topology = topology or detect_topology(world_size=world)
+    dp_ranks: list[Any] = [None] * world
+    # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or other).
+    dist.all_gather_object(dp_ranks, dp_rank)
+    node = topology.node(rank)
+    local = [r for r in range(world) if topology.node(r) == node]
+    path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node)
+    if not os.path.isdir(config.shm_dir):
+        raise FileNotFoundError(f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs")
+    return ShmBatchIterator(dataset, config=config, path=path, local_index=local.index(rank),
+                            node_dp_ranks=[dp_ranks[r] for r in local], rank=rank, **common)

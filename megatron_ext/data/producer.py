@@ -1,0 +1,117 @@
+"""The node's producer: reads every sample the node's ranks need, once, into the ring.
+
+It runs in a process that the node's first rank forks right after every rank has attached, as
+torch's DataLoader forks its workers: the dataset (memory maps of the ``.bin``/``.idx`` files and
+megatron-core's index arrays) is shared copy-on-write instead of being pickled, the start costs
+milliseconds, and the reads (page faults on the memory-mapped ``.bin``, which hold the GIL) never
+stall the training thread of the rank that hosts it. The child touches neither CUDA nor
+torch.distributed. For each step it draws the next micro-batch of every DP rank present on the node
+(Megatron's sampler order from ``consumed_samples`` on), waits until every rank of the node has
+released the slot it is about to overwrite, and fills it. A failure is written into the header,
+where every rank of the node finds and raises it.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from megatron_ext.data.batch import sample_bytes
+from megatron_ext.data.ring import (
+    BYTES_READ,
+    CLOSED,
+    CLOSING,
+    END,
+    HEARTBEAT_NS,
+    PID,
+    RELEASED,
+    SAMPLES_READ,
+    SEQ,
+    START,
+    STATE,
+    STREAM_ARRAYS,
+    Ring,
+    RingError,
+    wait_until,
+)
+from megatron_ext.data.samplers import SamplerKind, sampler_batches
+from megatron_ext.data.shm_segment import is_alive
+
+
+def run_producer(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind, consumed_samples: int,
+                 dp_size: int, data_sharding: bool, seed: int, timeout_s: float, label: str) -> None:
+    """Entry point of the producer process; ``dp_ranks[k]`` is the DP rank whose samples go to stream k."""
+    try:
+        torch.set_num_threads(1)  # one reader; the node's cores belong to training
+        _produce(ring, dataset, dp_ranks, kind, consumed_samples, dp_size, data_sharding, seed, timeout_s, label)
+    except BaseException as e:
+        if ring.get(STATE) != CLOSING:
+            ring.fail(f"{label} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+        raise
+
+
+def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind, consumed_samples: int,
+             dp_size: int, data_sharding: bool, seed: int, timeout_s: float, label: str) -> None:
+    lay = ring.layout
+    streams = [
+        sampler_batches(kind, len(dataset), consumed_samples, lay.micro_batch_size, r, dp_size,
+                        data_sharding=data_sharding, seed=seed)
+        for r in dp_ranks
+    ]
+    views = [[ring.arrays(slot, k) for k in range(lay.streams)] for slot in range(lay.slots)]
+    consumers = [(ring.get(ring.consumer_word(c, PID)), ring.get(ring.consumer_word(c, START)))
+                 for c in range(lay.consumers)]
+    per_sample = sample_bytes(dataset)
+    samples = 0
+
+    def closed(c: int) -> bool:
+        return ring.get(ring.consumer_word(c, CLOSED)) != 0
+
+    def check() -> None:
+        ring.set(HEARTBEAT_NS, time.monotonic_ns())
+        if ring.get(STATE) == CLOSING:
+            raise _Stop
+        for c, (pid, start) in enumerate(consumers):
+            if not closed(c) and not is_alive(pid, start):
+                raise RingError(f"{label}: local rank {c} of the node (pid {pid}) died without closing the loader; "
+                                "its error is in that rank's log")
+
+    step = 0
+    try:
+        while True:
+            batches = [next(s, None) for s in streams]
+            slot = step % lay.slots
+            done = step - lay.slots + 1  # every rank must have released this many steps
+            wait_until(
+                lambda done=done: all(closed(c) or ring.get(ring.consumer_word(c, RELEASED)) >= done
+                            for c in range(lay.consumers)),
+                check, timeout_s, f"{label} waited for the node's ranks to release slot {slot}", max_sleep_s=5e-3,
+            )
+            if all(closed(c) for c in range(lay.consumers)):
+                return
+            if any(b is None for b in batches):  # a single-pass sampler ran out: the same step on every rank
+                ring.set(ring.slot_word(slot, END), 1)
+                ring.set(ring.slot_word(slot, SEQ), step)
+                return
+            for k, batch in enumerate(batches):
+                for j, idx in enumerate(batch):
+                    sample = dataset[idx]
+                    for key, _ in STREAM_ARRAYS:
+                        views[slot][k][key][j] = sample[key].numpy()
+                samples += len(batch)
+            ring.set(SAMPLES_READ, samples)
+            ring.set(BYTES_READ, samples * per_sample)
+            ring.set(ring.slot_word(slot, END), 0)
+            ring.set(ring.slot_word(slot, SEQ), step)  # last: publishes the slot
+            ring.set(HEARTBEAT_NS, time.monotonic_ns())
+            step += 1
+    except _Stop:
+        return
+
+
+class _Stop(Exception):
+    """The node's first rank closed the loader: leave quietly."""

@@ -1,0 +1,158 @@
+"""Layout of the node's ring in shared memory, and the polling waits of both sides.
+
+One segment per node: a header, a table with one entry per rank of the node (consumer), a table
+with one entry per slot, then the slots. A slot holds one step: for each distinct DP rank on the
+node (a *stream*) its micro-batch of tokens, labels, position_ids and loss_mask. Ranks that share
+a DP rank (TP and CP peers) read the same stream.
+
+Synchronisation is by counters only, no locks: the producer fills slot ``step % slots`` and then
+writes ``step`` into the slot's sequence word; a consumer waits for that word, copies its stream
+out and then stores ``step + 1`` into its own release word; the producer reuses a slot once every
+consumer's release word has passed it. Each word has a single writer and is an aligned 8-byte
+native store (``struct`` native format, one ``memcpy``), so a reader never sees it torn, and
+x86-64 keeps stores in program order, so data written before a sequence word is visible once the
+word is. Every wait polls with a short, growing sleep, checks the other side's liveness (pid plus
+start time, which also catches zombies and reused pids) and gives up after a timeout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from megatron_ext.data.shm_segment import MAGIC
+
+VERSION = 1
+_WORD = struct.Struct("q")  # native: one aligned 8-byte store or load
+
+# header words
+MAGIC_W, OWNER_PID, OWNER_START, VERSION_W, STATE, PRODUCER_PID, PRODUCER_START, HEARTBEAT_NS = range(8)
+SAMPLES_READ, BYTES_READ, SLOTS_W, STREAMS_W, MBS_W, SEQ_W, CONSUMERS_W = range(8, 15)
+GEOMETRY = (SLOTS_W, STREAMS_W, MBS_W, SEQ_W, CONSUMERS_W)
+ERROR_OFFSET, ERROR_BYTES = 256, 1792  # a failure message, UTF-8, NUL padded
+CONSUMERS_OFFSET = ERROR_OFFSET + ERROR_BYTES
+CONSUMER_WORDS = 4
+PID, START, RELEASED, CLOSED = range(CONSUMER_WORDS)  # a consumer entry: who, and how far it got
+SLOT_WORDS = 2
+SEQ, END = range(SLOT_WORDS)  # a slot entry: the step it holds, and whether that step is end-of-data
+
+# states
+CREATED, RUNNING, FAILED, CLOSING = range(4)
+
+# (key, numpy dtype): int64 arrays first so every array stays 8-byte aligned
+STREAM_ARRAYS = (("tokens", np.int64), ("labels", np.int64), ("position_ids", np.int64), ("loss_mask", np.float32))
+
+
+class RingError(RuntimeError):
+    """The other side of the ring died, failed or did not answer in time."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RingLayout:
+    slots: int
+    streams: int
+    micro_batch_size: int
+    seq_length: int
+    consumers: int
+
+    @property
+    def region_bytes(self) -> int:
+        per_token = sum(np.dtype(dt).itemsize for _, dt in STREAM_ARRAYS)
+        return -(-self.micro_batch_size * self.seq_length * per_token // 64) * 64
+
+    @property
+    def slot_table_offset(self) -> int:
+        return CONSUMERS_OFFSET + 8 * CONSUMER_WORDS * self.consumers
+
+    @property
+    def data_offset(self) -> int:
+        return -(-(self.slot_table_offset + 8 * SLOT_WORDS * self.slots) // 4096) * 4096
+
+    @property
+    def size(self) -> int:
+        return self.data_offset + self.slots * self.streams * self.region_bytes
+
+    def header(self, owner_pid: int, owner_start: int) -> bytes:
+        """Everything before the slots' data, as the creator writes it."""
+        buf = bytearray(self.data_offset)
+        words = {MAGIC_W: MAGIC, OWNER_PID: owner_pid, OWNER_START: owner_start, VERSION_W: VERSION,
+                 **dict(zip(GEOMETRY, dataclasses.astuple(self)))}
+        for word, value in words.items():
+            _WORD.pack_into(buf, 8 * word, value)
+        for slot in range(self.slots):
+            _WORD.pack_into(buf, self.slot_table_offset + 8 * SLOT_WORDS * slot, -1)  # no step held yet
+        return bytes(buf)
+
+
+class Ring:
+    """Typed access to a mapped segment. Holds no buffer exports, so the map can always be closed."""
+
+    def __init__(self, mm, layout: RingLayout) -> None:
+        self.mm = mm
+        self.layout = layout
+
+    @classmethod
+    def attach(cls, mm) -> Ring:
+        """Read the layout from a mapped segment's header."""
+        values = [_WORD.unpack_from(mm, 8 * w)[0] for w in GEOMETRY]
+        return cls(mm, RingLayout(*values))
+
+    def get(self, word: int) -> int:
+        return _WORD.unpack_from(self.mm, 8 * word)[0]
+
+    def set(self, word: int, value: int) -> None:
+        _WORD.pack_into(self.mm, 8 * word, value)
+
+    def consumer_word(self, consumer: int, field: int) -> int:
+        return (CONSUMERS_OFFSET // 8) + CONSUMER_WORDS * consumer + field
+
+    def slot_word(self, slot: int, field: int) -> int:
+        return self.layout.slot_table_offset // 8 + SLOT_WORDS * slot + field
+
+    def fail(self, message: str) -> None:
+        data = message.encode("utf-8", errors="replace")[: ERROR_BYTES - 1]
+        self.mm[ERROR_OFFSET: ERROR_OFFSET + ERROR_BYTES] = data.ljust(ERROR_BYTES, b"\0")
+        self.set(STATE, FAILED)  # after the message: a reader that sees FAILED finds the text
+
+    def error(self) -> str:
+        return bytes(self.mm[ERROR_OFFSET: ERROR_OFFSET + ERROR_BYTES]).rstrip(b"\0").decode("utf-8", "replace")
+
+    def arrays(self, slot: int, stream: int) -> dict[str, np.ndarray]:
+        """Views of one stream of one slot. They pin the map: drop them before closing it."""
+        lay = self.layout
+        offset = lay.data_offset + (slot * lay.streams + stream) * lay.region_bytes
+        shape = (lay.micro_batch_size, lay.seq_length)
+        views = {}
+        for key, dtype in STREAM_ARRAYS:
+            views[key] = np.frombuffer(self.mm, dtype=dtype, count=shape[0] * shape[1], offset=offset).reshape(shape)
+            offset += views[key].nbytes
+        return views
+
+
+def wait_until(ready: Callable[[], bool], check: Callable[[], None], timeout_s: float, what: str,
+               max_sleep_s: float) -> float:
+    """Poll ``ready`` until true; ``check`` (which raises on a dead or failed peer) runs every
+    ~50 ms. Returns the seconds waited; raises :class:`RingError` after ``timeout_s``."""
+    if ready():
+        return 0.0
+    start = time.monotonic()
+    next_check = start
+    sleep = 20e-6
+    while True:
+        now = time.monotonic()
+        if now >= next_check:
+            check()
+            next_check = now + 0.05
+        if ready():
+            return time.monotonic() - start
+        if now - start > timeout_s:
+            raise RingError(
+                f"{what}: nothing after {timeout_s:.0f} s (shm_data_loader.timeout_s); the peer is alive but stuck, "
+                "or a pause (checkpoint save, evaluation) lasts longer than the timeout: raise timeout_s"
+            )
+        time.sleep(sleep)
+        sleep = min(sleep * 2, max_sleep_s)

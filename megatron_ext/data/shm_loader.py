@@ -1,0 +1,253 @@
+"""The per-rank side of the shared-memory node loader: attach to the node's ring, copy batches out.
+
+Set-up, without any store or collective: the node's first rank removes dead jobs' segments, checks
+the space, creates the segment (mode 0600, header first, then renamed into place), registers itself
+and waits until every rank of the node has registered; it then unlinks the name (the mappings stay
+valid, so neither a normal exit nor a kill leaves a file behind) and forks the producer. The other
+ranks wait for the name to appear, refuse a leftover whose owner is dead, and register. Every wait
+is bounded by ``timeout_s``.
+
+Per step, a rank waits for its slot's sequence word, copies its stream into fresh tensors (a tensor
+must never view the map: reading it after the map closes would crash), builds the attention mask
+when asked, and releases the slot.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import multiprocessing
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from deepspeed_ext.config import ShmDataLoaderConfig
+from megatron_ext.data.batch import (
+    BROADCAST_ORDER,
+    STORED_KEYS,
+    LoaderCounters,
+    build_attention_mask,
+    sequence_length,
+)
+from megatron_ext.data.producer import run_producer
+from megatron_ext.data.ring import (
+    BYTES_READ,
+    CLOSED,
+    CLOSING,
+    END,
+    FAILED,
+    GEOMETRY,
+    MAGIC_W,
+    OWNER_PID,
+    OWNER_START,
+    PID,
+    PRODUCER_PID,
+    PRODUCER_START,
+    RELEASED,
+    RUNNING,
+    SAMPLES_READ,
+    SEQ,
+    START,
+    STATE,
+    VERSION,
+    VERSION_W,
+    Ring,
+    RingError,
+    RingLayout,
+    wait_until,
+)
+from megatron_ext.data.samplers import SamplerKind
+from megatron_ext.data.shm_segment import (
+    MAGIC,
+    create_segment,
+    is_alive,
+    open_segment,
+    process_start_time,
+    remove_stale_segments,
+)
+
+_DTYPES = dict(STORED_KEYS)
+
+
+class ShmBatchIterator:
+    """This rank's micro-batches from its node's ring. ``node_dp_ranks[i]`` is the DP rank of the
+    node's i-th rank; ranks with equal DP ranks read one stream."""
+
+    def __init__(
+        self, dataset: Any, *, micro_batch_size: int, consumed_samples: int, config: ShmDataLoaderConfig,
+        path: str, local_index: int, node_dp_ranks: Sequence[int], dp_size: int, rank: int,
+        sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
+        create_attention_mask: bool = False, device: torch.device | str | None = None,
+    ) -> None:
+        self.counters = LoaderCounters()
+        self.path = path
+        self._dataset = dataset
+        self._timeout = config.timeout_s
+        self._local = local_index
+        self._rank = rank
+        self._mask = create_attention_mask
+        self._device = torch.device(device or "cpu")
+        streams = sorted(set(node_dp_ranks))
+        self._stream = streams.index(node_dp_ranks[local_index])
+        self._layout = RingLayout(config.slots, len(streams), micro_batch_size, sequence_length(dataset),
+                                  len(node_dp_ranks))
+        self._step = 0
+        self._ended = False
+        self.producer: multiprocessing.process.BaseProcess | None = None
+        self._ring: Ring | None = None
+        if local_index == 0:
+            self._create_and_start(dataset, streams, sampler, consumed_samples, dp_size, data_sharding, seed)
+        else:
+            self._attach()
+        self._views = [self._ring.arrays(slot, self._stream) for slot in range(config.slots)]
+        atexit.register(self.close)  # a rank that just exits must not look dead to the producer
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def _register(self) -> None:
+        ring = self._ring
+        ring.set(ring.consumer_word(self._local, START), process_start_time(os.getpid()))
+        ring.set(ring.consumer_word(self._local, PID), os.getpid())  # last: marks the entry complete
+
+    def _create_and_start(self, dataset: Any, streams: list[int], sampler: SamplerKind, consumed_samples: int,
+                          dp_size: int, data_sharding: bool, seed: int) -> None:
+        remove_stale_segments(os.path.dirname(self.path))
+        lay = self._layout
+        mm = create_segment(self.path, lay.size, lay.header(os.getpid(), process_start_time(os.getpid())))
+        self._ring = ring = Ring(mm, lay)
+        try:
+            self._register()
+            entries = [ring.consumer_word(c, PID) for c in range(lay.consumers)]
+
+            def check() -> None:
+                for c in range(lay.consumers):
+                    pid = ring.get(entries[c])
+                    if pid and not is_alive(pid, ring.get(ring.consumer_word(c, START))):
+                        raise RingError(f"local rank {c} (pid {pid}) attached to {self.path} and died")
+
+            wait_until(lambda: all(ring.get(w) for w in entries), check, self._timeout,
+                       f"rank {self._rank} waited for the {lay.consumers} ranks of its node to attach to {self.path}",
+                       max_sleep_s=10e-3)
+            os.unlink(self.path)
+            label = f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
+            self.producer = multiprocessing.get_context("fork").Process(
+                target=run_producer, name="shm-data-producer", daemon=True,
+                args=(ring, dataset, streams, sampler, consumed_samples, dp_size, data_sharding, seed,
+                      self._timeout, label),
+            )
+            self.producer.start()
+            ring.set(PRODUCER_START, process_start_time(self.producer.pid) or -1)
+            ring.set(PRODUCER_PID, self.producer.pid)
+            ring.set(STATE, RUNNING)
+        except BaseException as e:
+            ring.fail(f"rank {self._rank}, the first of its node, failed to set up {self.path}: {e}")
+            if os.path.exists(self.path):
+                os.unlink(self.path)
+            self.close()
+            raise
+
+    def _attach(self) -> None:
+        def try_open() -> bool:
+            mm = open_segment(self.path)
+            if mm is None:
+                return False
+            ring = Ring.attach(mm)
+            if ring.get(MAGIC_W) != MAGIC or ring.get(VERSION_W) != VERSION:
+                mm.close()
+                raise RingError(f"{self.path} is not a version-{VERSION} loader segment: remove it")
+            if ring.get(STATE) == FAILED:
+                message = ring.error()
+                mm.close()
+                raise RingError(message)
+            self._ring = ring
+            self._register()
+            # A dead owner means a killed run's leftover that the node's first rank has yet to
+            # remove: withdraw and look again (checked after registering, so no window is missed).
+            if not is_alive(ring.get(OWNER_PID), ring.get(OWNER_START)):
+                ring.set(ring.consumer_word(self._local, PID), 0)
+                self._ring = None
+                mm.close()
+                return False
+            return True
+
+        wait_until(try_open, lambda: None, self._timeout,
+                   f"rank {self._rank} waited for {self.path}, which the first rank of its node creates: did that "
+                   "rank fail, or use another job id or shm_dir?", max_sleep_s=20e-3)
+        theirs = tuple(self._ring.get(w) for w in GEOMETRY)
+        if theirs != dataclasses.astuple(self._layout):
+            self.close()
+            raise ValueError(f"rank {self._rank} expects ring geometry {self._layout} but {self.path} has "
+                             f"(slots, streams, mbs, seq_length, ranks) = {theirs}: every rank must pass the same settings")
+
+    # -- iteration ------------------------------------------------------------------------------
+    def _check_producer(self) -> None:
+        ring = self._ring
+        state = ring.get(STATE)
+        if state == FAILED:
+            raise RingError(ring.error())
+        if state == CLOSING:
+            raise RingError(f"the first rank of this node closed the loader of {self.path} while rank {self._rank} "
+                            "still reads from it")
+        pid, start = ring.get(PRODUCER_PID), ring.get(PRODUCER_START)
+        if not pid:  # not started yet: its parent must be alive
+            pid, start = ring.get(OWNER_PID), ring.get(OWNER_START)
+        if not is_alive(pid, start):
+            raise RingError(f"the shared-memory producer of {self.path} (pid {pid}) died without a message: "
+                            "killed (out of memory? check dmesg) or its parent rank exited")
+
+    def __iter__(self) -> ShmBatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self._ended or self._ring is None:
+            raise StopIteration
+        ring, step = self._ring, self._step
+        slot = step % self._layout.slots
+        seq_word = ring.slot_word(slot, SEQ)
+        waited = wait_until(lambda: ring.get(seq_word) == step, self._check_producer, self._timeout,
+                            f"rank {self._rank} waited for step {step} (slot {slot}) of {self.path}",
+                            max_sleep_s=1e-3)
+        start = time.perf_counter()
+        if ring.get(ring.slot_word(slot, END)):
+            self._ended = True
+            raise StopIteration
+        batch = {key: self._copy_out(view, _DTYPES[key]) for key, view in self._views[slot].items()}
+        ring.set(ring.consumer_word(self._local, RELEASED), step + 1)
+        self._step += 1
+        if self._mask:
+            batch["attention_mask"] = build_attention_mask(batch["tokens"].cpu(), self._dataset).to(self._device)
+        self.counters.batches += 1
+        self.counters.wait_s += waited + time.perf_counter() - start
+        if self._local == 0:
+            self.counters.samples_read = ring.get(SAMPLES_READ)
+            self.counters.bytes_read = ring.get(BYTES_READ)
+        return {key: batch[key] for key in BROADCAST_ORDER if key in batch}
+
+    def _copy_out(self, view: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        if self._device.type == "cpu":
+            return torch.from_numpy(view.copy())
+        staged = torch.empty(view.shape, dtype=dtype, pin_memory=True)  # pinned: the device copy runs async
+        staged.numpy()[...] = view
+        return staged.to(self._device, non_blocking=True)
+
+    def close(self) -> None:
+        """Leave the ring. On the node's first rank, also stop the producer."""
+        atexit.unregister(self.close)
+        ring, self._ring, self._views = self._ring, None, []
+        if ring is None:
+            return
+        ring.set(ring.consumer_word(self._local, CLOSED), 1)
+        if self.producer is not None:
+            if ring.get(STATE) != FAILED:
+                ring.set(STATE, CLOSING)
+            self.producer.join(timeout=10)
+            if self.producer.is_alive():
+                self.producer.kill()
+                self.producer.join(timeout=5)
+        try:
+            ring.mm.close()
+        except BufferError:  # a caller still holds a view of the map: it is unmapped when that dies
+            pass

@@ -1,0 +1,89 @@
+"""Megatron-LM's own data path: TP rank 0 reads, then broadcasts each key to its TP group.
+
+This is the baseline the shared-memory loader is checked against and the main job's default. It
+does what ``build_pretraining_data_loader`` + ``get_batch_on_this_tp_rank`` do (tag core_v0.16.1):
+the first rank of each TP group iterates a ``torch.utils.data.DataLoader`` over its DP rank's
+sampler, then one ``broadcast`` per key (tokens, labels, loss_mask, attention_mask when asked,
+position_ids) feeds the other TP ranks. Unlike Megatron, every TP rank also walks the (cheap) index
+stream, so all of them stop together when a single-pass sampler runs out instead of hanging in a
+broadcast.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from megatron_ext.data.batch import (
+    BROADCAST_ORDER,
+    STORED_KEYS,
+    LoaderCounters,
+    build_attention_mask,
+    sample_bytes,
+    sequence_length,
+)
+from megatron_ext.data.samplers import BatchSampler, SamplerKind
+
+
+class StockBatchIterator:
+    """Micro-batches of this rank, read on TP rank 0 and broadcast over ``tp_group``."""
+
+    def __init__(
+        self, dataset: Any, *, micro_batch_size: int, consumed_samples: int, tp_group: dist.ProcessGroup | None,
+        dp_rank: int, dp_size: int, sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
+        create_attention_mask: bool = False, device: torch.device | str | None = None, num_workers: int = 0,
+    ) -> None:
+        self.counters = LoaderCounters()
+        self._dataset = dataset
+        self._group = tp_group
+        self._src = dist.get_global_rank(tp_group, 0) if tp_group is not None else dist.get_rank()
+        self._is_src = dist.get_rank() == self._src
+        self._shape = (micro_batch_size, sequence_length(dataset))
+        self._mask = create_attention_mask
+        self._device = torch.device(device or "cpu")
+        self._sample_bytes = sample_bytes(dataset)
+        batches = BatchSampler(sampler, len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size,
+                               data_sharding=data_sharding, seed=seed)
+        self._steps = iter(batches)
+        self._loader = (
+            iter(DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
+                            persistent_workers=num_workers > 0))
+            if self._is_src else None
+        )
+
+    def __iter__(self) -> StockBatchIterator:
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        start = time.perf_counter()
+        next(self._steps)  # raises StopIteration on every TP rank at the same step
+        if self._loader is not None:
+            data = next(self._loader)
+            batch = {key: data[key].to(dtype) for key, dtype in STORED_KEYS}
+            if self._mask:
+                batch["attention_mask"] = data.get("attention_mask")
+                if batch["attention_mask"] is None:
+                    batch["attention_mask"] = build_attention_mask(batch["tokens"], self._dataset)
+            batch = {key: t.to(self._device) for key, t in batch.items()}
+            self.counters.samples_read += self._shape[0]
+            self.counters.bytes_read += self._shape[0] * self._sample_bytes
+        else:
+            batch = {key: torch.empty(self._shape, dtype=dtype, device=self._device) for key, dtype in STORED_KEYS}
+            if self._mask:
+                mbs, s = self._shape
+                batch["attention_mask"] = torch.empty((mbs, 1, s, s), dtype=torch.bool, device=self._device)
+        if self._group is not None:
+            for key in BROADCAST_ORDER:
+                if key in batch:
+                    dist.broadcast(batch[key], self._src, group=self._group)
+        self.counters.batches += 1
+        self.counters.wait_s += time.perf_counter() - start
+        return {key: batch[key] for key in BROADCAST_ORDER if key in batch}
+
+    def close(self) -> None:
+        """Drop the DataLoader (and its workers, if any)."""
+        self._loader = None
