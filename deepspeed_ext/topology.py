@@ -126,18 +126,21 @@ def level_members(topo: Topology, parent: Sequence[int], rank: int) -> dict[str,
     if rank not in parent:
         raise ValueError(f"rank {rank} is not in the parent group {list(parent)}")
     members = {level: [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)] for level in LEVELS}
-    pos_in_package = members["package"].index(rank)
-    pos_in_node = members["node"].index(rank)
-    node_members = members["node"]
-    members["cross_package"] = [
-        r for r in node_members if _position(topo, node_members, r, "package") == pos_in_package
-    ]
-    members["cross_node"] = [r for r in parent if _position(topo, parent, r, "node") == pos_in_node]
+    in_package, in_node = _positions(topo, parent, "package"), _positions(topo, parent, "node")
+    members["cross_package"] = [r for r in members["node"] if in_package[r] == in_package[rank]]
+    members["cross_node"] = [r for r in parent if in_node[r] == in_node[rank]]
     return members
 
 
-def _position(topo: Topology, parent: Sequence[int], rank: int, level: str) -> int:
-    return [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)].index(rank)
+def _positions(topo: Topology, parent: Sequence[int], level: str) -> dict[int, int]:
+    """Each parent member's position among the parent members of its unit at ``level``."""
+    seen: dict[int, int] = {}
+    positions = {}
+    for r in parent:
+        unit = topo.level_of(r, level)
+        positions[r] = seen.get(unit, 0)
+        seen[unit] = positions[r] + 1
+    return positions
 
 
 def partition_of(topo: Topology, parent: Sequence[int], kind: str) -> list[list[int]]:

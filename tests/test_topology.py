@@ -1,0 +1,112 @@
+"""Rank placement from the environment, and level groups cut from (possibly strided) parent groups."""
+
+import pytest
+import torch.distributed as dist
+
+from deepspeed_ext.config import ConfigError, TopologyConfig
+from deepspeed_ext.topology import Topology, detect_topology, level_members, new_level_groups, partition_of
+
+
+def test_slurm_variables_on_frontier_give_gcd_pairs():
+    env = {"SLURM_CLUSTER_NAME": "frontier", "SLURM_NTASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3",
+           "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "8", "LOCAL_RANK": "0"}  # one visible GCD per task
+    topo = detect_topology(env=env)
+    assert (topo.world_size, topo.ranks_per_node, topo.ranks_per_package) == (16, 8, 2)
+    assert (topo.node(11), topo.local_index(11), topo.package(11)) == (1, 3, 5)
+    assert [topo.package(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_torchrun_variables_elsewhere_give_one_gpu_packages():
+    env = {"WORLD_SIZE": "8", "RANK": "5", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}
+    topo = detect_topology(env=env)
+    assert (topo.ranks_per_node, topo.ranks_per_package, topo.num_nodes) == (4, 1, 2)
+
+
+def test_config_section_wins_over_the_environment():
+    env = {"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"}
+    topo = detect_topology(TopologyConfig(ranks_per_node=4, ranks_per_package=2), env=env)
+    assert (topo.ranks_per_node, topo.ranks_per_package) == (4, 2)
+
+
+def test_non_block_rank_order_is_rejected():
+    env = {"SLURM_NTASKS": "16", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
+           "SLURM_NTASKS_PER_NODE": "8"}  # cyclic distribution: rank 1 on node 1
+    with pytest.raises(ConfigError, match="block distribution"):
+        detect_topology(env=env)
+
+
+def test_partial_nodes_are_rejected_with_every_factor():
+    with pytest.raises(ConfigError, match=r"world\(12\) is not nodes \* ranks_per_node\(8\)"):
+        Topology(12, 8, 2)
+
+
+def test_link_classes():
+    topo = Topology(16, 8, 2)
+    assert topo.link_class(0, 1) == "package"
+    assert topo.link_class(0, 2) == "node"
+    assert topo.link_class(7, 8) == "inter_node"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_levels_of_megatron_dp_groups_at_64_ranks(tp):
+    """Megatron's order puts TP innermost: DP group members are strided by TP."""
+    topo = Topology(64, 8, 2)
+    for first in range(tp):
+        dp_group = list(range(first, 64, tp))
+        for rank in dp_group:
+            m = level_members(topo, dp_group, rank)
+            assert all(topo.package(r) == topo.package(rank) for r in m["package"])
+            assert all(topo.node(r) == topo.node(rank) for r in m["node"])
+            assert m["global"] == dp_group
+            assert len(m["package"]) == max(1, 2 // tp)
+            assert len(m["node"]) == 8 // tp
+            assert len(m["cross_node"]) == 8  # one member per node
+            assert len({topo.node(r) for r in m["cross_node"]}) == 8
+            # a hop's groups multiply back to the parent: package x cross_package = node
+            assert len(m["package"]) * len(m["cross_package"]) == len(m["node"])
+        for kind in ("package", "node", "cross_package", "cross_node"):
+            groups = partition_of(topo, dp_group, kind)
+            assert sorted(r for g in groups for r in g) == dp_group
+
+
+def test_fake_process_group_builds_all_level_groups_at_64():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=64)
+    try:
+        topo = Topology(64, 8, 2)
+        dp_group = list(range(1, 64, 2))  # TP=2
+        for first in range(2):
+            lg = new_level_groups(topo, list(range(first, 64, 2)))
+            if first == 1:
+                mine = lg
+        assert mine.members["node"] == [1, 3, 5, 7]
+        assert mine.members["cross_node"] == list(range(5, 64, 8))
+        assert dist.get_world_size(mine.groups["node"]) == 4
+        assert dist.get_world_size(mine.groups["cross_node"]) == 8
+        assert set(mine.members["global"]) == set(dp_group)
+    finally:
+        dist.destroy_process_group()
+
+
+def _level_sums() -> dict:
+    import torch
+
+    topo = Topology(8, 4, 2)  # 2 nodes x 2 packages x 2
+    rank = dist.get_rank()
+    out = {}
+    for kind_first in range(2):  # TP=2: DP groups {0,2,4,6} and {1,3,5,7}
+        lg = new_level_groups(topo, list(range(kind_first, 8, 2)))
+        if rank % 2 == kind_first:
+            mine = lg
+    for kind, group in mine.groups.items():
+        t = torch.tensor([float(rank)])
+        dist.all_reduce(t, group=group)
+        out[kind] = t.item()
+    return out
+
+
+def test_level_groups_reduce_over_the_right_ranks_on_gloo(run_ranks):
+    results = run_ranks(8, _level_sums)
+    assert results[0] == {"package": 0.0, "node": 2.0, "global": 12.0, "cross_package": 2.0, "cross_node": 4.0}
+    assert results[5] == {"package": 5.0, "node": 12.0, "global": 16.0, "cross_package": 12.0, "cross_node": 6.0}
