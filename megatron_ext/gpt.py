@@ -84,3 +84,9 @@ def gpt_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Te
     per_token = model(tokens, batch["position_ids"], mask, labels=batch["labels"])
     loss_mask = batch["loss_mask"].to(per_token.dtype)
     return (per_token * loss_mask).sum() / loss_mask.sum().clamp(min=1)
+
+
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int, divisible_by: int = 128) -> int:
+    """Megatron's vocabulary padding: a multiple of ``divisible_by * TP`` so every TP shard is equal."""
+    multiple = divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple

@@ -1,0 +1,183 @@
+"""Pretrain a megatron-core GPT under the DeepSpeed engine, with the suite's plugins when enabled.
+
+One process per rank (torchrun, srun, or the scripts in scripts/). Megatron-style flags; plugin
+switches come from the DeepSpeed JSON sections and the flags of ``megatron_ext.args``. Without
+--data-path a small local corpus is generated. On a machine without CUDA it runs on CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+import warnings
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)  # run from a checkout without installing
+
+from scripts.train_setup import (  # noqa: E402
+    UsageError,
+    build_data_iterator,
+    build_engine,
+    build_model,
+    deepspeed_config_for,
+    init_distributed,
+    plugin_figures,
+    prepare_data,
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    from megatron_ext.args import extra_args_provider
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=2)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--seq-length", type=int, default=64)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=2)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data-parallel size")
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
+                   help="sample order: Megatron's sequential (single) or random (cyclic) sampler")
+    g = p.add_argument_group("data and checkpoints")
+    g.add_argument("--data-path", default=None, help="prefix of .bin/.idx files; default: a generated local corpus")
+    g.add_argument("--data-cache-path", default=None, help="where dataset indices (and the local corpus) go")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None)
+    g.add_argument("--log-json", default=None, help="also write per-iteration records to this JSON-lines file")
+    extra_args_provider(p)
+    args = p.parse_args(argv)
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    return args
+
+
+def _lr_at(args: argparse.Namespace, iteration: int) -> float:
+    """Linear warm-up then cosine decay to --min-lr, as Megatron's default schedule."""
+    if iteration < args.lr_warmup_iters:
+        return args.lr * (iteration + 1) / args.lr_warmup_iters
+    span = max(1, args.train_iters - args.lr_warmup_iters)
+    progress = min(1.0, (iteration - args.lr_warmup_iters) / span)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def train(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from deepspeed_ext.config import log_effective_config, validate_against_world
+    from megatron_ext.args import plugin_config_from_args
+    from megatron_ext.gpt import gpt_loss
+
+    plugins = plugin_config_from_args(args)  # config errors surface before any process group exists
+    world, rank = init_distributed(args)
+    tp = args.tensor_model_parallel_size
+    dp = world // tp
+    validate_against_world(plugins, world, dp)
+    ds_config = deepspeed_config_for(args, dp)
+    log_effective_config(plugins, rank)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+
+    data_prefix = prepare_data(args, rank)
+    model = build_model(args, plugins)
+    engine = build_engine(args, model, ds_config, plugins, lambda it: _lr_at(args, it) / args.lr)
+
+    start_iteration, consumed = 0, 0
+    if args.load:
+        path, client = engine.load_checkpoint(args.load)
+        if path is None:
+            _log(rank, f"no checkpoint in {args.load}: starting from scratch")
+        else:
+            start_iteration, consumed = client["iteration"], client["consumed_samples"]
+            _log(rank, f"resumed from {path} at iteration {start_iteration}, consumed_samples {consumed}")
+
+    global_batch = ds_config["train_micro_batch_size_per_gpu"] * ds_config["gradient_accumulation_steps"] * dp
+    data = build_data_iterator(args, plugins, data_prefix, consumed, global_batch)
+    device = next(engine.module.parameters()).device
+    log_file = open(args.log_json, "a") if args.log_json and rank == 0 else None  # noqa: SIM115
+    for iteration in range(start_iteration, args.train_iters):
+        t0 = time.perf_counter()
+        lr = engine.get_lr()[0]  # the rate this iteration's step uses
+        losses = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
+            loss = gpt_loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        consumed += global_batch
+        mean = torch.stack(losses).mean().reshape(1).float()
+        dist.all_reduce(mean, group=ps.get_data_parallel_group())
+        mean = mean.item() / dp
+        elapsed = time.perf_counter() - t0
+        figures = plugin_figures(data)
+        record = {"iteration": iteration + 1, "loss": mean, "lr": lr,
+                  "tokens_per_s": global_batch * args.seq_length / elapsed, **figures}
+        if (iteration + 1) % args.log_interval == 0:
+            extras = "".join(f" | {k} {v}" for k, v in figures.items())
+            _log(rank, f"iteration {iteration + 1}/{args.train_iters} | loss {mean:.4f} | lr {record['lr']:.3e} | "
+                       f"tokens/s {record['tokens_per_s']:.1f}{extras}")
+        if log_file:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+        last = iteration + 1 == args.train_iters
+        if args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or last):
+            engine.save_checkpoint(args.save, tag=f"iter_{iteration + 1:07d}",
+                                   client_state={"iteration": iteration + 1, "consumed_samples": consumed})
+    data.close()
+    if log_file:
+        log_file.close()
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _log(rank: int, message: str) -> None:
+    if rank == 0:
+        print(message, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deepspeed_ext.config import ConfigError
+    from megatron_ext.data.gpt_dataset import DatasetFileError
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    # megatron-core and torch warn once per rank about optional fused kernels and deprecations.
+    for module in ("megatron", "torch", "deepspeed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    args = parse_args(argv)
+    try:
+        train(args)
+    except (UsageError, ConfigError, DatasetFileError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

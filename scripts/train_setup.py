@@ -1,0 +1,210 @@
+"""The main job's set-up steps: process groups, DeepSpeed config, data, model and engine.
+
+Each step validates its own inputs and raises :class:`UsageError` with a one-line message that
+names the flag, the value and the fix; ``pretrain_gpt.main`` prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.config import PluginConfig
+
+
+class UsageError(ValueError):
+    """Bad flags or environment for the main job."""
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return default
+
+
+def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
+    """Join the job's process group (torchrun or srun variables; a lone process otherwise).
+    Checks the parallel layout against the world size first, so a bad flag fails before any wait."""
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    tp = args.tensor_model_parallel_size
+    if tp < 1 or world % tp:
+        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the world size {world}: "
+                         f"use a divisor of {world}")
+    if args.pipeline_model_parallel_size != 1:
+        raise UsageError("--pipeline-model-parallel-size other than 1 is not supported by this job")
+    if args.num_attention_heads % tp:
+        raise UsageError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and args.seq_length % tp:
+        raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by TP ({tp})")
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        init = f"file://{tempfile.mkdtemp(prefix='pretrain-gpt-')}/rendezvous"
+    else:
+        if "MASTER_ADDR" not in os.environ:
+            raise UsageError(f"world size {world} but MASTER_ADDR is not set: launch with torchrun or the Slurm scripts")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        init = "env://"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    return world, rank
+
+
+def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
+    """The user's DeepSpeed JSON with the batch and precision flags applied; a conflict is an error."""
+    config: dict[str, Any] = {}
+    if args.deepspeed_config:
+        with open(args.deepspeed_config) as f:  # readable and valid: load_plugin_config checked it
+            config = json.load(f)
+    mbs = args.micro_batch_size
+    gbs = args.global_batch_size or mbs * dp
+    if gbs % (mbs * dp):
+        raise UsageError(f"--global-batch-size {gbs} is not a multiple of micro batch ({mbs}) x data-parallel ({dp})")
+    accum = gbs // (mbs * dp)
+    for key, want in (("train_micro_batch_size_per_gpu", mbs), ("gradient_accumulation_steps", accum),
+                      ("train_batch_size", gbs)):
+        if key in config and config[key] != want:
+            raise UsageError(f"{args.deepspeed_config}: {key}={config[key]} but the flags give {want} "
+                             f"(micro batch {mbs}, global batch {gbs}, data-parallel {dp}): make them agree")
+    config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=accum, train_batch_size=gbs)
+    config.setdefault("optimizer", {"type": "Adam", "params": {"torch_adam": True}})
+    config["optimizer"].setdefault("params", {})["lr"] = args.lr
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    config.setdefault("steps_per_print", 10**9)
+    return config
+
+
+def prepare_data(args: argparse.Namespace, rank: int) -> str:
+    """The dataset prefix: --data-path, or a generated local corpus (written by rank 0)."""
+    from megatron_ext.data.gpt_dataset import (
+        check_indexed_dataset,
+        synthetic_documents,
+        write_indexed_dataset,
+    )
+
+    if args.data_path:
+        check_indexed_dataset(args.data_path)
+        prefix = args.data_path
+    else:
+        prefix = os.path.join(_cache_dir(args), "local_corpus")
+        if rank == 0 and not os.path.exists(prefix + ".idx"):
+            write_indexed_dataset(prefix, synthetic_documents(4000))
+        dist.barrier()
+    return prefix
+
+
+def _cache_dir(args: argparse.Namespace) -> str:
+    return args.data_cache_path or os.path.join(os.getcwd(), "runs", "data")
+
+
+def build_model(args: argparse.Namespace, plugins: PluginConfig) -> torch.nn.Module:
+    """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.data.gpt_dataset import ByteTokenizer
+    from megatron_ext.gpt import build_gpt_model, gpt_config, padded_vocab_size
+    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
+
+    enable_cpu_support()
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    sequence_parallel = args.sequence_parallel or plugins.flash_overlap.enabled
+    config = gpt_config(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=sequence_parallel, bf16=args.bf16,
+    )
+    layer_spec = None
+    if plugins.flash_overlap.enabled:
+        from megatron_ext.layers.spec import get_flash_overlap_layer_spec
+
+        layer_spec = get_flash_overlap_layer_spec(plugins.flash_overlap)
+    vocab = padded_vocab_size(ByteTokenizer.vocab_size, args.tensor_model_parallel_size,
+                              args.make_vocab_size_divisible_by)
+    model = build_gpt_model(config, vocab, args.max_position_embeddings, layer_spec)
+    allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
+    if torch.cuda.is_available():
+        model.cuda()
+    return model
+
+
+def build_engine(
+    args: argparse.Namespace, model: torch.nn.Module, ds_config: dict[str, Any], plugins: PluginConfig,
+    lr_factor: Callable[[int], float],
+) -> Any:
+    """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled)."""
+    import deepspeed
+
+    from megatron_ext.mpu import MegatronMPU
+
+    def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+    kwargs = dict(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                  config=ds_config, mpu=MegatronMPU(), lr_scheduler=scheduler)
+    if plugins.hierarchical_zero.enabled:
+        from deepspeed_ext.topology import detect_topology
+        from deepspeed_ext.zero import initialize as hierarchical_initialize
+
+        topology = detect_topology(plugins.topology, world_size=dist.get_world_size())
+        engine, *_ = hierarchical_initialize(plugin_config=plugins, topology=topology, **kwargs)
+    else:
+        engine, *_ = deepspeed.initialize(**kwargs)
+    return engine
+
+
+def build_data_iterator(
+    args: argparse.Namespace, plugins: PluginConfig, prefix: str, consumed_samples: int, global_batch: int
+) -> Any:
+    """Micro-batches for this rank from ``consumed_samples`` on: the shared-memory loader when
+    enabled, otherwise Megatron's stock path (TP rank 0 reads, then broadcasts)."""
+    from megatron.core import parallel_state as ps
+
+    from deepspeed_ext.topology import detect_topology
+    from megatron_ext.data.gpt_dataset import build_train_dataset
+    from megatron_ext.data.loader import build_batch_iterator
+
+    rank = dist.get_rank()
+    cache = os.path.join(_cache_dir(args), "index-cache")
+    num_samples = args.train_iters * global_batch
+    # Rank 0 writes the index caches; the others then only read them.
+    dataset = build_train_dataset(prefix, args.seq_length, num_samples, args.seed, cache, is_built_on_rank=rank == 0) \
+        if rank == 0 else None
+    dist.barrier()
+    if dataset is None:
+        dataset = build_train_dataset(prefix, args.seq_length, num_samples, args.seed, cache)
+    return build_batch_iterator(
+        dataset,
+        micro_batch_size=args.micro_batch_size,
+        consumed_samples=consumed_samples,
+        config=plugins.shm_data_loader,
+        topology=detect_topology(plugins.topology, world_size=dist.get_world_size()),
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        sampler="single" if args.dataloader_type == "single" else "random",
+        seed=args.seed,
+    )
+
+
+def plugin_figures(data: Any) -> dict[str, Any]:
+    """Per-iteration figures of the plugins, for the log line (this rank's view)."""
+    counters = data.counters
+    return {"data_wait_s": round(counters.wait_s, 4), "storage_MB_read": round(counters.bytes_read / 1e6, 3)}
