@@ -206,7 +206,7 @@ cmd_start() {
     wait_until "$TIMEOUT" "slurmctld answers" timeout 10 scontrol ping ||
         { show_logs; die "slurmctld does not answer 'scontrol ping' within ${TIMEOUT}s"; }
     start_daemon slurmd
-    if ! wait_until "$TIMEOUT" "node $NODE_NAME is $(node_state || true)" node_idle; then
+    if ! wait_until "$TIMEOUT" "node $NODE_NAME idle" node_idle; then
         local s
         s="$(node_state || true)"
         if [[ "$s" == drain* || "$s" == down* || "$s" == inval* ]]; then
@@ -253,6 +253,7 @@ cmd_stop() {
             log "cancelling jobs: $(echo "$jobs" | tr '\n' ' ')"
             # shellcheck disable=SC2086
             timeout 10 scancel $jobs || true
+            # shellcheck disable=SC2016 # expanded by the inner bash on every poll
             wait_until 30 "jobs gone" bash -c '[[ -z "$(timeout 10 squeue -h -o %i 2>/dev/null)" ]]' ||
                 log "jobs still listed after 30s; stopping anyway"
         fi
@@ -272,11 +273,10 @@ cmd_stop() {
 }
 
 cmd_status() {
-    local ok=0 name
+    local ok=0 name f
     for name in munged slurmctld slurmd; do
-        local f="$STATE_DIR/$name.started"
+        f="$STATE_DIR/$name.pid"
         [[ "$name" == munged ]] && f="$MUNGE_PID"
-        [[ "$name" != munged ]] && f="$STATE_DIR/$name.pid"
         if pid_alive "$f"; then
             echo "$name: running (pid $(tr -dc '0-9' <"$f"))"
         else

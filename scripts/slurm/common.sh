@@ -5,7 +5,8 @@
 #
 #   launcher_init "$@"          parse arguments, resolve and check parameters
 #   set_env NAME VALUE          export NAME=VALUE and list it in the printout
-#   default_env NAME VALUE      same, unless NAME is already set by the caller
+#   default_env NAME VALUE      same, unless the caller set NAME (kept; empty:
+#                               NAME is left out)
 #   load_modules MOD...         `module load` each one if `module` exists
 #   set_master_addr_port PORT   MASTER_ADDR (first node) and MASTER_PORT
 #   launch SRUN_FLAG...         print the environment and the srun line, then
@@ -30,6 +31,8 @@ warn() {
 }
 
 usage() {
+    local tpn_default="$DEFAULT_TASKS_PER_NODE"
+    [[ "${TASKS_PER_NODE_FROM_ALLOCATION:-0}" == 1 ]] && tpn_default="the allocation's, else $DEFAULT_TASKS_PER_NODE"
     cat <<EOF
 usage: sbatch [SBATCH OPTIONS] scripts/slurm/${PLATFORM}.sbatch [OPTIONS] [-- TRAINING FLAGS]
        DRY_RUN=1 bash scripts/slurm/${PLATFORM}.sbatch [OPTIONS]
@@ -37,10 +40,10 @@ usage: sbatch [SBATCH OPTIONS] scripts/slurm/${PLATFORM}.sbatch [OPTIONS] [-- TR
 options (each one overrides the environment variable in brackets):
   --dry-run               print the environment and the srun line, launch nothing [DRY_RUN=1]
   --nodes N               number of nodes                      [NODES, default: the allocation, else 1]
-  --tasks-per-node N      ranks per node                       [TASKS_PER_NODE, default: ${DEFAULT_TASKS_PER_NODE}]
+  --tasks-per-node N      ranks per node                       [TASKS_PER_NODE, default: ${tpn_default}]
   --model NAME            preset scripts/presets/NAME.args     [MODEL, default: ${DEFAULT_MODEL}]
   --config FILE           DeepSpeed JSON (path or preset name) [CONFIG, default: ${DEFAULT_CONFIG}]
-  --data-path PATH        Megatron data prefix                 [DATA_PATH, default: built-in small corpus]
+  --data-path PREFIX      indexed dataset PREFIX.bin/.idx      [DATA_PATH, default: a generated small corpus]
   --checkpoint-dir DIR    --save/--load directory              [CHECKPOINT_DIR, default: none]
   -h, --help              this text
 Anything else (and everything after --) is appended to the training flags,
@@ -73,9 +76,13 @@ set_env() {
     _remember_env "$1"
 }
 
+# Set by the caller wins; set to an empty value by the caller: left out.
 default_env() {
     if [[ -z "${!1+x}" ]]; then
         export "$1=$2"
+    elif [[ -z "${!1}" ]]; then
+        unset "$1"
+        return 0
     else
         export "${1?}"
     fi
@@ -262,13 +269,10 @@ _resolve_python() {
 
 _check_data_path() {
     [[ -n "${DATA_PATH:-}" ]] || return 0
-    local p
-    for p in $DATA_PATH; do
-        [[ "$p" =~ ^[0-9.eE+-]+$ ]] && continue # blend weight
-        if [[ ! -e "$p" && ! -e "$p.bin" && ! -e "$p.idx" ]]; then
-            warn "DATA_PATH entry '$p' not found here (neither $p nor $p.bin/.idx); fine only if it exists on the compute nodes"
-        fi
-    done
+    local p="$DATA_PATH"
+    if [[ ! -e "$p.bin" || ! -e "$p.idx" ]]; then
+        warn "DATA_PATH=$p: $p.bin and $p.idx not both found here; fine only if they exist on the compute nodes"
+    fi
     return 0
 }
 
@@ -289,7 +293,11 @@ flag_value() {
 # ---------------------------------------------------------------- rendezvous
 first_node() {
     if [[ -n "${SLURM_JOB_NODELIST:-}" ]] && command -v scontrol >/dev/null 2>&1; then
-        scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1
+        local first
+        first="$(scontrol show hostnames "$SLURM_JOB_NODELIST" 2>/dev/null | head -n1 || true)"
+        [[ -n "$first" ]] ||
+            die "cannot expand SLURM_JOB_NODELIST='$SLURM_JOB_NODELIST' with scontrol; set MASTER_ADDR to the first node's address"
+        echo "$first"
     else
         hostname -s 2>/dev/null || hostname
     fi
@@ -304,16 +312,17 @@ set_master_addr_port() {
         node="$(first_node)"
         me="$(hostname -s 2>/dev/null || hostname)"
         if [[ "$node" == "$me" || "$node" == "$(hostname)" ]]; then
-            addr="$(hostname -i 2>/dev/null | awk '{print $1}')"
+            addr="$(hostname -i 2>/dev/null | awk '{print $1}' || true)"
         else
-            addr="$(getent hosts "$node" 2>/dev/null | awk 'NR==1 {print $1}')"
+            addr="$(getent hosts "$node" 2>/dev/null | awk 'NR==1 {print $1}' || true)"
         fi
         MASTER_ADDR="${addr:-$node}"
     fi
     set_env MASTER_ADDR "$MASTER_ADDR"
     default_env MASTER_PORT "$default_port"
-    is_pos_int "$MASTER_PORT" && ((MASTER_PORT < 65536)) ||
+    if ! is_pos_int "$MASTER_PORT" || ((MASTER_PORT > 65535)); then
         die "MASTER_PORT='$MASTER_PORT' is not a TCP port number (1-65535)"
+    fi
 }
 
 # ---------------------------------------------------------------- launch
@@ -330,6 +339,7 @@ print_plan() {
     for n in "${ENV_NAMES[@]}"; do
         printf 'export %s=%q\n' "$n" "${!n}"
     done
+    # shellcheck disable=SC2016 # printed literally: each rank expands it
     local lr='$SLURM_LOCALID'
     [[ "${LAUNCH_LOCAL_RANK:-slurm}" == zero ]] && lr=0
     echo "# per rank, set by rank_env.sh (SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID stay as srun sets them)"
@@ -350,11 +360,13 @@ launch() {
         die "$NTASKS tasks cannot be split into tensor-parallel groups of $tp; change NODES/TASKS_PER_NODE or --tensor-model-parallel-size"
 
     local train=("${MODEL_ARGS[@]}" --deepspeed-config "$CONFIG_FILE")
-    [[ -n "${DATA_PATH:-}" ]] && train+=(--data-path $DATA_PATH) # word-split: blends "w1 p1 w2 p2"
+    [[ -n "${DATA_PATH:-}" ]] && train+=(--data-path "$DATA_PATH")
     [[ -n "${CHECKPOINT_DIR:-}" ]] && train+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR")
     train+=("${EXTRA_ARR[@]}" "${CLI_ARGS[@]}")
 
-    LAUNCH_CMD=(srun "$@")
+    # Block distribution: consecutive ranks fill a node first, the layout the
+    # topology (node-local groups) expects.
+    LAUNCH_CMD=(srun "$@" --distribution=block)
     # shellcheck disable=SC2206 # SRUN_ARGS is a whitespace-separated flag string
     LAUNCH_CMD+=(${SRUN_ARGS:-})
     LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$PYTHON" -u "$TRAIN_SCRIPT" "${train[@]}")
