@@ -65,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="stop (after saving, with --save) once the iteration count is a multiple of this")
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None)
     g.add_argument("--log-json", default=None, help="also write per-iteration records to this JSON-lines file")
     extra_args_provider(p)
@@ -142,10 +144,13 @@ def train(args: argparse.Namespace) -> None:
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
-        last = iteration + 1 == args.train_iters
-        if args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or last):
-            engine.save_checkpoint(args.save, tag=f"iter_{iteration + 1:07d}",
-                                   client_state={"iteration": iteration + 1, "consumed_samples": consumed})
+        done = iteration + 1
+        stop = done == args.train_iters or bool(args.exit_interval and done % args.exit_interval == 0)
+        if args.save and (stop or (args.save_interval and done % args.save_interval == 0)):
+            engine.save_checkpoint(args.save, tag=f"iter_{done:07d}",
+                                   client_state={"iteration": done, "consumed_samples": consumed})
+        if stop:
+            break
     data.close()
     if log_file:
         log_file.close()
