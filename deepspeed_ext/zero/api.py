@@ -1,0 +1,157 @@
+"""Entry point of the hierarchical ZeRO-3 variant: checks, plan, groups, then ``deepspeed.initialize``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Union
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext import comm
+from deepspeed_ext.config import ConfigError, PluginConfig, load_plugin_config, validate_against_world
+from deepspeed_ext.topology import Topology, detect_topology
+from deepspeed_ext.zero import inject
+from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, hierarchical, step_hops
+from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
+from deepspeed_ext.zero.planner import SecondaryChoice, choose_secondary_level, describe, links_for
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_DEEPSPEED = ("0.19.",)
+_CONFLICTS = {
+    "zero_quantized_weights": "qwZ",
+    "zero_quantized_nontrainable_weights": "qwZ for frozen weights",
+    "zero_quantized_gradients": "qgZ",
+}
+
+
+@dataclass
+class HierarchicalPlan:
+    """What the variant decided for this rank, kept on the engine as ``engine.hierarchical_zero``."""
+
+    levels: ZeroLevels
+    """Groups and the chosen secondary level."""
+    choice: SecondaryChoice
+    """The planner's figures."""
+    model: ModelSpec
+    """This rank's parameters as the cost model sees them."""
+    links: Links
+    """Link speeds the planner used."""
+
+    def predicted_bytes(self, micro_batches: int = 1) -> dict[str, int]:
+        """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
+        variant = hierarchical(self.levels.secondary_level, self.levels.grad_reduce)
+        return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))
+
+
+def check_deepspeed_version(version: str | None = None) -> None:
+    version = version or deepspeed.__version__
+    if not version.startswith(SUPPORTED_DEEPSPEED):
+        raise ConfigError(
+            f"hierarchical_zero supports DeepSpeed {', '.join(v + 'x' for v in SUPPORTED_DEEPSPEED)}, found {version}: "
+            "install deepspeed>=0.19,<0.20 or disable hierarchical_zero"
+        )
+
+
+def read_ds_config(config: Union[str, os.PathLike, dict]) -> dict:
+    if isinstance(config, dict):
+        return config
+    with open(config) as f:
+        return json.load(f)
+
+
+def validate_deepspeed_config(ds: dict) -> None:
+    """Reject DeepSpeed settings that cannot work with the variant (no collective runs here)."""
+    zero = ds.get("zero_optimization") or {}
+    if zero.get("stage", 0) != 3:
+        raise ConfigError(f"hierarchical_zero needs zero_optimization.stage 3, got {zero.get('stage', 0)}: "
+                          'set "zero_optimization": {"stage": 3} or disable hierarchical_zero')
+    if (zero.get("zero_hpz_partition_size") or 1) > 1:
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size={zero['zero_hpz_partition_size']} conflicts with hierarchical_zero, "
+            "which places the secondary weight copy itself (hierarchical_zero.secondary_level): remove zero_hpz_partition_size"
+        )
+    for key, name in _CONFLICTS.items():
+        if zero.get(key):
+            raise ConfigError(f"zero_optimization.{key}=true ({name}) cannot be combined with hierarchical_zero: "
+                              f"set it to false or disable hierarchical_zero")
+    if zero.get("reduce_scatter") is False:
+        raise ConfigError("zero_optimization.reduce_scatter=false makes ZeRO-3 all-reduce gradients, which bypasses "
+                          "the hierarchical reduce-scatter: remove it or disable hierarchical_zero")
+    if zero.get("stage3_use_all_reduce_for_fetch_params") or zero.get("use_all_reduce_for_fetch_params"):
+        raise ConfigError("zero_optimization.stage3_use_all_reduce_for_fetch_params=true replaces the parameter "
+                          "all-gather that hierarchical_zero splits into hops: remove it or disable hierarchical_zero")
+    offload = zero.get("offload_param") or {}
+    if zero.get("cpu_offload_param") or offload.get("device", "none") != "none":
+        raise ConfigError("zero_optimization.offload_param is not supported with hierarchical_zero "
+                          "(the secondary copy would be offloaded too): remove it or disable hierarchical_zero")
+
+
+def model_spec(model: torch.nn.Module, ds: dict) -> ModelSpec:
+    """This rank's parameters (a TP shard under TP) and the element sizes ZeRO-3 sends them in."""
+    params = list(model.parameters())
+    if not params:
+        raise ConfigError("the model has no parameters: nothing for ZeRO-3 to partition")
+    numels = tuple(int(getattr(p, "ds_numel", p.numel())) for p in params)
+    half = (ds.get("bf16") or {}).get("enabled") or (ds.get("fp16") or {}).get("enabled")
+    weight = 2 if half else params[0].element_size()
+    grad = {"fp32": 4, "fp16": 2, "bf16": 2}.get(ds.get("communication_data_type") or "", weight)
+    owners = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
+    return ModelSpec(param_numels=numels, weight_bytes=weight, grad_bytes=grad, gathers_per_pass=owners)
+
+
+def prepare(model: torch.nn.Module | ModelSpec, config: Union[str, os.PathLike, dict],
+            plugin_config: PluginConfig | None = None, mpu: Any = None, topology: Topology | None = None) -> HierarchicalPlan:
+    """Check everything, choose the secondary level, then create the level groups (the first
+    collective). Pass the result to :func:`initialize` and to :class:`~.inject.Init`; before a model
+    exists (to build it under ``Init``) pass a :class:`ModelSpec` of its parameters instead."""
+    ds = read_ds_config(config)
+    plugin_config = plugin_config or load_plugin_config(ds)
+    hz = plugin_config.hierarchical_zero
+    if not hz.enabled:
+        raise ConfigError("hierarchical_zero.enabled is false: call deepspeed.initialize directly")
+    check_deepspeed_version()
+    validate_deepspeed_config(ds)
+    world = dist.get_world_size()
+    dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+    dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(world))
+    validate_against_world(plugin_config, world, len(dp_ranks))
+    topology = topology or detect_topology(plugin_config.topology, world_size=world)
+    shape = dp_shape(topology, dp_ranks)
+    spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
+    links = links_for(hz, ranks_per_nic=topology.ranks_per_package)
+    micro = int(ds.get("gradient_accumulation_steps") or 1)
+    choice = choose_secondary_level(hz, shape, spec, links, micro_batches=micro)
+    if dist.get_rank() == 0:
+        logger.info(describe(choice, shape))
+    levels = build_levels(topology, dp_group, choice.level, hz.grad_reduce)
+    return HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
+
+
+def initialize(model: torch.nn.Module, config: Union[str, os.PathLike, dict], plugin_config: PluginConfig | None = None,
+               mpu: Any = None, topology: Topology | None = None, plan: HierarchicalPlan | None = None,
+               **kwargs: Any) -> tuple:
+    """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``
+    (else exactly ``deepspeed.initialize``). ``kwargs`` go to ``deepspeed.initialize`` unchanged.
+    Returns what it returns; the engine carries the plan as ``engine.hierarchical_zero``."""
+    plugin_config = plugin_config or load_plugin_config(read_ds_config(config))
+    if not plugin_config.hierarchical_zero.enabled:
+        return deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)
+    plan = plan or prepare(model, config, plugin_config, mpu=mpu, topology=topology)
+    levels = plan.levels
+    foreign = [p for p in model.parameters() if hasattr(p, "ds_process_group") and p.ds_process_group is not levels.dp_group]
+    if foreign:
+        raise ConfigError("the model was partitioned by another zero.Init: build it under "
+                          "deepspeed_ext.zero.Init(plan.levels) with the same plan, or without zero.Init")
+    comm.patch_deepspeed_comm()
+    inject.register(levels)
+    level_mpu = inject.LevelMPU(levels, base=mpu, single=levels.self_group)
+    with inject.hierarchical_stage3(levels):
+        result = deepspeed.initialize(model=model, config=config, mpu=level_mpu, **kwargs)
+    result[0].hierarchical_zero = plan
+    return result

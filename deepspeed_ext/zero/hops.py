@@ -1,0 +1,91 @@
+"""Hierarchical all-gather and reduce-scatter that hand every rank what the flat collective would.
+
+A flat collective over a parent of ``p`` members moves ``p`` equal blocks, block ``i`` belonging to
+the member with group rank ``i``. With hops of sizes ``s_0`` (innermost) .. ``s_m`` (outermost),
+``i`` is the mixed-radix number ``(d_m, ..., d_0)``. Reduce-scatter: reorder the blocks so that
+``d_0`` varies slowest, reduce-scatter over hop 0 (each member keeps the ``p/s_0`` blocks with its
+``d_0``), then hop 1 on that result, and so on; the last hop leaves block ``i``. All-gather runs
+the hops in the opposite order and undoes the reordering at the end. Each hop crosses a slower
+link with less data: the outermost (inter-node) hop carries ``1/(s_0 * ... * s_{m-1})`` of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext import comm
+from deepspeed_ext.zero.levels import HopPlan
+
+
+def _digits_outer_first(plan: HopPlan) -> list[int]:
+    return list(reversed(plan.sizes))
+
+
+def _inner_major(blocks: torch.Tensor, plan: HopPlan) -> torch.Tensor:
+    """[p, block] in parent order -> [p, block] with the innermost hop index varying slowest."""
+    digits = _digits_outer_first(plan)
+    view = blocks.view(*digits, -1)
+    order = list(reversed(range(len(digits)))) + [len(digits)]
+    return view.permute(order).reshape(blocks.shape)
+
+
+def reduce_scatter(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
+    """Sum of ``flat`` over the parent group, this member's ``1/p`` block (like reduce_scatter_tensor)."""
+    p = math.prod(plan.sizes)
+    if flat.numel() % p:
+        raise ValueError(f"buffer of {flat.numel()} elements does not split into {p} equal blocks")
+    held = _inner_major(flat.view(p, -1), plan).reshape(-1)
+    for size, group in zip(plan.sizes, plan.groups):
+        if size == 1:
+            continue
+        out = torch.empty(held.numel() // size, dtype=held.dtype, device=held.device)
+        comm.reduce_scatter_tensor(out, held, group=group)
+        held = out
+    return held
+
+
+def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor) -> None:
+    """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order."""
+    p = math.prod(plan.sizes)
+    if out.numel() != p * block.numel():
+        raise ValueError(f"output of {out.numel()} elements is not {p} blocks of {block.numel()}")
+    held = block.reshape(-1).clone()  # ``block`` may be a view into ``out``, which the last copy overwrites
+    for size, group in zip(reversed(plan.sizes), reversed(plan.groups)):
+        if size == 1:
+            continue
+        gathered = torch.empty(held.numel() * size, dtype=held.dtype, device=held.device)
+        comm.all_gather_into_tensor(gathered, held, group=group)
+        held = gathered
+    digits = list(plan.sizes)  # innermost first = how ``held`` is laid out now, outermost varying fastest
+    order = list(reversed(range(len(digits)))) + [len(digits)]
+    out.view(-1).copy_(held.view(*digits, -1).permute(order).reshape(-1))
+
+
+def reduce_scatter_coalesced(plan: HopPlan, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Average-reduce-scatter of several tensors at once, with the contract of DeepSpeed's
+    ``reduce_scatter_coalesced``: tensor ``t`` is cut into ``p`` chunks of ``ceil(numel/p)`` and this
+    member gets its (averaged) chunk of each, the last chunks shorter or empty where ``numel`` is not
+    a multiple of ``p``."""
+    p = math.prod(plan.sizes)
+    me = plan.parent.index(dist.get_rank())
+    chunks = [math.ceil(t.numel() / p) for t in tensors]
+    block = sum(chunks)
+    blocks = torch.zeros(p, block, dtype=tensors[0].dtype, device=tensors[0].device)
+    offset = 0
+    for t, c in zip(tensors, chunks):
+        flat = t.reshape(-1)
+        padded = torch.nn.functional.pad(flat, (0, c * p - flat.numel())) if c * p != flat.numel() else flat
+        blocks[:, offset:offset + c] = padded.view(p, c)
+        offset += c
+    blocks.div_(p)
+    mine = reduce_scatter(plan, blocks.view(-1))
+    out, offset = [], 0
+    for t, c in zip(tensors, chunks):
+        length = max(0, min(c, t.numel() - me * c))
+        out.append(mine.narrow(0, offset, length))
+        offset += c
+    return out

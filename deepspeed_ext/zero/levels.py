@@ -1,0 +1,121 @@
+"""The data-parallel group cut into levels (package, node, global) and the hop plans built on them.
+
+A *hop plan* runs a collective over a parent group as a chain of collectives over sub-groups whose
+sizes multiply to the parent's: reduce-scatter innermost first (package, then across the packages of
+a node, then across nodes), all-gather outermost first. A member's index in the parent group is
+then the mixed-radix number of its indices in the hop groups, which is what lets the hops hand
+every rank exactly the block a flat collective would have (see :mod:`.hops`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from deepspeed_ext.config import ConfigError
+from deepspeed_ext.topology import LevelGroups, Topology, check_uniform, level_members, new_level_groups
+from deepspeed_ext.zero.cost_model import DPShape
+
+HOP_LINKS = {"package": "package", "cross_package": "node", "cross_node": "inter_node"}
+
+
+def dp_shape(topology: Topology, dp_ranks: Sequence[int]) -> DPShape:
+    """Nodes x packages x members of a data-parallel group; raises ConfigError when levels are uneven."""
+    ranks = sorted(dp_ranks)
+    check_uniform(topology, ranks)
+    members = level_members(topology, ranks, ranks[0])
+    per_package = len(members["package"])
+    per_node = len(members["node"])
+    if per_node % per_package or len(ranks) % per_node:
+        raise ConfigError(
+            f"level sizes do not divide the data-parallel size {len(ranks)}: {per_package} per package, "
+            f"{per_node} per node; fix topology.ranks_per_node / ranks_per_package or the TP size"
+        )
+    return DPShape(nodes=len(ranks) // per_node, packages_per_node=per_node // per_package, per_package=per_package)
+
+
+@dataclass(frozen=True)
+class HopPlan:
+    """A collective over ``parent`` run as hops, innermost (fastest link) first."""
+
+    parent: tuple[int, ...]
+    """Global ranks of the parent group in group-rank order (sorted)."""
+    sizes: tuple[int, ...]
+    """Members of each hop's group, innermost first; their product is the parent's size."""
+    groups: tuple[dist.ProcessGroup, ...]
+    """This rank's process group for each hop."""
+    links: tuple[str, ...]
+    """Link class each hop runs on."""
+
+    @property
+    def is_trivial(self) -> bool:
+        """True when at most one hop moves data: the flat collective is the same thing."""
+        return sum(size > 1 for size in self.sizes) <= 1
+
+
+@dataclass
+class ZeroLevels:
+    """Everything the hierarchical variant needs about this rank's data-parallel group."""
+
+    topology: Topology
+    """Rank placement."""
+    shape: DPShape
+    """The data-parallel group as nodes x packages x members."""
+    groups: LevelGroups
+    """Process groups of each level and cross group, our own objects (not megatron's)."""
+    secondary_level: str
+    """Level of the secondary 16-bit weight partition: package, node, or global (none)."""
+    grad_reduce: str
+    """hierarchical or flat gradient reduce-scatter."""
+    self_group: dist.ProcessGroup
+    """A group of this rank alone: the model-parallel group when the model has no mpu."""
+
+    @property
+    def dp_ranks(self) -> tuple[int, ...]:
+        return tuple(self.groups.members["global"])
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        """Our own data-parallel group: the identity the collective dispatchers recognise."""
+        return self.groups.groups["global"]
+
+    @property
+    def secondary_group(self) -> dist.ProcessGroup | None:
+        return None if self.secondary_level == "global" else self.groups.groups[self.secondary_level]
+
+    def _plan(self, kinds: Sequence[str], parent: str) -> HopPlan:
+        sizes = tuple(len(self.groups.members[k]) for k in kinds)
+        return HopPlan(parent=tuple(self.groups.members[parent]), sizes=sizes,
+                       groups=tuple(self.groups.groups[k] for k in kinds), links=tuple(HOP_LINKS[k] for k in kinds))
+
+    def dp_plan(self) -> HopPlan:
+        """Hops over the whole data-parallel group."""
+        return self._plan(("package", "cross_package", "cross_node"), "global")
+
+    def secondary_plan(self) -> HopPlan | None:
+        """Hops of a secondary (backward) gather; None when there is no secondary copy."""
+        if self.secondary_level == "global":
+            return None
+        kinds = ("package",) if self.secondary_level == "package" else ("package", "cross_package")
+        return self._plan(kinds, self.secondary_level)
+
+
+def build_levels(topology: Topology, dp_group: dist.ProcessGroup | None, secondary_level: str,
+                 grad_reduce: str) -> ZeroLevels:
+    """Create the level groups of every data-parallel group of the job. Collective over the whole job
+    (each rank learns the others' DP groups, then all create the same groups in the same order)."""
+    mine = sorted(dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size()))
+    shape = dp_shape(topology, mine)
+    everyone: list[list[int] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    parents = sorted({tuple(p) for p in everyone if p is not None})
+    groups = LevelGroups(members={}, groups={})
+    for parent in parents:
+        made = new_level_groups(topology, parent)
+        if dist.get_rank() in parent:
+            groups = made
+    self_group, _ = dist.new_subgroups(group_size=1)
+    return ZeroLevels(topology=topology, shape=shape, groups=groups, secondary_level=secondary_level,
+                      grad_reduce=grad_reduce, self_group=self_group)

@@ -1,0 +1,87 @@
+"""Choice of the secondary weight level (``secondary_level: auto``) from the cost model."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from deepspeed_ext.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.cost_model import (
+    FRONTIER_BANDWIDTH_GBPS,
+    DPShape,
+    Links,
+    ModelSpec,
+    comm_time,
+    hierarchical,
+    step_hops,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SecondaryChoice:
+    """The chosen level and the figures behind it."""
+
+    level: str
+    """package, node, or global (no secondary copy)."""
+    extra_bytes: dict[str, int]
+    """Memory per rank the secondary copy takes at each candidate level."""
+    step_seconds: dict[str, float]
+    """Modelled communication time of one step at each candidate level (and global)."""
+    budget_bytes: int
+    """secondary_memory_budget_gb in bytes."""
+    reason: str
+    """One line on why this level."""
+
+
+def links_for(config: HierarchicalZeroConfig, ranks_per_nic: int) -> Links:
+    """The cost model's links from the config (Frontier's figures where it gives none)."""
+    bandwidth = dict(FRONTIER_BANDWIDTH_GBPS)
+    bandwidth.update(config.link_bandwidth_gbps or {})
+    return Links(bandwidth_gbps=bandwidth, ranks_per_nic=ranks_per_nic)
+
+
+def candidate_sizes(shape: DPShape) -> dict[str, int]:
+    """Secondary levels worth having: a node level equal to the whole group is just ZeRO-3."""
+    sizes = {"package": shape.per_package}
+    if shape.nodes > 1:
+        sizes["node"] = shape.per_package * shape.packages_per_node
+    return sizes
+
+
+def choose_secondary_level(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec, links: Links,
+                           micro_batches: int = 1) -> SecondaryChoice:
+    """Fastest level whose extra memory fits the budget (auto), or the configured level."""
+    full = model.padded(shape.size) * model.weight_bytes
+    extra = {level: full // size for level, size in candidate_sizes(shape).items()}
+    seconds = {level: comm_time(step_hops(model, shape, hierarchical(level), micro_batches), links)
+               for level in (*extra, "global")}
+    budget = int(config.secondary_memory_budget_gb * 1e9)
+    requested = config.secondary_level
+    if requested != "auto":
+        if requested not in extra:
+            level, reason = "global", f"{requested} level spans the whole data-parallel group: no secondary copy"
+        else:
+            level, reason = requested, "configured"
+            if extra[level] > budget:
+                reason += f" (over the {config.secondary_memory_budget_gb} GB budget)"
+    else:
+        fitting = [lvl for lvl in extra if extra[lvl] <= budget]
+        if fitting:
+            level = min(fitting, key=lambda lvl: seconds[lvl])
+            reason = "fastest level within the memory budget"
+        else:
+            level, reason = "global", "no level fits the memory budget: backward gathers use the primary partition"
+    return SecondaryChoice(level=level, extra_bytes=extra, step_seconds=seconds, budget_bytes=budget, reason=reason)
+
+
+def describe(choice: SecondaryChoice, shape: DPShape) -> str:
+    """One log line with the numbers behind the choice."""
+    figures = ", ".join(
+        f"{lvl}: +{choice.extra_bytes.get(lvl, 0) / 1e9:.3f} GB, {choice.step_seconds[lvl] * 1e3:.2f} ms/step"
+        for lvl in choice.step_seconds
+    )
+    return (f"hierarchical ZeRO: DP group {shape.size} = {shape.nodes} node(s) x {shape.packages_per_node} "
+            f"package(s) x {shape.per_package}; secondary level {choice.level} ({choice.reason}; budget "
+            f"{choice.budget_bytes / 1e9:.3f} GB); modelled: {figures}")
