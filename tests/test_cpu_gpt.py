@@ -1,0 +1,70 @@
+"""megatron-core's GPTModel on CPU/gloo through the shim: TP=2 (with and without sequence
+parallelism) trains exactly as a single process does, and the shim is inert when CUDA exists."""
+
+import pytest
+import torch
+
+STEPS = 4
+
+
+def _train_losses(tp: int, sequence_parallel: bool) -> list[float]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.gpt import build_gpt_model, gpt_config, gpt_loss
+    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
+
+    enable_cpu_support()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    torch.manual_seed(1)
+    model_parallel_cuda_manual_seed(1)
+    config = gpt_config(num_layers=2, hidden_size=48, num_attention_heads=4, tensor_model_parallel_size=tp,
+                        sequence_parallel=sequence_parallel)
+    model = build_gpt_model(config, vocab_size=128, seq_length=16)
+    allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(STEPS):  # one batch, learnt by heart: the loss must fall
+        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 16),
+                 "position_ids": torch.arange(16).expand(2, 16)}
+        loss = gpt_loss(model, batch)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _all_layouts() -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for tp, sp in ((2, False), (2, True)):
+        out[(tp, sp)] = _train_losses(tp, sp)
+        ps.destroy_model_parallel()
+    # A TP=1 reference on the same process: DP=2 ranks see the same data, so each is a single-process run.
+    out[(1, False)] = _train_losses(1, False)
+    dist.barrier()
+    return out
+
+
+def test_tensor_and_sequence_parallel_gpt_match_a_single_process(run_ranks):
+    results = run_ranks(2, _all_layouts, timeout=300)
+    reference = results[0][(1, False)]
+    assert reference[-1] < reference[0]
+    for rank_result in results:
+        for layout, losses in rank_result.items():
+            assert losses == pytest.approx(reference, rel=1e-5, abs=1e-6), layout
+
+
+def test_shim_is_inert_when_cuda_is_present(monkeypatch):
+    import megatron_ext.cpu as cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cpu, "_enabled", False)
+    before = torch.cuda.current_device
+    assert cpu.enable_cpu_support() is False
+    assert torch.cuda.current_device is before
