@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -33,6 +34,10 @@ TERMINAL_STATES = {
     "DEADLINE",
     "REVOKED",
     "SPECIAL_EXIT",
+}
+LAUNCHER_PARAMS = {
+    "NODES", "TASKS_PER_NODE", "MODEL", "CONFIG", "DATA_PATH", "CHECKPOINT_DIR", "EXTRA_ARGS", "DRY_RUN",
+    "MASTER_ADDR", "MASTER_PORT", "SRUN_ARGS", "TRAIN_SCRIPT", "TRAIN_PYTHON", "ENV_SCRIPT", "REPO_DIR",
 }
 ITERATION_RE = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|\s*loss\s+([0-9.eE+-]+|nan|inf)")
 
@@ -138,7 +143,9 @@ def test_local_sbatch_trains(slurm: None, tmp_path: Path) -> None:
     if os.environ.get("SLURM_TEST_PARTITION"):
         cmd.append(f"--partition={os.environ['SLURM_TEST_PARTITION']}")
     cmd.append(str(LOCAL_SBATCH))
-    env = {**os.environ, "MODEL": "tiny-cpu", "CONFIG": "ds_cpu_local.json", "DRY_RUN": "0"}
+    # The caller's launcher parameters must not leak into the job (sbatch exports the environment).
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_PARAMS}
+    env.update(MODEL="tiny-cpu", CONFIG="ds_cpu_local.json", DRY_RUN="0", TRAIN_PYTHON=sys.executable)
     sub = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
     assert sub.returncode == 0, f"sbatch failed ({sub.returncode}): {sub.stderr.strip()}"
     job_id = sub.stdout.strip().split(";")[0]

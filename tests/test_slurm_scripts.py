@@ -23,7 +23,7 @@ PLATFORMS = ("frontier", "nvidia", "local")
 PARAMS = (
     "NODES", "TASKS_PER_NODE", "MODEL", "CONFIG", "DATA_PATH", "CHECKPOINT_DIR", "EXTRA_ARGS", "DRY_RUN",
     "MASTER_ADDR", "MASTER_PORT", "MODULES", "AWS_OFI_RCCL_DIR", "GPUS_PER_NODE", "GPU_BINDING", "SRUN_ARGS",
-    "PYTHON", "TRAIN_SCRIPT", "ENV_SCRIPT", "REPO_DIR", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
+    "TRAIN_PYTHON", "TRAIN_SCRIPT", "ENV_SCRIPT", "REPO_DIR", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
     "CUDA_VISIBLE_DEVICES", "LAUNCH_LOCAL_RANK",
 )
 # Flags the main job takes (scripts/pretrain_gpt.py's documented interface).
@@ -420,7 +420,7 @@ def test_cluster_script_usage() -> None:
 def test_docs_show_the_real_dry_run() -> None:
     """docs/slurm.md's Frontier example is the actual srun line (checkout path shown as <repo>)."""
     doc = (ROOT / "docs" / "slurm.md").read_text()
-    plan = dry("frontier", NODES="2", PYTHON="python3")
+    plan = dry("frontier", NODES="2", TRAIN_PYTHON="python3")
     line = next(x for x in plan.text.splitlines() if x.startswith("srun ")).replace(str(ROOT), "<repo>")
     assert line in doc, f"docs/slurm.md lacks the current dry-run srun line:\n{line}"
     for name in ("NODES", "MODEL", "CONFIG", "DATA_PATH", "EXTRA_ARGS", "DRY_RUN", "CHECKPOINT_DIR"):

@@ -257,11 +257,11 @@ _resolve_python() {
         # shellcheck disable=SC1090
         source "$ENV_SCRIPT"
     fi
-    if [[ -z "${PYTHON:-}" ]]; then
+    if [[ -z "${TRAIN_PYTHON:-}" ]]; then
         if [[ -x "$REPO_DIR/.venv/bin/python" ]]; then
-            PYTHON="$REPO_DIR/.venv/bin/python"
+            TRAIN_PYTHON="$REPO_DIR/.venv/bin/python"
         else
-            PYTHON=python3
+            TRAIN_PYTHON=python3
         fi
     fi
     TRAIN_SCRIPT="${TRAIN_SCRIPT:-$REPO_DIR/scripts/pretrain_gpt.py}"
@@ -369,7 +369,7 @@ launch() {
     LAUNCH_CMD=(srun "$@" --distribution=block)
     # shellcheck disable=SC2206 # SRUN_ARGS is a whitespace-separated flag string
     LAUNCH_CMD+=(${SRUN_ARGS:-})
-    LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$PYTHON" -u "$TRAIN_SCRIPT" "${train[@]}")
+    LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u "$TRAIN_SCRIPT" "${train[@]}")
 
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "# DRY RUN: nothing is launched"
