@@ -1,0 +1,302 @@
+"""Flash-Overlap linears against a dense single-process computation and megatron-core's own layers
+(TP=2 and 4, both P2P modes, with and without bias), a GPT trained with them, and their errors.
+
+All layer cases of one TP size run in one pool call (module-scoped fixture); tests then read them.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from functools import partial
+
+import pytest
+import torch
+from multirank import RankError
+
+from deepspeed_ext.config import FlashOverlapConfig
+
+S_LOCAL, BATCH = 3, 5
+COL_IN, COL_OUT = 18, 40  # not powers of two; COL_OUT / (TP * stride 2) whole at TP=4
+ROW_IN, ROW_OUT = 36, 22
+ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "allreduce", "sequence_parallel")
+MODES = ("direct", "ring")
+
+# (kind, mode, bias, extra constructor options)
+CASES = [
+    (kind, mode, bias, {})
+    for kind, mode, bias in itertools.product(("column", "row"), MODES, (True, False))
+] + [
+    ("column", "ring", True, {"gather_output": True}),
+    ("column", "direct", True, {"stride": 2, "skip_bias_add": True}),
+    ("row", "ring", True, {"skip_bias_add": True}),
+]
+
+
+def _case_id(case: tuple) -> str:
+    kind, mode, bias, extra = case
+    return "-".join([kind, mode, "bias" if bias else "nobias", *(f"{k}={v}" for k, v in extra.items())])
+
+
+def _setup(tp: int, sequence_parallel: bool = True):
+    from megatron.core import parallel_state as ps
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    from megatron_ext.cpu import enable_cpu_support
+
+    enable_cpu_support()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
+                                 params_dtype=torch.float32, sequence_parallel=sequence_parallel)
+    return config, ps.get_tensor_model_parallel_group()
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _partition(size: int, tp: int, stride: int, rank: int) -> torch.Tensor:
+    """Indices of the weight rows (column) / columns (row) that megatron-core gives ``rank``."""
+    return torch.cat(torch.arange(size).split(size // tp // stride)[rank::tp])
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item() / max(1.0, b.double().abs().max().item())
+
+
+def _run_case(tp: int, config, group, case: tuple) -> dict:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+
+    kind, mode, bias, extra = case
+    rank, n = group.rank(), tp
+    stride, skip = extra.get("stride", 1), extra.get("skip_bias_add", False)
+    size_in, size_out = (COL_IN, COL_OUT) if kind == "column" else (ROW_IN, ROW_OUT)
+    common = dict(config=config, init_method=partial(torch.nn.init.normal_, std=0.3), bias=bias, stride=stride,
+                  skip_bias_add=skip, tp_comm_buffer_name="fc1" if kind == "column" else "fc2")
+    if kind == "column":
+        common["gather_output"] = extra.get("gather_output", False)
+        ours_cls, ref_cls = FlashOverlapColumnParallelLinear, ColumnParallelLinear
+    else:
+        common["input_is_parallel"] = True
+        ours_cls, ref_cls = FlashOverlapRowParallelLinear, RowParallelLinear
+    torch.manual_seed(1234)
+    ours = ours_cls(size_in, size_out, keep_master_weight_for_test=True, p2p_mode=mode, **common)
+    torch.manual_seed(1234)
+    ref = ref_cls(size_in, size_out, **common)
+    result = {"weights_equal": torch.equal(ours.weight, ref.weight),
+              "attrs_equal": all(getattr(p, a, None) == getattr(q, a, None) for p, q in
+                                 zip(ours.parameters(), ref.parameters()) for a in ATTRS)}
+
+    s = S_LOCAL * n
+    seq = slice(rank * S_LOCAL, (rank + 1) * S_LOCAL)
+    w = ours.master_weight.double()
+    x_full, g_full, b_full = _randn(s, BATCH, size_in, seed=1), _randn(s, BATCH, size_out, seed=2), _randn(size_out, seed=3)
+    idx = _partition(size_out if kind == "column" else size_in, n, stride, rank)
+    if bias:
+        for layer in (ours, ref):
+            with torch.no_grad():
+                layer.bias.copy_(b_full[idx] if kind == "column" else b_full)
+
+    # Dense single-process reference in float64 with the master weight.
+    x_dense = x_full.clone().requires_grad_()
+    w_dense = w.clone().requires_grad_()
+    b_dense = b_full.clone().requires_grad_()
+    y_dense = x_dense @ w_dense.t() + b_dense * float(bias)
+    (y_dense * g_full).sum().backward()
+
+    if kind == "column":
+        x_local = x_full[seq]
+        if common["gather_output"]:
+            out_cols = torch.cat([_partition(size_out, n, stride, j) for j in range(n)])
+            want_y, g_local = y_dense[..., out_cols], g_full[..., out_cols]
+        else:
+            want_y, g_local = y_dense[..., idx], g_full[..., idx]
+        want = {"x": x_dense.grad[seq], "w": w_dense.grad[idx], "b": b_dense.grad[idx]}
+    else:
+        x_local = x_full[..., idx]
+        want_y, g_local = y_dense[seq], g_full[seq]
+        want = {"x": x_dense.grad[..., idx], "w": w_dense.grad[:, idx], "b": g_local.sum((0, 1))}
+
+    outputs, grads = {}, {}
+    for name, layer in (("ours", ours), ("ref", ref)):
+        x = x_local.float().clone().requires_grad_()
+        y, returned_bias = layer(x)
+        assert (returned_bias is not None) == (skip and bias)
+        if returned_bias is not None:
+            y = y + returned_bias
+        (y * g_local.float()).sum().backward()
+        outputs[name] = y.detach()
+        grads[name] = {"x": x.grad, "w": layer.weight.grad, "b": layer.bias.grad if bias else None}
+    result["out_vs_dense"] = _max_err(outputs["ours"], want_y)
+    result["out_vs_ref"] = _max_err(outputs["ours"], outputs["ref"])
+    for key in ("x", "w", "b"):
+        if grads["ours"][key] is not None:
+            result[f"grad_{key}_vs_dense"] = _max_err(grads["ours"][key], want[key])
+            result[f"grad_{key}_vs_ref"] = _max_err(grads["ours"][key], grads["ref"][key])
+    return result
+
+
+def _all_cases(tp: int) -> list[dict]:
+    config, group = _setup(tp)
+    return [_run_case(tp, config, group, case) for case in CASES]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def case_results(request, run_ranks):
+    tp = request.param
+    return tp, run_ranks(tp, _all_cases, tp, timeout=120)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
+def test_matches_dense_and_megatron_core(case_results, case):
+    tp, per_rank = case_results
+    for rank, results in enumerate(per_rank):
+        result = results[CASES.index(case)]
+        assert result.pop("weights_equal"), f"TP={tp} rank {rank}: weights differ from megatron-core's for the same seed"
+        assert result.pop("attrs_equal"), f"TP={tp} rank {rank}: parameter attributes differ from megatron-core's"
+        assert len(result) >= 6
+        bad = {k: v for k, v in result.items() if v > 1e-5}
+        assert not bad, f"TP={tp} rank {rank}: {bad}"
+
+
+def _train_gpt(tp: int, mode: str, steps: int) -> dict[str, list[float]]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_ext.gpt import build_gpt_model, gpt_config, gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.layers.spec import get_flash_overlap_layer_spec
+    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
+
+    _setup(tp)
+    seq, vocab = 12, padded_vocab_size(100, tp)
+    tokens = torch.randint(0, 100, (steps, 2, seq + 1), generator=torch.Generator().manual_seed(7))
+    specs = {"megatron": local_layer_spec(),
+             "flash_overlap": get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, mode=mode))}
+    losses: dict[str, list[float]] = {}
+    for name, spec in specs.items():
+        torch.manual_seed(5)
+        model_parallel_cuda_manual_seed(5)
+        config = gpt_config(num_layers=2, hidden_size=24, num_attention_heads=4, ffn_hidden_size=40,
+                            tensor_model_parallel_size=tp, sequence_parallel=True)
+        model = build_gpt_model(config, vocab, seq, copy.deepcopy(spec))
+        allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
+        optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+        losses[name] = []
+        for step in range(steps):
+            batch = {"tokens": tokens[step, :, :-1], "labels": tokens[step, :, 1:],
+                     "loss_mask": torch.ones(2, seq), "position_ids": torch.arange(seq).expand(2, seq)}
+            optimizer.zero_grad()
+            loss = gpt_loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            losses[name].append(loss.item())
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_gpt_trains_to_the_same_losses_as_megatron_core(run_ranks, mode):
+    per_rank = run_ranks(2, _train_gpt, 2, mode, 20, timeout=120)
+    for losses in per_rank:
+        assert losses["flash_overlap"] == pytest.approx(losses["megatron"], rel=2e-5, abs=2e-5)
+    assert per_rank[0]["megatron"][-1] < per_rank[0]["megatron"][0] - 0.3  # it does learn
+
+
+def _bad_inputs() -> dict[str, str]:
+    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+
+    config, _ = _setup(2)
+    init = partial(torch.nn.init.normal_, std=0.1)
+    row = FlashOverlapRowParallelLinear(8, 6, config=config, init_method=init, bias=True, input_is_parallel=True,
+                                        skip_bias_add=False, tp_comm_buffer_name="proj")
+    col = FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, tp_comm_buffer_name="qkv")
+    attempts = {
+        "seq": lambda: row(torch.randn(5, 2, 4)),
+        "dtype": lambda: col(torch.randn(3, 2, 6, dtype=torch.float64)),
+        "device": lambda: col(torch.randn(3, 2, 6, device="meta")),
+        "shape": lambda: col(torch.randn(3, 2, 7)),
+        "no_sp": lambda: FlashOverlapColumnParallelLinear(
+            6, 8, config=dataclasses.replace(config, sequence_parallel=False), init_method=init),
+        "expert": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, is_expert=True),
+        "mode": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, p2p_mode="star"),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = "no error"
+        except (ValueError, TypeError) as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+    return messages
+
+
+def test_bad_inputs_and_options_give_clear_errors(run_ranks):
+    messages = run_ranks(2, _bad_inputs)[0]
+    assert "sequence length 5 is not divisible by the tensor-parallel size 2" in messages["seq"]
+    assert messages["dtype"].startswith("TypeError") and "float64" in messages["dtype"] and "'qkv'" in messages["dtype"]
+    assert "meta" in messages["device"]
+    assert "[s, b, 6]" in messages["shape"]
+    assert "sequence_parallel=True" in messages["no_sp"]
+    assert "is_expert=True" in messages["expert"]
+    assert "'star'" in messages["mode"]
+
+
+def _silent_peer() -> None:
+    config, _ = _setup(2)
+    import torch.distributed as dist
+
+    from megatron_ext.layers import FlashOverlapColumnParallelLinear
+
+    layer = FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=torch.nn.init.zeros_,
+                                             tp_comm_buffer_name="fc1", timeout_s=1.0)
+    if dist.get_rank() == 0:  # rank 1 never enters the layer
+        layer(torch.randn(3, 2, 6))
+
+
+def test_a_silent_peer_raises_a_timeout_naming_peer_and_layer(run_ranks):
+    # Last multi-rank test of the file: the timeout leaves the pool's gloo pair closed, the pool is rebuilt.
+    with pytest.raises(RankError) as info:
+        run_ranks(2, _silent_peer, timeout=60)
+    message = str(info.value)
+    assert "PeerTimeoutError" in message and "layer 'fc1'" in message and "tensor-parallel rank 1" in message
+
+
+def test_single_rank_layers_need_no_process_group():
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+
+    config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32)
+    init = partial(torch.nn.init.normal_, std=0.2)
+    x = torch.randn(7, 3, 10)
+    for ours_cls, ref_cls, extra in ((FlashOverlapColumnParallelLinear, ColumnParallelLinear, {}),
+                                     (FlashOverlapRowParallelLinear, RowParallelLinear,
+                                      {"bias": True, "input_is_parallel": True, "skip_bias_add": False})):
+        torch.manual_seed(0)
+        ours = ours_cls(10, 9, config=config, init_method=init, **extra)
+        torch.manual_seed(0)
+        ref = ref_cls(10, 9, config=config, init_method=init, **extra)
+        assert torch.equal(ours.weight, ref.weight)
+        # megatron-core's own forward needs a process group even at TP=1; compare with the plain GEMM.
+        torch.testing.assert_close(ours(x)[0], torch.nn.functional.linear(x, ref.weight, ref.bias))
+
+
+def test_spec_replaces_the_chosen_linears_and_passes_mode_and_timeout():
+    from megatron_ext.gpt import local_layer_spec
+    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.spec import get_flash_overlap_layer_spec
+
+    spec = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7))
+    attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
+    assert issubclass(attn.linear_qkv, FlashOverlapColumnParallelLinear)
+    assert issubclass(mlp.linear_fc2, FlashOverlapRowParallelLinear)
+    assert (attn.linear_qkv.p2p_mode, attn.linear_qkv.p2p_timeout_s) == ("ring", 7)
+    base = local_layer_spec()
+    assert attn.linear_proj is base.submodules.self_attention.submodules.linear_proj
+    assert mlp.linear_fc1 is base.submodules.mlp.submodules.linear_fc1
+    disabled = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=False))
+    assert disabled.submodules.mlp.submodules.linear_fc2 is base.submodules.mlp.submodules.linear_fc2
