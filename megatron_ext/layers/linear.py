@@ -38,8 +38,7 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
 
 
 class _AllGatherLinear(torch.autograd.Function):
-    """Forward: sequence all-gather fused with X W^T, local slice first; backward: dgrad by GEMM +
-    reduce-scatter (own slice last), wgrad while re-gathering X (paper: decomposed AG / RS + GEMM)."""
+    """Fwd: sequence all-gather fused with X W^T, own slice first; bwd: dgrad GEMM+reduce-scatter, wgrad over re-gathered X (CommFuse: decomposed AG and RS, TPSP)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup) -> torch.Tensor:
@@ -80,8 +79,7 @@ class _AllGatherLinear(torch.autograd.Function):
 
 
 class _LinearReduceScatter(torch.autograd.Function):
-    """Forward: X W^T fused with the sequence reduce-scatter, own slice last; backward: all-gather
-    of the output gradient fused with dgrad and wgrad GEMMs, local slice first (paper: same pair)."""
+    """Fwd: X W^T fused with the sequence reduce-scatter, own slice last; bwd: gradient all-gather fused with dgrad and wgrad (CommFuse: decomposed RS and AG, TPSP)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup) -> torch.Tensor:
@@ -117,7 +115,7 @@ class _LinearReduceScatter(torch.autograd.Function):
 
 
 class _GatherLastDim(torch.autograd.Function):
-    """Forward: all-gather of the TP-split last dimension (gather_output); backward: keep own part."""
+    """Fwd: all-gather of the TP-split last dimension (gather_output, megatron-core's, not overlapped); bwd: keep own part."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -142,7 +142,7 @@ class _Link:
             done.record(self.comm_stream)
             self.compute_stream.wait_event(done)
         if self.og.trace is not None:
-            self.og.trace("wait", label, start, time.perf_counter())
+            self.og.trace("wait", f"{self.og.name} {label}", start, time.perf_counter())
 
     def _wait_one(self, work: dist.Work, peer: int, label: str) -> None:
         context = (
@@ -176,7 +176,7 @@ def _timed(og: OverlapGroup, label: str, fn: Callable[[], torch.Tensor | None]) 
         return fn()
     start = time.perf_counter()
     result = fn()
-    og.trace("compute", label, start, time.perf_counter())
+    og.trace("compute", f"{og.name} {label}", start, time.perf_counter())
     return result
 
 

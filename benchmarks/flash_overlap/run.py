@@ -1,0 +1,99 @@
+"""Flash-Overlap benchmark: the MLP block (fc1, gelu, fc2) under four schedules, side by side.
+
+  python -m benchmarks.flash_overlap.run --network loopback --tp 2 4
+  python -m benchmarks.flash_overlap.run --network cluster --mbit 400 --tp 2 4     (root: namespaces + tc)
+
+Schedules: p2p_sequential (no overlap), gloo_collectives, chunked_4 (data slicing), flash_overlap
+(the layers). Writes <network>_tp<N>.json / .md and one timeline PNG per regime and method under
+--out, and prints the tables. Remaining arguments go to ``benchmarks.flash_overlap.rank``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from benchmarks.flash_overlap.report import markdown, summarize, timeline_png
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+RANK_MODULE = ["-m", "benchmarks.flash_overlap.rank"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_loopback(tp: int, rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
+    """All ranks as local processes talking over 127.0.0.1."""
+    with tempfile.TemporaryDirectory(prefix="flash-overlap-") as tmp:
+        port = str(_free_port())
+        env = {**os.environ, "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
+        procs = [subprocess.Popen([sys.executable, *RANK_MODULE, *rank_args],
+                                  env={**env, "RANK": str(r), "EMU_RESULT_FILE": f"{tmp}/rank{r}.json"})
+                 for r in range(tp)]
+        try:
+            codes = [p.wait(timeout=timeout) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        if any(codes):
+            raise RuntimeError(f"benchmark ranks exited with {codes}: see their output above")
+        return [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(tp)]
+
+
+def run_cluster(tp: int, mbit: float, rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
+    """All ranks in one emulated package whose links are shaped to ``mbit``."""
+    from benchmarks.cluster import ClusterSpec, EmulatedCluster
+
+    spec = ClusterSpec(1, 1, tp, mbit, mbit, mbit, name=f"flash-overlap-tp{tp}")
+    with EmulatedCluster(spec, prefix="emfo") as cluster:
+        return cluster.launch([*RANK_MODULE, *rank_args], timeout=timeout, echo=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--network", choices=("loopback", "cluster"), default="loopback")
+    parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--mbit", type=float, default=400.0, help="link rate on the emulated cluster")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "flash_overlap")
+    parser.add_argument("--timeout", type=float, default=1200.0)
+    args, rank_args = parser.parse_known_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    for tp in args.tp:
+        load_before = os.getloadavg()[0]
+        if args.network == "loopback":
+            per_rank = run_loopback(tp, rank_args, args.timeout)
+            label = f"loopback_tp{tp}"
+            title = f"Loopback (127.0.0.1, unshaped), TP={tp}"
+        else:
+            per_rank = run_cluster(tp, args.mbit, rank_args, args.timeout)
+            label = f"cluster{args.mbit:g}_tp{tp}"
+            title = f"Emulated cluster, links shaped to {args.mbit:g} Mbit/s, TP={tp}"
+        # The host's load decides how much CPU the ranks and gloo's threads get: report it with the figures.
+        load = f"host load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        summaries = [summarize(per_rank, regime) for regime in per_rank[0]["regimes"]]
+        table = markdown(f"{title} ({load})", summaries, per_rank[0]["args"])
+        print(table, flush=True)
+        (args.out / f"{label}.md").write_text(table + "\n")
+        (args.out / f"{label}.json").write_text(json.dumps({"title": title, "load": load, "args": per_rank[0]["args"],
+                                                            "summaries": summaries}, indent=1))
+        for s in summaries:
+            for name, m in s["methods"].items():
+                timeline_png(args.out / f"{label}_{s['regime']}_{name}.png",
+                             f"{title}, {s['regime']}: {name}, median step {m['step_s'] * 1e3:.1f} ms "
+                             f"(exposed comm {m['exposed_comm_s'] * 1e3:.1f} ms)", m["timeline"])
+
+
+if __name__ == "__main__":
+    main()
