@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import multiprocessing
 import os
 import time
 from collections.abc import Sequence
@@ -33,7 +32,7 @@ from megatron_ext.data.batch import (
     build_attention_mask,
     sequence_length,
 )
-from megatron_ext.data.producer import run_producer
+from megatron_ext.data.producer import ProducerProcess
 from megatron_ext.data.ring import (
     BYTES_READ,
     CLOSED,
@@ -97,7 +96,7 @@ class ShmBatchIterator:
                                   len(node_dp_ranks))
         self._step = 0
         self._ended = False
-        self.producer: multiprocessing.process.BaseProcess | None = None
+        self.producer: ProducerProcess | None = None
         self._ring: Ring | None = None
         if local_index == 0:
             self._create_and_start(dataset, streams, sampler, consumed_samples, dp_size, data_sharding, seed)
@@ -133,12 +132,8 @@ class ShmBatchIterator:
                        max_sleep_s=10e-3)
             os.unlink(self.path)
             label = f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
-            self.producer = multiprocessing.get_context("fork").Process(
-                target=run_producer, name="shm-data-producer", daemon=True,
-                args=(ring, dataset, streams, sampler, consumed_samples, dp_size, data_sharding, seed,
-                      self._timeout, label),
-            )
-            self.producer.start()
+            self.producer = ProducerProcess(ring, dataset, streams, sampler, consumed_samples, dp_size,
+                                            data_sharding, seed, self._timeout, label)
             ring.set(PRODUCER_START, process_start_time(self.producer.pid) or -1)
             ring.set(PRODUCER_PID, self.producer.pid)
             ring.set(STATE, RUNNING)
@@ -243,10 +238,7 @@ class ShmBatchIterator:
         if self.producer is not None:
             if ring.get(STATE) != FAILED:
                 ring.set(STATE, CLOSING)
-            self.producer.join(timeout=10)
-            if self.producer.is_alive():
-                self.producer.kill()
-                self.producer.join(timeout=5)
+            self.producer.stop(timeout_s=2)  # past that it is stuck in a read: its work is moot now
         try:
             ring.mm.close()
         except BufferError:  # a caller still holds a view of the map: it is unmapped when that dies

@@ -1,0 +1,81 @@
+"""Megatron-LM's sampler order (tag core_v0.16.1), checked on hand-worked cases and on the properties
+a resume relies on: a resumed stream is the tail of the uninterrupted one."""
+
+import itertools
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from megatron_ext.data.samplers import BatchSampler, random_batches, sampler_batches, single_pass_batches
+
+
+def test_single_pass_hand_worked():
+    # 10 samples, mbs 2, dp 2: steps of 4 samples; the incomplete chunk [8, 9] is dropped
+    assert list(single_pass_batches(10, 0, 2, 0, 2)) == [[0, 1], [4, 5]]
+    assert list(single_pass_batches(10, 0, 2, 1, 2)) == [[2, 3], [6, 7]]
+    assert list(single_pass_batches(10, 4, 2, 1, 2)) == [[6, 7]]
+    # without drop_last the partial chunk is sliced like a full one
+    assert list(single_pass_batches(10, 4, 2, 0, 2, drop_last=False)) == [[4, 5], [8, 9]]
+    assert list(single_pass_batches(10, 4, 2, 1, 2, drop_last=False)) == [[6, 7], []]
+
+
+def test_single_pass_resume_is_the_tail():
+    fresh = list(single_pass_batches(103, 0, 3, 2, 4))
+    assert list(single_pass_batches(103, 5 * 12, 3, 2, 4)) == fresh[5:]
+
+
+def test_single_pass_rejects_a_used_up_dataset():
+    with pytest.raises(ValueError, match=r"consumed_samples\(10\) must lie in \[0, 10\)"):
+        next(single_pass_batches(10, 10, 2, 0, 2))
+
+
+def _epoch_of(total, mbs, dp, sharding, seed=0):
+    steps = total // (mbs * dp)
+    return [list(itertools.islice(random_batches(total, 0, mbs, r, dp, sharding, seed), steps)) for r in range(dp)]
+
+
+def test_random_sharded_buckets_follow_the_epoch_seeded_permutation():
+    total, mbs, dp = 50, 2, 3  # 8 steps of 6 samples per epoch, 2 samples left over
+    bucket = (total // (mbs * dp)) * mbs
+    for epoch in (0, 1):
+        perm = torch.randperm(bucket, generator=torch.Generator().manual_seed(epoch)).tolist()
+        for r in range(dp):
+            got = list(itertools.islice(random_batches(total, epoch * 48, mbs, r, dp), 8))
+            assert got == [[r * bucket + i for i in perm[k:k + mbs]] for k in range(0, bucket, mbs)]
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_random_epoch_is_a_disjoint_cover(sharding):
+    epoch = _epoch_of(50, 2, 3, sharding)
+    seen = [i for rank in epoch for batch in rank for i in batch]
+    assert len(seen) == len(set(seen)) == 48 and max(seen) < 50
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_random_resume_mid_epoch_and_across_epochs(sharding):
+    for r in range(3):
+        fresh = list(itertools.islice(random_batches(50, 0, 2, r, 3, sharding), 30))
+        for done in (3, 8, 11):  # mid first epoch, at the boundary, mid second epoch
+            resumed = list(itertools.islice(random_batches(50, done * 6, 2, r, 3, sharding), 30 - done))
+            assert resumed == fresh[done:]
+    assert fresh[:8] != fresh[8:16]  # a new permutation per epoch
+
+
+def test_random_seed_shifts_the_epoch_seed():
+    assert _epoch_of(50, 2, 3, True, seed=1)[0][:8] == list(itertools.islice(random_batches(50, 48, 2, 0, 3), 8))
+
+
+def test_random_rejects_a_resume_inside_a_step():
+    with pytest.raises(ValueError, match="not a whole number of steps of 6"):
+        next(random_batches(50, 7, 2, 0, 3))
+
+
+def test_batch_sampler_drives_a_dataloader_and_restarts():
+    sampler = BatchSampler("single", 12, 0, 2, 1, 2)
+    loader = DataLoader(list(range(100, 112)), batch_sampler=sampler)
+    expected = [[102, 103], [106, 107], [110, 111]]
+    assert [b.tolist() for b in loader] == expected
+    assert [b.tolist() for b in loader] == expected
+    with pytest.raises(ValueError, match="expected 'single'"):
+        sampler_batches("cyclic", 12, 0, 2, 0, 1)

@@ -1,0 +1,111 @@
+"""The shared-memory node loader against Megatron's stock path (TP rank 0 reads, then broadcasts):
+every rank must receive the same batches, token for token, for the same settings."""
+
+import glob
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.config import ShmDataLoaderConfig
+from deepspeed_ext.topology import Topology
+from megatron_ext.data.gpt_dataset import gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.data.loader import build_batch_iterator
+
+SEQ, MBS, SLOTS = 32, 2, 3
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A 428-sample corpus (one epoch is short, so resumes cross epoch boundaries), index cached."""
+    root = tmp_path_factory.mktemp("shm-corpus")
+    prefix = str(root / "corpus")
+    write_indexed_dataset(prefix, synthetic_documents(60))
+    assert len(_dataset(prefix, str(root / "cache"))) == 428  # builds the cache once, before the ranks
+    return prefix, str(root / "cache")
+
+
+def _dataset(prefix, cache):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    # The dataset creates the attention mask, so the stock path broadcasts Megatron's own mask.
+    config = gpt_dataset_config(prefix, SEQ, 1234, cache, create_attention_mask=True)
+    return BlendedMegatronDatasetBuilder(GPTDataset, [10, 0, 0], lambda: True, config).build()[0]
+
+
+def _take(iterator, steps):
+    batches = []
+    for _ in range(steps):
+        try:
+            batches.append(next(iterator))
+        except StopIteration:
+            break
+    return batches
+
+
+def _compare(prefix, cache, tp, sampler, consumed, steps, job, topology=None, mask=False):
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    dataset = _dataset(prefix, cache)
+    kwargs = dict(micro_batch_size=MBS, consumed_samples=consumed, topology=topology,
+                  tp_group=ps.get_tensor_model_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
+                  dp_size=ps.get_data_parallel_world_size(), sampler=sampler, create_attention_mask=mask)
+    stock = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=False), **kwargs)
+    expected = _take(stock, steps)
+    stock.close()
+    ours = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=60),
+                                job_id=job, **kwargs)
+    dist.barrier()
+    attached_left = glob.glob(f"/dev/shm/*{job}*")  # unlinked once the node's ranks attached
+    got = _take(ours, steps)
+    ours.close()
+    dist.barrier()
+    assert [list(b) for b in got] == [list(b) for b in expected], "keys differ"
+    for i, (a, b) in enumerate(zip(got, expected)):
+        for key in a:
+            assert torch.equal(a[key], b[key]), f"rank {dist.get_rank()} batch {i} key {key} differs"
+    return dict(batches=len(got), counters=ours.counters.as_dict(), stock=stock.counters.as_dict(),
+                left=attached_left + glob.glob(f"/dev/shm/*{job}*"),
+                dp=ps.get_data_parallel_rank(), tokens=[b["tokens"].sum().item() for b in got])
+
+
+def _check_reads(results, steps, streams_per_node, leaders):
+    for r, res in enumerate(results):
+        assert res["left"] == [], f"rank {r} saw leftover segments {res['left']}"
+        if r in leaders:  # each node reads its samples once, at most `slots` steps ahead
+            assert steps * streams_per_node * MBS <= res["counters"]["samples_read"]
+            assert res["counters"]["samples_read"] <= (steps + SLOTS) * streams_per_node * MBS
+        else:
+            assert res["counters"]["samples_read"] == 0
+
+
+def test_tp2_dp2_single_with_attention_mask(run_ranks, corpus):
+    results = run_ranks(4, _compare, *corpus, 2, "single", 0, 10, uuid.uuid4().hex[:8], mask=True, timeout=120)
+    assert [r["batches"] for r in results] == [10] * 4
+    assert results[0]["tokens"] == results[1]["tokens"] != results[2]["tokens"]  # TP peers share, DP ranks differ
+    assert [r["stock"]["samples_read"] for r in results] == [20, 0, 20, 0]  # stock: TP rank 0 of each DP rank
+    _check_reads(results, 10, streams_per_node=2, leaders={0})
+
+
+def test_tp1_dp4_random(run_ranks, corpus):
+    results = run_ranks(4, _compare, *corpus, 1, "random", 0, 10, uuid.uuid4().hex[:8], timeout=120)
+    assert len({tuple(r["tokens"]) for r in results}) == 4
+    _check_reads(results, 10, streams_per_node=4, leaders={0})
+
+
+@pytest.mark.parametrize("sampler,consumed,batches", [
+    ("random", 100 * 4, 12),  # 7 steps left in epoch 0, then epoch 1
+    ("single", 428 - 3 * 4 - 1, 3),  # 3 steps left: both paths stop at the same step
+])
+def test_resume_mid_epoch(run_ranks, corpus, sampler, consumed, batches):
+    results = run_ranks(4, _compare, *corpus, 2, sampler, consumed, 12, uuid.uuid4().hex[:8], timeout=120)
+    assert [r["batches"] for r in results] == [batches] * 4
+
+
+def test_two_nodes_two_producers(run_ranks, corpus):
+    topology = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)
+    results = run_ranks(4, _compare, *corpus, 1, "random", 50 * 8, 8, uuid.uuid4().hex[:8], topology, timeout=120)
+    _check_reads(results, 8, streams_per_node=2, leaders={0, 2})
