@@ -12,6 +12,7 @@ both measured here before the run; the width ffn sets c):
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import time
 import warnings
@@ -32,10 +33,13 @@ def _steps(mlp: MLP, x: torch.Tensor, fns: dict[str, Schedule], warmup: int, ste
     out: dict[str, list[dict]] = {name: [] for name in fns}
     for i in range(warmup + steps):
         for name, fn in fns.items():
+            gc.collect()  # a collection inside a step would pause it by milliseconds: never during one
+            gc.disable()
             dist.barrier()
             rec = Recorder()
             fn(mlp, x, rec)
             step = time.perf_counter() - rec.t0
+            gc.enable()
             if i >= warmup:
                 out[name].append({"step": step, "compute": rec.total("compute"), "wait": rec.total("wait"),
                                   "events": [(k, label, round(a, 6), round(b, 6)) for k, label, a, b in rec.events]})

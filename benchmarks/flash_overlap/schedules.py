@@ -122,14 +122,15 @@ def chunked(mlp: MLP, x: torch.Tensor, rec: Recorder) -> torch.Tensor:
     chunks = x.split(q)
     gathered = [x.new_empty((q * n, *x.shape[1:])) for _ in range(k)]
     works = [dist.all_gather_into_tensor(g, c.contiguous(), group=mlp.group, async_op=True) for g, c in zip(gathered, chunks)]
-    y = x.new_empty((n, k, q, *x.shape[1:-1], mlp.w1.shape[0]))  # rows of rank j, chunk i at y[j, i]
+    # Chunk-major layout: chunk i of every rank is one contiguous block, for fc1's output and fc2's input.
+    y = x.new_empty((k, n * q, *x.shape[1:-1], mlp.w1.shape[0]))
     for i in range(k):
         rec.wait(f"all-gather chunk {i}", [works[i]])
-        y[:, i] = rec.compute(f"fc1 chunk {i}", lambda i=i: gathered[i] @ mlp.w1.t()).view(n, q, *y.shape[3:])
+        rec.compute(f"fc1 chunk {i}", lambda i=i: torch.matmul(gathered[i], mlp.w1.t(), out=y[i]))
     h = _gelu(rec, y)
     outs, rs_works = [], []
     for i in range(k):
-        part = rec.compute(f"fc2 chunk {i}", lambda i=i: (h[:, i] @ mlp.w2.t()).reshape(n * q, *x.shape[1:]))
+        part = rec.compute(f"fc2 chunk {i}", lambda i=i: h[i] @ mlp.w2.t())
         outs.append(torch.empty_like(chunks[i]))
         rs_works.append(dist.reduce_scatter_tensor(outs[i], part, group=mlp.group, async_op=True))
     rec.wait("reduce-scatter (all chunks)", rs_works)

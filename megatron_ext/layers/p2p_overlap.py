@@ -125,12 +125,12 @@ class _Link:
                 op.tensor.record_stream(self.comm_stream)
         else:
             works = dist.batch_isend_irecv(ops)
-        # gloo returns one work per op; coalescing backends (NCCL) one work guarding the whole batch.
-        per_op = len(works) == len(ops)
-        recv_works = works[:1] if per_op and recv_buf is not None else ([] if per_op else works)
+        # gloo returns one work per op (receive first); coalescing backends (NCCL) one for the batch.
+        receives = int(recv_buf is not None)
+        guard_recv, guard_send = (works[:receives], works[receives:]) if len(works) == len(ops) else (works, works)
         if send_buf is not None:
-            self.sends.append((works[-1:] if per_op else works, dst))
-        return recv_works
+            self.sends.append((guard_send, dst))
+        return guard_recv
 
     def wait(self, works: list[dist.Work], peer: int, label: str) -> None:
         """Block until ``works`` complete, at most ``timeout_s`` each; then order compute after them."""
