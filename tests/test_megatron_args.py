@@ -1,0 +1,189 @@
+"""The suite's flags inside upstream parsers: no clash with Megatron-LM core_v0.16.1 or
+Megatron-DeepSpeed, the Slurm presets parse there, and every flag sets the same field as the JSON."""
+
+import argparse
+import glob
+import json
+import os
+import re
+
+import pytest
+
+from deepspeed_ext.config import ConfigError, load_plugin_config
+from megatron_ext import megatron_lm
+from megatron_ext.args import extra_args_provider, plugin_config_from_args
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "presets")
+# What scripts/slurm/common.sh appends to a preset's flags.
+SLURM_FLAGS = ["--deepspeed-config", "cfg.json", "--data-path", "corpus", "--save", "ckpt", "--load", "ckpt"]
+
+
+def _flags(name):
+    with open(os.path.join(DATA, name)) as f:
+        return [line.strip() for line in f if line.strip() and not line.startswith("#")]
+
+
+def _upstream_parser(name):
+    """A parser holding every flag of the upstream list (any arity), as the upstream parser would."""
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    for flag in _flags(name):
+        parser.add_argument(flag, nargs="*")
+    return parser
+
+
+def _our_flags():
+    """The option strings extra_args_provider adds, read from the help text (public API only)."""
+    base = set(re.findall(r"--[a-z][a-z0-9-]*", argparse.ArgumentParser().format_help()))
+    ours = set(re.findall(r"--[a-z][a-z0-9-]*", extra_args_provider(argparse.ArgumentParser()).format_help()))
+    return ours - base
+
+
+@pytest.mark.parametrize("name", ["megatron_lm_flags.txt", "megatron_deepspeed_flags.txt"])
+def test_no_clash_with_upstream_flags(name):
+    upstream = set(_flags(name))
+    assert len(upstream) > 300, f"{name} looks truncated"
+    clash = (_our_flags() | {"--deepspeed-config"}) & upstream
+    if name == "megatron_lm_flags.txt":
+        assert not clash, f"the suite's flags clash with Megatron-LM's: {sorted(clash)}"
+    else:
+        assert not clash, f"the suite's flags clash with Megatron-DeepSpeed's: {sorted(clash)}"
+    megatron_lm.with_plugin_args()(_upstream_parser(name))  # argparse raises on any clash
+
+
+def test_megatron_deepspeed_order_and_both_json_flags():
+    import deepspeed
+
+    # Megatron-DeepSpeed calls the provider, then adds DeepSpeed's flags.
+    parser = deepspeed.add_config_arguments(megatron_lm.with_plugin_args()(_upstream_parser("megatron_deepspeed_flags.txt")))
+    assert parser.parse_args(["--deepspeed_config", "a.json"]).deepspeed_config == "a.json"
+    assert parser.parse_args(["--deepspeed-config", "b.json"]).deepspeed_config == "b.json"
+
+
+def test_base_provider_runs_first():
+    calls = []
+
+    def base(parser):
+        calls.append("base")
+        parser.add_argument("--modelopt-flag")
+        return parser
+
+    args = megatron_lm.with_plugin_args(base)(argparse.ArgumentParser()).parse_args(["--modelopt-flag", "1", "--flash-overlap"])
+    assert calls == ["base"] and args.modelopt_flag == "1" and args.flash_overlap is True
+
+
+def _preset_tokens(path):
+    with open(path) as f:
+        return [tok for line in f for tok in line.split("#", 1)[0].split()]
+
+
+@pytest.mark.parametrize("name", ["megatron_lm_flags.txt", "megatron_deepspeed_flags.txt"])
+@pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(PRESETS, "*.args"))), ids=os.path.basename)
+def test_slurm_presets_parse_upstream(name, preset):
+    parser = megatron_lm.with_plugin_args()(_upstream_parser(name))
+    tokens = _preset_tokens(preset) + SLURM_FLAGS
+    args, unknown = parser.parse_known_args(tokens)
+    assert unknown == [], f"{os.path.basename(preset)} has flags {name[:-10]} does not know: {unknown}"
+    assert args.deepspeed_config == "cfg.json"
+
+
+BASE = {"zero_optimization": {"stage": 3}}
+# flag argv -> the JSON section that must give the same configuration
+CASES = [
+    (["--shm-data-loader"], {"shm_data_loader": {"enabled": True}}),
+    (["--shm-data-loader-slots", "8"], {"shm_data_loader": {"slots": 8}}),
+    (["--shm-data-loader-timeout", "30"], {"shm_data_loader": {"timeout_s": 30.0}}),
+    (["--shm-data-loader-dir", "/tmp"], {"shm_data_loader": {"shm_dir": "/tmp"}}),
+    (["--hierarchical-zero"], {"hierarchical_zero": {"enabled": True}}),
+    (["--hierarchical-zero-secondary-level", "node"], {"hierarchical_zero": {"secondary_level": "node"}}),
+    (["--hierarchical-zero-memory-budget-gb", "4"], {"hierarchical_zero": {"secondary_memory_budget_gb": 4.0}}),
+    (["--hierarchical-zero-grad-reduce", "flat"], {"hierarchical_zero": {"grad_reduce": "flat"}}),
+    (["--flash-overlap"], {"flash_overlap": {"enabled": True}}),
+    (["--flash-overlap-layers", "qkv", "fc2"], {"flash_overlap": {"layers": ["qkv", "fc2"]}}),
+    (["--flash-overlap-mode", "ring"], {"flash_overlap": {"mode": "ring"}}),
+    (["--flash-overlap-timeout", "12"], {"flash_overlap": {"timeout_s": 12.0}}),
+    (["--ranks-per-node", "8"], {"topology": {"ranks_per_node": 8}}),
+    (["--ranks-per-package", "2"], {"topology": {"ranks_per_package": 2}}),
+]
+
+
+def test_cases_cover_every_flag():
+    assert {argv[0] for argv, _ in CASES} == _our_flags()
+
+
+@pytest.mark.parametrize(("argv", "section"), CASES, ids=[argv[0] for argv, _ in CASES])
+def test_flag_sets_the_json_field(tmp_path, argv, section):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BASE))
+    parser = megatron_lm.with_plugin_args()(_upstream_parser("megatron_lm_flags.txt"))
+    from_flags = plugin_config_from_args(parser.parse_args([*argv, "--deepspeed-config", str(path)]))
+    assert from_flags == load_plugin_config({**BASE, **section})
+    assert from_flags != load_plugin_config(BASE), f"{argv[0]} changed nothing"
+
+
+def test_flag_wins_over_json(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"shm_data_loader": {"enabled": True, "slots": 2}}))
+    parser = megatron_lm.with_plugin_args()(argparse.ArgumentParser())
+    config = plugin_config_from_args(parser.parse_args(["--deepspeed-config", str(path), "--shm-data-loader-slots", "6"]))
+    assert (config.shm_data_loader.enabled, config.shm_data_loader.slots) == (True, 6)
+
+
+# -- the checks of megatron_lm.plugin_config, on the fields Megatron's validate_args sets ----------
+
+def _megatron_lm_args(argv, **fields):
+    args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args(argv)
+    defaults = dict(world_size=4, data_parallel_size=2, pipeline_model_parallel_size=1, dataloader_type="single",
+                    spec=None, full_validation=False, sft=False, hybrid_context_parallel=False)
+    for key, value in {**defaults, **fields}.items():
+        setattr(args, key, value)
+    return args
+
+
+def _megatron_deepspeed_args(argv, ds, **fields):
+    args = _megatron_lm_args(argv, **fields)
+    del args.spec, args.full_validation, args.sft, args.hybrid_context_parallel
+    # DeepSpeed's --deepspeed flag; Megatron-DeepSpeed moves the JSON into deepspeed_config_dict.
+    args.deepspeed, args.deepspeed_config, args.deepspeed_config_dict = True, None, ds
+    args.no_pipeline_parallel = fields.get("no_pipeline_parallel", True)
+    return args
+
+
+def test_megatron_lm_spec_and_loader_accepted():
+    args = _megatron_lm_args(["--flash-overlap", "--shm-data-loader"], spec=list(megatron_lm.SPEC_FLAG),
+                             dataloader_type="cyclic")
+    config = megatron_lm.plugin_config(args)
+    assert config.flash_overlap.enabled and config.shm_data_loader.enabled
+    assert megatron_lm.plugin_config(args) is config  # checked and logged once
+
+
+@pytest.mark.parametrize(("argv", "fields", "needle"), [
+    (["--flash-overlap"], {}, "--spec megatron_ext.megatron_lm flash_overlap_layer_spec"),
+    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
+    (["--shm-data-loader"], {"dataloader_type": "external"}, "single or cyclic"),
+    (["--shm-data-loader"], {"full_validation": True}, "--full-validation"),
+    (["--hierarchical-zero", "--deepspeed-config", "{stage3}"], {}, "--deepspeed"),
+    (["--ranks-per-node", "3"], {}, "ranks_per_node"),
+])
+def test_megatron_lm_unsupported_settings_fail(tmp_path, argv, fields, needle):
+    stage3 = tmp_path / "ds.json"
+    stage3.write_text(json.dumps(BASE))
+    argv = [a.replace("{stage3}", str(stage3)) for a in argv]
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        megatron_lm.plugin_config(_megatron_lm_args(argv, **fields))
+
+
+def test_megatron_deepspeed_reads_the_moved_json():
+    ds = {"zero_optimization": {"stage": 3}, "hierarchical_zero": {"enabled": True}, "shm_data_loader": {"slots": 3}}
+    config = megatron_lm.plugin_config(_megatron_deepspeed_args(["--shm-data-loader"], ds))
+    assert config.hierarchical_zero.enabled and config.zero_stage == 3
+    assert (config.shm_data_loader.enabled, config.shm_data_loader.slots) == (True, 3)
+
+
+@pytest.mark.parametrize(("argv", "fields", "needle"), [
+    (["--flash-overlap"], {}, "legacy"),
+    (["--shm-data-loader"], {"no_pipeline_parallel": False}, "--no-pipeline-parallel"),
+])
+def test_megatron_deepspeed_unsupported_settings_fail(argv, fields, needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
+        megatron_lm.plugin_config(_megatron_deepspeed_args(argv, {}, **fields))
