@@ -37,7 +37,7 @@ def build_batch_iterator(
     topology: Topology | None, tp_group: dist.ProcessGroup | None, dp_rank: int, dp_size: int,
     sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
     create_attention_mask: bool = False, job_id: str | None = None, name: str = "train",
-    device: torch.device | str | None = None,
+    device: torch.device | str | None = None, num_workers: int = 0,
 ) -> BatchIterator:
     """This rank's micro-batches in Megatron's sampler order from ``consumed_samples`` on.
 
@@ -48,6 +48,8 @@ def build_batch_iterator(
     the group that shares a batch on the stock path; ``job_id`` (None: Slurm's, or a hash of the
     rendezvous variables) and ``name`` (one per loader of the job, e.g. train, valid) name the
     shared-memory segment. ``device``: where the tensors go (a CUDA device on GPU jobs).
+    ``num_workers``: DataLoader worker processes of the stock path (Megatron's ``--num-workers``);
+    the node loader reads in its producer process instead.
     """
     for prefix in indexed_prefixes(dataset):
         check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
@@ -55,7 +57,7 @@ def build_batch_iterator(
                   sampler=sampler, seed=seed, data_sharding=data_sharding,
                   create_attention_mask=create_attention_mask, device=device)
     if not config.enabled:
-        return StockBatchIterator(dataset, tp_group=tp_group, dp_rank=dp_rank, **common)
+        return StockBatchIterator(dataset, tp_group=tp_group, dp_rank=dp_rank, num_workers=num_workers, **common)
     rank, world = dist.get_rank(), dist.get_world_size()
     topology = topology or detect_topology(world_size=world)
     dp_ranks: list[Any] = [None] * world

@@ -1,7 +1,8 @@
 """The node's producer: reads every sample the node's ranks need, once, into the ring.
 
 It runs in a process that the node's first rank forks right after every rank has attached, as
-torch's DataLoader forks its workers: the dataset (memory maps of the ``.bin``/``.idx`` files and
+torch's DataLoader forks its workers (with ``os.fork`` itself: multiprocessing refuses children to
+daemonic processes, which launchers and test pools use for ranks): the dataset (memory maps of the ``.bin``/``.idx`` files and
 megatron-core's index arrays) is shared copy-on-write instead of being pickled, the start costs
 milliseconds, and the reads (page faults on the memory-mapped ``.bin``, which hold the GIL) never
 stall the training thread of the rank that hosts it. The child touches neither CUDA nor
@@ -13,6 +14,8 @@ where every rank of the node finds and raises it.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import traceback
 from collections.abc import Sequence
@@ -42,20 +45,49 @@ from megatron_ext.data.samplers import SamplerKind, sampler_batches
 from megatron_ext.data.shm_segment import is_alive
 
 
-def run_producer(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind, consumed_samples: int,
-                 dp_size: int, data_sharding: bool, seed: int, timeout_s: float, label: str) -> None:
-    """Entry point of the producer process; ``dp_ranks[k]`` is the DP rank whose samples go to stream k."""
-    try:
-        torch.set_num_threads(1)  # one reader; the node's cores belong to training
-        _produce(ring, dataset, dp_ranks, kind, consumed_samples, dp_size, data_sharding, seed, timeout_s, label)
-    except BaseException as e:
-        if ring.get(STATE) != CLOSING:
-            ring.fail(f"{label} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
-        raise
+class ProducerProcess:
+    """The forked producer, seen from the rank that started it."""
+
+    def __init__(self, ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind,
+                 consumed_samples: int, dp_size: int, data_sharding: bool, seed: int, label: str) -> None:
+        """Fork and run; ``dp_ranks[k]`` is the DP rank whose samples go to stream k."""
+        self.exitcode: int | None = None
+        self.pid = os.fork()
+        if self.pid:
+            return
+        code = 1
+        try:  # the child: never returns into the caller's stack
+            torch.set_num_threads(1)  # one reader; the node's cores belong to training
+            _produce(ring, dataset, dp_ranks, kind, consumed_samples, dp_size, data_sharding, seed, label)
+            code = 0
+        except BaseException as e:
+            if ring.get(STATE) != CLOSING:
+                ring.fail(f"{label} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
+            traceback.print_exc()
+        finally:
+            os._exit(code)  # no atexit handlers or finalizers of the parent's objects (process groups)
+
+    def poll(self) -> int | None:
+        """The exit code once the process has ended (and is reaped), else None."""
+        if self.exitcode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.exitcode = os.waitstatus_to_exitcode(status)
+        return self.exitcode
+
+    def stop(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` for it to leave (after it was asked to), then kill it."""
+        deadline = time.monotonic() + timeout_s
+        while self.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.exitcode is None:
+            os.kill(self.pid, signal.SIGKILL)
+            self.exitcode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.exitcode
 
 
 def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind, consumed_samples: int,
-             dp_size: int, data_sharding: bool, seed: int, timeout_s: float, label: str) -> None:
+             dp_size: int, data_sharding: bool, seed: int, label: str) -> None:
     lay = ring.layout
     streams = [
         sampler_batches(kind, len(dataset), consumed_samples, lay.micro_batch_size, r, dp_size,
@@ -89,7 +121,7 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
             wait_until(
                 lambda done=done: all(closed(c) or ring.get(ring.consumer_word(c, RELEASED)) >= done
                             for c in range(lay.consumers)),
-                check, timeout_s, f"{label} waited for the node's ranks to release slot {slot}", max_sleep_s=5e-3,
+                check, None, f"{label} waited for the node's ranks to release slot {slot}", max_sleep_s=5e-3,
             )
             if all(closed(c) for c in range(lay.consumers)):
                 return

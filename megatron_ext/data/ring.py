@@ -11,8 +11,11 @@ out and then stores ``step + 1`` into its own release word; the producer reuses 
 consumer's release word has passed it. Each word has a single writer and is an aligned 8-byte
 native store (``struct`` native format, one ``memcpy``), so a reader never sees it torn, and
 x86-64 keeps stores in program order, so data written before a sequence word is visible once the
-word is. Every wait polls with a short, growing sleep, checks the other side's liveness (pid plus
-start time, which also catches zombies and reused pids) and gives up after a timeout.
+word is. Every wait polls with a short, growing sleep and checks the other side's liveness (pid
+plus start time, which also catches zombies and reused pids). A rank waiting for data gives up
+after ``timeout_s``; the producer waiting for ranks to release a slot waits as long as they live,
+because a live rank may rightly stop reading for long (a validation loader between evaluations, a
+checkpoint save): it stops when one of them dies (and raises) or when all have closed.
 """
 
 from __future__ import annotations
@@ -133,10 +136,11 @@ class Ring:
         return views
 
 
-def wait_until(ready: Callable[[], bool], check: Callable[[], None], timeout_s: float, what: str,
+def wait_until(ready: Callable[[], bool], check: Callable[[], None], timeout_s: float | None, what: str,
                max_sleep_s: float) -> float:
     """Poll ``ready`` until true; ``check`` (which raises on a dead or failed peer) runs every
-    ~50 ms. Returns the seconds waited; raises :class:`RingError` after ``timeout_s``."""
+    ~50 ms. Returns the seconds waited; raises :class:`RingError` after ``timeout_s``. None: no
+    clock limit, for a wait that ``check`` bounds by the life of the processes it waits for."""
     if ready():
         return 0.0
     start = time.monotonic()
@@ -149,7 +153,7 @@ def wait_until(ready: Callable[[], bool], check: Callable[[], None], timeout_s: 
             next_check = now + 0.05
         if ready():
             return time.monotonic() - start
-        if now - start > timeout_s:
+        if timeout_s is not None and now - start > timeout_s:
             raise RingError(
                 f"{what}: nothing after {timeout_s:.0f} s (shm_data_loader.timeout_s); the peer is alive but stuck, "
                 "or a pause (checkpoint save, evaluation) lasts longer than the timeout: raise timeout_s"

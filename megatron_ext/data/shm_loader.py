@@ -133,7 +133,7 @@ class ShmBatchIterator:
             os.unlink(self.path)
             label = f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
             self.producer = ProducerProcess(ring, dataset, streams, sampler, consumed_samples, dp_size,
-                                            data_sharding, seed, self._timeout, label)
+                                            data_sharding, seed, label)
             ring.set(PRODUCER_START, process_start_time(self.producer.pid) or -1)
             ring.set(PRODUCER_PID, self.producer.pid)
             ring.set(STATE, RUNNING)
