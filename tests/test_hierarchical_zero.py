@@ -124,6 +124,19 @@ def _variants(ckpt_dir: str) -> dict:
         level = engine.hierarchical_zero.levels.secondary_level if kind == "ours" else None
         runs[name] = {"losses": losses, "counts": counts, "params": full_params(engine), "level": level}
         engine.destroy()
+    # Built partitioned under our zero.Init, with the plan the engine then uses.
+    from deepspeed_ext import zero
+
+    cfg = ds_config({"secondary_level": "auto"})
+    reset_deepspeed_globals()
+    plan = zero.prepare(cm.ModelSpec(mlp_numels(), weight_bytes=4, grad_bytes=4), cfg, topology=TOPOLOGY)
+    with zero.Init(plan.levels, config_dict_or_path=cfg):
+        net = mlp()
+    engine, *_ = zero.initialize(model=net, config=cfg, topology=TOPOLOGY, plan=plan, model_parameters=net.parameters())
+    reset_deepspeed_globals()
+    losses, _ = train(engine, range(STEPS), rank, MICRO)
+    runs["zero_init"] = {"losses": losses, "params": full_params(engine)}
+    engine.destroy()
     # Interrupted run: 5 steps, save, a fresh engine loads and does the other 5.
     cfg = ds_config({"secondary_level": "auto"})
     engine = make_engine("ours", cfg, mlp())
@@ -146,7 +159,7 @@ def runs(run_ranks, tmp_path_factory):
 def test_losses_and_parameters_equal_stock_zero3(runs):
     for rank_runs in runs:
         ref = rank_runs["zero3"]
-        for name in ("hpz", "package", "node", "resumed"):
+        for name in ("hpz", "package", "node", "zero_init", "resumed"):
             torch.testing.assert_close(torch.tensor(rank_runs[name]["losses"]), torch.tensor(ref["losses"]), **TOL)
             for got, want in zip(rank_runs[name]["params"], ref["params"]):
                 torch.testing.assert_close(got, want, **TOL)

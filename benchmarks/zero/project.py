@@ -5,7 +5,7 @@
 Prints TFLOPS per GCD of each variant, our ratio to ZeRO++ (hpZ only, as measured here, and with
 qwZ+qgZ on paper) next to the paper's 1.71x, and our scaling efficiency from 8 to 384 GCDs next to
 its 0.94, for communication hidden behind compute not at all, half, or fully. Writes
-benchmarks/results/zero/projection.{json,md}.
+benchmarks/results/zero/<name>.{json,md} (default name: projection).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--budget-gb", type=float, default=24.0, help="secondary_memory_budget_gb")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 6, 12, 24, 48])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--name", default="projection", help="file name stem of the JSON and markdown")
     args = parser.parse_args()
     gpt = GPT()
     results: dict = {"gpt": asdict(gpt) | {"params": gpt.params}, "args": {k: str(v) for k, v in vars(args).items()},
@@ -124,8 +125,8 @@ def main() -> None:
     table = markdown(results, args)
     print(table)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "projection.json").write_text(json.dumps(results, indent=1))
-    (args.out / "projection.md").write_text(table + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
+    (args.out / f"{args.name}.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -133,16 +133,27 @@ def prepare(model: torch.nn.Module | ModelSpec, config: Union[str, os.PathLike, 
     return HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
 
 
-def initialize(model: torch.nn.Module, config: Union[str, os.PathLike, dict], plugin_config: PluginConfig | None = None,
-               mpu: Any = None, topology: Topology | None = None, plan: HierarchicalPlan | None = None,
-               **kwargs: Any) -> tuple:
+def _config_source(config: Union[str, os.PathLike, dict, None], kwargs: dict) -> Union[str, os.PathLike, dict]:
+    """The DeepSpeed config wherever ``deepspeed.initialize`` would find it (config, config_params,
+    args.deepspeed_config)."""
+    source = config if config is not None else kwargs.get("config_params")
+    source = source if source is not None else getattr(kwargs.get("args"), "deepspeed_config", None)
+    if source is None:
+        raise ConfigError("no DeepSpeed config: pass config=<dict or JSON path> (or args.deepspeed_config)")
+    return source
+
+
+def initialize(model: torch.nn.Module, config: Union[str, os.PathLike, dict, None] = None,
+               plugin_config: PluginConfig | None = None, mpu: Any = None, topology: Topology | None = None,
+               plan: HierarchicalPlan | None = None, **kwargs: Any) -> tuple:
     """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``
     (else exactly ``deepspeed.initialize``). ``kwargs`` go to ``deepspeed.initialize`` unchanged.
     Returns what it returns; the engine carries the plan as ``engine.hierarchical_zero``."""
-    plugin_config = plugin_config or load_plugin_config(read_ds_config(config))
+    source = _config_source(config, kwargs)
+    plugin_config = plugin_config or load_plugin_config(read_ds_config(source))
     if not plugin_config.hierarchical_zero.enabled:
         return deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)
-    plan = plan or prepare(model, config, plugin_config, mpu=mpu, topology=topology)
+    plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
     levels = plan.levels
     foreign = [p for p in model.parameters() if hasattr(p, "ds_process_group") and p.ds_process_group is not levels.dp_group]
     if foreign:
