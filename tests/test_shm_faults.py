@@ -13,7 +13,7 @@ import pytest
 
 from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
-from megatron_ext.data.ring import RingError
+from megatron_ext.data.ring import RingError, wait_until
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import segment_path
 
@@ -161,3 +161,17 @@ def test_a_stuck_producer_times_out_the_consumer(dataset, path):
         next(leader)
     assert time.monotonic() - start < 3
     leader.close()
+
+
+def test_data_published_before_the_peer_left_still_counts():
+    # The first rank reads the last batch and closes while a peer is between two polls: the peer
+    # must take the batch that is there, not report the closed ring.
+    published = []
+
+    def peer_left():
+        published.append(True)
+        raise RingError("closed")
+
+    assert wait_until(lambda: bool(published), peer_left, 1.0, "a batch", max_sleep_s=1e-3) >= 0
+    with pytest.raises(RingError, match="closed"):
+        wait_until(lambda: False, peer_left, 1.0, "a batch", max_sleep_s=1e-3)
