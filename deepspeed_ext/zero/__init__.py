@@ -2,29 +2,37 @@
 
 The main job calls :func:`initialize` where it would call ``deepspeed.initialize``; with
 ``hierarchical_zero.enabled`` false it is ``deepspeed.initialize``. See docs/hierarchical_zero.md.
+Names are imported on first use, so that the cost model and the planner load without DeepSpeed.
 """
 
-from deepspeed_ext.zero.api import (
-    HierarchicalPlan,
-    check_deepspeed_version,
-    initialize,
-    model_spec,
-    prepare,
-    validate_deepspeed_config,
-)
-from deepspeed_ext.zero.inject import Init, LevelMPU, uninstall_dispatchers
-from deepspeed_ext.zero.levels import ZeroLevels, dp_shape
+from __future__ import annotations
 
-__all__ = [
-    "HierarchicalPlan",
-    "Init",
-    "LevelMPU",
-    "ZeroLevels",
-    "check_deepspeed_version",
-    "dp_shape",
-    "initialize",
-    "model_spec",
-    "prepare",
-    "uninstall_dispatchers",
-    "validate_deepspeed_config",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "HierarchicalPlan": "api",
+    "check_deepspeed_version": "api",
+    "initialize": "api",
+    "model_spec": "api",
+    "prepare": "api",
+    "validate_deepspeed_config": "api",
+    "Init": "inject",
+    "LevelMPU": "inject",
+    "uninstall_dispatchers": "inject",
+    "ZeroLevels": "levels",
+    "dp_shape": "levels",
+}
+
+_SUBMODULES = ("api", "cost_model", "hops", "inject", "levels", "planner")
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
