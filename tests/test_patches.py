@@ -1,0 +1,231 @@
+"""The upstream patches (well-formed, touching only their files, applying to the pinned versions
+when a checkout is given) and the hooks they call, run with a fake Megatron ``args``."""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import types
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_ext import megatron_lm
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PATCHES = os.path.join(ROOT, "patches")
+# patch -> (files it may touch, env var naming an upstream checkout, pinned commit)
+EXPECTED = {
+    "megatron-lm-core_v0.16.1.patch": ({"pretrain_gpt.py"}, "MEGATRON_LM_DIR", "55ac7082517c3878ae653c07c09c534b8aed49f6"),
+    "megatron-deepspeed-4efb479.patch": ({"pretrain_gpt.py", "megatron/training.py"}, "MEGATRON_DEEPSPEED_DIR",
+                                         "4efb479d5317ce9b86096b9d8e3e8030b0b5263b"),
+}
+HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
+
+
+def _read(name):
+    with open(os.path.join(PATCHES, name)) as f:
+        return f.read()
+
+
+def _parse(text):
+    """{file: [(old_count, new_count, lines)]}; raises AssertionError on anything malformed."""
+    files, hunks, current, lines = {}, None, None, iter(text.splitlines())
+    for line in lines:
+        if line.startswith("diff --git "):
+            a, b = line.split()[2:4]
+            assert a[2:] == b[2:] and a.startswith("a/") and b.startswith("b/"), f"renames not expected: {line}"
+            current = a[2:]
+            hunks = files.setdefault(current, [])
+        elif line.startswith("--- "):
+            assert line == f"--- a/{current}", line
+            assert next(lines) == f"+++ b/{current}"
+        elif line.startswith("@@"):
+            m = HUNK.match(line)
+            assert m and current, f"bad hunk header: {line}"
+            old, new = int(m.group(2) or 1), int(m.group(4) or 1)
+            body, seen_old, seen_new = [], 0, 0
+            while seen_old < old or seen_new < new:
+                row = next(lines)
+                assert row[:1] in (" ", "-", "+"), f"{current}: bad hunk line {row!r}"
+                seen_old += row[:1] in " -"
+                seen_new += row[:1] in " +"
+                body.append(row)
+            assert (seen_old, seen_new) == (old, new), f"{current}: hunk counts {line} do not match its lines"
+            hunks.append((old, new, body))
+    return files
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_patch_is_well_formed_and_minimal(name):
+    files = _parse(_read(name))
+    allowed, _, commit = EXPECTED[name]
+    assert set(files) == allowed, f"{name} touches {sorted(files)}, expected {sorted(allowed)}"
+    assert commit in _read(name).split("diff --git")[0], f"{name} must name the upstream commit {commit}"
+    assert commit in _read("README.md"), f"patches/README.md must name {commit}"
+    for path, hunks in files.items():
+        for _, _, body in hunks:
+            context = [row for row in body if row.startswith(" ")]
+            assert len(context) <= 2, f"{name}:{path}: keep one context line per side"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_patch_calls_existing_hooks(name):
+    added = "\n".join(row for hunks in _parse(_read(name)).values() for _, _, body in hunks for row in body
+                      if row.startswith("+"))
+    called = set(re.findall(r"megatron_lm\.(\w+)", added))
+    assert called, f"{name} calls no hook"
+    missing = sorted(n for n in called if not callable(getattr(megatron_lm, n, None)))
+    assert not missing, f"{name} calls megatron_lm.{missing}, which do not exist"
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_patch_applies_upstream(name):
+    _, env, commit = EXPECTED[name]
+    checkout = os.environ.get(env)
+    if not checkout:
+        pytest.skip(f"set {env} to an upstream checkout at commit {commit} to run git apply --check")
+    head = subprocess.run(["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result = subprocess.run(["git", "apply", "--check", os.path.join(PATCHES, name)], cwd=checkout,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, (f"{name} does not apply in {checkout} (HEAD {head or 'not a git checkout'}, "
+                                    f"pinned {commit}):\n{result.stderr}")
+
+
+# -- the model hook (Megatron-LM's --spec) -----------------------------------------------------
+
+def test_spec_is_what_megatron_lm_imports():
+    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    # Megatron-LM's gpt_builder: transformer_layer_spec = import_module(args.spec), used as is.
+    spec = import_module(list(megatron_lm.SPEC_FLAG))
+    assert isinstance(spec, ModuleSpec) and issubclass(spec.module, TransformerLayer)
+
+
+def test_flash_overlap_submodules_follow_the_config():
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from deepspeed_ext.config import FlashOverlapConfig
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+
+    base = megatron_lm.flash_overlap_layer_spec.submodules
+    overlap = FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7)
+    subs = megatron_lm.flash_overlap_submodules(base, overlap)
+    attention, mlp = subs.self_attention.submodules, subs.mlp.submodules
+    assert issubclass(attention.linear_qkv, FlashOverlapColumnParallelLinear)
+    assert issubclass(mlp.linear_fc2, FlashOverlapRowParallelLinear)
+    assert (attention.linear_qkv.p2p_mode, mlp.linear_fc2.p2p_timeout_s) == ("ring", 7)
+    assert attention.linear_proj is RowParallelLinear and mlp.linear_fc1 is ColumnParallelLinear
+    assert base.self_attention.submodules.linear_qkv is ColumnParallelLinear, "the module-level spec was changed"
+
+
+# -- Megatron-DeepSpeed's samples --------------------------------------------------------------
+
+def test_text_samples_round_trip():
+    seq = 6
+    legacy = [{"text": np.arange(i, i + seq + 1, dtype=np.int64)} for i in range(3)]
+    samples = megatron_lm.TextSamples(legacy, seq)
+    item = samples[2]
+    assert len(samples) == 3 and samples.config.sequence_length == seq
+    assert torch.equal(torch.cat([item["tokens"], item["labels"][-1:]]), torch.arange(2, 2 + seq + 1))
+    with pytest.raises(ValueError, match="--seq-length 5"):
+        megatron_lm.TextSamples(legacy, 5)[0]
+
+
+# -- the data hooks on 2 ranks, against build_batch_iterator -----------------------------------
+
+SEQ, MBS, STEPS = 32, 2, 5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from megatron_ext.data.gpt_dataset import synthetic_documents, write_indexed_dataset
+
+    root = tmp_path_factory.mktemp("hooks-corpus")
+    prefix = str(root / "corpus")
+    write_indexed_dataset(prefix, synthetic_documents(40))
+    _dataset(prefix, str(root / "cache"))  # index caches built once, before the ranks read them
+    return prefix, str(root / "cache")
+
+
+def _dataset(prefix, cache):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    from megatron_ext.data.gpt_dataset import gpt_dataset_config
+
+    config = gpt_dataset_config(prefix, SEQ, 1234, cache, create_attention_mask=True)
+    return BlendedMegatronDatasetBuilder(GPTDataset, [40, 0, 0], lambda: True, config).build()[0]
+
+
+def _fake_args(dp, consumed):
+    """The fields Megatron-LM's parse_args / validate_args / checkpoint loading set, as a Namespace."""
+    args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args(
+        ["--shm-data-loader", "--shm-data-loader-slots", "3", "--shm-data-loader-timeout", "60"])
+    fields = dict(micro_batch_size=MBS, global_batch_size=MBS * dp, iteration=consumed // (MBS * dp),
+                  consumed_train_samples=consumed, consumed_valid_samples=MBS * dp, dataloader_type="cyclic",
+                  data_sharding=True, create_attention_mask_in_dataloader=True, skip_train=False, world_size=2,
+                  data_parallel_size=dp, pipeline_model_parallel_size=1, spec=None)
+    for key, value in fields.items():
+        setattr(args, key, value)
+    return args
+
+
+def _hooks_match_loader(prefix, cache, tp, consumed, job):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.rerun_state_machine import RerunDataIterator
+
+    from deepspeed_ext.config import ShmDataLoaderConfig
+    from megatron_ext.data.loader import build_batch_iterator
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    dataset = _dataset(prefix, cache)
+    args = _fake_args(ps.get_data_parallel_world_size(), consumed)
+    # Megatron-LM's global args, as pretrain() leaves them (upstream is not installed here).
+    fake = types.ModuleType("megatron.training")
+    fake.get_args = lambda: args
+    sys.modules["megatron.training"] = fake
+    os.environ["SLURM_JOB_ID"] = job  # this run's segment names
+    built = []
+    try:
+        provider = megatron_lm.DatasetsProvider(lambda sizes: (dataset, dataset, None))
+        assert provider.is_distributed and megatron_lm.shm_loader_enabled()
+        train, valid, test = built = provider([40, 40, 0])
+        assert test is None and args.dataloader_type == "external"
+        wrapped = RerunDataIterator(train)  # what Megatron-LM hands to forward_step
+        got = [megatron_lm.get_batch_on_this_tp_rank(wrapped) for _ in range(STEPS)]
+        got_valid = [megatron_lm.get_batch_on_this_tp_rank(valid) for _ in range(2)]
+        text = megatron_lm.text_batch(["text"], train, torch.int64)
+        after = next(train)
+    finally:
+        del sys.modules["megatron.training"], os.environ["SLURM_JOB_ID"]
+        for it in built:
+            if it is not None:
+                it.close()
+    kwargs = dict(micro_batch_size=MBS, config=ShmDataLoaderConfig(enabled=False), topology=None,
+                  tp_group=ps.get_tensor_model_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
+                  dp_size=ps.get_data_parallel_world_size(), sampler="random", create_attention_mask=True)
+    stock = build_batch_iterator(dataset, consumed_samples=consumed, **kwargs)
+    expected = [next(stock) for _ in range(STEPS + 2)]
+    stock_valid = build_batch_iterator(dataset, consumed_samples=args.consumed_valid_samples, **kwargs)
+    expected_valid = [next(stock_valid) for _ in range(2)]
+    dist.barrier()
+    for i, (a, b) in enumerate(zip(got + got_valid, expected[:STEPS] + expected_valid)):
+        for key, value in b.items():
+            assert torch.equal(a[key], value), f"rank {dist.get_rank()} batch {i} {key} differs"
+        assert a["cu_seqlens"] is None and a["max_seqlen"] is None
+    assert torch.equal(text["text"][:, :-1], expected[STEPS]["tokens"])
+    assert torch.equal(text["text"][:, 1:], expected[STEPS]["labels"])
+    assert torch.equal(after["tokens"], expected[STEPS + 1]["tokens"])
+    return ps.get_data_parallel_rank()
+
+
+@pytest.mark.parametrize(("tp", "consumed"), [(2, 0), (1, 12)])
+def test_hooks_give_the_loader_batches(run_ranks, corpus, tp, consumed):
+    dp_ranks = run_ranks(2, _hooks_match_loader, *corpus, tp, consumed, uuid.uuid4().hex[:10], timeout=180)
+    assert dp_ranks == ([0, 0] if tp == 2 else [0, 1])
