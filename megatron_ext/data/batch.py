@@ -8,7 +8,6 @@ mask, when asked for, is ``[micro_batch_size, 1, s, s]`` bool with True where at
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -78,7 +77,3 @@ def build_attention_mask(tokens: torch.Tensor, dataset: Any) -> torch.Tensor:
                 mask[b, 0, i + 1:, : i + 1] = True
     return mask
 
-
-def collate(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack the stored keys of ``samples`` in Megatron's dtypes (what torch's default collate gives)."""
-    return {key: torch.stack([s[key] for s in samples]).to(dtype) for key, dtype in STORED_KEYS}

@@ -89,7 +89,7 @@ class ShmBatchIterator:
         self._local = local_index
         self._rank = rank
         self._mask = create_attention_mask
-        self._device = torch.device(device or "cpu")
+        self._device = torch.device("cpu" if device is None else device)
         streams = sorted(set(node_dp_ranks))
         self._stream = streams.index(node_dp_ranks[local_index])
         self._layout = RingLayout(config.slots, len(streams), micro_batch_size, sequence_length(dataset),

@@ -44,7 +44,7 @@ class StockBatchIterator:
         self._is_src = dist.get_rank() == self._src
         self._shape = (micro_batch_size, sequence_length(dataset))
         self._mask = create_attention_mask
-        self._device = torch.device(device or "cpu")
+        self._device = torch.device("cpu" if device is None else device)
         self._sample_bytes = sample_bytes(dataset)
         batches = BatchSampler(sampler, len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size,
                                data_sharding=data_sharding, seed=seed)
