@@ -76,12 +76,16 @@ def choose_secondary_level(config: HierarchicalZeroConfig, shape: DPShape, model
     return SecondaryChoice(level=level, extra_bytes=extra, step_seconds=seconds, budget_bytes=budget, reason=reason)
 
 
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"
+
+
 def describe(choice: SecondaryChoice, shape: DPShape) -> str:
     """One log line with the numbers behind the choice."""
     figures = ", ".join(
-        f"{lvl}: +{choice.extra_bytes.get(lvl, 0) / 1e9:.3f} GB, {choice.step_seconds[lvl] * 1e3:.2f} ms/step"
+        f"{lvl}: +{_size(choice.extra_bytes.get(lvl, 0))}, {choice.step_seconds[lvl] * 1e3:.2f} ms/step"
         for lvl in choice.step_seconds
     )
     return (f"hierarchical ZeRO: DP group {shape.size} = {shape.nodes} node(s) x {shape.packages_per_node} "
             f"package(s) x {shape.per_package}; secondary level {choice.level} ({choice.reason}; budget "
-            f"{choice.budget_bytes / 1e9:.3f} GB); modelled: {figures}")
+            f"{_size(choice.budget_bytes)}); modelled: {figures}")
