@@ -15,6 +15,7 @@ import os
 import sys
 import time
 import warnings
+from typing import Any
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)  # run from a checkout without installing
@@ -24,6 +25,7 @@ from scripts.train_setup import (  # noqa: E402
     build_data_iterator,
     build_engine,
     build_model,
+    comm_counter,
     deepspeed_config_for,
     init_distributed,
     plugin_figures,
@@ -85,13 +87,12 @@ def _lr_at(args: argparse.Namespace, iteration: int) -> float:
 
 
 def train(args: argparse.Namespace) -> None:
-    import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from deepspeed_ext import comm as deepspeed_comm
     from deepspeed_ext.config import log_effective_config, validate_against_world
     from megatron_ext.args import plugin_config_from_args
-    from megatron_ext.gpt import gpt_loss
 
     plugins = plugin_config_from_args(args)  # config errors surface before any process group exists
     world, rank = init_distributed(args)
@@ -117,9 +118,32 @@ def train(args: argparse.Namespace) -> None:
 
     global_batch = ds_config["train_micro_batch_size_per_gpu"] * ds_config["gradient_accumulation_steps"] * dp
     data = build_data_iterator(args, plugins, data_prefix, consumed, global_batch)
-    device = next(engine.module.parameters()).device
     log_file = open(args.log_json, "a") if args.log_json and rank == 0 else None  # noqa: SIM115
+    counter = comm_counter(plugins)
+    try:
+        with deepspeed_comm.counting(counter):
+            _train_loop(args, engine, data, counter, start_iteration, consumed, global_batch, log_file)
+    finally:
+        data.close()
+        if log_file:
+            log_file.close()
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _train_loop(args: argparse.Namespace, engine: Any, data: Any, counter: Any, start_iteration: int,
+                consumed: int, global_batch: int, log_file: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.gpt import gpt_loss
+
+    rank, dp = dist.get_rank(), ps.get_data_parallel_world_size()
+    device = next(engine.module.parameters()).device
     for iteration in range(start_iteration, args.train_iters):
+        counter.reset()
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]  # the rate this iteration's step uses
         losses = []
@@ -134,29 +158,23 @@ def train(args: argparse.Namespace) -> None:
         dist.all_reduce(mean, group=ps.get_data_parallel_group())
         mean = mean.item() / dp
         elapsed = time.perf_counter() - t0
-        figures = plugin_figures(data)
-        record = {"iteration": iteration + 1, "loss": mean, "lr": lr,
-                  "tokens_per_s": global_batch * args.seq_length / elapsed, **figures}
-        if (iteration + 1) % args.log_interval == 0:
+        figures = plugin_figures(data, counter)
+        done = iteration + 1
+        record = {"iteration": done, "loss": mean, "lr": lr, "tokens_per_s": global_batch * args.seq_length / elapsed,
+                  **figures}
+        if done % args.log_interval == 0:
             extras = "".join(f" | {k} {v}" for k, v in figures.items())
-            _log(rank, f"iteration {iteration + 1}/{args.train_iters} | loss {mean:.4f} | lr {record['lr']:.3e} | "
+            _log(rank, f"iteration {done}/{args.train_iters} | loss {mean:.4f} | lr {lr:.3e} | "
                        f"tokens/s {record['tokens_per_s']:.1f}{extras}")
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
-        done = iteration + 1
         stop = done == args.train_iters or bool(args.exit_interval and done % args.exit_interval == 0)
         if args.save and (stop or (args.save_interval and done % args.save_interval == 0)):
             engine.save_checkpoint(args.save, tag=f"iter_{done:07d}",
                                    client_state={"iteration": done, "consumed_samples": consumed})
         if stop:
             break
-    data.close()
-    if log_file:
-        log_file.close()
-    dist.barrier()
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
 
 
 def _log(rank: int, message: str) -> None:
