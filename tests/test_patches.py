@@ -229,3 +229,48 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
 def test_hooks_give_the_loader_batches(run_ranks, corpus, tp, consumed):
     dp_ranks = run_ranks(2, _hooks_match_loader, *corpus, tp, consumed, uuid.uuid4().hex[:10], timeout=180)
     assert dp_ranks == ([0, 0] if tp == 2 else [0, 1])
+
+
+def _spec_layer_matches_stock(mode):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module, import_module
+
+    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.gpt import causal_mask, gpt_config, local_layer_spec
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+
+    enable_cpu_support()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args(
+        ["--flash-overlap", "--flash-overlap-layers", "qkv", "fc2", "--flash-overlap-mode", mode])
+    args.world_size, args.data_parallel_size, args.spec = 2, 1, list(megatron_lm.SPEC_FLAG)
+    fake = types.ModuleType("megatron.training")
+    fake.get_args = lambda: args
+    sys.modules["megatron.training"] = fake
+    config = gpt_config(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2,
+                        sequence_parallel=True)
+    layers = []
+    try:
+        for spec in (import_module(list(args.spec)), local_layer_spec()):  # what gpt_builder does with --spec
+            torch.manual_seed(3)
+            model_parallel_cuda_manual_seed(3)
+            layers.append(build_module(spec, config=config, layer_number=1))
+    finally:
+        del sys.modules["megatron.training"]
+    ours, stock = layers
+    attention, mlp = ours.self_attention, ours.mlp
+    assert isinstance(attention.linear_qkv, FlashOverlapColumnParallelLinear) and attention.linear_qkv.p2p_mode == mode
+    assert isinstance(mlp.linear_fc2, FlashOverlapRowParallelLinear)
+    assert type(attention.linear_proj) is type(stock.self_attention.linear_proj)
+    x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(dist.get_rank()))  # [s/tp, b, h]
+    mask = causal_mask(16, "cpu")
+    out, _ = ours(x.clone().requires_grad_(), attention_mask=mask)
+    ref, _ = stock(x.clone().requires_grad_(), attention_mask=mask)
+    torch.testing.assert_close(out, ref)
+    return True
+
+
+def test_spec_layer_equals_megatron_core_layer(run_ranks):
+    assert run_ranks(2, _spec_layer_matches_stock, "ring", timeout=180) == [True, True]
