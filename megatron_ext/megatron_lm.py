@@ -279,6 +279,7 @@ class TextSamples:
 def megatron_deepspeed_data_iterators(provider: Callable[..., Any]) -> tuple[Any, ...]:
     """Megatron-DeepSpeed's ``build_train_valid_test_data_iterators`` with the shared-memory loader:
     datasets on every rank, plugin iterators over them, and the do_train/valid/test flags set."""
+    from megatron.core import parallel_state as mpu
     from megatron.training import build_train_valid_test_datasets
 
     args = megatron_args()
@@ -286,7 +287,13 @@ def megatron_deepspeed_data_iterators(provider: Callable[..., Any]) -> tuple[Any
         args.consumed_train_samples = args.iteration * args.global_batch_size
     if args.iteration > 0 and args.consumed_valid_samples == 0 and args.train_samples is None:
         args.consumed_valid_samples = (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
-    datasets = [None if d is None else TextSamples(d, args.seq_length) for d in build_train_valid_test_datasets(provider)]
+    # Upstream builds on TP rank 0 only, and its index maps are written by rank 0 and awaited within the
+    # data-parallel group: those ranks go first, the others then find the maps written.
+    first = mpu.get_tensor_model_parallel_rank() == 0
+    built = build_train_valid_test_datasets(provider) if first else None
+    dist.barrier()
+    built = built if first else build_train_valid_test_datasets(provider)
+    datasets = [None if d is None else TextSamples(d, args.seq_length) for d in built]
     iterators = external_data_iterators(datasets, args)
     args.do_train = iterators[0] is not None and args.train_iters > 0
     args.do_valid = iterators[1] is not None and args.eval_iters > 0

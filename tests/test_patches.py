@@ -274,3 +274,61 @@ def _spec_layer_matches_stock(mode):
 
 def test_spec_layer_equals_megatron_core_layer(run_ranks):
     assert run_ranks(2, _spec_layer_matches_stock, "ring", timeout=180) == [True, True]
+
+
+class _LegacyText:
+    """Megatron-DeepSpeed's dataset items ({"text": seq + 1 tokens}), made from a GPTDataset."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, idx):
+        sample = self.dataset[idx]
+        return {"text": torch.cat([sample["tokens"], sample["labels"][-1:]]).numpy()}
+
+
+def _megatron_deepspeed_path(prefix, cache, job):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from deepspeed_ext.config import ShmDataLoaderConfig
+    from megatron_ext.data.loader import build_batch_iterator
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    dataset = _dataset(prefix, cache)
+    args = _fake_args(1, 0)
+    for key, value in dict(deepspeed=True, no_pipeline_parallel=True, dataloader_type="single", train_samples=None,
+                           eval_interval=10, eval_iters=0, train_iters=STEPS, seq_length=SEQ).items():
+        setattr(args, key, value)
+    order = []
+
+    def build_train_valid_test_datasets(provider):  # Megatron-DeepSpeed's: sizes from args, then the provider
+        order.append(ps.get_tensor_model_parallel_rank())
+        return provider([STEPS * MBS, 0, 0])
+
+    fake = types.ModuleType("megatron.training")
+    fake.get_args, fake.build_train_valid_test_datasets = (lambda: args), build_train_valid_test_datasets
+    sys.modules["megatron.training"] = fake
+    os.environ["SLURM_JOB_ID"] = job
+    try:
+        assert megatron_lm.shm_loader_enabled()
+        train, valid, test = megatron_lm.megatron_deepspeed_data_iterators(lambda sizes: (_LegacyText(dataset), None, None))
+        rows = [megatron_lm.text_batch(["text"], train, torch.int64)["text"] for _ in range(STEPS)]
+        train.close()
+    finally:
+        del sys.modules["megatron.training"], os.environ["SLURM_JOB_ID"]
+    assert (valid, test, args.do_train, args.do_valid) == (None, None, True, False)
+    stock = build_batch_iterator(dataset, micro_batch_size=MBS, consumed_samples=0, config=ShmDataLoaderConfig(),
+                                 topology=None, tp_group=ps.get_tensor_model_parallel_group(), dp_rank=0, dp_size=1)
+    for i, row in enumerate(rows):
+        expected = next(stock)
+        assert torch.equal(row, torch.cat([expected["tokens"], expected["labels"][:, -1:]], dim=1)), f"batch {i}"
+    dist.barrier()
+    return order
+
+
+def test_megatron_deepspeed_hooks_give_the_loader_batches(run_ranks, corpus):
+    assert run_ranks(2, _megatron_deepspeed_path, *corpus, uuid.uuid4().hex[:10], timeout=180) == [[0], [1]]
