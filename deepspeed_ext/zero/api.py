@@ -153,6 +153,7 @@ def initialize(model: torch.nn.Module, config: Union[str, os.PathLike, dict, Non
     plugin_config = plugin_config or load_plugin_config(read_ds_config(source))
     if not plugin_config.hierarchical_zero.enabled:
         return deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)
+    check_deepspeed_version()
     plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
     levels = plan.levels
     foreign = [p for p in model.parameters() if hasattr(p, "ds_process_group") and p.ds_process_group is not levels.dp_group]
