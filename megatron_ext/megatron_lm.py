@@ -167,7 +167,8 @@ def external_data_iterators(
     """This rank's train, valid and test iterators over ``datasets`` (None where a dataset is None),
     built with :func:`megatron_ext.data.loader.build_batch_iterator` from Megatron's ``args``: micro
     batch, samples consumed so far (resume), ``--dataloader-type`` single or cyclic as the sampler,
-    ``--no-data-sharding``, ``--no-create-attention-mask-in-dataloader``. Collective: every rank calls it."""
+    ``--no-data-sharding``, ``--no-create-attention-mask-in-dataloader``, ``--num-workers`` (stock path).
+    Collective: every rank calls it."""
     from megatron.core import parallel_state as mpu
 
     from deepspeed_ext.topology import detect_topology
@@ -192,6 +193,7 @@ def external_data_iterators(
             topology=topology, tp_group=mpu.get_tensor_model_parallel_group(), dp_rank=mpu.get_data_parallel_rank(),
             dp_size=mpu.get_data_parallel_world_size(), sampler=sampler, data_sharding=getattr(args, "data_sharding", True),
             create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False), name=name, device=device,
+            num_workers=getattr(args, "num_workers", 0),
         )
         _iterators.add(iterator)
         iterators.append(iterator)
