@@ -134,8 +134,9 @@ def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
         if mds:
             raise ConfigError("flash_overlap needs megatron-core layer specs; Megatron-DeepSpeed's GPT model is "
                               "the legacy one: disable flash_overlap")
-        if list(getattr(args, "spec", None) or []) != SPEC_FLAG:
-            raise ConfigError(f"flash_overlap is enabled but --spec is {args.spec}: pass "
+        spec = getattr(args, "spec", None)
+        if list(spec or []) != SPEC_FLAG:
+            raise ConfigError(f"flash_overlap is enabled but --spec is {spec}: pass "
                               f"--spec {' '.join(SPEC_FLAG)} so that Megatron-LM builds the Flash-Overlap layers")
         # The layers refuse these too; here the message names Megatron-LM's flag.
         if getattr(args, "tensor_model_parallel_size", 1) > 1 and not getattr(args, "sequence_parallel", False):
