@@ -1,6 +1,6 @@
 """Data-loader benchmark: 8 ranks on one node, three loading schemes side by side in one run.
 
-    .venv/bin/python -m benchmarks.data_loader.run [--tp 2 8] [--steps 200] [--tokens 96000000]
+    .venv/bin/python -m benchmarks.data_loader.run [--tp 2 8] [--steps 200] [--tokens 48000000]
 
 For each TP size and scheme it drops the dataset's pages from the page cache
 (``posix_fadvise(DONTNEED)``), launches 8 fresh rank processes (``benchmarks.data_loader.rank``)
@@ -96,8 +96,8 @@ def summarise(ranks: list[dict]) -> dict:
 
 def table(results: list[dict]) -> str:
     mb = 1 << 20
-    lines = ["| TP | scheme | asked MB/node | kernel read MB/node | rchar MB | p50 ms | p99 ms (worst rank) "
-             "| CPU s (all) | peak RSS MB rank / child |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| TP | scheme | asked MiB/node | kernel read MiB/node | rchar MiB | p50 ms | p99 ms (worst rank) "
+             "| CPU s (all) | peak RSS MiB rank / child |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         s = r["summary"]
         lines.append(
@@ -111,7 +111,7 @@ def table(results: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--tokens", type=int, default=96_000_000, help="corpus size (2 bytes each)")
+    parser.add_argument("--tokens", type=int, default=48_000_000, help="corpus size (2 bytes each)")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=2048)
