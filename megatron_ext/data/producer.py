@@ -29,7 +29,6 @@ from megatron_ext.data.ring import (
     CLOSED,
     CLOSING,
     END,
-    HEARTBEAT_NS,
     PID,
     RELEASED,
     SAMPLES_READ,
@@ -104,7 +103,6 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
         return ring.get(ring.consumer_word(c, CLOSED)) != 0
 
     def check() -> None:
-        ring.set(HEARTBEAT_NS, time.monotonic_ns())
         if ring.get(STATE) == CLOSING:
             raise _Stop
         for c, (pid, start) in enumerate(consumers):
@@ -139,7 +137,6 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
             ring.set(BYTES_READ, samples * per_sample)
             ring.set(ring.slot_word(slot, END), 0)
             ring.set(ring.slot_word(slot, SEQ), step)  # last: publishes the slot
-            ring.set(HEARTBEAT_NS, time.monotonic_ns())
             step += 1
     except _Stop:
         return
