@@ -57,7 +57,8 @@ class ShmDataLoaderConfig(_Section):
     slots: int = Field(default=4, ge=1, le=1024)
     """Ring slots, each holding one step's micro-batches for the node: the prefetch depth."""
     timeout_s: float = Field(default=600.0, gt=0)
-    """Seconds a producer or consumer waits for the other before raising."""
+    """Seconds a rank waits for its next batch before raising; the producer waits for live ranks
+    as long as they live and raises as soon as one dies."""
     shm_dir: str = "/dev/shm"
     """Directory of the shared-memory segments (a tmpfs)."""
 

@@ -199,8 +199,8 @@ def build_data_iterator(
         tp_group=ps.get_tensor_model_parallel_group(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
+        # Megatron's cyclic sampler seeds each epoch's permutation with the epoch alone (seed 0 here).
         sampler="single" if args.dataloader_type == "single" else "random",
-        seed=args.seed,
     )
 
 

@@ -17,7 +17,6 @@ import torch.distributed as dist
 from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology, detect_topology
 from megatron_ext.data.batch import BatchIterator
-from megatron_ext.data.gpt_dataset import check_indexed_dataset
 from megatron_ext.data.samplers import SamplerKind
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import resolve_job_id, segment_path
@@ -52,6 +51,10 @@ def build_batch_iterator(
     the node loader reads in its producer process instead.
     """
     for prefix in indexed_prefixes(dataset):
+        # Imported here: where Megatron-DeepSpeed's own megatron package comes first on the path,
+        # megatron-core's datasets are absent (and its datasets carry no prefix, so this never runs).
+        from megatron_ext.data.gpt_dataset import check_indexed_dataset
+
         check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
     common = dict(micro_batch_size=micro_batch_size, consumed_samples=consumed_samples, dp_size=dp_size,
                   sampler=sampler, seed=seed, data_sharding=data_sharding,
