@@ -198,8 +198,20 @@ def main(argv: list[str] | None = None) -> int:
         train(args)
     except (UsageError, ConfigError, DatasetFileError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        _leave_groups()
         return 2
     return 0
+
+
+def _leave_groups() -> None:
+    """Leave megatron-core's and torch's groups after a start-up error (matters when called in-process)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

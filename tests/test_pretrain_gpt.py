@@ -39,26 +39,31 @@ def _zero3_config(tmp_path):
 @pytest.mark.slow
 def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
     ds = _zero3_config(tmp_path)
-    common = ["--tensor-model-parallel-size", "2", "--train-iters", "8", "--deepspeed-config", ds]
+    common = ["--tensor-model-parallel-size", "2", "--train-iters", "6", "--deepspeed-config", ds]
     out = _torchrun(tmp_path, 4, *common, "--log-json", str(tmp_path / "full.jsonl"))
     full = _losses(tmp_path / "full.jsonl")
-    assert "iteration 8/8 | loss" in out and "tokens/s" in out
-    assert full[8] < full[1] - 0.5, full
+    assert "iteration 6/6 | loss" in out and "tokens/s" in out
+    assert full[6] < full[1] - 0.5, full
 
     ckpt = str(tmp_path / "ckpt")
-    _torchrun(tmp_path, 4, *common, "--save", ckpt, "--exit-interval", "4", "--log-json", str(tmp_path / "a.jsonl"))
+    _torchrun(tmp_path, 4, *common, "--save", ckpt, "--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl"))
     _torchrun(tmp_path, 4, *common, "--load", ckpt, "--log-json", str(tmp_path / "b.jsonl"))
     first, second = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
-    assert sorted(first) == [1, 2, 3, 4] and sorted(second) == [5, 6, 7, 8]
-    for it in range(1, 9):
+    assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
+    for it in range(1, 7):
         assert (first | second)[it] == pytest.approx(full[it], rel=1e-5), it
 
 
-def _run_single(tmp_path, *flags, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    env.update(OMP_NUM_THREADS="1", **(env_extra or {}))
-    return subprocess.run([sys.executable, SCRIPT, *SMALL, "--data-cache-path", str(tmp_path / "data"), *flags],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+@pytest.fixture
+def pretrain_main(monkeypatch, tmp_path):
+    """The main job's ``main(argv)`` in this process, as a lone rank with a clean environment."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    sys.path.insert(0, ROOT)
+    from scripts.pretrain_gpt import main
+
+    return lambda *flags: main([*SMALL, "--data-cache-path", str(tmp_path / "data"), *flags])
 
 
 @pytest.mark.parametrize(
@@ -70,16 +75,20 @@ def _run_single(tmp_path, *flags, env_extra=None):
         (["--shm-data-loader-slots", "0"], {}, "error: invalid plugin config: shm_data_loader.slots=0"),
     ],
 )
-def test_bad_input_exits_with_one_clear_line(tmp_path, flags, env, message):
-    proc = _run_single(tmp_path, *flags, env_extra=env)
-    assert proc.returncode == 2
-    assert message in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_bad_input_exits_with_one_clear_line(pretrain_main, monkeypatch, capsys, flags, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert pretrain_main(*flags) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
-def test_config_typo_is_one_line(tmp_path):
+def test_config_typo_stops_the_script_with_one_line(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"shm_data_loader": {"enabeld": True}}))
-    proc = _run_single(tmp_path, "--deepspeed-config", str(cfg))
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, SCRIPT, "--deepspeed-config", str(cfg)], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
     assert proc.returncode == 2
-    assert "unknown key 'shm_data_loader.enabeld'" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: invalid plugin config: unknown key 'shm_data_loader.enabeld'")
+    assert "Traceback" not in proc.stderr
