@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import time
 import warnings
 
@@ -50,15 +49,16 @@ def _tune_ffn(regime: str, hidden: int, x: torch.Tensor, group: dist.ProcessGrou
     """Pick ffn so that the measured slice compute c and slice transfer p match the regime (rank 0 decides)."""
     n = group.size()
     probe = MLP(hidden, _PROBE_COLUMNS * n, group, "direct")
-    comm = _steps(probe, x, {"comm_only": comm_only}, warmup, 5)["comm_only"]
-    p = statistics.median(s["wait"] for s in comm) / (2 * (n - 1))
+    # Minima, not medians: other work on the host only ever adds time, the minimum is the machine's own speed.
+    comm = _steps(probe, x, {"comm_only": comm_only}, warmup, 7)["comm_only"]
+    p = min(s["wait"] for s in comm) / (2 * (n - 1))
     w = torch.randn(hidden, _PROBE_COLUMNS)
     times = []
-    for _ in range(5):
+    for _ in range(7):
         start = time.perf_counter()
         x @ w
         times.append(time.perf_counter() - start)
-    per_column = statistics.median(times) / _PROBE_COLUMNS
+    per_column = min(times) / _PROBE_COLUMNS
     c = 2 * p if regime == "hideable" else (n - 1) * p / n
     decided = torch.tensor([max(1, round(c / per_column)) * n], dtype=torch.int64)
     dist.broadcast(decided, src=0, group=group)

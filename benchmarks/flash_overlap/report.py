@@ -83,7 +83,8 @@ def markdown(title: str, summaries: list[dict[str, Any]], args: dict[str, Any]) 
         lines += [
             f"**{s['regime']}** (TP={s['tp']}, ffn={s['ffn']}): T_comp {s['t_comp_s'] * ms:.1f} ms (compute only), "
             f"T_comm {s['t_comm_s'] * ms:.1f} ms (P2P exchanges only); per slice c = {c['fc1'] * ms:.1f} / "
-            f"{c['fc2'] * ms:.1f} ms, p = {p['fc1'] * ms:.1f} / {p['fc2'] * ms:.1f} ms (fc1 / fc2); gelu {s['gelu_s'] * ms:.1f} ms.",
+            f"{c['fc2'] * ms:.1f} ms, p = {p['fc1'] * ms:.1f} / {p['fc2'] * ms:.1f} ms, c/p = {c['fc1'] / p['fc1']:.2f} / "
+            f"{c['fc2'] / p['fc2']:.2f} (fc1 / fc2); gelu {s['gelu_s'] * ms:.1f} ms.",
             "",
             "| method | step ms (min-max) | compute in step ms | exposed comm ms | exposed % of T_comm "
             "| step / max(T_comp, T_comm) | own bound ms | step / own bound |",

@@ -23,8 +23,11 @@ the peer and the layer. After such an error the process group is unusable (gloo 
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal, Protocol
@@ -92,8 +95,36 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _side_streams[index]
 
 
+_posters: dict[int, ThreadPoolExecutor] = {}
+
+
+def _poster() -> ThreadPoolExecutor:
+    """The thread that posts gloo transfers. A send whose receiver already waits is written to the
+    socket inside the posting call (milliseconds on a slow link), so the compute thread must not be
+    the one posting. One per process id: a forked child does not inherit the parent's thread."""
+    pid = os.getpid()
+    if pid not in _posters:
+        _posters[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-overlap-p2p")
+    return _posters[pid]
+
+
+class _Posted:
+    """One step's batch of P2P ops; its works exist once the batch has been issued."""
+
+    def __init__(self, works: Future, receives: int, ops: int) -> None:
+        self.works, self.receives, self.ops = works, receives, ops
+
+    def guards(self, receive: bool, timeout_s: float) -> list[dist.Work]:
+        """The works guarding the receive (or the send) of the step."""
+        works = self.works.result(timeout=timeout_s)
+        if len(works) != self.ops:  # coalescing backends (NCCL): one work for the whole batch
+            return works
+        return works[: self.receives] if receive else works[self.receives :]
+
+
 class _Link:
-    """Issues one step's receive + send and waits on it within the timeout; on CUDA via a side stream."""
+    """Issues one step's receive + send and waits on it within the timeout; on CUDA via a side
+    stream, on CPU via the posting thread."""
 
     def __init__(self, og: OverlapGroup, device: torch.device, what: str) -> None:
         self.og = og
@@ -102,13 +133,13 @@ class _Link:
         if self.cuda:
             self.compute_stream = torch.cuda.current_stream(device)
             self.comm_stream = _side_stream(device)
-        self.sends: list[tuple[list[dist.Work], int]] = []
+        self.sends: list[tuple[_Posted, int]] = []
 
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.og.group, group_rank)
 
-    def exchange(self, recv_buf: torch.Tensor | None, src: int, send_buf: torch.Tensor | None, dst: int, step: int) -> list[dist.Work]:
-        """Post the receive (first) and the send of one step; returns the works guarding the receive."""
+    def exchange(self, recv_buf: torch.Tensor | None, src: int, send_buf: torch.Tensor | None, dst: int, step: int) -> _Posted:
+        """Post the receive (first) and the send of one step."""
         ops = []
         if recv_buf is not None:
             ops.append(dist.P2POp(dist.irecv, recv_buf, self._global(src), self.og.group, tag=step))
@@ -120,41 +151,36 @@ class _Link:
             ready.record(self.compute_stream)
             self.comm_stream.wait_event(ready)
             with torch.cuda.stream(self.comm_stream):
-                works = dist.batch_isend_irecv(ops)
+                works: Future = Future()
+                works.set_result(dist.batch_isend_irecv(ops))
             for op in ops:  # buffers from the compute stream's pool are in use on the side stream
                 op.tensor.record_stream(self.comm_stream)
         else:
-            works = dist.batch_isend_irecv(ops)
-        # gloo returns one work per op (receive first); coalescing backends (NCCL) one for the batch.
-        receives = int(recv_buf is not None)
-        guard_recv, guard_send = (works[:receives], works[receives:]) if len(works) == len(ops) else (works, works)
+            works = _poster().submit(dist.batch_isend_irecv, ops)  # one thread: batches stay in order
+        posted = _Posted(works, int(recv_buf is not None), len(ops))
         if send_buf is not None:
-            self.sends.append((guard_send, dst))
-        return guard_recv
+            self.sends.append((posted, dst))
+        return posted
 
-    def wait(self, works: list[dist.Work], peer: int, label: str) -> None:
-        """Block until ``works`` complete, at most ``timeout_s`` each; then order compute after them."""
+    def wait(self, posted: _Posted, receive: bool, peer: int, label: str) -> None:
+        """Block until the step's receive (or send) completes, at most ``timeout_s`` per work;
+        then order the compute stream after it."""
         start = time.perf_counter()
-        for work in works:
-            self._wait_one(work, peer, label)
-        if self.cuda and works:
-            done = torch.cuda.Event()
-            done.record(self.comm_stream)
-            self.compute_stream.wait_event(done)
-        if self.og.trace is not None:
-            self.og.trace("wait", f"{self.og.name} {label}", start, time.perf_counter())
-
-    def _wait_one(self, work: dist.Work, peer: int, label: str) -> None:
         context = (
             f"layer {self.og.name!r}, {self.what} ({self.og.mode} mode), {label}: tensor-parallel rank {peer} "
             f"(global rank {self._global(peer)})"
         )
+        timeout = timedelta(seconds=self.og.timeout_s)
         try:
-            if self.cuda:
-                with torch.cuda.stream(self.comm_stream):
-                    work.wait(timeout=timedelta(seconds=self.og.timeout_s))
-            else:
-                work.wait(timeout=timedelta(seconds=self.og.timeout_s))
+            works = posted.guards(receive, self.og.timeout_s)
+            for work in works:
+                if self.cuda:
+                    with torch.cuda.stream(self.comm_stream):
+                        work.wait(timeout=timeout)
+                else:
+                    work.wait(timeout=timeout)
+        except FutureTimeout as e:
+            raise PeerTransferError(f"{context}: posting the transfer took over {self.og.timeout_s:g} s") from e
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise PeerTimeoutError(
@@ -163,11 +189,17 @@ class _Link:
                     "flash_overlap.timeout_s if the link is only slow"
                 ) from e
             raise PeerTransferError(f"{context} failed: {e}") from e
+        if self.cuda and works:
+            done = torch.cuda.Event()
+            done.record(self.comm_stream)
+            self.compute_stream.wait_event(done)
+        if self.og.trace is not None:
+            self.og.trace("wait", f"{self.og.name} {label}", start, time.perf_counter())
 
     def finish(self) -> None:
         """Wait for every send, so buffers may be reused and a dead receiver is reported here."""
-        for works, dst in self.sends:
-            self.wait(works, dst, f"send to rank {dst}")
+        for posted, dst in self.sends:
+            self.wait(posted, False, dst, f"send to rank {dst}")
         self.sends.clear()
 
 
@@ -205,7 +237,7 @@ def all_gather_compute(shard: torch.Tensor, compute: Callable[[int, torch.Tensor
     _timed(og, f"slice {r}", lambda: compute(r, shard))
     for step in range(1, n):
         src, _, owner = peers(step)
-        link.wait(pending, src, f"receive of slice {owner} from rank {src}")
+        link.wait(pending, True, src, f"receive of slice {owner} from rank {src}")
         if step + 1 < n:
             # Keep the next transfer running under this slice's compute; ring forwards what just came.
             next_src, next_dst, _ = peers(step + 1)
@@ -227,8 +259,8 @@ def compute_reduce_scatter(compute: Callable[[int], torch.Tensor], og: OverlapGr
     if n == 1:
         return _timed(og, "slice 0", lambda: compute(0))
     link: _Link | None = None
-    received: list[tuple[torch.Tensor, list[dist.Work], int]] = []
-    carried: tuple[torch.Tensor, list[dist.Work]] | None = None  # ring: the incoming running sum
+    received: list[tuple[torch.Tensor, _Posted, int]] = []
+    carried: tuple[torch.Tensor, _Posted] | None = None  # ring: the incoming running sum
     for step in range(1, n):
         if og.mode == "direct":
             owner, src, dst = (r + step) % n, (r - step) % n, (r + step) % n
@@ -238,20 +270,20 @@ def compute_reduce_scatter(compute: Callable[[int], torch.Tensor], og: OverlapGr
         if link is None:
             link = _Link(og, part.device, "reduce-scatter")
         if og.mode == "ring" and carried is not None:
-            buf, works = carried
-            link.wait(works, src, f"receive of the running sum of slice {owner} from rank {src}")
+            buf, posted = carried
+            link.wait(posted, True, src, f"receive of the running sum of slice {owner} from rank {src}")
             part.add_(buf)
         buf = torch.empty_like(part)
-        works = link.exchange(buf, src, part, dst, step=step)
+        posted = link.exchange(buf, src, part, dst, step=step)
         if og.mode == "direct":
-            received.append((buf, works, src))
+            received.append((buf, posted, src))
         else:
-            carried = (buf, works)
+            carried = (buf, posted)
     own = _timed(og, f"slice {r}", lambda: compute(r).contiguous())
     if og.mode == "ring":
         received.append((*carried, (r - 1) % n))
-    for buf, works, src in received:
-        link.wait(works, src, f"receive of a partial of slice {r} from rank {src}")
+    for buf, posted, src in received:
+        link.wait(posted, True, src, f"receive of a partial of slice {r} from rank {src}")
         own.add_(buf)
     link.finish()
     return own
