@@ -121,7 +121,7 @@ def timeline_png(path: Path, title: str, timeline: list[list[tuple]]) -> None:
     ax.set_xlabel("ms since the step's start (after a barrier)")
     ax.set_title(title, fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=v) for v in (*colours.values(), "#d62728")]
-    ax.legend(handles, [*colours, "wait"], fontsize=7, loc="lower right")
+    ax.legend(handles, [*colours, "wait"], fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
