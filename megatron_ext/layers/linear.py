@@ -22,9 +22,13 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_ext.layers.p2p_overlap import Mode, OverlapGroup, all_gather_compute, compute_reduce_scatter
-
-DEFAULT_TIMEOUT_S = 300.0
+from megatron_ext.layers.p2p_overlap import (
+    DEFAULT_TIMEOUT_S,
+    Mode,
+    OverlapGroup,
+    all_gather_compute,
+    compute_reduce_scatter,
+)
 
 
 def _rows(t: torch.Tensor, j: int, n: int) -> torch.Tensor:

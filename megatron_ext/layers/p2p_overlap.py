@@ -16,7 +16,8 @@ neighbours; all-gather forwards what arrived, reduce-scatter passes a running su
 
 Transfers: each step posts its receive before its send (gloo writes only once the peer's receive
 is posted) and keeps one step in flight ahead of the compute. On CUDA they are issued on a side
-stream ordered against the compute stream by events; on gloo they are asynchronous work items.
+stream ordered against the compute stream by events; on gloo they are asynchronous work items,
+posted from one background thread so that the compute thread never writes to a socket.
 Every wait is bounded by ``timeout_s`` and a silent peer raises :class:`PeerTimeoutError` naming
 the peer and the layer. After such an error the process group is unusable (gloo closes the pair).
 """
@@ -37,6 +38,7 @@ import torch.distributed as dist
 
 Mode = Literal["direct", "ring"]
 MODES: tuple[Mode, ...] = ("direct", "ring")
+DEFAULT_TIMEOUT_S = 300.0
 
 
 class PeerTransferError(RuntimeError):
@@ -62,7 +64,7 @@ class OverlapGroup:
     """Tensor-parallel group; None means a single rank (no communication)."""
     mode: Mode = "direct"
     """``direct``: step k exchanges with the ranks k away; ``ring``: always with the neighbours."""
-    timeout_s: float = 300.0
+    timeout_s: float = DEFAULT_TIMEOUT_S
     """Seconds any single wait may take before :class:`PeerTimeoutError`."""
     name: str = "flash_overlap"
     """Layer name used in error messages."""
