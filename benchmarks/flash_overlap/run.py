@@ -13,43 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cluster.loopback import launch_loopback
 from benchmarks.flash_overlap.report import markdown, summarize, timeline_png
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.flash_overlap.rank"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_loopback(tp: int, rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
     """All ranks as local processes talking over 127.0.0.1."""
-    with tempfile.TemporaryDirectory(prefix="flash-overlap-") as tmp:
-        port = str(_free_port())
-        env = {**os.environ, "WORLD_SIZE": str(tp), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
-        procs = [subprocess.Popen([sys.executable, *RANK_MODULE, *rank_args],
-                                  env={**env, "RANK": str(r), "EMU_RESULT_FILE": f"{tmp}/rank{r}.json"})
-                 for r in range(tp)]
-        try:
-            codes = [p.wait(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(codes):
-            raise RuntimeError(f"benchmark ranks exited with {codes}: see their output above")
-        return [json.loads(Path(f"{tmp}/rank{r}.json").read_text()) for r in range(tp)]
+    return launch_loopback([*RANK_MODULE, *rank_args], world_size=tp, timeout=timeout)
 
 
 def run_cluster(tp: int, mbit: float, rank_args: list[str], timeout: float) -> list[dict[str, Any]]:

@@ -15,14 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cluster.loopback import launch_loopback
 from deepspeed_ext.comm import LINK_CLASSES
 from deepspeed_ext.zero import cost_model as cm
 
@@ -32,25 +29,9 @@ OUT = REPO_ROOT / "benchmarks" / "results" / "zero"
 
 
 def run_loopback(rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp, socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-        s.close()
-        env = {**os.environ, "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "BENCH_RANKS_PER_PACKAGE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
-        procs = [subprocess.Popen([sys.executable, *RANK_MODULE, *rank_args],
-                                  env={**env, "RANK": str(r), "LOCAL_RANK": str(r % 4), "EMU_RESULT_FILE": f"{tmp}/{r}.json"})
-                 for r in range(8)]
-        try:
-            codes = [p.wait(timeout=timeout) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        if any(codes):
-            raise RuntimeError(f"benchmark ranks exited with {codes}: see their output above")
-        return [json.loads(Path(f"{tmp}/{r}.json").read_text()) for r in range(8)]
+    """8 local ranks over 127.0.0.1 laid out as 2 nodes x 2 packages x 2."""
+    return launch_loopback([*RANK_MODULE, *rank_args], world_size=8, timeout=timeout,
+                           env={"BENCH_RANKS_PER_PACKAGE": "2"}, ranks_per_node=4)
 
 
 def run_cluster(rank_args: list[str], timeout: float, launches: int) -> tuple[list[list[dict[str, Any]]], dict[str, float]]:
