@@ -214,9 +214,10 @@ def comm_counter(plugins: PluginConfig) -> Any:
 
 
 def plugin_figures(data: Any, counter: Any) -> dict[str, Any]:
-    """Per-iteration figures of the plugins for the log line, this rank's view: time blocked on the
-    loader, bytes the node's reader took from storage, and DeepSpeed's bytes sent per link class."""
-    figures = {"data_wait_s": round(data.counters.wait_s, 4),
-               "storage_MB_read": round(data.counters.bytes_read / 1e6, 3)}
+    """Figures of the plugins for the log line, this rank's view: time blocked on the loader and bytes
+    the node's reader took from storage (both since the start), DeepSpeed's bytes sent per link
+    class (this iteration)."""
+    figures = {"data_wait_s_total": round(data.counters.wait_s, 4),
+               "storage_MB_read_total": round(data.counters.bytes_read / 1e6, 3)}
     figures.update({f"zero_MB_{link}": round(n / 1e6, 3) for link, n in counter.per_link().items()})
     return figures
