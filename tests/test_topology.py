@@ -4,7 +4,7 @@ import pytest
 import torch.distributed as dist
 
 from deepspeed_ext.config import ConfigError, TopologyConfig
-from deepspeed_ext.topology import Topology, detect_topology, level_members, new_level_groups, partition_of
+from deepspeed_ext.topology import Topology, all_level_groups, detect_topology, level_members, partition_of
 
 
 def test_slurm_variables_on_frontier_give_gcd_pairs():
@@ -76,10 +76,7 @@ def test_fake_process_group_builds_all_level_groups_at_64():
     try:
         topo = Topology(64, 8, 2)
         dp_group = list(range(1, 64, 2))  # TP=2
-        for first in range(2):
-            lg = new_level_groups(topo, list(range(first, 64, 2)))
-            if first == 1:
-                mine = lg
+        mine = all_level_groups(topo, [list(range(first, 64, 2)) for first in range(2)])
         assert mine.members["node"] == [1, 3, 5, 7]
         assert mine.members["cross_node"] == list(range(5, 64, 8))
         assert dist.get_world_size(mine.groups["node"]) == 4
@@ -95,10 +92,7 @@ def _level_sums() -> dict:
     topo = Topology(8, 4, 2)  # 2 nodes x 2 packages x 2
     rank = dist.get_rank()
     out = {}
-    for kind_first in range(2):  # TP=2: DP groups {0,2,4,6} and {1,3,5,7}
-        lg = new_level_groups(topo, list(range(kind_first, 8, 2)))
-        if rank % 2 == kind_first:
-            mine = lg
+    mine = all_level_groups(topo, [list(range(first, 8, 2)) for first in range(2)])  # TP=2: DP {0,2,4,6}, {1,3,5,7}
     for kind, group in mine.groups.items():
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=group)

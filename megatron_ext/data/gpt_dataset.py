@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 8, 8: 2}  # megatron-core's DType codes -> bytes
@@ -35,9 +35,6 @@ class ByteTokenizer:
 
     def tokenize(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
-
-    def detokenize(self, ids: Iterable[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
 _SUBJECTS = ["the model", "a rank", "the node", "every worker", "the loader", "our cluster", "the optimizer"]
@@ -122,6 +119,3 @@ def build_train_dataset(
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: is_built_on_rank, config).build()
     return train
 
-
-__all__ = ["ByteTokenizer", "DatasetFileError", "IndexedDataset", "build_train_dataset", "check_indexed_dataset",
-           "synthetic_documents", "write_indexed_dataset"]
