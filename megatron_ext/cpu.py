@@ -51,3 +51,8 @@ def enable_cpu_support() -> bool:
     mp_random.CudaRNGStatesTracker.add = _tracker_add
     _enabled = True
     return True
+
+
+def cpu_support_enabled() -> bool:
+    """Whether :func:`enable_cpu_support` has patched megatron-core in this process."""
+    return _enabled

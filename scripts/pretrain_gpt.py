@@ -93,6 +93,7 @@ def train(args: argparse.Namespace) -> None:
     from deepspeed_ext import comm as deepspeed_comm
     from deepspeed_ext.config import log_effective_config, validate_against_world
     from megatron_ext.args import plugin_config_from_args
+    from megatron_ext.cpu import cpu_support_enabled
 
     plugins = plugin_config_from_args(args)  # config errors surface before any process group exists
     world, rank = init_distributed(args)
@@ -105,6 +106,8 @@ def train(args: argparse.Namespace) -> None:
 
     data_prefix = prepare_data(args, rank)
     model = build_model(args, plugins)
+    _log(rank, f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "
+               f"megatron-core CPU support {'on' if cpu_support_enabled() else 'off'}")
     engine = build_engine(args, model, ds_config, plugins, lambda it: _lr_at(args, it) / args.lr)
 
     start_iteration, consumed = 0, 0

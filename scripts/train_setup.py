@@ -201,6 +201,8 @@ def build_data_iterator(
         dp_size=ps.get_data_parallel_world_size(),
         # Megatron's cyclic sampler seeds each epoch's permutation with the epoch alone (seed 0 here).
         sampler="single" if args.dataloader_type == "single" else "random",
+        # On GPUs the loader stages batches in pinned memory and queues the copy: no host wait per step.
+        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
     )
 
 

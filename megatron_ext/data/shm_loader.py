@@ -213,7 +213,7 @@ class ShmBatchIterator:
         ring.set(ring.consumer_word(self._local, RELEASED), step + 1)
         self._step += 1
         if self._mask:
-            batch["attention_mask"] = build_attention_mask(batch["tokens"].cpu(), self._dataset).to(self._device)
+            batch["attention_mask"] = build_attention_mask(batch["tokens"], self._dataset)  # on the device
         self.counters.batches += 1
         self.counters.wait_s += waited + time.perf_counter() - start
         if self._local == 0:
@@ -224,7 +224,10 @@ class ShmBatchIterator:
     def _copy_out(self, view: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         if self._device.type == "cpu":
             return torch.from_numpy(view.copy())
-        staged = torch.empty(view.shape, dtype=dtype, pin_memory=True)  # pinned: the device copy runs async
+        # Pinned staging: the host-to-device copy is queued on the current stream without a host
+        # wait (a pageable source would synchronise the stream). The caching host allocator keeps the
+        # buffer until that copy has run, so the slot can be released at once.
+        staged = torch.empty(view.shape, dtype=dtype, pin_memory=True)
         staged.numpy()[...] = view
         return staged.to(self._device, non_blocking=True)
 

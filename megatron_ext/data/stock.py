@@ -51,7 +51,7 @@ class StockBatchIterator:
         self._steps = iter(batches)
         self._loader = (
             iter(DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
-                            persistent_workers=num_workers > 0))
+                            persistent_workers=num_workers > 0, pin_memory=self._device.type == "cuda"))
             if self._is_src else None
         )
 
@@ -64,11 +64,12 @@ class StockBatchIterator:
         if self._loader is not None:
             data = next(self._loader)
             batch = {key: data[key].to(dtype) for key, dtype in STORED_KEYS}
+            # Megatron's get_batch: pinned batches, copied with cuda(non_blocking=True).
+            batch = {key: t.to(self._device, non_blocking=True) for key, t in batch.items()}
             if self._mask:
-                batch["attention_mask"] = data.get("attention_mask")
-                if batch["attention_mask"] is None:
-                    batch["attention_mask"] = build_attention_mask(batch["tokens"], self._dataset)
-            batch = {key: t.to(self._device) for key, t in batch.items()}
+                mask = data.get("attention_mask")
+                batch["attention_mask"] = (mask.to(self._device, non_blocking=True) if mask is not None
+                                           else build_attention_mask(batch["tokens"], self._dataset))
             self.counters.samples_read += self._shape[0]
             self.counters.bytes_read += self._shape[0] * self._sample_bytes
         else:

@@ -15,11 +15,15 @@ collective. Two patterns: ``direct`` (step k talks to the ranks k away) and ``ri
 neighbours; all-gather forwards what arrived, reduce-scatter passes a running sum along).
 
 Transfers: each step posts its receive before its send (gloo writes only once the peer's receive
-is posted) and keeps one step in flight ahead of the compute. On CUDA they are issued on a side
-stream ordered against the compute stream by events; on gloo they are asynchronous work items,
-posted from one background thread so that the compute thread never writes to a socket.
-Every wait is bounded by ``timeout_s`` and a silent peer raises :class:`PeerTimeoutError` naming
-the peer and the layer. After such an error the process group is unusable (gloo closes the pair).
+is posted) and keeps one step in flight ahead of the compute. On CUDA they are issued from the
+compute stream and run on the process group's own stream; on gloo they are asynchronous work
+items, posted from one background thread so that the compute thread never writes to a socket.
+On gloo every wait is bounded by ``timeout_s`` and a silent peer raises :class:`PeerTimeoutError`
+naming the peer and the layer; after such an error the process group is unusable (gloo closes the
+pair). On CUDA a wait only orders the compute stream after the transfer (a timed ``work.wait`` would
+block the host until the transfer ends, so the host could not run ahead and CUDA graphs could not
+capture the layer); a dead peer is then reported by the process group's watchdog, within the
+timeout the group was created with.
 """
 
 from __future__ import annotations
@@ -86,17 +90,6 @@ class OverlapGroup:
         return 0 if self.group is None else self.group.rank()
 
 
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One communication stream per GPU, shared by all layers (transfers of one rank are serial anyway)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _side_streams:
-        _side_streams[index] = torch.cuda.Stream(device=index)
-    return _side_streams[index]
-
-
 _posters: dict[int, ThreadPoolExecutor] = {}
 
 
@@ -125,8 +118,8 @@ class _Posted:
 
 
 class _Link:
-    """Issues one step's receive + send and waits on it within the timeout; on CUDA via a side
-    stream, on CPU via the posting thread."""
+    """Issues one step's receive + send and waits on it: stream-ordered on CUDA, within the timeout
+    on CPU (posted by the posting thread)."""
 
     def __init__(self, og: OverlapGroup, device: torch.device, what: str) -> None:
         self.og = og
@@ -134,7 +127,6 @@ class _Link:
         self.cuda = device.type == "cuda"
         if self.cuda:
             self.compute_stream = torch.cuda.current_stream(device)
-            self.comm_stream = _side_stream(device)
         self.sends: list[tuple[_Posted, int]] = []
 
     def _global(self, group_rank: int) -> int:
@@ -148,15 +140,11 @@ class _Link:
         if send_buf is not None:
             ops.append(dist.P2POp(dist.isend, send_buf, self._global(dst), self.og.group, tag=step))
         if self.cuda:
-            # The side stream must not read a send buffer before the compute stream has written it.
-            ready = torch.cuda.Event()
-            ready.record(self.compute_stream)
-            self.comm_stream.wait_event(ready)
-            with torch.cuda.stream(self.comm_stream):
-                works: Future = Future()
-                works.set_result(dist.batch_isend_irecv(ops))
-            for op in ops:  # buffers from the compute stream's pool are in use on the side stream
-                op.tensor.record_stream(self.comm_stream)
+            # Issued from the compute stream: NCCL's own stream waits for the work queued so far (the
+            # send buffer is written) and keeps the buffers alive until it is done with them; a side
+            # stream of ours would add an event and nothing else.
+            works: Future = Future()
+            works.set_result(dist.batch_isend_irecv(ops))
         else:
             works = _poster().submit(dist.batch_isend_irecv, ops)  # one thread: batches stay in order
         posted = _Posted(works, int(recv_buf is not None), len(ops))
@@ -165,8 +153,8 @@ class _Link:
         return posted
 
     def wait(self, posted: _Posted, receive: bool, peer: int, label: str) -> None:
-        """Block until the step's receive (or send) completes, at most ``timeout_s`` per work;
-        then order the compute stream after it."""
+        """Order the compute stream after the step's receive (or send). On gloo this blocks until the
+        work completes, at most ``timeout_s`` per work; on CUDA the host does not wait."""
         start = time.perf_counter()
         context = (
             f"layer {self.og.name!r}, {self.what} ({self.og.mode} mode), {label}: tensor-parallel rank {peer} "
@@ -177,8 +165,8 @@ class _Link:
             works = posted.guards(receive, self.og.timeout_s)
             for work in works:
                 if self.cuda:
-                    with torch.cuda.stream(self.comm_stream):
-                        work.wait(timeout=timeout)
+                    with torch.cuda.stream(self.compute_stream):
+                        work.wait()  # stream-ordered: the compute stream waits, the host does not
                 else:
                     work.wait(timeout=timeout)
         except FutureTimeout as e:
@@ -191,10 +179,6 @@ class _Link:
                     "flash_overlap.timeout_s if the link is only slow"
                 ) from e
             raise PeerTransferError(f"{context} failed: {e}") from e
-        if self.cuda and works:
-            done = torch.cuda.Event()
-            done.record(self.comm_stream)
-            self.compute_stream.wait_event(done)
         if self.og.trace is not None:
             self.og.trace("wait", f"{self.og.name} {label}", start, time.perf_counter())
 

@@ -1,0 +1,72 @@
+"""The node loader's GPU path: batches land on the device equal to Megatron's path (pinned batches
+copied with non_blocking=True), the attention mask is built on the device, and ``next()`` makes no
+synchronising CUDA call."""
+
+import dataclasses
+
+import pytest
+import torch
+from megatron.core import parallel_state as ps
+
+from deepspeed_ext.config import ShmDataLoaderConfig
+from megatron_ext.data.gpt_dataset import gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.data.loader import build_batch_iterator
+
+SEQ, MBS, STEPS = 64, 4, 12
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset
+
+    root = tmp_path_factory.mktemp("gpu-corpus")
+    prefix = str(root / "corpus")
+    write_indexed_dataset(prefix, synthetic_documents(400))
+    # Documents are shorter than a sample, so masks with reset_attention_mask differ from causal ones.
+    config = dataclasses.replace(gpt_dataset_config(prefix, SEQ, 1234, str(root / "cache"), create_attention_mask=True),
+                                 reset_attention_mask=True)
+    return BlendedMegatronDatasetBuilder(GPTDataset, [STEPS * MBS, 0, 0], lambda: True, config).build()[0]
+
+
+def _iterator(dataset, device, enabled, mask):
+    return build_batch_iterator(
+        dataset, micro_batch_size=MBS, consumed_samples=0, config=ShmDataLoaderConfig(enabled=enabled, timeout_s=60),
+        topology=None, tp_group=ps.get_tensor_model_parallel_group(), dp_rank=0, dp_size=1,
+        create_attention_mask=mask, name=f"gpu-{enabled}-{mask}", device=device)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_batches_on_the_device_equal_megatrons_path(cuda_rank, dataset, mask):
+    stock = _iterator(dataset, cuda_rank, False, mask)
+    expected = [next(stock) for _ in range(STEPS)]
+    stock.close()
+    ours = _iterator(dataset, cuda_rank, True, mask)
+    try:
+        got = [next(ours) for _ in range(STEPS)]
+    finally:
+        ours.close()
+    for step, (want, have) in enumerate(zip(expected, got)):
+        assert list(have) == list(want), step  # keys and order of get_batch_on_this_tp_rank
+        for key in want:
+            assert have[key].device == cuda_rank and have[key].dtype == want[key].dtype, (step, key)
+            assert torch.equal(have[key], want[key]), (step, key)
+    if mask:  # the dataset's own mask, reset at EODs: not the plain causal one
+        causal = torch.ones(SEQ, SEQ, dtype=torch.bool, device=cuda_rank).triu(1)
+        assert any(not torch.equal(b["attention_mask"][0, 0], causal) for b in got)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_next_makes_no_synchronising_cuda_call(cuda_rank, dataset, mask):
+    ours = _iterator(dataset, cuda_rank, True, mask)
+    try:
+        next(ours)  # the first call allocates pinned staging buffers
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronising call inside next() raises
+        try:
+            for _ in range(STEPS - 2):
+                next(ours)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    finally:
+        ours.close()

@@ -1,0 +1,62 @@
+"""How the overlap schedules wait for a peer: on CUDA only the compute stream waits (a timed
+``work.wait`` would block the host until the transfer ends); on gloo every wait is bounded."""
+
+from concurrent.futures import Future
+from contextlib import nullcontext
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_ext.layers import p2p_overlap
+from megatron_ext.layers.p2p_overlap import OverlapGroup
+
+
+class _Group:
+    def size(self) -> int:
+        return 2
+
+    def rank(self) -> int:
+        return 0
+
+
+class _Work:
+    def __init__(self) -> None:
+        self.waits: list[dict] = []
+
+    def wait(self, *args, **kwargs) -> bool:
+        self.waits.append(dict(enumerate(args)) | kwargs)
+        return True
+
+
+def _posted(work: _Work) -> "p2p_overlap._Posted":
+    works: Future = Future()
+    works.set_result([work])
+    return p2p_overlap._Posted(works, receives=1, ops=1)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Enough of torch.cuda for the schedule's CUDA branch to run on a machine without a GPU."""
+    streams = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "compute stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: streams.append(s) or nullcontext())
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    return streams
+
+
+def test_cuda_waits_are_stream_ordered_with_no_timeout(fake_cuda):
+    link = p2p_overlap._Link(OverlapGroup(group=_Group()), torch.device("cuda", 0), "all-gather")
+    work = _Work()
+    link.wait(_posted(work), True, 1, "receive of slice 1")
+    assert work.waits == [{}]  # no timeout: the host is not held until the transfer ends
+    assert fake_cuda == ["compute stream"]  # the compute stream is the one made to wait
+
+
+def test_gloo_waits_are_bounded_by_timeout_s(monkeypatch):
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    link = p2p_overlap._Link(OverlapGroup(group=_Group(), timeout_s=7), torch.device("cpu"), "all-gather")
+    work = _Work()
+    link.wait(_posted(work), True, 1, "receive of slice 1")
+    assert work.waits == [{"timeout": timedelta(seconds=7)}]
