@@ -13,8 +13,11 @@ GEMMs of a GPT layer (qkv, proj, fc1, fc2) of the 1.3B and 20B presets at TP = 2
   or bf16 weight gradient with ``addmm_`` (what the backward all-gather + wgrad schedule does).
 
 Timing: CUDA events around ``--inner`` back-to-back calls, ``--reps`` repetitions after warm-up;
-min / median / max of the per-call time. Efficiency = time of one GEMM / time of the sliced GEMMs
-(1.0 = slicing is free). Results: ``sliced_gemm.json`` and ``sliced_gemm.md`` under ``--out``.
+min / median / max of the per-call time. Each case runs twice: ``eager`` (Python issues every
+GEMM, so small slices can be bound by the host's launch rate) and ``graph`` (the same calls
+captured in a CUDA graph and replayed: the GPU's own time). Efficiency = time of one GEMM / time of
+the sliced GEMMs (1.0 = slicing is free). Results: ``sliced_gemm.json`` and ``sliced_gemm.md``
+under ``--out``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class Row:
     """Layer GEMM: qkv, proj, fc1 or fc2."""
     kind: str
     """fwd (M sliced), wgrad (K sliced, accumulated)."""
+    mode: str
+    """eager (launched from Python) or graph (replayed from a CUDA graph)."""
     m: int
     """Rows of the activation (tokens) for fwd; the reduction length for wgrad."""
     n: int
@@ -87,6 +92,20 @@ def time_ms(fn: Callable[[], None], inner: int, reps: int) -> list[float]:
     return out
 
 
+def graphed(fn: Callable[[], None], inner: int) -> Callable[[], None]:
+    """``inner`` calls of ``fn`` captured once in a CUDA graph; each call of the result replays them."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return graph.replay
+
+
 def forward_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slices: int) -> Callable[[], None]:
     """Y = X W^T computed as ``slices`` GEMMs over row blocks of X, each into its rows of Y."""
     rows = x.shape[0] // slices
@@ -124,26 +143,32 @@ def measure(models: list[str], tps: list[int], slices: list[int], inner: int, re
                 flops = 2.0 * m * n * k
                 for s in slices:
                     for kind, fn in (("fwd", forward_call(x, w, y, s)), ("wgrad", wgrad_call(g, x, dw, s))):
-                        t = time_ms(fn, inner, reps)
-                        med = statistics.median(t)
-                        rows.append(Row(model, tp, gemm, kind, m, n, k, s, min(t), med, max(t), flops / med / 1e9))
+                        eager = time_ms(fn, inner, reps)
+                        graph = [t / inner for t in time_ms(graphed(fn, inner), 1, reps)]
+                        for mode, t in (("eager", eager), ("graph", graph)):
+                            med = statistics.median(t)
+                            rows.append(Row(model, tp, gemm, kind, mode, m, n, k, s, min(t), med, max(t),
+                                            flops / med / 1e9))
                 del x, w, y, g, dw
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    """Markdown: per shape and kind, the unsliced time and the efficiency of each slicing."""
-    base = {(r.model, r.tp, r.gemm, r.kind): r for r in rows if r.slices == 1}
+    """Markdown: per shape and kind, the unsliced GEMM's time and each slicing's efficiency, eager
+    and replayed from a CUDA graph."""
+    base = {(r.model, r.tp, r.gemm, r.kind): r for r in rows if r.slices == 1 and r.mode == "graph"}
+    one = {(r.model, r.tp, r.gemm, r.kind, r.mode): r for r in rows if r.slices == 1}
     counts = sorted({r.slices for r in rows if r.slices > 1})
-    head = ["model", "TP", "GEMM", "kind", "M x N x K", "1 GEMM ms (min/med/max)", "TFLOP/s",
-            *[f"{s} slices: efficiency (ms med)" for s in counts]]
+    head = ["model", "TP", "GEMM", "kind", "M x N x K", "1 GEMM ms, graph (min/med/max)", "TFLOP/s",
+            *[f"{s} slices: eff. eager / graph" for s in counts]]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for key, one in base.items():
-        cells = [one.model, str(one.tp), one.gemm, one.kind, f"{one.m} x {one.n} x {one.k}",
-                 f"{one.ms_min:.3f}/{one.ms_median:.3f}/{one.ms_max:.3f}", f"{one.tflops:.0f}"]
+    by_key = {(r.model, r.tp, r.gemm, r.kind, r.mode, r.slices): r for r in rows}
+    for key, g in base.items():
+        cells = [g.model, str(g.tp), g.gemm, g.kind, f"{g.m} x {g.n} x {g.k}",
+                 f"{g.ms_min:.3f}/{g.ms_median:.3f}/{g.ms_max:.3f}", f"{g.tflops:.0f}"]
         for s in counts:
-            r = next(r for r in rows if (r.model, r.tp, r.gemm, r.kind) == key and r.slices == s)
-            cells.append(f"{one.ms_median / r.ms_median:.3f} ({r.ms_median:.3f})")
+            eff = [one[(*key, mode)].ms_median / by_key[(*key, mode, s)].ms_median for mode in ("eager", "graph")]
+            cells.append(f"{eff[0]:.2f} / {eff[1]:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,0 +1,86 @@
+"""The main job on one GPU with and without the plugins: losses and tokens per second.
+
+    python -m benchmarks.gpu.main_job [--out benchmarks/results/gpu]
+
+Runs ``scripts/pretrain_gpt.py`` at TP=1 in bf16 on NCCL (no CPU support), ZeRO-3 with DeepSpeed's
+torch Adam, once without plugins and once with every plugin that applies to one rank (node loader,
+hierarchical ZeRO-3, Flash-Overlap layers), alternating, ``--launches`` times each. Reports each
+launch's losses and tokens/s (min / median / max over the iterations after ``--warmup``); the
+figures are read from the job's own per-iteration log. Results: ``main_job.json`` / ``main_job.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+MODEL = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+         "--micro-batch-size", "4", "--lr", "2e-4", "--bf16"]
+
+
+def ds_config(plugins: bool) -> dict:
+    config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
+              "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 100000},
+              "optimizer": {"type": "Adam", "params": {"torch_adam": True, "betas": [0.9, 0.95]}}}
+    for section in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
+        config[section] = {"enabled": plugins}
+    return config
+
+
+def launch(work: Path, plugins: bool, iters: int, tag: str) -> list[dict]:
+    config = work / f"ds-{plugins}.json"
+    config.write_text(json.dumps(ds_config(plugins)))
+    log = work / f"{tag}.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    cmd = [sys.executable, str(REPO / "scripts" / "pretrain_gpt.py"), *MODEL, "--train-iters", str(iters),
+           "--deepspeed-config", str(config), "--data-cache-path", str(work / "data"), "--log-json", str(log)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: the main job failed ({tag}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return [json.loads(line) for line in log.read_text().splitlines()]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu")
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--warmup", type=int, default=5, help="iterations left out of the tokens/s figures")
+    p.add_argument("--launches", type=int, default=2)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="main-job-gpu-"))
+    runs = []
+    for i in range(args.launches):
+        for plugins in (False, True):
+            records = launch(work, plugins, args.iters, f"{'plugins' if plugins else 'stock'}-{i}")
+            rate = [r["tokens_per_s"] for r in records[args.warmup:]]
+            runs.append({"plugins": plugins, "launch": i, "losses": [r["loss"] for r in records],
+                         "tokens_per_s": [min(rate), statistics.median(rate), max(rate)]})
+            print(json.dumps(runs[-1]), flush=True)
+    stock = [r for r in runs if not r["plugins"]]
+    equal = all(r["losses"] == stock[0]["losses"] for r in runs)
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "python -m benchmarks.gpu.main_job " + " ".join(sys.argv[1:]), "model": " ".join(MODEL),
+            "iters": args.iters, "load_avg": os.getloadavg(), "losses_identical": equal}
+    (args.out / "main_job.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
+    lines = [f"Model: `{meta['model']}`, {args.iters} iterations, TP=1, ZeRO-3; tokens/s over iterations "
+             f"{args.warmup + 1}-{args.iters}. Losses identical in every launch: {equal}.", "",
+             "| run | launch | loss it 1 | loss it 10 | loss last | tokens/s min/med/max |", "|---|---|---|---|---|---|"]
+    for r in runs:
+        name = "all plugins" if r["plugins"] else "no plugins"
+        lo, med, hi = r["tokens_per_s"]
+        lines.append(f"| {name} | {r['launch']} | {r['losses'][0]:.4f} | {r['losses'][9]:.4f} | {r['losses'][-1]:.4f} | "
+                     f"{lo:.0f}/{med:.0f}/{hi:.0f} |")
+    (args.out / "main_job.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
