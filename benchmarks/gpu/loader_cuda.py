@@ -16,7 +16,7 @@ host milliseconds per ``next()`` (min / median / max over ``--steps`` back-to-ba
 warm-up, no compute in between, so the loader alone sets the pace), batches per second including a
 final device synchronisation, and, over ``--profile-steps`` more calls, the synchronising CUDA calls
 ``torch.cuda.set_sync_debug_mode("warn")`` reports and the ``cuda*Synchronize`` runtime calls the
-profiler records. Results: ``loader_cuda.json`` / ``loader_cuda.md`` under ``--out``.
+profiler records beyond those of an empty profiled window. Results: ``loader_cuda.json`` / ``loader_cuda.md`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -67,6 +67,21 @@ def build_dataset(prefix: str, cache: str, seq: int, samples: int, mask: str) ->
     return BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, config).build()[0]
 
 
+_ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+
+
+def _count_syncs(prof: Any) -> int:
+    return sum(e.count for e in prof.key_averages() if "Synchronize" in e.key)
+
+
+def _sync_calls(fn: Any) -> int:
+    """``cuda*Synchronize`` runtime calls the profiler records around ``fn`` and one device sync."""
+    with torch.profiler.profile(activities=_ACTIVITIES) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return _count_syncs(prof)
+
+
 def measure(dataset: Any, scheme: str, workers: int, mask: bool, mbs: int, steps: int, profile_steps: int,
             device: torch.device) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
@@ -92,8 +107,8 @@ def measure(dataset: Any, scheme: str, workers: int, mask: bool, mbs: int, steps
             calls.append((time.perf_counter() - t0) * 1e3)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(activities=activities) as prof:
+        baseline = _sync_calls(lambda: None)  # what the profiler's own start and stop add
+        with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(activities=_ACTIVITIES) as prof:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -101,8 +116,8 @@ def measure(dataset: Any, scheme: str, workers: int, mask: bool, mbs: int, steps
                     next(it)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            torch.cuda.synchronize()  # the profile's own closing sync, subtracted below
-        syncs = sum(e.count for e in prof.key_averages() if "Synchronize" in e.key) - 1
+            torch.cuda.synchronize()  # closes the window; counted in the baseline too
+        syncs = _count_syncs(prof) - baseline
         sync_warnings = sum("synchronizing" in str(w.message) for w in caught)
     finally:
         it.close()

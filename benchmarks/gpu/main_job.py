@@ -3,10 +3,11 @@
     python -m benchmarks.gpu.main_job [--out benchmarks/results/gpu]
 
 Runs ``scripts/pretrain_gpt.py`` at TP=1 in bf16 on NCCL (no CPU support), ZeRO-3 with DeepSpeed's
-torch Adam, once without plugins and once with every plugin that applies to one rank (node loader,
-hierarchical ZeRO-3, Flash-Overlap layers), alternating, ``--launches`` times each. Reports each
-launch's losses and tokens/s (min / median / max over the iterations after ``--warmup``); the
-figures are read from the job's own per-iteration log. Results: ``main_job.json`` / ``main_job.md``.
+torch Adam: without plugins, with each plugin that applies to one rank alone (node loader,
+hierarchical ZeRO-3, Flash-Overlap layers) and with all three, one launch of each in turn,
+``--launches`` rounds. Reports each launch's losses and tokens/s (min / median / max over the
+iterations after ``--warmup``), read from the job's own per-iteration log. Results:
+``main_job.json`` / ``main_job.md``.
 """
 
 from __future__ import annotations
@@ -25,17 +26,22 @@ MODEL = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", 
          "--micro-batch-size", "4", "--lr", "2e-4", "--bf16"]
 
 
-def ds_config(plugins: bool) -> dict:
+SECTIONS = ("shm_data_loader", "hierarchical_zero", "flash_overlap")
+CONFIGS = {"no plugins": (), "shm loader": ("shm_data_loader",), "hierarchical ZeRO": ("hierarchical_zero",),
+           "Flash-Overlap": ("flash_overlap",), "all plugins": SECTIONS}
+
+
+def ds_config(plugins: tuple[str, ...]) -> dict:
     config = {"bf16": {"enabled": True}, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": 3, "overlap_comm": True, "stage3_param_persistence_threshold": 100000},
               "optimizer": {"type": "Adam", "params": {"torch_adam": True, "betas": [0.9, 0.95]}}}
-    for section in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
-        config[section] = {"enabled": plugins}
+    for section in SECTIONS:
+        config[section] = {"enabled": section in plugins}
     return config
 
 
-def launch(work: Path, plugins: bool, iters: int, tag: str) -> list[dict]:
-    config = work / f"ds-{plugins}.json"
+def launch(work: Path, plugins: tuple[str, ...], iters: int, tag: str) -> list[dict]:
+    config = work / f"ds-{tag}.json"
     config.write_text(json.dumps(ds_config(plugins)))
     log = work / f"{tag}.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
@@ -50,21 +56,20 @@ def launch(work: Path, plugins: bool, iters: int, tag: str) -> list[dict]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "gpu")
-    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5, help="iterations left out of the tokens/s figures")
     p.add_argument("--launches", type=int, default=2)
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="main-job-gpu-"))
     runs = []
     for i in range(args.launches):
-        for plugins in (False, True):
-            records = launch(work, plugins, args.iters, f"{'plugins' if plugins else 'stock'}-{i}")
+        for name, plugins in CONFIGS.items():
+            records = launch(work, plugins, args.iters, f"{name.replace(' ', '_')}-{i}")
             rate = [r["tokens_per_s"] for r in records[args.warmup:]]
-            runs.append({"plugins": plugins, "launch": i, "losses": [r["loss"] for r in records],
+            runs.append({"config": name, "launch": i, "losses": [r["loss"] for r in records],
                          "tokens_per_s": [min(rate), statistics.median(rate), max(rate)]})
             print(json.dumps(runs[-1]), flush=True)
-    stock = [r for r in runs if not r["plugins"]]
-    equal = all(r["losses"] == stock[0]["losses"] for r in runs)
+    equal = all(r["losses"] == runs[0]["losses"] for r in runs)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python -m benchmarks.gpu.main_job " + " ".join(sys.argv[1:]), "model": " ".join(MODEL),
             "iters": args.iters, "load_avg": os.getloadavg(), "losses_identical": equal}
@@ -73,9 +78,8 @@ def main() -> int:
              f"{args.warmup + 1}-{args.iters}. Losses identical in every launch: {equal}.", "",
              "| run | launch | loss it 1 | loss it 10 | loss last | tokens/s min/med/max |", "|---|---|---|---|---|---|"]
     for r in runs:
-        name = "all plugins" if r["plugins"] else "no plugins"
         lo, med, hi = r["tokens_per_s"]
-        lines.append(f"| {name} | {r['launch']} | {r['losses'][0]:.4f} | {r['losses'][9]:.4f} | {r['losses'][-1]:.4f} | "
+        lines.append(f"| {r['config']} | {r['launch']} | {r['losses'][0]:.4f} | {r['losses'][9]:.4f} | {r['losses'][-1]:.4f} | "
                      f"{lo:.0f}/{med:.0f}/{hi:.0f} |")
     (args.out / "main_job.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)

@@ -57,6 +57,7 @@ class ProducerProcess:
         code = 1
         try:  # the child: never returns into the caller's stack
             torch.set_num_threads(1)  # one reader; the node's cores belong to training
+            _skip_dataset_masks(dataset)
             _produce(ring, dataset, dp_ranks, kind, consumed_samples, dp_size, data_sharding, seed, label)
             code = 0
         except BaseException as e:
@@ -83,6 +84,16 @@ class ProducerProcess:
             os.kill(self.pid, signal.SIGKILL)
             self.exitcode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
         return self.exitcode
+
+
+def _skip_dataset_masks(dataset: Any) -> None:
+    """Stop the dataset from building attention masks in this (forked) process: the ring carries
+    none, ranks build theirs on their own device, and a GPTDataset asked for masks would build a
+    [1, s, s] one per sample here (0.2 s at s=8192 with reset_attention_mask)."""
+    for d in (dataset, *getattr(dataset, "datasets", ())):
+        config = getattr(d, "config", None)
+        if getattr(config, "create_attention_mask", False):
+            config.create_attention_mask = False
 
 
 def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind, consumed_samples: int,
