@@ -72,4 +72,9 @@ def test_planner_picks_fastest_level_within_budget():
     one_node = cm.DPShape(nodes=1, packages_per_node=4, per_package=2)
     forced = HierarchicalZeroConfig(enabled=True, secondary_level="node")
     assert choose_secondary_level(forced, one_node, MODEL, links).level == "global"
+    alone = cm.DPShape(nodes=1, packages_per_node=1, per_package=1)  # one rank: nothing to place
+    assert choose_secondary_level(big, alone, MODEL, links).level == "global"
+    package_is_group = cm.DPShape(nodes=1, packages_per_node=1, per_package=2)
+    assert choose_secondary_level(HierarchicalZeroConfig(enabled=True, secondary_level="package"), package_is_group,
+                                  MODEL, links).level == "global"
     assert "secondary level package" in describe(choose_secondary_level(big, FRONTIER_384, MODEL, links), FRONTIER_384)

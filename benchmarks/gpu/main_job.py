@@ -59,12 +59,14 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=25)
     p.add_argument("--warmup", type=int, default=5, help="iterations left out of the tokens/s figures")
     p.add_argument("--launches", type=int, default=2)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS), metavar="CONFIG",
+                   help=f"which of: {', '.join(CONFIGS)}")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="main-job-gpu-"))
     runs = []
     for i in range(args.launches):
-        for name, plugins in CONFIGS.items():
-            records = launch(work, plugins, args.iters, f"{name.replace(' ', '_')}-{i}")
+        for name in args.configs:
+            records = launch(work, CONFIGS[name], args.iters, f"{name.replace(' ', '_')}-{i}")
             rate = [r["tokens_per_s"] for r in records[args.warmup:]]
             runs.append({"config": name, "launch": i, "losses": [r["loss"] for r in records],
                          "tokens_per_s": [min(rate), statistics.median(rate), max(rate)]})

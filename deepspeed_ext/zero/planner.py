@@ -43,8 +43,9 @@ def links_for(config: HierarchicalZeroConfig, ranks_per_nic: int) -> Links:
 
 
 def candidate_sizes(shape: DPShape) -> dict[str, int]:
-    """Secondary levels worth having: a node level equal to the whole group is just ZeRO-3."""
-    sizes = {"package": shape.per_package}
+    """Secondary levels worth having: a level spanning the whole group would copy the primary
+    partition: pure cost, since every module release then copies each weight (docs/gpu.md)."""
+    sizes = {"package": shape.per_package} if shape.per_package < shape.size else {}
     if shape.nodes > 1:
         sizes["node"] = shape.per_package * shape.packages_per_node
     return sizes
