@@ -1,10 +1,13 @@
-"""The segment's name, mode, space check and clean-up, and the dataset check at the entry point."""
+"""The segment's name, mode, space check and clean-up, the platform check, and the dataset check
+at the entry point. Attacks by another local user: tests/test_shm_security.py."""
 
 import multiprocessing as mp
 import os
+import platform
 import shutil
 import stat
 import subprocess
+import time
 import uuid
 
 import pytest
@@ -18,12 +21,15 @@ from megatron_ext.data.gpt_dataset import (
     write_indexed_dataset,
 )
 from megatron_ext.data.loader import build_batch_iterator
-from megatron_ext.data.ring import RingLayout
+from megatron_ext.data.ring import RingLayout, UnsupportedPlatformError, check_platform
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import (
+    RING,
     ShmSpaceError,
     create_segment,
+    open_segment,
     process_start_time,
+    remove_segment,
     remove_stale_segments,
     resolve_job_id,
     segment_path,
@@ -50,7 +56,7 @@ def _dead_pid():
     return proc.pid
 
 
-def test_name_carries_user_and_job(monkeypatch):
+def test_name_carries_user_job_and_a_random_token(monkeypatch):
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
     monkeypatch.setenv("SLURM_STEP_ID", "3")
     assert resolve_job_id() == "4242.3"
@@ -61,41 +67,60 @@ def test_name_carries_user_and_job(monkeypatch):
     first = resolve_job_id()
     monkeypatch.setenv("MASTER_PORT", "29501")
     assert resolve_job_id() != first
-    assert segment_path("/dev/shm", "J", 3) == f"/dev/shm/mdsp-{shm_segment.current_user()}-J-node3"
+    token = "0123456789abcdef" * 2
+    assert segment_path("/dev/shm", "J", 3, token) == f"/dev/shm/mdsp-{shm_segment.current_user()}-J-node3-{token}"
+    # the same settings never give the same name twice: nobody can guess it in advance
+    assert segment_path("/dev/shm", "J", 3) != segment_path("/dev/shm", "J", 3)
+    with pytest.raises(ValueError, match="not 32 lowercase hex digits"):
+        segment_path("/dev/shm", "J", 3, "4242")
 
 
 def test_segment_is_private_whatever_the_umask():
     path = segment_path("/dev/shm", _job(), 0)
-    old = os.umask(0)
+    old = os.umask(0o277)  # would leave the directory 0500 and the ring 0400 without the explicit chmod
     try:
         mm = create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
     finally:
         os.umask(old)
     try:
-        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert os.stat(path).st_size == LAYOUT.size
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o700 and stat.S_ISDIR(os.lstat(path).st_mode)
+        ring = os.stat(os.path.join(path, RING))
+        assert stat.S_IMODE(ring.st_mode) == 0o600 and ring.st_size == LAYOUT.size
+        assert os.listdir(path) == [RING]  # the temporary name is gone
+        other = open_segment(path)
+        assert other is not None and other[:16] == mm[:16]
+        other.close()
     finally:
         mm.close()
-        os.unlink(path)
+        remove_segment(path)
+    assert not os.path.exists(path)
+
+
+def _make(path, owner_pid, owner_start, tmp_pid=None):
+    """A private directory as a run of ours leaves it when killed: its ring, or a half-made one."""
+    if tmp_pid is None:
+        create_segment(path, LAYOUT.size, LAYOUT.header(owner_pid, owner_start)).close()
+    else:
+        os.mkdir(path, 0o700)
+        os.close(os.open(os.path.join(path, f"{RING}.tmp{tmp_pid}"), os.O_CREAT | os.O_WRONLY, 0o600))
 
 
 def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
     dead, me = _dead_pid(), os.getpid()
-    stale = segment_path("/dev/shm", _job(), 0)
-    half_made = segment_path("/dev/shm", _job(), 1) + f".tmp{dead}"
-    live = segment_path("/dev/shm", _job(), 0)
-    with open(stale, "wb") as f:
-        f.write(LAYOUT.header(dead, 12345))
-    open(half_made, "wb").close()
-    with open(live, "wb") as f:
-        f.write(LAYOUT.header(me, process_start_time(me)))
+    stale, half_made, live, fresh_empty, old_empty = (segment_path("/dev/shm", _job(), 0) for _ in range(5))
+    _make(stale, dead, 12345)
+    _make(half_made, dead, 0, tmp_pid=dead)
+    _make(live, me, process_start_time(me))
+    os.mkdir(fresh_empty, 0o700)  # its creator is between mkdir and creating the ring
+    os.mkdir(old_empty, 0o700)
+    os.utime(old_empty, (time.time() - 3600, time.time() - 3600))
     try:
         removed = remove_stale_segments("/dev/shm")
-        assert stale in removed and half_made in removed and live not in removed
-        assert os.path.exists(live) and not os.path.exists(stale)
+        assert {stale, half_made, old_empty} <= set(removed) and not {live, fresh_empty} & set(removed)
+        assert os.path.exists(os.path.join(live, RING)) and os.path.isdir(fresh_empty)
+        assert not any(os.path.exists(p) for p in (stale, half_made, old_empty))
         # the loader's first rank does the same at start-up
-        with open(stale, "wb") as f:
-            f.write(LAYOUT.header(dead, 12345))
+        _make(stale, dead, 12345)
         dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
         it = ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, config=ShmDataLoaderConfig(timeout_s=5),
                               path=segment_path("/dev/shm", _job(), 0), local_index=0, node_dp_ranks=[0], dp_size=1, rank=0)
@@ -103,7 +128,8 @@ def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
         next(it)
         it.close()
     finally:
-        os.unlink(live)
+        remove_segment(live)
+        os.rmdir(fresh_empty)
 
 
 def test_space_is_checked_before_allocating(monkeypatch):
@@ -129,6 +155,29 @@ def test_full_tmpfs_gives_a_clear_error_not_sigbus(tmp_path, monkeypatch):
         assert os.listdir(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.mark.parametrize("machine", ["aarch64", "arm64", "ppc64le"])
+def test_weakly_ordered_machines_are_refused(corpus, monkeypatch, machine):
+    # The ring publishes with plain stores: ordered on x86-64 only, so other machines must not start.
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
+    path = segment_path("/dev/shm", _job(), 0)
+    with pytest.raises(UnsupportedPlatformError, match=rf"x86-64 only.*'{machine}'.*stale.*shm_data_loader.enabled=false"):
+        ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, config=ShmDataLoaderConfig(timeout_s=5),
+                         path=path, local_index=0, node_dp_ranks=[0], dp_size=1, rank=0)
+    assert not os.path.exists(path)
+    # the entry point refuses before its collective (no process group exists here: it would fail otherwise)
+    with pytest.raises(UnsupportedPlatformError, match=machine):
+        build_batch_iterator(dataset, micro_batch_size=2, consumed_samples=0,
+                             config=ShmDataLoaderConfig(enabled=True), topology=None, tp_group=None,
+                             dp_rank=0, dp_size=1)
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "AMD64"])
+def test_x86_64_is_accepted(monkeypatch, machine):
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    check_platform()
 
 
 @pytest.mark.parametrize("damage,culprit", [("truncate_bin", ".bin"), ("corrupt_idx", ".idx")])

@@ -17,9 +17,10 @@ import torch.distributed as dist
 from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology, detect_topology
 from megatron_ext.data.batch import BatchIterator
+from megatron_ext.data.ring import check_platform
 from megatron_ext.data.samplers import SamplerKind
 from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_segment import resolve_job_id, segment_path
+from megatron_ext.data.shm_segment import new_token, resolve_job_id, segment_path
 from megatron_ext.data.stock import StockBatchIterator
 
 
@@ -45,8 +46,9 @@ def build_batch_iterator(
     ``single`` or its ``cyclic`` loader (``random``; ``seed=0`` and ``data_sharding=True`` are
     Megatron's own settings). ``topology`` (None: detect it) places ranks on nodes; ``tp_group`` is
     the group that shares a batch on the stock path; ``job_id`` (None: Slurm's, or a hash of the
-    rendezvous variables) and ``name`` (one per loader of the job, e.g. train, valid) name the
-    shared-memory segment. ``device``: where the tensors go (a CUDA device on GPU jobs).
+    rendezvous variables) and ``name`` (one per loader of the job, e.g. train, valid) label the
+    shared-memory segment, whose name also carries a random token no other user can guess.
+    ``device``: where the tensors go (a CUDA device on GPU jobs).
     ``num_workers``: DataLoader worker processes of the stock path (Megatron's ``--num-workers``);
     the node loader reads in its producer process instead.
     """
@@ -61,15 +63,18 @@ def build_batch_iterator(
                   create_attention_mask=create_attention_mask, device=device)
     if not config.enabled:
         return StockBatchIterator(dataset, tp_group=tp_group, dp_rank=dp_rank, num_workers=num_workers, **common)
+    check_platform()  # every rank, before the collective: none is left waiting in it
     rank, world = dist.get_rank(), dist.get_world_size()
     topology = topology or detect_topology(world_size=world)
-    dp_ranks: list[Any] = [None] * world
-    # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or other).
-    dist.all_gather_object(dp_ranks, dp_rank)
+    gathered: list[Any] = [None] * world
+    # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or
+    # other), and a random token per rank: that of the node's first rank names the node's segment, so
+    # the name appears nowhere another user can read before that rank creates it.
+    dist.all_gather_object(gathered, (dp_rank, new_token()))
     node = topology.node(rank)
     local = [r for r in range(world) if topology.node(r) == node]
-    path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node)
+    path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node, token=gathered[local[0]][1])
     if not os.path.isdir(config.shm_dir):
         raise FileNotFoundError(f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs")
     return ShmBatchIterator(dataset, config=config, path=path, local_index=local.index(rank),
-                            node_dp_ranks=[dp_ranks[r] for r in local], rank=rank, **common)
+                            node_dp_ranks=[gathered[r][0] for r in local], rank=rank, **common)

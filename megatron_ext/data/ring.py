@@ -10,8 +10,9 @@ writes ``step`` into the slot's sequence word; a consumer waits for that word, c
 out and then stores ``step + 1`` into its own release word; the producer reuses a slot once every
 consumer's release word has passed it. Each word has a single writer and is an aligned 8-byte
 native store (``struct`` native format, one ``memcpy``), so a reader never sees it torn, and
-x86-64 keeps stores in program order, so data written before a sequence word is visible once the
-word is. Every wait polls with a short, growing sleep and checks the other side's liveness (pid
+x86-64 keeps stores in program order (and loads too), so data written before a sequence word is
+visible once the word is. Python offers no acquire/release barrier, so on weakly ordered machines
+(aarch64, POWER) a rank could see the word before the data: :func:`check_platform` refuses them. Every wait polls with a short, growing sleep and checks the other side's liveness (pid
 plus start time, which also catches zombies and reused pids). A rank waiting for data gives up
 after ``timeout_s``; the producer waiting for ranks to release a slot waits as long as they live,
 because a live rank may rightly stop reading for long (a validation loader between evaluations, a
@@ -21,12 +22,14 @@ checkpoint save): it stops when one of them dies (and raises) or when all have c
 from __future__ import annotations
 
 import dataclasses
+import platform
 import struct
 import time
 from collections.abc import Callable
 
 import numpy as np
 
+from deepspeed_ext.config import ConfigError
 from megatron_ext.data.shm_segment import MAGIC
 
 VERSION = 1
@@ -52,6 +55,25 @@ STREAM_ARRAYS = (("tokens", np.int64), ("labels", np.int64), ("position_ids", np
 
 class RingError(RuntimeError):
     """The other side of the ring died, failed or did not answer in time."""
+
+
+class UnsupportedPlatformError(ConfigError):
+    """The ring's plain stores are not ordered on this machine."""
+
+
+ORDERED_MACHINES = ("x86_64", "AMD64")  # platform.machine() of x86-64 (Linux, Windows): total store order
+
+
+def check_platform() -> None:
+    """Refuse to run where the ring's publish/consume/release words need barriers we cannot issue."""
+    machine = platform.machine()
+    if machine not in ORDERED_MACHINES:
+        raise UnsupportedPlatformError(
+            f"the shared-memory data loader runs on x86-64 only, and this machine is {machine!r}: its ring publishes "
+            "each batch with plain 8-byte stores and no memory barriers, which only x86-64's total store order keeps "
+            f"in program order; on {machine} a rank could read a stale or half-written batch. Set "
+            "shm_data_loader.enabled=false (drop --shm-data-loader) to use Megatron's loader on this machine"
+        )
 
 
 @dataclasses.dataclass(frozen=True)

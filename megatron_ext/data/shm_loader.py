@@ -1,11 +1,12 @@
 """The per-rank side of the shared-memory node loader: attach to the node's ring, copy batches out.
 
 Set-up, without any store or collective: the node's first rank removes dead jobs' segments, checks
-the space, creates the segment (mode 0600, header first, then renamed into place), registers itself
-and waits until every rank of the node has registered; it then unlinks the name (the mappings stay
-valid, so neither a normal exit nor a kill leaves a file behind) and forks the producer. The other
-ranks wait for the name to appear, refuse a leftover whose owner is dead, and register. Every wait
-is bounded by ``timeout_s``.
+the space, creates the segment (a private 0700 directory with an unguessable name holding the 0600
+ring, header first, then renamed into place), registers itself and waits until every rank of the
+node has registered; it then removes the names (the mappings stay valid, so neither a normal exit
+nor a kill leaves a file behind) and forks the producer. The other ranks wait for the name to
+appear, refuse anything that is not their user's own (``shm_segment``) or whose owner is dead, and
+register. Every wait is bounded by ``timeout_s``. Only x86-64 runs it (``ring.check_platform``).
 
 Per step, a rank waits for its slot's sequence word, copies its stream into fresh tensors (a tensor
 must never view the map: reading it after the map closes would crash), builds the attention mask
@@ -57,6 +58,7 @@ from megatron_ext.data.ring import (
     Ring,
     RingError,
     RingLayout,
+    check_platform,
     wait_until,
 )
 from megatron_ext.data.samplers import SamplerKind
@@ -66,6 +68,7 @@ from megatron_ext.data.shm_segment import (
     is_alive,
     open_segment,
     process_start_time,
+    remove_segment,
     remove_stale_segments,
 )
 
@@ -82,6 +85,7 @@ class ShmBatchIterator:
         sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
         create_attention_mask: bool = False, device: torch.device | str | None = None,
     ) -> None:
+        check_platform()  # before anything is created: the ring's ordering holds on x86-64 only
         self.counters = LoaderCounters()
         self.path = path
         self._dataset = dataset
@@ -130,7 +134,7 @@ class ShmBatchIterator:
             wait_until(lambda: all(ring.get(w) for w in entries), check, self._timeout,
                        f"rank {self._rank} waited for the {lay.consumers} ranks of its node to attach to {self.path}",
                        max_sleep_s=10e-3)
-            os.unlink(self.path)
+            remove_segment(self.path)
             label = f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
             self.producer = ProducerProcess(ring, dataset, streams, sampler, consumed_samples, dp_size,
                                             data_sharding, seed, label)
@@ -139,8 +143,7 @@ class ShmBatchIterator:
             ring.set(STATE, RUNNING)
         except BaseException as e:
             ring.fail(f"rank {self._rank}, the first of its node, failed to set up {self.path}: {e}")
-            if os.path.exists(self.path):
-                os.unlink(self.path)
+            remove_segment(self.path)
             self.close()
             raise
 

@@ -1,34 +1,54 @@
-"""The node's shared-memory file: its name, its owner, the space it needs, and stale leftovers.
+"""The node's shared-memory segment: a private directory, the ring file in it, the space it needs,
+the checks that keep other local users out, and the clean-up of killed runs' leftovers.
 
-Segments are plain files in a tmpfs (``/dev/shm``) opened with ``os.open`` and mapped with
-``mmap``: ``multiprocessing.shared_memory`` would register them with Python's resource tracker,
-which may unlink a live segment when an unrelated process that attached exits. A segment is
-created mode 0600 under a temporary name, sized with ``posix_fallocate`` (a full tmpfs then gives
-ENOSPC at once, not a SIGBUS at first touch) and renamed into place once its header is written,
-so a reader never sees a half-made file. The name carries the user and the job; the owner's pid
-and start time sit in the header so that a later run can tell a dead job's leftover from a live one.
+Layout: ``{shm_dir}/mdsp-{user}-{label}-node{n}-{token}/ring``. The directory is made mode 0700
+by the node's first rank; ``token`` is 128 random bits that rank drew and shared with the node's
+other ranks through the loader's one collective, so no other user can guess the name before the
+directory exists, and once it exists nobody else can create, replace or open anything inside it
+(``/dev/shm`` is sticky: nobody else can rename or remove our entries either). Every open uses
+``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`` (no symlink is followed, a FIFO never blocks) and is
+followed by an ``fstat`` check of type, owner and mode (and link count for files): whatever another
+user planted, a rank raises an error naming it instead of hanging or reading forged batches.
+
+Inside the directory the ring is created mode 0600 as ``ring.tmp{pid}``, sized with
+``posix_fallocate`` (a full tmpfs gives ENOSPC at once, not a SIGBUS at first touch) and renamed to
+``ring`` once its header is written, so a reader never sees a half-made ring. Files are opened with
+``os.open`` and mapped with ``mmap``: ``multiprocessing.shared_memory`` would register them with
+Python's resource tracker, which may unlink a live segment when an unrelated process that attached
+exits. The owner's pid and start time sit in the header, so a later run can tell a dead job's
+leftover from a live one; the clean-up only ever touches directories that pass the same checks.
 """
 
 from __future__ import annotations
 
 import errno
-import glob
 import hashlib
 import mmap
 import os
 import pwd
 import re
+import secrets
+import stat
 import struct
+import time
 
 from deepspeed_ext.config import ConfigError
 
 PREFIX = "mdsp"
+RING = "ring"  # the segment's file inside its private directory
 MAGIC = 0x4D44535052494E47  # "MDSPRING": marks a header this module wrote
 OWNER_FIELDS = struct.Struct("qqq")  # magic, owner pid, owner start time: the first words of every header
+# Never follow a symlink, never block on a FIFO or device, never leak into exec'd children.
+SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+EMPTY_DIR_GRACE_S = 60.0  # an empty private dir older than this lost its creator between two calls
 
 
 class ShmSpaceError(ConfigError):
     """The ring does not fit in the shared-memory directory; the message gives both sizes."""
+
+
+class ShmSecurityError(RuntimeError):
+    """A loader file or directory is not what this user made: another user's, a symlink, a FIFO."""
 
 
 def current_user() -> str:
@@ -38,8 +58,15 @@ def current_user() -> str:
         return str(os.geteuid())
 
 
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "?"
+
+
 def resolve_job_id(explicit: str | None = None) -> str:
-    """An id that every rank of one run computes alike and two concurrent runs do not share:
+    """A readable label for the segment's name (its uniqueness comes from the random token):
     ``explicit``, else Slurm's job (and step) id, else a hash of the rendezvous variables."""
     if explicit:
         raw = explicit
@@ -53,8 +80,19 @@ def resolve_job_id(explicit: str | None = None) -> str:
     return re.sub(r"[^A-Za-z0-9_.]", "_", raw)
 
 
-def segment_path(shm_dir: str, job_id: str, node: int) -> str:
-    return os.path.join(shm_dir, f"{PREFIX}-{current_user()}-{job_id}-node{node}")
+def new_token() -> str:
+    """128 bits from the OS's cryptographic generator: a name no other user can guess."""
+    return secrets.token_hex(16)
+
+
+def segment_path(shm_dir: str, label: str, node: int, token: str | None = None) -> str:
+    """The private directory of one node's ring. Every rank of the node must pass the same
+    ``token`` (the node's first rank draws it); None draws a fresh one, for a single process."""
+    token = new_token() if token is None else token
+    if not re.fullmatch(r"[0-9a-f]{32}", token):
+        raise ValueError(f"segment token {token!r} is not 32 lowercase hex digits: draw it with new_token()")
+    label = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
+    return os.path.join(shm_dir, f"{PREFIX}-{current_user()}-{label}-node{node}-{token}")
 
 
 def process_start_time(pid: int) -> int | None:
@@ -62,10 +100,10 @@ def process_start_time(pid: int) -> int | None:
     Pid plus start time names a process unambiguously, even after the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
+            stat_line = f.read()
     except OSError:
         return None
-    fields = stat[stat.rindex(b")") + 2:].split()  # the command name may hold spaces and parentheses
+    fields = stat_line[stat_line.rindex(b")") + 2:].split()  # the command name may hold spaces and parentheses
     if fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
@@ -81,51 +119,158 @@ def free_bytes(shm_dir: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+# -- checks --------------------------------------------------------------------------------------
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "of unknown type"
+
+
+def _problem(st: os.stat_result, directory: bool) -> str | None:
+    """Why ``st`` is not a private directory (0700) or ring file (0600, one link) of this user."""
+    want_kind, want_mode = ("a directory", 0o700) if directory else ("a regular file", 0o600)
+    if _kind(st.st_mode) != want_kind:
+        return f"it is {_kind(st.st_mode)}, not {want_kind}"
+    if st.st_uid != os.geteuid():
+        return (f"it is owned by uid {st.st_uid} ({user_name(st.st_uid)}), not by uid {os.geteuid()} "
+                f"({current_user()}) that runs this job")
+    if stat.S_IMODE(st.st_mode) != want_mode:
+        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not {want_mode:04o}"
+    if not directory and st.st_nlink != 1:
+        return f"it has {st.st_nlink} hard links, not 1"
+    return None
+
+
+def _refuse(path: str, problem: str) -> ShmSecurityError:
+    return ShmSecurityError(
+        f"refusing {path} as a shared-memory data loader segment: {problem}. Only this job's ranks create "
+        "it, so another local user or a foreign process may have planted it (to hang the job or feed it "
+        "forged batches): remove it (as its owner or root) and find out who made it"
+    )
+
+
+def _open_checked(path: str, flags: int, directory: bool, dir_fd: int | None = None) -> int | None:
+    """Open without following symlinks or blocking, then check what was opened; None when absent."""
+    shown = path if dir_fd is None else f"{os.readlink(f'/proc/self/fd/{dir_fd}')}/{path}"
+    try:
+        fd = os.open(path, flags | SAFE_OPEN | (os.O_DIRECTORY if directory else 0), dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO):
+            raise
+        try:  # say what it is instead of the bare errno
+            kind = _kind(os.lstat(path, dir_fd=dir_fd).st_mode)
+            raise _refuse(shown, f"it is {kind}, not {'a directory' if directory else 'a regular file'}") from None
+        except FileNotFoundError:
+            return None
+    problem = _problem(os.fstat(fd), directory)
+    if problem:
+        os.close(fd)
+        raise _refuse(shown, problem)
+    return fd
+
+
+def check_shm_dir(shm_dir: str) -> None:
+    """The parent of the private directories: if others may write to it without the sticky bit,
+    they could rename our directory away and slip theirs in."""
+    st = os.stat(shm_dir)
+    if not stat.S_ISDIR(st.st_mode):
+        raise FileNotFoundError(f"shm_data_loader.shm_dir={shm_dir!r} is not a directory: point it at a tmpfs")
+    shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if st.st_uid not in (0, os.geteuid()) or (shared and not st.st_mode & stat.S_ISVTX):
+        raise ShmSecurityError(
+            f"shm_data_loader.shm_dir={shm_dir!r} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) lets "
+            "other users replace the loader's files: use a directory owned by root or you that is not writable by "
+            "others, or has the sticky bit like /dev/shm (mode 1777)"
+        )
+
+
+# -- clean-up ------------------------------------------------------------------------------------
 def remove_stale_segments(shm_dir: str) -> list[str]:
-    """Unlink this user's segments whose owner process is gone (a killed job); returns their paths."""
+    """Remove this user's private directories whose owner process is gone (a killed job); returns
+    their paths. Anything else (other users' entries, symlinks, FIFOs, files) is skipped unopened."""
     removed = []
-    for path in glob.glob(os.path.join(shm_dir, f"{PREFIX}-{current_user()}-*")):
-        tmp = re.search(r"\.tmp(\d+)$", path)
-        if tmp:  # a creation that never finished: only its creator's pid is known
-            dead = process_start_time(int(tmp.group(1))) is None
-        else:
-            dead = _owner_is_dead(path)
-        if dead:
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
+    for entry in os.scandir(shm_dir):
+        if not entry.name.startswith(PREFIX + "-"):
+            continue
+        try:
+            if _problem(entry.stat(follow_symlinks=False), directory=True):
+                continue  # not ours: never opened, never judged
+            dfd = _open_checked(entry.path, os.O_RDONLY, directory=True)
+        except (OSError, ShmSecurityError):  # gone or swapped since the scan
+            continue
+        if dfd is None:
+            continue
+        try:
+            if _is_stale(dfd):
+                for name in os.listdir(dfd):
+                    os.unlink(name, dir_fd=dfd)
+                os.rmdir(entry.path)
+                removed.append(entry.path)
+        except (OSError, ShmSecurityError):  # in use again, or removed by another run's clean-up
+            pass
+        finally:
+            os.close(dfd)
     return removed
 
 
-def _owner_is_dead(path: str) -> bool:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(OWNER_FIELDS.size)
-    except OSError:
-        return False  # not ours to judge (permissions) or already gone
-    if len(head) < OWNER_FIELDS.size:
-        return False
-    magic, pid, start = OWNER_FIELDS.unpack(head)
-    return magic == MAGIC and not is_alive(pid, start)
+def _is_stale(dfd: int) -> bool:
+    names = os.listdir(dfd)
+    if RING in names:
+        fd = _open_checked(RING, os.O_RDONLY, directory=False, dir_fd=dfd)
+        if fd is None:
+            return False
+        try:
+            head = os.pread(fd, OWNER_FIELDS.size, 0)
+        finally:
+            os.close(fd)
+        if len(head) < OWNER_FIELDS.size:
+            return False
+        magic, pid, start = OWNER_FIELDS.unpack(head)
+        return magic == MAGIC and not is_alive(pid, start)
+    pids = [re.fullmatch(RING + r"\.tmp(\d+)", n) for n in names]
+    if pids and all(pids):  # a creation that never finished: only its creator's pid is known
+        return all(process_start_time(int(m.group(1))) is None for m in pids)
+    # Empty: its creator sits between mkdir and creating the ring (microseconds) or died there.
+    return not names and time.time() - os.fstat(dfd).st_mtime > EMPTY_DIR_GRACE_S
 
 
+# -- life cycle ----------------------------------------------------------------------------------
 def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
-    """Create ``path`` (mode 0600) of ``size`` bytes starting with ``header``, mapped read-write.
-    The space is checked and reserved before anything is written."""
-    if os.path.exists(path):
-        raise FileExistsError(
-            f"{path} belongs to a live process: another run with the same job id on this node? "
-            "pass a distinct job id"
-        )
+    """Create the private directory ``path`` (0700) holding the ring (0600, ``size`` bytes starting
+    with ``header``), mapped read-write. The space is checked and reserved before anything is written."""
     shm_dir = os.path.dirname(path)
+    check_shm_dir(shm_dir)
     available = free_bytes(shm_dir)
     if size > available:
         raise ShmSpaceError(_space_message(shm_dir, size, available))
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        raise _refuse(path, "it existed before this job's first rank created it (its name is random)") from None
+    try:
+        dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
+        try:
+            os.fchmod(dfd, 0o700)  # the umask may have cleared bits
+            if problem := _problem(os.fstat(dfd), directory=True):
+                raise _refuse(path, problem)
+            return _create_ring(dfd, shm_dir, size, header)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        remove_segment(path)
+        raise
+
+
+def _create_ring(dfd: int, shm_dir: str, size: int, header: bytes) -> mmap.mmap:
+    tmp = f"{RING}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
+    try:
+        os.fchmod(fd, 0o600)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
@@ -134,25 +279,49 @@ def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
             raise
         mm = mmap.mmap(fd, size)
         mm[: len(header)] = header
-        os.rename(tmp, path)
+        os.rename(tmp, RING, src_dir_fd=dfd, dst_dir_fd=dfd)
         return mm
-    except BaseException:
-        os.unlink(tmp)
-        raise
     finally:
         os.close(fd)  # the mapping stays valid without the descriptor
 
 
 def open_segment(path: str) -> mmap.mmap | None:
-    """Map an existing segment read-write; None when it does not exist (yet)."""
+    """Map the ring of the private directory ``path`` read-write; None while it does not exist yet.
+    Raises :class:`ShmSecurityError` naming the culprit when either is not this user's own."""
+    dfd = _open_checked(path, os.O_RDONLY, directory=True)
+    if dfd is None:
+        return None
     try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
+        fd = _open_checked(RING, os.O_RDWR, directory=False, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    if fd is None:
         return None
     try:
         return mmap.mmap(fd, os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def remove_segment(path: str) -> None:
+    """Unlink the ring and remove its private directory (the mappings stay valid). Touches nothing
+    that fails the checks, so a path another user planted is left to its owner."""
+    try:
+        dfd = _open_checked(path, os.O_RDONLY, directory=True)
+    except ShmSecurityError:
+        return
+    if dfd is None:
+        return
+    try:
+        for name in os.listdir(dfd):
+            if name == RING or name.startswith(RING + ".tmp"):
+                os.unlink(name, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
 
 
 def _space_message(shm_dir: str, needed: int, available: int) -> str:
