@@ -1,14 +1,12 @@
 """The node's shared-memory segment: a private directory, the ring file in it, the space it needs,
-the checks that keep other local users out, and the clean-up of killed runs' leftovers.
+and the clean-up of killed runs' leftovers.
 
-Layout: ``{shm_dir}/mdsp-{user}-{label}-node{n}-{token}/ring``. The directory is made mode 0700
-by the node's first rank; ``token`` is 128 random bits that rank drew and shared with the node's
-other ranks through the loader's one collective, so no other user can guess the name before the
+Layout: ``{shm_dir}/mdsp-{user}-{label}-node{n}-{token}/ring``. The node's first rank makes the
+directory (mode 0700); ``token`` is 128 random bits that rank drew and shared with the node's other
+ranks through the loader's one collective, so no other user can guess the name before the
 directory exists, and once it exists nobody else can create, replace or open anything inside it
-(``/dev/shm`` is sticky: nobody else can rename or remove our entries either). Every open uses
-``O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`` (no symlink is followed, a FIFO never blocks) and is
-followed by an ``fstat`` check of type, owner and mode (and link count for files): whatever another
-user planted, a rank raises an error naming it instead of hanging or reading forged batches.
+(and, ``/dev/shm`` being sticky, nobody else can rename or remove it). Every open goes through
+``shm_private``: no symlink followed, no blocking on a FIFO, type, owner, mode and links checked.
 
 Inside the directory the ring is created mode 0600 as ``ring.tmp{pid}``, sized with
 ``posix_fallocate`` (a full tmpfs gives ENOSPC at once, not a SIGBUS at first touch) and renamed to
@@ -16,7 +14,7 @@ Inside the directory the ring is created mode 0600 as ``ring.tmp{pid}``, sized w
 ``os.open`` and mapped with ``mmap``: ``multiprocessing.shared_memory`` would register them with
 Python's resource tracker, which may unlink a live segment when an unrelated process that attached
 exits. The owner's pid and start time sit in the header, so a later run can tell a dead job's
-leftover from a live one; the clean-up only ever touches directories that pass the same checks.
+leftover from a live one; the clean-up touches only directories that pass the same checks.
 """
 
 from __future__ import annotations
@@ -25,44 +23,31 @@ import errno
 import hashlib
 import mmap
 import os
-import pwd
 import re
 import secrets
-import stat
 import struct
 import time
 
 from deepspeed_ext.config import ConfigError
+from megatron_ext.data.shm_private import (
+    SAFE_OPEN,
+    ShmSecurityError,
+    check_shm_dir,
+    current_user,
+    open_checked,
+    problem_with,
+    refusal,
+)
 
 PREFIX = "mdsp"
 RING = "ring"  # the segment's file inside its private directory
 MAGIC = 0x4D44535052494E47  # "MDSPRING": marks a header this module wrote
 OWNER_FIELDS = struct.Struct("qqq")  # magic, owner pid, owner start time: the first words of every header
-# Never follow a symlink, never block on a FIFO or device, never leak into exec'd children.
-SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 EMPTY_DIR_GRACE_S = 60.0  # an empty private dir older than this lost its creator between two calls
 
 
 class ShmSpaceError(ConfigError):
     """The ring does not fit in the shared-memory directory; the message gives both sizes."""
-
-
-class ShmSecurityError(RuntimeError):
-    """A loader file or directory is not what this user made: another user's, a symlink, a FIFO."""
-
-
-def current_user() -> str:
-    try:
-        return pwd.getpwuid(os.geteuid()).pw_name
-    except KeyError:  # a uid without a passwd entry (containers)
-        return str(os.geteuid())
-
-
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return "?"
 
 
 def resolve_job_id(explicit: str | None = None) -> str:
@@ -119,88 +104,18 @@ def free_bytes(shm_dir: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-# -- checks --------------------------------------------------------------------------------------
-def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"),
-                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
-        if test(mode):
-            return name
-    return "of unknown type"
-
-
-def _problem(st: os.stat_result, directory: bool) -> str | None:
-    """Why ``st`` is not a private directory (0700) or ring file (0600, one link) of this user."""
-    want_kind, want_mode = ("a directory", 0o700) if directory else ("a regular file", 0o600)
-    if _kind(st.st_mode) != want_kind:
-        return f"it is {_kind(st.st_mode)}, not {want_kind}"
-    if st.st_uid != os.geteuid():
-        return (f"it is owned by uid {st.st_uid} ({user_name(st.st_uid)}), not by uid {os.geteuid()} "
-                f"({current_user()}) that runs this job")
-    if stat.S_IMODE(st.st_mode) != want_mode:
-        return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not {want_mode:04o}"
-    if not directory and st.st_nlink != 1:
-        return f"it has {st.st_nlink} hard links, not 1"
-    return None
-
-
-def _refuse(path: str, problem: str) -> ShmSecurityError:
-    return ShmSecurityError(
-        f"refusing {path} as a shared-memory data loader segment: {problem}. Only this job's ranks create "
-        "it, so another local user or a foreign process may have planted it (to hang the job or feed it "
-        "forged batches): remove it (as its owner or root) and find out who made it"
-    )
-
-
-def _open_checked(path: str, flags: int, directory: bool, dir_fd: int | None = None) -> int | None:
-    """Open without following symlinks or blocking, then check what was opened; None when absent."""
-    shown = path if dir_fd is None else f"{os.readlink(f'/proc/self/fd/{dir_fd}')}/{path}"
-    try:
-        fd = os.open(path, flags | SAFE_OPEN | (os.O_DIRECTORY if directory else 0), dir_fd=dir_fd)
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        if e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EISDIR, errno.ENXIO):
-            raise
-        try:  # say what it is instead of the bare errno
-            kind = _kind(os.lstat(path, dir_fd=dir_fd).st_mode)
-            raise _refuse(shown, f"it is {kind}, not {'a directory' if directory else 'a regular file'}") from None
-        except FileNotFoundError:
-            return None
-    problem = _problem(os.fstat(fd), directory)
-    if problem:
-        os.close(fd)
-        raise _refuse(shown, problem)
-    return fd
-
-
-def check_shm_dir(shm_dir: str) -> None:
-    """The parent of the private directories: if others may write to it without the sticky bit,
-    they could rename our directory away and slip theirs in."""
-    st = os.stat(shm_dir)
-    if not stat.S_ISDIR(st.st_mode):
-        raise FileNotFoundError(f"shm_data_loader.shm_dir={shm_dir!r} is not a directory: point it at a tmpfs")
-    shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if st.st_uid not in (0, os.geteuid()) or (shared and not st.st_mode & stat.S_ISVTX):
-        raise ShmSecurityError(
-            f"shm_data_loader.shm_dir={shm_dir!r} (owner uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}) lets "
-            "other users replace the loader's files: use a directory owned by root or you that is not writable by "
-            "others, or has the sticky bit like /dev/shm (mode 1777)"
-        )
-
-
 # -- clean-up ------------------------------------------------------------------------------------
 def remove_stale_segments(shm_dir: str) -> list[str]:
     """Remove this user's private directories whose owner process is gone (a killed job); returns
     their paths. Anything else (other users' entries, symlinks, FIFOs, files) is skipped unopened."""
     removed = []
-    for entry in os.scandir(shm_dir):
-        if not entry.name.startswith(PREFIX + "-"):
-            continue
+    with os.scandir(shm_dir) as scan:
+        entries = [e for e in scan if e.name.startswith(PREFIX + "-")]
+    for entry in entries:
         try:
-            if _problem(entry.stat(follow_symlinks=False), directory=True):
+            if problem_with(entry.stat(follow_symlinks=False), directory=True):
                 continue  # not ours: never opened, never judged
-            dfd = _open_checked(entry.path, os.O_RDONLY, directory=True)
+            dfd = open_checked(entry.path, os.O_RDONLY, directory=True)
         except (OSError, ShmSecurityError):  # gone or swapped since the scan
             continue
         if dfd is None:
@@ -221,7 +136,7 @@ def remove_stale_segments(shm_dir: str) -> list[str]:
 def _is_stale(dfd: int) -> bool:
     names = os.listdir(dfd)
     if RING in names:
-        fd = _open_checked(RING, os.O_RDONLY, directory=False, dir_fd=dfd)
+        fd = open_checked(RING, os.O_RDONLY, directory=False, dir_fd=dfd)
         if fd is None:
             return False
         try:
@@ -251,14 +166,14 @@ def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        raise _refuse(path, "it existed before this job's first rank created it (its name is random)") from None
+        raise refusal(path, "it existed before this job's first rank created it (its name is random)") from None
     try:
         dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
         try:
             os.fchmod(dfd, 0o700)  # the umask may have cleared bits
-            if problem := _problem(os.fstat(dfd), directory=True):
-                raise _refuse(path, problem)
-            return _create_ring(dfd, shm_dir, size, header)
+            if problem := problem_with(os.fstat(dfd), directory=True):
+                raise refusal(path, problem)
+            return _create_ring(dfd, path, size, header)
         finally:
             os.close(dfd)
     except BaseException:
@@ -266,11 +181,13 @@ def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
         raise
 
 
-def _create_ring(dfd: int, shm_dir: str, size: int, header: bytes) -> mmap.mmap:
-    tmp = f"{RING}.tmp{os.getpid()}"
+def _create_ring(dfd: int, path: str, size: int, header: bytes) -> mmap.mmap:
+    shm_dir, tmp = os.path.dirname(path), f"{RING}.tmp{os.getpid()}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
     try:
-        os.fchmod(fd, 0o600)
+        os.fchmod(fd, 0o600)  # the umask may have cleared bits
+        if problem := problem_with(os.fstat(fd), directory=False):
+            raise refusal(f"{path}/{tmp}", problem)
         try:
             os.posix_fallocate(fd, 0, size)
         except OSError as e:
@@ -288,11 +205,11 @@ def _create_ring(dfd: int, shm_dir: str, size: int, header: bytes) -> mmap.mmap:
 def open_segment(path: str) -> mmap.mmap | None:
     """Map the ring of the private directory ``path`` read-write; None while it does not exist yet.
     Raises :class:`ShmSecurityError` naming the culprit when either is not this user's own."""
-    dfd = _open_checked(path, os.O_RDONLY, directory=True)
+    dfd = open_checked(path, os.O_RDONLY, directory=True)
     if dfd is None:
         return None
     try:
-        fd = _open_checked(RING, os.O_RDWR, directory=False, dir_fd=dfd)
+        fd = open_checked(RING, os.O_RDWR, directory=False, dir_fd=dfd)
     finally:
         os.close(dfd)
     if fd is None:
@@ -307,7 +224,7 @@ def remove_segment(path: str) -> None:
     """Unlink the ring and remove its private directory (the mappings stay valid). Touches nothing
     that fails the checks, so a path another user planted is left to its owner."""
     try:
-        dfd = _open_checked(path, os.O_RDONLY, directory=True)
+        dfd = open_checked(path, os.O_RDONLY, directory=True)
     except ShmSecurityError:
         return
     if dfd is None:

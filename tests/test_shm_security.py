@@ -1,0 +1,356 @@
+"""Attacks by another local user on the shared-memory loader. The test creates that user (and a
+non-root victim user) with ``useradd`` and runs the attacker's actions in a child forked with its
+uid; the victim job runs on gloo across two local processes. Every attack must end at once with an
+error naming the planted path (or, for leftovers, be ignored without touching them): never a hang,
+never a batch the attacker wrote. Needs root (to create users); skipped otherwise."""
+
+import mmap
+import os
+import pwd
+import select
+import shutil
+import stat
+import subprocess
+import time
+import traceback
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.config import ShmDataLoaderConfig
+from megatron_ext.data import loader as loader_module
+from megatron_ext.data import ring as ring_module
+from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
+from megatron_ext.data.loader import build_batch_iterator
+from megatron_ext.data.samplers import sampler_batches
+from megatron_ext.data.shm_segment import (
+    RING,
+    ShmSecurityError,
+    create_segment,
+    current_user,
+    open_segment,
+    process_start_time,
+    remove_segment,
+    remove_stale_segments,
+    segment_path,
+)
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creating a second local user needs root")
+
+ATTACKER, VICTIM = "mdspattacker", "mdspvictim"
+SEQ, MBS, RANKS, SLOTS = 32, 2, 2, 2
+LAYOUT = ring_module.RingLayout(SLOTS, RANKS, MBS, SEQ, RANKS)  # what the victim job's ring looks like
+TIMEOUT_S = 30.0  # the loader's own timeout: every attack must end far sooner
+FAST_S = 5.0
+FORGED = 7  # every token the attacker writes
+NEW_TOKEN = loader_module.new_token
+JOB = "sec"  # the job label of the victim's segment names
+
+
+@pytest.fixture(scope="module")
+def users():
+    """uid and gid of the attacker and of a non-root victim; created here when absent."""
+    made, ids = [], {}
+    for name in (ATTACKER, VICTIM):
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                pw = pwd.getpwnam(name)  # a concurrent run may have made it first
+            except KeyError:
+                pytest.fail(f"useradd {name} failed: {done.stderr}")
+            if done.returncode == 0:
+                made.append(name)
+        ids[name] = (pw.pw_uid, pw.pw_gid)
+    yield ids
+    for name in made:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory like /dev/shm (root's, mode 1777), so planted files stay out of the real one."""
+    path = f"/dev/shm/shmsec-{uuid.uuid4().hex[:8]}"
+    os.mkdir(path)
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("shm-security")
+    write_indexed_dataset(str(root / "corpus"), synthetic_documents(40))
+    build_train_dataset(str(root / "corpus"), SEQ, 10, 1234, str(root / "cache"))  # the index cache, once
+    return str(root / "corpus"), str(root / "cache")
+
+
+def as_user(ids, fn, *args, stay=False):
+    """Run ``fn(*args)`` in a child forked under ``ids`` = (uid, gid); returns its pid once ``fn``
+    returned. ``stay``: the child then lives on (the owner of a forged ring) until killed."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(ids[1])
+            os.setuid(ids[0])
+            fn(*args)
+            os.write(w, b"ok")
+            code = 0
+            if stay:
+                time.sleep(120)
+        except BaseException:
+            os.write(w, traceback.format_exc().encode()[-4000:])
+        finally:
+            os._exit(code)
+    os.close(w)
+    ready, _, _ = select.select([r], [], [], 30)
+    out = os.read(r, 65536) if ready else b"no answer within 30 s"
+    os.close(r)
+    if not stay or out != b"ok":
+        reap(pid)
+    assert out == b"ok", f"the child as uid {ids[0]} failed: {out.decode()}"
+    return pid
+
+
+def reap(pid):
+    try:
+        os.kill(pid, 9)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)
+
+
+def _dead_pid():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+# -- what the attacker does (in the forked child, as the attacker) ---------------------------------
+def _plant_leftovers(shm_dir, victims, victim_file, dead):
+    """Entries named like the victims' segments: the empty ``.tmp<deadpid>`` file that blocked every
+    later job, a FIFO (the old clean-up opened it and hung), a symlink to a victim's file, and a
+    private-looking directory with a dead owner's ring."""
+    for victim in victims:
+        open(f"{shm_dir}/mdsp-{victim}-x.tmp{dead}", "w").close()
+        os.mkfifo(f"{shm_dir}/mdsp-{victim}-job-train-node0")
+        os.symlink(victim_file, f"{shm_dir}/mdsp-{victim}-link")
+        fake = f"{shm_dir}/mdsp-{victim}-fake-node0-{'0' * 32}"
+        os.mkdir(fake, 0o700)
+        with open(f"{fake}/{RING}", "wb") as f:
+            f.write(LAYOUT.header(dead, 1))
+
+
+def _plant_forged_ring(path):
+    """A ring at the victim's segment name as a valid producer would publish it, with forged
+    batches, owned (and kept alive) by the attacker, open to everyone."""
+    os.mkdir(path)
+    os.chmod(path, 0o777)
+    fd = os.open(f"{path}/{RING}", os.O_CREAT | os.O_RDWR, 0o666)
+    os.fchmod(fd, 0o666)
+    os.ftruncate(fd, LAYOUT.size)
+    mm = mmap.mmap(fd, LAYOUT.size)
+    me, start = os.getpid(), process_start_time(os.getpid())
+    mm[: LAYOUT.data_offset] = LAYOUT.header(me, start)
+    forged = ring_module.Ring(mm, LAYOUT)
+    for word, value in ((ring_module.PRODUCER_START, start), (ring_module.PRODUCER_PID, me),
+                        (ring_module.STATE, ring_module.RUNNING)):
+        forged.set(word, value)
+    for slot in range(SLOTS):
+        for stream in range(RANKS):
+            views = forged.arrays(slot, stream)
+            views["tokens"][...] = views["labels"][...] = FORGED
+            views["loss_mask"][...] = 1.0
+        forged.set(forged.slot_word(slot, ring_module.SEQ), slot)
+    del views
+    mm.close()
+    os.close(fd)
+
+
+# -- the victim job (gloo ranks) -------------------------------------------------------------------
+def _load(prefix, cache, shm_dir, token=None, steps=3):
+    """One loader on every rank; its batches checked against the dataset, or the error it raised."""
+    dataset = build_train_dataset(prefix, SEQ, 10, 1234, cache)
+    rank = dist.get_rank()
+    if token is not None:  # stands for an attacker who learnt the name in advance
+        loader_module.new_token = lambda: token
+    start = time.monotonic()
+    try:
+        it = build_batch_iterator(dataset, micro_batch_size=MBS, consumed_samples=0, topology=None, tp_group=None,
+                                  job_id=JOB,
+                                  config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=TIMEOUT_S,
+                                                             shm_dir=shm_dir),
+                                  dp_rank=rank, dp_size=RANKS)
+        try:
+            got = [next(it) for _ in range(steps)]
+        finally:
+            it.close()
+    except Exception as e:
+        return dict(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - start)
+    finally:
+        loader_module.new_token = NEW_TOKEN
+    indices = sampler_batches("single", len(dataset), 0, MBS, rank, RANKS)
+    for batch, idx in zip(got, indices):
+        expected = torch.stack([torch.as_tensor(dataset[i]["tokens"]) for i in idx])
+        assert torch.equal(batch["tokens"], expected), f"rank {rank} got tokens the dataset does not hold"
+    return dict(error=None, path=it.path, seconds=time.monotonic() - start)
+
+
+def _fails_fast_naming(results, path):
+    for rank, res in enumerate(results):
+        assert res["error"] is not None, f"rank {rank} took batches from a planted segment"
+        assert path in res["error"], f"rank {rank}: {res['error']}"
+        assert res["seconds"] < FAST_S, f"rank {rank} needed {res['seconds']:.1f} s"
+
+
+# -- the attacks -----------------------------------------------------------------------------------
+def test_planted_leftovers_neither_block_nor_hang_and_stay_untouched(run_ranks, corpus, users, shm_dir, tmp_path):
+    victim_file = tmp_path / "precious"
+    victim_file.write_bytes(b"the victim's own data\n")
+    as_user(users[ATTACKER], _plant_leftovers, shm_dir, [current_user(), VICTIM], str(victim_file), _dead_pid())
+    planted = sorted(os.listdir(shm_dir))
+    results = run_ranks(RANKS, _load, *corpus, shm_dir, timeout=60)
+    assert [r["error"] for r in results] == [None, None]
+    assert sorted(os.listdir(shm_dir)) == planted  # the job's own directory is gone, the attacker's entries stay
+    assert victim_file.read_bytes() == b"the victim's own data\n"
+    # the name is new on every run: nothing to plant in advance
+    again = run_ranks(RANKS, _load, *corpus, shm_dir, timeout=60)
+    assert results[0]["path"] == results[1]["path"] != again[0]["path"]
+    # a non-root victim (whom the old clean-up's unlink failed with PermissionError) runs its clean-up
+    # and a whole segment life cycle in the same directory
+    as_user(users[VICTIM], _victim_lifecycle, shm_dir)
+    assert sorted(os.listdir(shm_dir)) == planted
+
+
+def _victim_lifecycle(shm_dir):
+    assert remove_stale_segments(shm_dir) == []
+    path = segment_path(shm_dir, "victim", 0)
+    mm = create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
+    other = open_segment(path)
+    assert other is not None and other[:8] == mm[:8]
+    remove_segment(path)
+    other.close()
+    mm.close()
+
+
+def test_fifo_at_the_segment_name_fails_at_once(run_ranks, corpus, users, shm_dir):
+    token = uuid.uuid4().hex
+    path = segment_path(shm_dir, f"{JOB}-train", 0, token)
+    as_user(users[ATTACKER], os.mkfifo, path, 0o666)
+    results = run_ranks(RANKS, _load, *corpus, shm_dir, token, timeout=60)
+    _fails_fast_naming(results, path)
+    assert "existed before" in results[0]["error"]
+    assert "it is a FIFO, not a directory" in results[1]["error"]
+
+
+def test_forged_segment_of_another_user_is_refused(run_ranks, corpus, users, shm_dir):
+    token = uuid.uuid4().hex
+    path = segment_path(shm_dir, f"{JOB}-train", 0, token)
+    owner = as_user(users[ATTACKER], _plant_forged_ring, path, stay=True)
+    try:
+        results = run_ranks(RANKS, _load, *corpus, shm_dir, token, timeout=60)
+    finally:
+        reap(owner)
+    _fails_fast_naming(results, path)
+    assert f"owned by uid {users[ATTACKER][0]} ({ATTACKER})" in results[1]["error"]
+
+
+def test_symlink_to_the_victims_own_segment_is_not_followed(run_ranks, corpus, users, shm_dir):
+    # The victim's own live segment of another job: following the link would register this job's
+    # ranks in it (a write) and wait there for batches that never come.
+    own = segment_path(shm_dir, "other-job", 0)
+    mm = create_segment(own, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
+    before = bytes(mm)
+    token = uuid.uuid4().hex
+    path = segment_path(shm_dir, f"{JOB}-train", 0, token)
+    try:
+        as_user(users[ATTACKER], os.symlink, own, path)
+        results = run_ranks(RANKS, _load, *corpus, shm_dir, token, timeout=60)
+        _fails_fast_naming(results, path)
+        assert "it is a symlink, not a directory" in results[1]["error"]
+        assert bytes(mm) == before, "the victim's own segment was written through the link"
+    finally:
+        mm.close()
+        remove_segment(own)
+
+
+# -- each check on its own -------------------------------------------------------------------------
+def _ring_variant(path, variant, attacker_uid, victim_file):
+    os.mkdir(path, 0o700)
+    ring = f"{path}/{RING}"
+    if variant == "fifo":
+        os.mkfifo(ring)
+    elif variant == "symlink":
+        os.symlink(victim_file, ring)
+    else:
+        with open(ring, "wb") as f:
+            f.write(LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
+        os.chmod(ring, 0o666 if variant == "mode" else 0o600)
+        if variant == "links":
+            os.link(ring, f"{path}/second-name")
+        if variant == "owner":
+            os.chown(ring, attacker_uid, -1)
+
+
+@pytest.mark.parametrize("variant,problem", [
+    ("fifo", "it is a FIFO, not a regular file"),
+    ("symlink", "it is a symlink, not a regular file"),
+    ("mode", "its mode is 0666, not 0600"),
+    ("links", "it has 2 hard links, not 1"),
+    ("owner", f"it is owned by uid \\d+ \\({ATTACKER}\\)"),
+])
+def test_each_ring_check_names_the_file(users, shm_dir, tmp_path, variant, problem):
+    victim_file = tmp_path / "precious"
+    victim_file.write_bytes(b"x" * 8192)
+    path = segment_path(shm_dir, "check", 0)
+    _ring_variant(path, variant, users[ATTACKER][0], str(victim_file))
+    start = time.monotonic()
+    with pytest.raises(ShmSecurityError, match=f"refusing {path}/{RING} .*: {problem}.*remove it"):
+        open_segment(path)
+    assert time.monotonic() - start < FAST_S
+    assert victim_file.read_bytes() == b"x" * 8192
+
+
+@pytest.mark.parametrize("variant,problem", [
+    ("symlink", "it is a symlink, not a directory"),
+    ("file", "it is a regular file, not a directory"),
+    ("mode", "its mode is 0755, not 0700"),
+    ("owner", f"it is owned by uid \\d+ \\({ATTACKER}\\)"),
+])
+def test_each_directory_check_names_the_directory(users, shm_dir, variant, problem):
+    path = segment_path(shm_dir, "check", 0)
+    own = segment_path(shm_dir, "own", 0)
+    create_segment(own, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid()))).close()
+    if variant == "symlink":
+        os.symlink(own, path)
+    elif variant == "file":
+        open(path, "w").close()
+    else:
+        os.mkdir(path, 0o700)
+        shutil.copy(f"{own}/{RING}", f"{path}/{RING}")
+        os.chmod(path, 0o755 if variant == "mode" else 0o700)
+        if variant == "owner":
+            os.chown(path, users[ATTACKER][0], -1)
+    with pytest.raises(ShmSecurityError, match=f"refusing {path} .*: {problem}"):
+        open_segment(path)
+    assert os.stat(path, follow_symlinks=False)  # refused, not removed
+    assert remove_stale_segments(shm_dir) == []  # nor judged by the clean-up
+    remove_segment(own)
+
+
+def test_shm_dir_writable_by_others_without_sticky_bit_is_refused(shm_dir):
+    os.chmod(shm_dir, 0o777)
+    with pytest.raises(ShmSecurityError, match=rf"shm_dir='{shm_dir}' .*mode 0777.*sticky bit"):
+        create_segment(segment_path(shm_dir, "x", 0), LAYOUT.size, LAYOUT.header(os.getpid(), 1))
+    assert os.listdir(shm_dir) == []
+    assert stat.S_IMODE(os.stat(shm_dir).st_mode) == 0o777
