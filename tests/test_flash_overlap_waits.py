@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.layers import p2p_overlap
-from megatron_ext.layers.p2p_overlap import OverlapGroup
+from megatron_ext.layers import p2p_link
+from megatron_ext.layers.p2p_link import OverlapGroup
 
 
 class _Group:
@@ -30,10 +30,10 @@ class _Work:
         return True
 
 
-def _posted(work: _Work) -> "p2p_overlap._Posted":
+def _posted(work: _Work) -> "p2p_link.Posted":
     works: Future = Future()
     works.set_result([work])
-    return p2p_overlap._Posted(works, receives=1, ops=1)
+    return p2p_link.Posted(works, receives=1, ops=1)
 
 
 @pytest.fixture
@@ -47,7 +47,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_cuda_waits_are_stream_ordered_with_no_timeout(fake_cuda):
-    link = p2p_overlap._Link(OverlapGroup(group=_Group()), torch.device("cuda", 0), "all-gather")
+    link = p2p_link.Link(OverlapGroup(group=_Group()), torch.device("cuda", 0), "all-gather")
     work = _Work()
     link.wait(_posted(work), True, 1, "receive of slice 1")
     assert work.waits == [{}]  # no timeout: the host is not held until the transfer ends
@@ -56,7 +56,7 @@ def test_cuda_waits_are_stream_ordered_with_no_timeout(fake_cuda):
 
 def test_gloo_waits_are_bounded_by_timeout_s(monkeypatch):
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
-    link = p2p_overlap._Link(OverlapGroup(group=_Group(), timeout_s=7), torch.device("cpu"), "all-gather")
+    link = p2p_link.Link(OverlapGroup(group=_Group(), timeout_s=7), torch.device("cpu"), "all-gather")
     work = _Work()
     link.wait(_posted(work), True, 1, "receive of slice 1")
     assert work.waits == [{"timeout": timedelta(seconds=7)}]

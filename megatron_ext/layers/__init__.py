@@ -5,13 +5,8 @@ The GPT layer spec lives in :mod:`megatron_ext.layers.spec` (imported on its own
 """
 
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
-from megatron_ext.layers.p2p_overlap import (
-    OverlapGroup,
-    PeerTimeoutError,
-    PeerTransferError,
-    all_gather_compute,
-    compute_reduce_scatter,
-)
+from megatron_ext.layers.p2p_link import OverlapGroup, PeerTimeoutError, PeerTransferError
+from megatron_ext.layers.p2p_overlap import all_gather_compute, compute_reduce_scatter
 
 __all__ = [
     "FlashOverlapColumnParallelLinear",

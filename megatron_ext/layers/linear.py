@@ -1,121 +1,112 @@
 """Drop-in replacements for megatron-core's ColumnParallelLinear / RowParallelLinear whose
 sequence-parallel all-gather and reduce-scatter run as overlapped P2P schedules (Flash-Overlap).
 
-The classes subclass megatron-core's layers and call their constructors unchanged, so the
+The classes subclass megatron-core's layers and call their constructors, so the
 constructor arguments, the weight initialisation (same RNG consumption: same seed, bitwise equal
 weights), the parameter attributes (tensor_model_parallel, partition_dim, partition_stride,
 allreduce, sequence_parallel on the row bias), checkpoint sharding and extra state are megatron-core's.
 Only ``forward`` differs, and the options it cannot honour are rejected at construction.
+``gradient_accumulation_fusion`` is honoured (``megatron_ext.layers.wgrad``) without Apex, whose
+kernel megatron-core's column constructor otherwise insists on; autocast is treated as
+megatron-core's ``custom_fwd`` linears treat it, in both layers alike.
 
 Activations are [s, b, h] with the sequence split over the TP group (sequence parallelism):
-column forward gathers the sequence fused with its GEMM; column backward computes dgrad with
-GEMM + reduce-scatter and wgrad while gathering the input again (memory as in megatron-core, which
-also re-gathers: the full-sequence input is never kept); row forward is GEMM + reduce-scatter and
-row backward gathers the output gradient fused with both its dgrad and wgrad GEMMs.
+column forward gathers the sequence fused with its GEMM, own slice first; column backward keeps
+megatron-core's overlap (the input re-gathered under the dgrad GEMM, the dgrad reduce-scattered
+under the wgrad GEMM), with P2P transfers and unsliced GEMMs; row forward is GEMM + reduce-scatter,
+own slice last; row backward gathers the output gradient fused with the dgrad GEMM (megatron-core
+gathers it before computing anything), then computes wgrad as one GEMM: slicing the wgrad GEMM's
+reduction costs up to half its speed on Hopper at TP=8 (docs/gpu.md).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup
 from megatron_ext.layers.p2p_overlap import (
-    DEFAULT_TIMEOUT_S,
-    Mode,
-    OverlapGroup,
     all_gather_compute,
     compute_reduce_scatter,
+    rows,
+    start_all_gather,
+    start_reduce_scatter,
 )
-
-
-def _rows(t: torch.Tensor, j: int, n: int) -> torch.Tensor:
-    """Rank j's slice of the sequence (dim 0) of ``t``, split in n equal parts."""
-    size = t.shape[0] // n
-    return t[j * size : (j + 1) * size]
-
-
-def _flat(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+from megatron_ext.layers.wgrad import GemmPrecision, require_main_grad, weight_gradient
 
 
 class _AllGatherLinear(torch.autograd.Function):
-    """Fwd: sequence all-gather fused with X W^T, own slice first; bwd: dgrad GEMM+reduce-scatter, wgrad over re-gathered X (CommFuse: decomposed AG and RS, TPSP)."""
+    """Fwd: sequence all-gather fused with Y = X W^T, own slice first (CommFuse decomposed AG, TPSP);
+    bwd: as megatron-core, X re-gathered under the dgrad GEMM and dgrad reduce-scattered under the
+    wgrad GEMM, both P2P. GEMMs: fwd n x [s/n*b, h] x [h, o/n]; bwd dgrad [s*b, o/n] x [o/n, h],
+    wgrad [o/n, s*b] x [s*b, h]."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup) -> torch.Tensor:
-        n = og.size
-        out = x.new_empty((x.shape[0] * n, *x.shape[1:-1], weight.shape[0]))
-
-        def gemm(j: int, xj: torch.Tensor) -> None:
-            torch.matmul(xj, weight.t(), out=_rows(out, j, n))
-
-        all_gather_compute(x, gemm, og)
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool) -> torch.Tensor:
+        n, precision = og.size, GemmPrecision.of(x)
+        xc, wc = precision.cast(x), precision.cast(weight)
+        out = xc.new_empty((x.shape[0] * n, *x.shape[1:-1], weight.shape[0]))
+        with precision.exact():
+            all_gather_compute(xc, lambda j, xj: torch.matmul(xj, wc.t(), out=rows(out, j, n)), og)
         # Frozen weights need no wgrad, hence no saved input (as megatron-core's frozen path).
-        ctx.save_for_backward(x if weight.requires_grad else None, weight)
-        ctx.og = og
+        ctx.save_for_backward(xc if weight.requires_grad else None, weight)
+        ctx.og, ctx.precision, ctx.fuse_wgrad = og, precision, fuse_wgrad
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
-        og: OverlapGroup = ctx.og
-        n = og.size
-        grad_out = grad_out.contiguous()
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = compute_reduce_scatter(lambda j: torch.matmul(_rows(grad_out, j, n), weight), og)
-        if ctx.needs_input_grad[1]:
-            acc: list[torch.Tensor] = []
-
-            def wgrad(j: int, xj: torch.Tensor) -> None:
-                g = _flat(_rows(grad_out, j, n)).t()
-                if acc:
-                    acc[0].addmm_(g, _flat(xj))
-                else:
-                    acc.append(g.matmul(_flat(xj)))
-
-            all_gather_compute(x, wgrad, og)
-            grad_w = acc[0]
-        return grad_x, grad_w, None
+        og, precision = ctx.og, ctx.precision
+        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g = precision.cast(grad_out).contiguous()
+        with precision.exact():
+            gathered = start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:]))) if want_w else None
+            scattered = start_reduce_scatter(torch.matmul(g, precision.cast(weight)), og) if want_x else None
+            grad_w = weight_gradient(g, gathered(), weight, ctx.fuse_wgrad) if want_w else None
+            grad_x = scattered() if want_x else None
+        return grad_x, grad_w, None, None
 
 
 class _LinearReduceScatter(torch.autograd.Function):
-    """Fwd: X W^T fused with the sequence reduce-scatter, own slice last; bwd: gradient all-gather fused with dgrad and wgrad (CommFuse: decomposed RS and AG, TPSP)."""
+    """Fwd: Y = X W^T fused with the sequence reduce-scatter, own slice last (CommFuse decomposed RS,
+    TPSP); bwd: output-gradient all-gather fused with the dgrad GEMM, own slice first, then one wgrad
+    GEMM over the gathered gradient (megatron-core gathers first and overlaps nothing). GEMMs: fwd
+    n x [s/n*b, i/n] x [i/n, o]; bwd dgrad n x [s/n*b, o] x [o, i/n], wgrad [o, s*b] x [s*b, i/n]."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup) -> torch.Tensor:
-        n = og.size
-        out = compute_reduce_scatter(lambda j: torch.matmul(_rows(x, j, n), weight.t()), og)
-        ctx.save_for_backward(x if weight.requires_grad else None, weight)
-        ctx.og = og
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool) -> torch.Tensor:
+        n, precision = og.size, GemmPrecision.of(x)
+        xc, wc = precision.cast(x), precision.cast(weight)
+        with precision.exact():
+            out = compute_reduce_scatter(lambda j: torch.matmul(rows(xc, j, n), wc.t()), og)
+        ctx.save_for_backward(xc if weight.requires_grad else None, weight)
+        ctx.og, ctx.precision, ctx.fuse_wgrad = og, precision, fuse_wgrad
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
-        og: OverlapGroup = ctx.og
+        og, precision = ctx.og, ctx.precision
         n = og.size
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (want_x or want_w):
-            return None, None, None
-        grad_x = grad_out.new_empty((grad_out.shape[0] * n, *grad_out.shape[1:-1], weight.shape[1])) if want_x else None
-        acc: list[torch.Tensor] = []
+            return None, None, None, None
+        g, wc = precision.cast(grad_out).contiguous(), precision.cast(weight)
+        grad_x = g.new_empty((g.shape[0] * n, *g.shape[1:-1], weight.shape[1])) if want_x else None
+        gathered = g.new_empty((g.shape[0] * n, *g.shape[1:])) if want_w else None
 
-        def step(j: int, gj: torch.Tensor) -> None:
+        def dgrad(j: int, gj: torch.Tensor) -> None:
             if want_x:
-                torch.matmul(gj, weight, out=_rows(grad_x, j, n))
-            if want_w:
-                g, xj = _flat(gj).t(), _flat(_rows(x, j, n))
-                if acc:
-                    acc[0].addmm_(g, xj)
-                else:
-                    acc.append(g.matmul(xj))
+                torch.matmul(gj, wc, out=rows(grad_x, j, n))
 
-        all_gather_compute(grad_out.contiguous(), step, og)
-        return grad_x, acc[0] if want_w else None, None
+        with precision.exact():
+            all_gather_compute(g, dgrad, og, out=gathered)
+            grad_w = weight_gradient(gathered, x, weight, ctx.fuse_wgrad) if want_w else None
+        return grad_x, grad_w, None, None
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -147,7 +138,6 @@ class _FlashOverlapMixin:
         tp = 1 if self.tp_group is None else self.tp_group.size()
         unsupported = {
             "is_expert=True": self.is_expert,
-            "config.gradient_accumulation_fusion": cfg.gradient_accumulation_fusion,
             "config.defer_embedding_wgrad_compute": cfg.defer_embedding_wgrad_compute,
             "config.cpu_offloading": cfg.cpu_offloading,
         }
@@ -171,13 +161,15 @@ class _FlashOverlapMixin:
         name = self.overlap.name
         if x.dim() < 2 or x.shape[-1] != features:
             raise ValueError(f"layer {name!r}: input of shape {tuple(x.shape)} must be [s, b, {features}] (sequence first)")
-        if x.dtype != weight.dtype:
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"layer {name!r}: input dtype {x.dtype} differs from the weight dtype {weight.dtype}: cast the "
-                "input, or build the model with config.params_dtype matching the activations"
+                "input, run under torch.autocast, or build the model with config.params_dtype matching the activations"
             )
         if x.device != weight.device:
             raise ValueError(f"layer {name!r}: input is on {x.device} but the weight on {weight.device}: move one of them")
+        if self.config.gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled():
+            require_main_grad(weight, name)
 
 
 class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear):
@@ -187,7 +179,15 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
 
     def __init__(self, input_size: int, output_size: int, *, p2p_mode: Mode | None = None,
                  timeout_s: float | None = None, **megatron_kwargs: Any) -> None:
+        config = megatron_kwargs["config"]
+        if config.gradient_accumulation_fusion:
+            # megatron-core's constructor refuses this option without Apex's fused wgrad kernel;
+            # these layers accumulate into main_grad with torch ops, so build with a copy that has it off.
+            without = copy.copy(config)
+            without.gradient_accumulation_fusion = False
+            megatron_kwargs = {**megatron_kwargs, "config": without}
         super().__init__(input_size, output_size, **megatron_kwargs)
+        self.config, self.gradient_accumulation_fusion = config, config.gradient_accumulation_fusion
         self._setup_overlap(p2p_mode, timeout_s, megatron_kwargs.get("tp_comm_buffer_name"), self.sequence_parallel)
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
@@ -204,7 +204,7 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
         self._check_input(input_, weight, self.input_size)
-        output = _AllGatherLinear.apply(input_, weight, self.overlap)
+        output = _AllGatherLinear.apply(input_, weight, self.overlap, self.config.gradient_accumulation_fusion)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -230,7 +230,7 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
                 f"layer {self.overlap.name!r}: sequence length {input_.shape[0]} is not divisible by the "
                 f"tensor-parallel size {n}: pad the sequence to a multiple of {n}"
             )
-        output = _LinearReduceScatter.apply(input_, self.weight, self.overlap)
+        output = _LinearReduceScatter.apply(input_, self.weight, self.overlap, self.config.gradient_accumulation_fusion)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None

@@ -63,6 +63,25 @@ def test_layers_match_megatron_core_at_tp1_in_bf16(cuda_rank):
     assert torch.equal(outputs["flash-overlap"], outputs["megatron-core"])
 
 
+def test_gradient_accumulation_fusion_sums_bf16_wgrads_in_fp32_main_grad(cuda_rank):
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    config = ModelParallelConfig(params_dtype=torch.bfloat16, bf16=True, gradient_accumulation_fusion=True)
+    pair = _pair(config, flash=True)
+    for layer in pair:
+        layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=torch.float32, device=cuda_rank)
+        layer.weight.grad_added_to_main_grad = False
+    x = torch.randn(S, B, H, device=cuda_rank, dtype=torch.bfloat16)
+    grads = [torch.randn(S, B, H, device=cuda_rank, dtype=torch.bfloat16) for _ in range(2)]
+    hidden = torch.nn.functional.gelu(pair[0](x)[0]).detach()
+    for g in grads:  # two micro-batches
+        _mlp(pair, x).backward(g)
+    want = sum(g.double().flatten(0, 1).t() @ hidden.double().flatten(0, 1) for g in grads)
+    err = ((pair[1].weight.main_grad.double() - want).abs().max() / want.abs().max()).item()
+    assert err < 1e-3, err  # bf16 products summed in fp32
+    assert pair[0].weight.main_grad.abs().sum() > 0 and all(layer.weight.grad_added_to_main_grad for layer in pair)
+
+
 def test_a_cuda_graph_captures_the_layers_at_tp1(cuda_rank):
     from megatron.core.model_parallel_config import ModelParallelConfig
 
@@ -102,7 +121,8 @@ def _child(path: str) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_ext.layers.p2p_overlap import OverlapGroup, all_gather_compute, compute_reduce_scatter
+    from megatron_ext.layers.p2p_link import OverlapGroup
+    from megatron_ext.layers.p2p_overlap import all_gather_compute, compute_reduce_scatter
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     waits = {"timed": 0, "untimed": 0}

@@ -1,0 +1,173 @@
+"""The transfer layer under the Flash-Overlap schedules: the TP group, the P2P link, and its waits.
+
+Each step posts its receive before its send (gloo writes only once the peer's receive is posted).
+On CUDA the transfers are issued from the compute stream and run on the process group's own
+stream; a wait only orders the compute stream after the transfer (a timed ``work.wait`` would
+block the host until the transfer ends, so the host could not run ahead and CUDA graphs could not
+capture the layer), and a dead peer is reported by the process group's watchdog within the timeout
+the group was created with. On gloo the transfers are asynchronous work items posted from one
+background thread, so that the compute thread never writes to a socket, and every wait is bounded
+by ``timeout_s``: a silent peer raises :class:`PeerTimeoutError` naming the peer and the layer;
+after such an error the process group is unusable (gloo closes the pair).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+
+Mode = Literal["direct", "ring"]
+MODES: tuple[Mode, ...] = ("direct", "ring")
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class PeerTransferError(RuntimeError):
+    """A transfer with a tensor-parallel peer failed (peer died or the connection broke)."""
+
+
+class PeerTimeoutError(PeerTransferError, TimeoutError):
+    """A tensor-parallel peer did not complete a transfer within the timeout."""
+
+
+class Trace(Protocol):
+    """Receives one record per compute slice and per wait: kind ("compute"/"wait"), label, start, end
+    (``time.perf_counter`` seconds on the host; on CUDA these are issue times, not kernel times)."""
+
+    def __call__(self, kind: str, label: str, start: float, end: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class OverlapGroup:
+    """Where and how a schedule talks: the TP group, the P2P pattern, the wait bound, names for errors."""
+
+    group: dist.ProcessGroup | None
+    """Tensor-parallel group; None means a single rank (no communication)."""
+    mode: Mode = "direct"
+    """``direct``: step k exchanges with the ranks k away; ``ring``: always with the neighbours."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    """Seconds any single wait may take before :class:`PeerTimeoutError`."""
+    name: str = "flash_overlap"
+    """Layer name used in error messages."""
+    trace: Trace | None = None
+    """Optional recorder of compute slices and waits (benchmarks)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"P2P mode {self.mode!r} of layer {self.name!r} is unknown: use one of {MODES}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} of layer {self.name!r} must be positive")
+
+    @property
+    def size(self) -> int:
+        return 1 if self.group is None else self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.group is None else self.group.rank()
+
+
+_posters: dict[int, ThreadPoolExecutor] = {}
+
+
+def _poster() -> ThreadPoolExecutor:
+    """The thread that posts gloo transfers. A send whose receiver already waits is written to the
+    socket inside the posting call (milliseconds on a slow link), so the compute thread must not be
+    the one posting. One per process id: a forked child does not inherit the parent's thread."""
+    pid = os.getpid()
+    if pid not in _posters:
+        _posters[pid] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="flash-overlap-p2p")
+    return _posters[pid]
+
+
+class Posted:
+    """One step's batch of P2P ops; its works exist once the batch has been issued."""
+
+    def __init__(self, works: Future, receives: int, ops: int) -> None:
+        self.works, self.receives, self.ops = works, receives, ops
+
+    def guards(self, receive: bool, timeout_s: float) -> list[dist.Work]:
+        """The works guarding the receive (or the send) of the step."""
+        works = self.works.result(timeout=timeout_s)
+        if len(works) != self.ops:  # coalescing backends (NCCL): one work for the whole batch
+            return works
+        return works[: self.receives] if receive else works[self.receives :]
+
+
+class Link:
+    """Issues one step's receive + send and waits on it: stream-ordered on CUDA, within the timeout
+    on CPU (posted by the posting thread)."""
+
+    def __init__(self, og: OverlapGroup, device: torch.device, what: str) -> None:
+        self.og = og
+        self.what = what
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute_stream = torch.cuda.current_stream(device)
+        self.sends: list[tuple[Posted, int]] = []
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.og.group, group_rank)
+
+    def exchange(self, recv_buf: torch.Tensor | None, src: int, send_buf: torch.Tensor | None, dst: int, step: int) -> Posted:
+        """Post the receive (first) and the send of one step."""
+        ops = []
+        if recv_buf is not None:
+            ops.append(dist.P2POp(dist.irecv, recv_buf, self._global(src), self.og.group, tag=step))
+        if send_buf is not None:
+            ops.append(dist.P2POp(dist.isend, send_buf, self._global(dst), self.og.group, tag=step))
+        if self.cuda:
+            # Issued from the compute stream: NCCL's own stream waits for the work queued so far (the
+            # send buffer is written) and keeps the buffers alive until it is done with them; a side
+            # stream of ours would add an event and nothing else.
+            works: Future = Future()
+            works.set_result(dist.batch_isend_irecv(ops))
+        else:
+            works = _poster().submit(dist.batch_isend_irecv, ops)  # one thread: batches stay in order
+        posted = Posted(works, int(recv_buf is not None), len(ops))
+        if send_buf is not None:
+            self.sends.append((posted, dst))
+        return posted
+
+    def wait(self, posted: Posted, receive: bool, peer: int, label: str) -> None:
+        """Order the compute stream after the step's receive (or send). On gloo this blocks until the
+        work completes, at most ``timeout_s`` per work; on CUDA the host does not wait."""
+        start = time.perf_counter()
+        context = (
+            f"layer {self.og.name!r}, {self.what} ({self.og.mode} mode), {label}: tensor-parallel rank {peer} "
+            f"(global rank {self._global(peer)})"
+        )
+        timeout = timedelta(seconds=self.og.timeout_s)
+        try:
+            works = posted.guards(receive, self.og.timeout_s)
+            for work in works:
+                if self.cuda:
+                    with torch.cuda.stream(self.compute_stream):
+                        work.wait()  # stream-ordered: the compute stream waits, the host does not
+                else:
+                    work.wait(timeout=timeout)
+        except FutureTimeout as e:
+            raise PeerTransferError(f"{context}: posting the transfer took over {self.og.timeout_s:g} s") from e
+        except RuntimeError as e:
+            if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+                raise PeerTimeoutError(
+                    f"{context} did not answer within {self.og.timeout_s:g} s: it died, hangs, or did not "
+                    "run this layer (all ranks of the group must call it in the same order); raise "
+                    "flash_overlap.timeout_s if the link is only slow"
+                ) from e
+            raise PeerTransferError(f"{context} failed: {e}") from e
+        if self.og.trace is not None:
+            self.og.trace("wait", f"{self.og.name} {label}", start, time.perf_counter())
+
+    def finish(self) -> None:
+        """Wait for every send, so buffers may be reused and a dead receiver is reported here."""
+        for posted, dst in self.sends:
+            self.wait(posted, False, dst, f"send to rank {dst}")
+        self.sends.clear()
