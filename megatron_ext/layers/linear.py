@@ -64,7 +64,9 @@ class _AllGatherLinear(torch.autograd.Function):
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = precision.cast(grad_out).contiguous()
         with precision.exact():
-            gathered = start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:]))) if want_w else None
+            gathered = None
+            if want_w:  # at TP=1 the saved input is the whole sequence already
+                gathered = start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:]))) if og.size > 1 else lambda: x
             scattered = start_reduce_scatter(torch.matmul(g, precision.cast(weight)), og) if want_x else None
             grad_w = weight_gradient(g, gathered(), weight, ctx.fuse_wgrad) if want_w else None
             grad_x = scattered() if want_x else None
