@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from benchmarks.gpu.report import write_report
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -172,14 +174,11 @@ def main() -> int:
             print(json.dumps(row), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
             "mbs": args.mbs, "seq_length": args.seq_length}
-    (args.out / "loader_cuda.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     text = (f"Device: {meta['device']}, {meta['cpus']} CPUs, load average {meta['load_avg'][0]:.2f}; micro batch "
             f"{args.mbs} x sequence {args.seq_length}, TP=1.\n\n{table(rows)}\n")
-    (args.out / "loader_cuda.md").write_text(text)
-    print(text, flush=True)
+    write_report(args.out, "loader_cuda", {"meta": meta, "rows": rows}, text)
     return 0
 
 

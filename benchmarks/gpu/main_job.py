@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks.gpu.report import write_report
+
 REPO = Path(__file__).resolve().parents[2]
 MODEL = ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
          "--micro-batch-size", "4", "--lr", "2e-4", "--bf16"]
@@ -72,10 +74,8 @@ def main() -> int:
                          "tokens_per_s": [min(rate), statistics.median(rate), max(rate)]})
             print(json.dumps(runs[-1]), flush=True)
     equal = all(r["losses"] == runs[0]["losses"] for r in runs)
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "python -m benchmarks.gpu.main_job " + " ".join(sys.argv[1:]), "model": " ".join(MODEL),
             "iters": args.iters, "load_avg": os.getloadavg(), "losses_identical": equal}
-    (args.out / "main_job.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=1))
     lines = [f"Model: `{meta['model']}`, {args.iters} iterations, TP=1, ZeRO-3; tokens/s over iterations "
              f"{args.warmup + 1}-{args.iters}. Losses identical in every launch: {equal}.", "",
              "| run | launch | loss it 1 | loss it 10 | loss last | tokens/s min/med/max |", "|---|---|---|---|---|---|"]
@@ -83,8 +83,7 @@ def main() -> int:
         lo, med, hi = r["tokens_per_s"]
         lines.append(f"| {r['config']} | {r['launch']} | {r['losses'][0]:.4f} | {r['losses'][9]:.4f} | {r['losses'][-1]:.4f} | "
                      f"{lo:.0f}/{med:.0f}/{hi:.0f} |")
-    (args.out / "main_job.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines), flush=True)
+    write_report(args.out, "main_job", {"meta": meta, "runs": runs}, "\n".join(lines) + "\n")
     return 0
 
 

@@ -23,13 +23,14 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from benchmarks.gpu.report import write_report
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -187,13 +188,10 @@ def main() -> int:
     if 1 not in args.slices:
         args.slices = [1, *args.slices]
     rows = measure(args.models, args.tp, args.slices, args.inner, args.reps)
-    args.out.mkdir(parents=True, exist_ok=True)
     device = {"name": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    (args.out / "sliced_gemm.json").write_text(json.dumps({"device": device, "rows": [asdict(r) for r in rows]}, indent=1))
     text = (f"Device: {device['name']}, torch {device['torch']} (CUDA {device['cuda']}); bf16; "
             f"{args.reps} repetitions of {args.inner} calls.\n\n{table(rows)}\n")
-    (args.out / "sliced_gemm.md").write_text(text)
-    print(text, flush=True)
+    write_report(args.out, "sliced_gemm", {"device": device, "rows": [asdict(r) for r in rows]}, text)
     return 0
 
 
