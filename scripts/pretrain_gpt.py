@@ -25,6 +25,7 @@ from scripts.train_setup import (  # noqa: E402
     build_data_iterator,
     build_engine,
     build_model,
+    build_tokenizer,
     comm_counter,
     deepspeed_config_for,
     init_distributed,
@@ -46,6 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--tokenizer-type", choices=["NullTokenizer"], default="NullTokenizer",
+                   help="Megatron's tokenizer types that need no files: NullTokenizer (ids 0..N-1, EOD = N)")
+    g.add_argument("--vocab-size", type=int, default=256,
+                   help="vocabulary size before EOD and padding, Megatron's meaning; 256 fits the generated "
+                        "byte corpus, a corpus from a real tokenizer needs its own (e.g. 50257 for GPT-2's)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -104,8 +110,9 @@ def train(args: argparse.Namespace) -> None:
     log_effective_config(plugins, rank)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
 
-    data_prefix = prepare_data(args, rank)
-    model = build_model(args, plugins)
+    tokenizer = build_tokenizer(args)
+    data_prefix = prepare_data(args, rank, tokenizer)
+    model = build_model(args, plugins, tokenizer)
     _log(rank, f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "
                f"megatron-core CPU support {'on' if cpu_support_enabled() else 'off'}")
     engine = build_engine(args, model, ds_config, plugins, lambda it: _lr_at(args, it) / args.lr)
@@ -120,7 +127,7 @@ def train(args: argparse.Namespace) -> None:
             _log(rank, f"resumed from {path} at iteration {start_iteration}, consumed_samples {consumed}")
 
     global_batch = ds_config["train_micro_batch_size_per_gpu"] * ds_config["gradient_accumulation_steps"] * dp
-    data = build_data_iterator(args, plugins, data_prefix, consumed, global_batch)
+    data = build_data_iterator(args, plugins, data_prefix, consumed, global_batch, tokenizer)
     log_file = open(args.log_json, "a") if args.log_json and rank == 0 else None  # noqa: SIM115
     counter = comm_counter(plugins)
     try:

@@ -11,6 +11,7 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -89,36 +90,59 @@ def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     return config
 
 
-def prepare_data(args: argparse.Namespace, rank: int) -> str:
-    """The dataset prefix: --data-path, or a generated local corpus (written by rank 0)."""
+def build_tokenizer(args: argparse.Namespace) -> Any:
+    """megatron-core's NullTokenizer of ``--vocab-size`` ids plus EOD, as Megatron-LM builds it."""
+    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
+
+    if args.vocab_size < 1:
+        raise UsageError(f"--vocab-size {args.vocab_size} must be positive")
+    if not args.data_path and args.vocab_size < 256:
+        raise UsageError(f"--vocab-size {args.vocab_size} is too small for the generated corpus (byte ids 0-255): "
+                         "pass --vocab-size 256 or more, or --data-path")
+    return NullTokenizer(args.vocab_size)
+
+
+def prepare_data(args: argparse.Namespace, rank: int, tokenizer: Any) -> str:
+    """The dataset prefix: --data-path (its token ids checked against the vocabulary), or a
+    generated local corpus (written by rank 0, documents ended by the tokenizer's EOD)."""
     from megatron_ext.data.gpt_dataset import (
         check_indexed_dataset,
+        largest_token_id,
         synthetic_documents,
         write_indexed_dataset,
     )
 
-    if args.data_path:
-        check_indexed_dataset(args.data_path)
-        prefix = args.data_path
-    else:
-        prefix = os.path.join(_cache_dir(args), "local_corpus")
+    if not args.data_path:
+        name = "local_corpus" if tokenizer.eod == 256 else f"local_corpus_eod{tokenizer.eod}"
+        prefix = os.path.join(_cache_dir(args), name)
         if rank == 0 and not os.path.exists(prefix + ".idx"):
-            write_indexed_dataset(prefix, synthetic_documents(4000))
+            write_indexed_dataset(prefix, synthetic_documents(4000), eod=tokenizer.eod)
         dist.barrier()
-    return prefix
+        return prefix
+    check_indexed_dataset(args.data_path)
+    # One rank reads the ids, every rank gets the answer: all stop together on a mismatch, before
+    # megatron-core's embedding silently zeroes out-of-range ids (TP>1) or indexes past its table.
+    largest = [largest_token_id(args.data_path) if rank == 0 else None]
+    dist.broadcast_object_list(largest, src=0)
+    if largest[0] is not None and largest[0] >= tokenizer.vocab_size:
+        raise UsageError(
+            f"--data-path {args.data_path} holds token id {largest[0]} but the vocabulary has {tokenizer.vocab_size} ids "
+            f"(--tokenizer-type {args.tokenizer_type} --vocab-size {args.vocab_size}): pass the --vocab-size of the "
+            f"tokenizer that made the data ({largest[0]} or more)"
+        )
+    return args.data_path
 
 
 def _cache_dir(args: argparse.Namespace) -> str:
     return args.data_cache_path or os.path.join(os.getcwd(), "runs", "data")
 
 
-def build_model(args: argparse.Namespace, plugins: PluginConfig) -> torch.nn.Module:
+def build_model(args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any) -> torch.nn.Module:
     """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ext.cpu import enable_cpu_support
-    from megatron_ext.data.gpt_dataset import ByteTokenizer
     from megatron_ext.gpt import build_gpt_model, gpt_config, padded_vocab_size
     from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
@@ -136,7 +160,7 @@ def build_model(args: argparse.Namespace, plugins: PluginConfig) -> torch.nn.Mod
         from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
         layer_spec = get_flash_overlap_layer_spec(plugins.flash_overlap)
-    vocab = padded_vocab_size(ByteTokenizer.vocab_size, args.tensor_model_parallel_size,
+    vocab = padded_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size,
                               args.make_vocab_size_divisible_by)
     model = build_gpt_model(config, vocab, args.max_position_embeddings, layer_spec)
     allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
@@ -171,7 +195,8 @@ def build_engine(
 
 
 def build_data_iterator(
-    args: argparse.Namespace, plugins: PluginConfig, prefix: str, consumed_samples: int, global_batch: int
+    args: argparse.Namespace, plugins: PluginConfig, prefix: str, consumed_samples: int, global_batch: int,
+    tokenizer: Any,
 ) -> Any:
     """Micro-batches for this rank from ``consumed_samples`` on: the shared-memory loader when
     enabled, otherwise Megatron's stock path (TP rank 0 reads, then broadcasts)."""
@@ -185,11 +210,11 @@ def build_data_iterator(
     cache = os.path.join(_cache_dir(args), "index-cache")
     num_samples = args.train_iters * global_batch
     # Rank 0 writes the index caches; the others then only read them.
-    dataset = build_train_dataset(prefix, args.seq_length, num_samples, args.seed, cache, is_built_on_rank=rank == 0) \
-        if rank == 0 else None
+    build = partial(build_train_dataset, prefix, args.seq_length, num_samples, args.seed, cache, tokenizer=tokenizer)
+    dataset = build(is_built_on_rank=True) if rank == 0 else None
     dist.barrier()
     if dataset is None:
-        dataset = build_train_dataset(prefix, args.seq_length, num_samples, args.seed, cache)
+        dataset = build()
     return build_batch_iterator(
         dataset,
         micro_batch_size=args.micro_batch_size,

@@ -92,3 +92,35 @@ def test_config_typo_stops_the_script_with_one_line(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: invalid plugin config: unknown key 'shm_data_loader.enabeld'")
     assert "Traceback" not in proc.stderr
+
+
+def _corpus_of_ids(prefix: str, largest: int) -> None:
+    """Documents of random ids below ``largest``, each ended by ``largest`` (a NullTokenizer's EOD)."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    rng = np.random.default_rng(0)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(200):
+        doc = rng.integers(0, largest, int(rng.integers(20, 120)))
+        builder.add_item(torch.from_numpy(np.append(doc, largest)))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+
+
+def test_data_with_ids_beyond_the_vocabulary_stops_naming_both_numbers(pretrain_main, capsys, tmp_path):
+    _corpus_of_ids(str(tmp_path / "ids"), 999)
+    assert pretrain_main("--data-path", str(tmp_path / "ids")) == 2
+    err = capsys.readouterr().err
+    assert "holds token id 999 but the vocabulary has 257 ids" in err and "--vocab-size" in err, err
+    assert "Traceback" not in err
+
+
+def test_a_corpus_of_a_larger_vocabulary_trains_with_its_vocab_size(pretrain_main, tmp_path):
+    _corpus_of_ids(str(tmp_path / "ids"), 999)
+    log = tmp_path / "log.jsonl"
+    assert pretrain_main("--data-path", str(tmp_path / "ids"), "--tokenizer-type", "NullTokenizer",
+                         "--vocab-size", "999", "--train-iters", "2", "--log-json", str(log)) == 0
+    first = json.loads(log.read_text().splitlines()[0])["loss"]
+    assert first > 6.5, first  # ~ln(1024): the output layer spans the padded 1000-id vocabulary

@@ -11,12 +11,13 @@ import os
 import random
 import struct
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 8, 8: 2}  # megatron-core's DType codes -> bytes
@@ -55,13 +56,14 @@ def synthetic_documents(num_documents: int, seed: int = 1234) -> list[str]:
     return docs
 
 
-def write_indexed_dataset(prefix: str, documents: Iterable[str], tokenizer: ByteTokenizer | None = None) -> None:
-    """Tokenise ``documents`` into ``prefix.bin`` / ``prefix.idx`` (megatron-core's format)."""
-    tokenizer = tokenizer or ByteTokenizer()
+def write_indexed_dataset(prefix: str, documents: Iterable[str], eod: int = ByteTokenizer.eod) -> None:
+    """Tokenise ``documents`` byte by byte into ``prefix.bin`` / ``prefix.idx`` (megatron-core's
+    format), each document ended by ``eod`` (a NullTokenizer of N ids has its EOD at N)."""
+    tokenizer = ByteTokenizer()
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16 if eod < 2**16 else np.int32)
     for doc in documents:
-        builder.add_item(torch.tensor(tokenizer.tokenize(doc) + [tokenizer.eod], dtype=torch.int64))
+        builder.add_item(torch.tensor(tokenizer.tokenize(doc) + [eod], dtype=torch.int64))
         builder.end_document()
     builder.finalize(prefix + ".idx")
 
@@ -93,7 +95,8 @@ def check_indexed_dataset(prefix: str) -> None:
 
 
 def gpt_dataset_config(
-    prefix: str, seq_length: int, seed: int, cache_dir: str, create_attention_mask: bool = False
+    prefix: str, seq_length: int, seed: int, cache_dir: str, create_attention_mask: bool = False,
+    tokenizer: Any = None,
 ) -> GPTDatasetConfig:
     return GPTDatasetConfig(
         blend=([prefix], None),
@@ -101,7 +104,7 @@ def gpt_dataset_config(
         sequence_length=seq_length,
         split="100,0,0",
         path_to_cache=cache_dir,
-        tokenizer=ByteTokenizer(),
+        tokenizer=tokenizer or ByteTokenizer(),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -110,12 +113,23 @@ def gpt_dataset_config(
 
 
 def build_train_dataset(
-    prefix: str, seq_length: int, num_samples: int, seed: int, cache_dir: str, is_built_on_rank: bool = True
+    prefix: str, seq_length: int, num_samples: int, seed: int, cache_dir: str, is_built_on_rank: bool = True,
+    tokenizer: Any = None,
 ) -> GPTDataset:
     """The training split of a ``GPTDataset`` with at least ``num_samples`` samples. Index caches
     go to ``cache_dir``; build on one rank first when several share it."""
     check_indexed_dataset(prefix)
-    config = gpt_dataset_config(prefix, seq_length, seed, cache_dir)
+    config = gpt_dataset_config(prefix, seq_length, seed, cache_dir, tokenizer=tokenizer)
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: is_built_on_rank, config).build()
     return train
 
+
+def largest_token_id(prefix: str) -> int | None:
+    """The largest token id in ``prefix.bin`` (one pass through a memory map), None if it is empty."""
+    with open(prefix + ".idx", "rb") as f:
+        f.seek(len(_IDX_MAGIC) + 8)
+        (code,) = struct.unpack("<B", f.read(1))
+    dtype = DType.dtype_from_code(code)
+    if os.path.getsize(prefix + ".bin") == 0:
+        return None
+    return int(np.memmap(prefix + ".bin", dtype=dtype, mode="r").max())
