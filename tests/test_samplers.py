@@ -7,7 +7,13 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from megatron_ext.data.samplers import BatchSampler, random_batches, sampler_batches, single_pass_batches
+from megatron_ext.data.samplers import (
+    BatchSampler,
+    EpochPermutations,
+    random_batches,
+    sampler_batches,
+    single_pass_batches,
+)
 
 
 def test_single_pass_hand_worked():
@@ -79,3 +85,51 @@ def test_batch_sampler_drives_a_dataloader_and_restarts():
     assert [b.tolist() for b in loader] == expected
     with pytest.raises(ValueError, match="expected 'single'"):
         sampler_batches("cyclic", 12, 0, 2, 0, 1)
+
+
+def _megatron_random_epoch(total, mbs, dp_rank, dp, sharding, epoch):
+    """One epoch of MegatronPretrainingRandomSampler (core_v0.16.1) from consumed 0, as Megatron writes it:
+    Python lists from torch.randperm(...).tolist()."""
+    g = torch.Generator()
+    g.manual_seed(epoch)
+    if sharding:
+        bucket_size = (total // (mbs * dp)) * mbs
+        idx_range = [dp_rank * bucket_size + x for x in torch.randperm(bucket_size, generator=g).tolist()]
+    else:
+        full = (total // mbs) * mbs
+        idx_range = torch.randperm(full, generator=g).tolist()[dp_rank::dp]
+    batches, batch = [], []
+    for idx in idx_range:
+        batch.append(idx)
+        if len(batch) == mbs:
+            batches.append(batch)
+            batch = []
+    return batches
+
+
+@pytest.mark.parametrize("sharding", [True, False])
+def test_lazy_shuffle_is_megatrons_list_order(sharding):
+    total, mbs, dp = 200_003, 4, 3  # large enough that a wrong slice or dtype would show
+    steps = total // (mbs * dp)
+    shared = EpochPermutations()
+    streams = [random_batches(total, 0, mbs, r, dp, sharding, permutations=shared) for r in range(dp)]
+    for epoch in (0, 1):
+        got = [[next(s) for _ in range(steps)] for s in streams]
+        for r in range(dp):
+            assert got[r] == _megatron_random_epoch(total, mbs, r, dp, sharding, epoch)[:steps]
+            assert all(type(i) is int for b in got[r][:3] for i in b)
+
+
+def test_streams_share_one_int32_permutation_per_epoch():
+    shared = EpochPermutations()
+    streams = [random_batches(1000, 0, 2, r, 4, permutations=shared) for r in range(4)]
+    for s in streams:
+        next(s)
+    perms = list(shared._cache.values())
+    assert len(perms) == 1 and perms[0].dtype == torch.int32 and perms[0].numel() == 250
+    for s in streams:
+        for _ in range(250):  # 125 steps per epoch: through epoch 1 into epoch 2; epoch 0's is dropped
+            next(s)
+    assert list(shared._cache) == [(1, 250), (2, 250)]
+    with pytest.raises(ValueError, match="keep"):
+        EpochPermutations(keep=0)

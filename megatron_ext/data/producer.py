@@ -40,7 +40,7 @@ from megatron_ext.data.ring import (
     RingError,
     wait_until,
 )
-from megatron_ext.data.samplers import SamplerKind, sampler_batches
+from megatron_ext.data.samplers import EpochPermutations, SamplerKind, sampler_batches
 from megatron_ext.data.shm_segment import is_alive
 
 
@@ -99,9 +99,10 @@ def _skip_dataset_masks(dataset: Any) -> None:
 def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind, consumed_samples: int,
              dp_size: int, data_sharding: bool, seed: int, label: str) -> None:
     lay = ring.layout
+    shared = EpochPermutations()  # every DP rank shuffles alike: one permutation per epoch for the node
     streams = [
         sampler_batches(kind, len(dataset), consumed_samples, lay.micro_batch_size, r, dp_size,
-                        data_sharding=data_sharding, seed=seed)
+                        data_sharding=data_sharding, seed=seed, permutations=shared)
         for r in dp_ranks
     ]
     views = [[ring.arrays(slot, k) for k in range(lay.streams)] for slot in range(lay.slots)]

@@ -14,10 +14,16 @@ what every DP rank would have read:
   rank permutes its own contiguous bucket; without it, one permutation of the whole set is dealt
   round-robin. A resume at ``consumed_samples`` starts mid-epoch where the interrupted run stopped.
   Epochs follow one another without end, as ``cyclic_iter`` re-enters the sampler.
+
+Shuffles stay arrays: each epoch's permutation is one int32 tensor (int64 past 2**31 samples), sliced
+per micro-batch as the stream advances, never a Python list (at 100M samples a list costs seconds
+and gigabytes per stream). Every DP rank draws the same permutation (same seed, same length, with or
+without sharding), so the streams of one node share it through :class:`EpochPermutations`.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Literal
 
@@ -57,16 +63,46 @@ def single_pass_batches(
         yield list(range(min(start + first, total_samples), min(start + first + micro_batch_size, total_samples)))
 
 
+class EpochPermutations:
+    """``torch.randperm(n)`` seeded with ``seed``, computed once and shared by the streams that ask.
+
+    Keeps the ``keep`` newest: a node's streams advance in lockstep, so at an epoch boundary all of
+    them move to the next permutation within one step and the older one is dropped."""
+
+    def __init__(self, keep: int = 2) -> None:
+        if keep < 1:
+            raise ValueError(f"keep({keep}) must be at least 1")
+        self._keep = keep
+        self._cache: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
+
+    def get(self, seed: int, n: int) -> torch.Tensor:
+        key = (seed, n)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        # torch draws the same permutation whatever the dtype: int32 halves the memory.
+        perm = torch.randperm(n, generator=generator, dtype=torch.int32 if n < 2**31 else torch.int64)
+        self._cache[key] = perm
+        while len(self._cache) > self._keep:
+            self._cache.popitem(last=False)
+        return perm
+
+
 def random_batches(
     total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-    data_sharding: bool = True, seed: int = 0,
+    data_sharding: bool = True, seed: int = 0, permutations: EpochPermutations | None = None,
 ) -> Iterator[list[int]]:
-    """Micro-batches of DP rank ``dp_rank`` in ``MegatronPretrainingRandomSampler`` order, epoch after epoch."""
+    """Micro-batches of DP rank ``dp_rank`` in ``MegatronPretrainingRandomSampler`` order, epoch after epoch.
+    ``permutations``: a cache shared with the other streams of the process (None: a private one)."""
     _check(total_samples, micro_batch_size, dp_rank, dp_size)
     chunk = micro_batch_size * dp_size
     active = total_samples - total_samples % chunk  # samples one epoch consumes
     if active == 0:
         raise ValueError(f"the dataset has {total_samples} samples, fewer than one step's {chunk}")
+    if permutations is None:
+        permutations = EpochPermutations()
     consumed = consumed_samples
     while True:
         epoch, in_epoch = divmod(consumed, active)
@@ -75,31 +111,29 @@ def random_batches(
                 f"consumed_samples({consumed_samples}) is not a whole number of steps of {chunk} samples "
                 "(micro_batch_size * dp_size): resume from a step boundary"
             )
-        generator = torch.Generator()
-        generator.manual_seed(seed + epoch)
         if data_sharding:
             bucket = (total_samples // chunk) * micro_batch_size
-            order = torch.randperm(bucket, generator=generator).tolist()[in_epoch // dp_size:]
-            mine = [dp_rank * bucket + i for i in order]
+            mine, base = permutations.get(seed + epoch, bucket)[in_epoch // dp_size:], dp_rank * bucket
         else:
             whole = (total_samples // micro_batch_size) * micro_batch_size
-            mine = torch.randperm(whole, generator=generator).tolist()[in_epoch:][dp_rank::dp_size]
+            mine, base = permutations.get(seed + epoch, whole)[in_epoch:][dp_rank::dp_size], 0
         for i in range(0, len(mine) - micro_batch_size + 1, micro_batch_size):
             # Megatron advances its sample counter by a whole step per micro-batch, on every rank.
             consumed += chunk
-            yield mine[i:i + micro_batch_size]
+            yield [base + j for j in mine[i:i + micro_batch_size].tolist()]
 
 
 def sampler_batches(
     kind: SamplerKind, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-    dp_size: int, *, data_sharding: bool = True, seed: int = 0,
+    dp_size: int, *, data_sharding: bool = True, seed: int = 0, permutations: EpochPermutations | None = None,
 ) -> Iterator[list[int]]:
-    """The index stream of one DP rank for Megatron's ``single`` or ``cyclic`` (here: ``random``) loader."""
+    """The index stream of one DP rank for Megatron's ``single`` or ``cyclic`` (here: ``random``) loader.
+    ``permutations``: shared by the streams of one process, so a node shuffles once per epoch."""
     if kind == "single":
         return single_pass_batches(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
     if kind == "random":
         return random_batches(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size,
-                              data_sharding=data_sharding, seed=seed)
+                              data_sharding=data_sharding, seed=seed, permutations=permutations)
     raise ValueError(f"sampler={kind!r}: expected 'single' (Megatron's default) or 'random' (its cyclic loader)")
 
 
