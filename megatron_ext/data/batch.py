@@ -3,6 +3,11 @@
 Keys, dtypes and order are those of Megatron-LM's ``get_batch_on_this_tp_rank``: tokens and labels
 int64, loss_mask float32, position_ids int64, each ``[micro_batch_size, seq_length]``; the attention
 mask, when asked for, is ``[micro_batch_size, 1, s, s]`` bool with True where attention is masked.
+
+With pipeline parallelism (:class:`StageKeys`) a stage gets the keys Megatron broadcasts to it: the
+first stage tokens, attention_mask, position_ids; the last labels, loss_mask, attention_mask; a
+middle stage none (its ``get_batch`` returns before reading). Its dict then holds every key, None
+where the stage gets nothing, as Megatron's does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,40 @@ STORED_KEYS: tuple[tuple[str, torch.dtype], ...] = (
     ("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32), ("position_ids", torch.int64),
 )
 BROADCAST_ORDER = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
+# get_batch_on_this_tp_rank's broadcasts per pipeline stage when PP > 1, in its order.
+FIRST_STAGE_KEYS = ("tokens", "attention_mask", "position_ids")
+LAST_STAGE_KEYS = ("labels", "loss_mask", "attention_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class StageKeys:
+    """Which keys a rank's pipeline stage receives, in the order its TP group broadcasts them."""
+
+    returned: tuple[str, ...]
+    mask: bool
+    """The attention mask is among them (built from the tokens, which are then read even where not returned)."""
+    pipelined: bool
+    """PP > 1: the dict carries every key, None for those this stage does not get."""
+    listed: tuple[str, ...]
+    """The dict's keys when pipelined: all of Megatron's, the attention mask when asked for."""
+
+    @classmethod
+    def of(cls, first_stage: bool, last_stage: bool, attention_mask: bool) -> StageKeys:
+        """``first_stage``/``last_stage``: megatron-core's ``is_pipeline_first_stage()`` and
+        ``is_pipeline_last_stage()`` for this rank (both true without pipeline parallelism)."""
+        if first_stage and last_stage:
+            keys: tuple[str, ...] = BROADCAST_ORDER
+        else:
+            keys = (FIRST_STAGE_KEYS if first_stage else ()) + (LAST_STAGE_KEYS if last_stage else ())
+        listed = tuple(k for k in BROADCAST_ORDER if attention_mask or k != "attention_mask")
+        keys = tuple(k for k in keys if k in listed)
+        return cls(keys, "attention_mask" in keys, not (first_stage and last_stage), listed)
+
+    def batch(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
+        """The dict ``get_batch`` sees, in Megatron's key order."""
+        if not self.pipelined:
+            return {key: tensors[key] for key in BROADCAST_ORDER if key in self.returned}
+        return {key: tensors[key] if key in self.returned else None for key in self.listed}
 
 
 @dataclasses.dataclass
@@ -44,7 +83,7 @@ class BatchIterator(Protocol):
     counters: LoaderCounters
 
     def __iter__(self) -> BatchIterator: ...
-    def __next__(self) -> dict[str, torch.Tensor]: ...
+    def __next__(self) -> dict[str, torch.Tensor | None]: ...
     def close(self) -> None: ...
 
 

@@ -4,6 +4,8 @@
 returns an iterator of this rank's micro-batches, each a dict of tensors keyed tokens, labels,
 loss_mask, (attention_mask,) position_ids, identical on both paths; ``.counters`` holds what a
 training loop logs and ``.close()`` releases it. A resume passes the checkpoint's consumed_samples.
+With pipeline parallelism each stage gets Megatron's keys for it (``batch.StageKeys``); only first-
+and last-stage ranks use the node's ring, middle stages only follow the sampler.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import torch.distributed as dist
 
 from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology, detect_topology
-from megatron_ext.data.batch import BatchIterator
+from megatron_ext.data.batch import BatchIterator, StageKeys
 from megatron_ext.data.ring import check_platform
 from megatron_ext.data.samplers import SamplerKind
 from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_segment import new_token, resolve_job_id, segment_path
+from megatron_ext.data.shm_segment import new_token, process_start_time, resolve_job_id, segment_path
 from megatron_ext.data.stock import StockBatchIterator
 
 
@@ -38,6 +40,7 @@ def build_batch_iterator(
     sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
     create_attention_mask: bool = False, job_id: str | None = None, name: str = "train",
     device: torch.device | str | None = None, num_workers: int = 0,
+    first_pipeline_stage: bool = True, last_pipeline_stage: bool = True,
 ) -> BatchIterator:
     """This rank's micro-batches in Megatron's sampler order from ``consumed_samples`` on.
 
@@ -51,6 +54,9 @@ def build_batch_iterator(
     ``device``: where the tensors go (a CUDA device on GPU jobs).
     ``num_workers``: DataLoader worker processes of the stock path (Megatron's ``--num-workers``);
     the node loader reads in its producer process instead.
+    ``first_pipeline_stage``/``last_pipeline_stage``: megatron-core's ``is_pipeline_first_stage()`` /
+    ``is_pipeline_last_stage()`` (both true without pipeline parallelism). With PP > 1 the dict holds
+    every key, None for those the stage does not get; a middle stage gets None for all.
     """
     for prefix in indexed_prefixes(dataset):
         # Imported here: where Megatron-DeepSpeed's own megatron package comes first on the path,
@@ -58,9 +64,10 @@ def build_batch_iterator(
         from megatron_ext.data.gpt_dataset import check_indexed_dataset
 
         check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
+    keys = StageKeys.of(first_pipeline_stage, last_pipeline_stage, create_attention_mask)
     common = dict(micro_batch_size=micro_batch_size, consumed_samples=consumed_samples, dp_size=dp_size,
                   sampler=sampler, seed=seed, data_sharding=data_sharding,
-                  create_attention_mask=create_attention_mask, device=device)
+                  create_attention_mask=create_attention_mask, device=device, keys=keys)
     if not config.enabled:
         return StockBatchIterator(dataset, tp_group=tp_group, dp_rank=dp_rank, num_workers=num_workers, **common)
     check_platform()  # every rank, before the collective: none is left waiting in it
@@ -69,12 +76,18 @@ def build_batch_iterator(
     gathered: list[Any] = [None] * world
     # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or
     # other), and a random token per rank: that of the node's first rank names the node's segment, so
-    # the name appears nowhere another user can read before that rank creates it.
-    dist.all_gather_object(gathered, (dp_rank, new_token()))
+    # the name appears nowhere another user can read before that rank creates it. Each rank also
+    # says whether its stage reads batches, and who it is, so that peers can tell its death.
+    pid = os.getpid()
+    dist.all_gather_object(gathered, (dp_rank, new_token(), bool(keys.returned), pid, process_start_time(pid)))
+    if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
+        return StockBatchIterator(dataset, tp_group=None, dp_rank=dp_rank, **common)
     node = topology.node(rank)
-    local = [r for r in range(world) if topology.node(r) == node]
-    path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node, token=gathered[local[0]][1])
+    local = [r for r in range(world) if topology.node(r) == node and gathered[r][2]]
+    first = gathered[local[0]]
+    path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node, token=first[1])
     if not os.path.isdir(config.shm_dir):
         raise FileNotFoundError(f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs")
     return ShmBatchIterator(dataset, config=config, path=path, local_index=local.index(rank),
-                            node_dp_ranks=[gathered[r][0] for r in local], rank=rank, **common)
+                            node_dp_ranks=[gathered[r][0] for r in local], rank=rank,
+                            creator=(first[3], first[4]), **common)

@@ -18,6 +18,7 @@ import os
 import signal
 import time
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +43,8 @@ from megatron_ext.data.ring import (
 )
 from megatron_ext.data.samplers import EpochPermutations, SamplerKind, sampler_batches
 from megatron_ext.data.shm_segment import is_alive
+
+KILL_WAIT_S = 5.0  # SIGKILL takes effect at once unless the process sits in an uninterruptible read
 
 
 class ProducerProcess:
@@ -75,14 +78,22 @@ class ProducerProcess:
                 self.exitcode = os.waitstatus_to_exitcode(status)
         return self.exitcode
 
-    def stop(self, timeout_s: float) -> int:
-        """Wait up to ``timeout_s`` for it to leave (after it was asked to), then kill it."""
+    def stop(self, timeout_s: float, kill_wait_s: float = KILL_WAIT_S) -> int | None:
+        """Wait up to ``timeout_s`` for it to leave (after it was asked to), then kill it and wait up
+        to ``kill_wait_s`` more. None: it outlived SIGKILL (a read stuck in the kernel, e.g. on a hung
+        filesystem); it is left to be reaped later (``poll``) rather than hang this rank."""
         deadline = time.monotonic() + timeout_s
         while self.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         if self.exitcode is None:
             os.kill(self.pid, signal.SIGKILL)
-            self.exitcode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            deadline = time.monotonic() + kill_wait_s
+            while self.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if self.exitcode is None:
+                warnings.warn(f"the shared-memory producer (pid {self.pid}) did not exit within {kill_wait_s:.0f} s "
+                              "of SIGKILL (stuck in an uninterruptible read?): leaving it", RuntimeWarning,
+                              stacklevel=2)
         return self.exitcode
 
 

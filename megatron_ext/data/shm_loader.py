@@ -6,7 +6,13 @@ ring, header first, then renamed into place), registers itself and waits until e
 node has registered; it then removes the names (the mappings stay valid, so neither a normal exit
 nor a kill leaves a file behind) and forks the producer. The other ranks wait for the name to
 appear, refuse anything that is not their user's own (``shm_segment``) or whose owner is dead, and
-register. Every wait is bounded by ``timeout_s``. Only x86-64 runs it (``ring.check_platform``).
+register. Every wait is bounded by ``timeout_s`` and tied to the first rank's life: a rank that finds
+it dead removes its segment (its name came from this job's collective, so it is this job's) and
+raises at once. Only x86-64 runs it (``ring.check_platform``).
+
+With pipeline parallelism only first- and last-stage ranks are consumers (``loader`` leaves middle
+stages out); each copies out the keys of its stage (``keys``). A loader dropped without ``close()``
+is closed by its finalizer when it is collected, so its producer never outlives it.
 
 Per step, a rank waits for its slot's sequence word, copies its stream into fresh tensors (a tensor
 must never view the map: reading it after the map closes would crash), builds the attention mask
@@ -15,10 +21,10 @@ when asked, and releases the slot.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import os
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,9 +33,9 @@ import torch
 
 from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data.batch import (
-    BROADCAST_ORDER,
     STORED_KEYS,
     LoaderCounters,
+    StageKeys,
     build_attention_mask,
     sequence_length,
 )
@@ -75,24 +81,54 @@ from megatron_ext.data.shm_segment import (
 _DTYPES = dict(STORED_KEYS)
 
 
+class _Handle:
+    """What closing needs, apart from the iterator, so a finalizer can close it without keeping it alive."""
+
+    def __init__(self, local: int) -> None:
+        self.local = local
+        self.ring: Ring | None = None
+        self.producer: ProducerProcess | None = None
+
+    def close(self) -> None:
+        ring, self.ring = self.ring, None
+        if ring is None:
+            return
+        ring.set(ring.consumer_word(self.local, CLOSED), 1)
+        if self.producer is not None:
+            if ring.get(STATE) != FAILED:
+                ring.set(STATE, CLOSING)
+            self.producer.stop(timeout_s=2)  # past that it is stuck in a read: its work is moot now
+        try:
+            ring.mm.close()
+        except BufferError:  # a caller still holds a view of the map: it is unmapped when that dies
+            pass
+
+
 class ShmBatchIterator:
     """This rank's micro-batches from its node's ring. ``node_dp_ranks[i]`` is the DP rank of the
-    node's i-th rank; ranks with equal DP ranks read one stream."""
+    node's i-th consumer; consumers with equal DP ranks read one stream. ``creator``: pid and start
+    time of the node's first consumer, which creates the ring (None: judged by the ring's header only)."""
 
     def __init__(
         self, dataset: Any, *, micro_batch_size: int, consumed_samples: int, config: ShmDataLoaderConfig,
         path: str, local_index: int, node_dp_ranks: Sequence[int], dp_size: int, rank: int,
         sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
         create_attention_mask: bool = False, device: torch.device | str | None = None,
+        keys: StageKeys | None = None, creator: tuple[int, int] | None = None,
     ) -> None:
         check_platform()  # before anything is created: the ring's ordering holds on x86-64 only
         self.counters = LoaderCounters()
         self.path = path
+        self._keys = keys if keys is not None else StageKeys.of(True, True, create_attention_mask)
+        self._creator = creator
+        self._handle = _Handle(local_index)
+        # Runs when the iterator is collected or at exit, whichever is first; holds no reference to it.
+        self._finalizer = weakref.finalize(self, self._handle.close)
         self._dataset = dataset
         self._timeout = config.timeout_s
         self._local = local_index
         self._rank = rank
-        self._mask = create_attention_mask
+        self._mask = self._keys.mask
         self._device = torch.device("cpu" if device is None else device)
         streams = sorted(set(node_dp_ranks))
         self._stream = streams.index(node_dp_ranks[local_index])
@@ -106,8 +142,9 @@ class ShmBatchIterator:
             self._create_and_start(dataset, streams, sampler, consumed_samples, dp_size, data_sharding, seed)
         else:
             self._attach()
-        self._views = [self._ring.arrays(slot, self._stream) for slot in range(config.slots)]
-        atexit.register(self.close)  # a rank that just exits must not look dead to the producer
+        copied = set(self._keys.returned) | ({"tokens"} if self._keys.mask else set())
+        self._views = [{k: v for k, v in self._ring.arrays(slot, self._stream).items() if k in copied}
+                       for slot in range(config.slots)]
 
     # -- set-up ---------------------------------------------------------------------------------
     def _register(self) -> None:
@@ -120,7 +157,7 @@ class ShmBatchIterator:
         remove_stale_segments(os.path.dirname(self.path))
         lay = self._layout
         mm = create_segment(self.path, lay.size, lay.header(os.getpid(), process_start_time(os.getpid())))
-        self._ring = ring = Ring(mm, lay)
+        self._ring = self._handle.ring = ring = Ring(mm, lay)
         try:
             self._register()
             entries = [ring.consumer_word(c, PID) for c in range(lay.consumers)]
@@ -138,6 +175,7 @@ class ShmBatchIterator:
             label = f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
             self.producer = ProducerProcess(ring, dataset, streams, sampler, consumed_samples, dp_size,
                                             data_sharding, seed, label)
+            self._handle.producer = self.producer
             ring.set(PRODUCER_START, process_start_time(self.producer.pid) or -1)
             ring.set(PRODUCER_PID, self.producer.pid)
             ring.set(STATE, RUNNING)
@@ -160,18 +198,19 @@ class ShmBatchIterator:
                 message = ring.error()
                 mm.close()
                 raise RingError(message)
-            self._ring = ring
+            self._ring = self._handle.ring = ring
             self._register()
-            # A dead owner means a killed run's leftover that the node's first rank has yet to
-            # remove: withdraw and look again (checked after registering, so no window is missed).
+            # Checked after registering, so the creator cannot die unseen in between: its name came
+            # from this job's collective, so a dead owner is this job's first rank.
             if not is_alive(ring.get(OWNER_PID), ring.get(OWNER_START)):
-                ring.set(ring.consumer_word(self._local, PID), 0)
-                self._ring = None
-                mm.close()
-                return False
+                self._creator_died(ring.get(OWNER_PID))
             return True
 
-        wait_until(try_open, lambda: None, self._timeout,
+        def creator_alive() -> None:
+            if self._creator is not None and not is_alive(*self._creator):
+                self._creator_died(self._creator[0])
+
+        wait_until(try_open, creator_alive, self._timeout,
                    f"rank {self._rank} waited for {self.path}, which the first rank of its node creates: did that "
                    "rank fail, or use another job id or shm_dir?", max_sleep_s=20e-3)
         theirs = tuple(self._ring.get(w) for w in GEOMETRY)
@@ -179,6 +218,13 @@ class ShmBatchIterator:
             self.close()
             raise ValueError(f"rank {self._rank} expects ring geometry {self._layout} but {self.path} has "
                              f"(slots, streams, mbs, seq_length, ranks) = {theirs}: every rank must pass the same settings")
+
+    def _creator_died(self, pid: int) -> None:
+        """The node's first rank died before its producer took over: nobody else would remove its
+        segment while the job lives, so this rank does (the checks refuse anything not this user's)."""
+        remove_segment(self.path)  # the map stays open: a poll may still read it; close() or the finalizer ends it
+        raise RingError(f"rank {self._rank}: the first rank of its node (pid {pid}), which creates {self.path}, "
+                        "died while the node's ranks attached (its own log has the cause); its segment is removed")
 
     # -- iteration ------------------------------------------------------------------------------
     def _check_producer(self) -> None:
@@ -192,6 +238,8 @@ class ShmBatchIterator:
         pid, start = ring.get(PRODUCER_PID), ring.get(PRODUCER_START)
         if not pid:  # not started yet: its parent must be alive
             pid, start = ring.get(OWNER_PID), ring.get(OWNER_START)
+            if not is_alive(pid, start):
+                self._creator_died(pid)
         if not is_alive(pid, start):
             raise RingError(f"the shared-memory producer of {self.path} (pid {pid}) died without a message: "
                             "killed (out of memory? check dmesg) or its parent rank exited")
@@ -199,7 +247,7 @@ class ShmBatchIterator:
     def __iter__(self) -> ShmBatchIterator:
         return self
 
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def __next__(self) -> dict[str, torch.Tensor | None]:
         if self._ended or self._ring is None:
             raise StopIteration
         ring, step = self._ring, self._step
@@ -222,7 +270,7 @@ class ShmBatchIterator:
         if self._local == 0:
             self.counters.samples_read = ring.get(SAMPLES_READ)
             self.counters.bytes_read = ring.get(BYTES_READ)
-        return {key: batch[key] for key in BROADCAST_ORDER if key in batch}
+        return self._keys.batch(batch)
 
     def _copy_out(self, view: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         if self._device.type == "cpu":
@@ -236,16 +284,5 @@ class ShmBatchIterator:
 
     def close(self) -> None:
         """Leave the ring. On the node's first rank, also stop the producer."""
-        atexit.unregister(self.close)
-        ring, self._ring, self._views = self._ring, None, []
-        if ring is None:
-            return
-        ring.set(ring.consumer_word(self._local, CLOSED), 1)
-        if self.producer is not None:
-            if ring.get(STATE) != FAILED:
-                ring.set(STATE, CLOSING)
-            self.producer.stop(timeout_s=2)  # past that it is stuck in a read: its work is moot now
-        try:
-            ring.mm.close()
-        except BufferError:  # a caller still holds a view of the map: it is unmapped when that dies
-            pass
+        self._ring, self._views = None, []  # the views first: they pin the map
+        self._finalizer()

@@ -6,7 +6,8 @@ the first rank of each TP group iterates a ``torch.utils.data.DataLoader`` over 
 sampler, then one ``broadcast`` per key (tokens, labels, loss_mask, attention_mask when asked,
 position_ids) feeds the other TP ranks. Unlike Megatron, every TP rank also walks the (cheap) index
 stream, so all of them stop together when a single-pass sampler runs out instead of hanging in a
-broadcast.
+broadcast. With pipeline parallelism (``keys``) a stage's TP group broadcasts only its stage's keys,
+as Megatron does, and a middle stage reads nothing: it only walks the index stream.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from megatron_ext.data.batch import (
-    BROADCAST_ORDER,
     STORED_KEYS,
     LoaderCounters,
+    StageKeys,
     build_attention_mask,
     sample_bytes,
     sequence_length,
@@ -36,14 +37,16 @@ class StockBatchIterator:
         self, dataset: Any, *, micro_batch_size: int, consumed_samples: int, tp_group: dist.ProcessGroup | None,
         dp_rank: int, dp_size: int, sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
         create_attention_mask: bool = False, device: torch.device | str | None = None, num_workers: int = 0,
+        keys: StageKeys | None = None,
     ) -> None:
         self.counters = LoaderCounters()
+        self._keys = keys if keys is not None else StageKeys.of(True, True, create_attention_mask)
         self._dataset = dataset
         self._group = tp_group
         self._src = dist.get_global_rank(tp_group, 0) if tp_group is not None else dist.get_rank()
         self._is_src = dist.get_rank() == self._src
         self._shape = (micro_batch_size, sequence_length(dataset))
-        self._mask = create_attention_mask
+        self._mask = self._keys.mask
         self._device = torch.device("cpu" if device is None else device)
         self._sample_bytes = sample_bytes(dataset)
         batches = BatchSampler(sampler, len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size,
@@ -52,13 +55,13 @@ class StockBatchIterator:
         self._loader = (
             iter(DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
                             persistent_workers=num_workers > 0, pin_memory=self._device.type == "cuda"))
-            if self._is_src else None
+            if self._is_src and self._keys.returned else None  # a middle stage reads nothing
         )
 
     def __iter__(self) -> StockBatchIterator:
         return self
 
-    def __next__(self) -> dict[str, torch.Tensor]:
+    def __next__(self) -> dict[str, torch.Tensor | None]:
         start = time.perf_counter()
         next(self._steps)  # raises StopIteration on every TP rank at the same step
         if self._loader is not None:
@@ -73,17 +76,17 @@ class StockBatchIterator:
             self.counters.samples_read += self._shape[0]
             self.counters.bytes_read += self._shape[0] * self._sample_bytes
         else:
-            batch = {key: torch.empty(self._shape, dtype=dtype, device=self._device) for key, dtype in STORED_KEYS}
+            batch = {key: torch.empty(self._shape, dtype=dtype, device=self._device)
+                     for key, dtype in STORED_KEYS if key in self._keys.returned}
             if self._mask:
                 mbs, s = self._shape
                 batch["attention_mask"] = torch.empty((mbs, 1, s, s), dtype=torch.bool, device=self._device)
         if self._group is not None:
-            for key in BROADCAST_ORDER:
-                if key in batch:
-                    dist.broadcast(batch[key], self._src, group=self._group)
+            for key in self._keys.returned:
+                dist.broadcast(batch[key], self._src, group=self._group)
         self.counters.batches += 1
         self.counters.wait_s += time.perf_counter() - start
-        return {key: batch[key] for key in BROADCAST_ORDER if key in batch}
+        return self._keys.batch(batch)
 
     def close(self) -> None:
         """Drop the DataLoader (and its workers, if any)."""
