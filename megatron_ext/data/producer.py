@@ -19,12 +19,14 @@ import signal
 import time
 import traceback
 import warnings
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from megatron_ext.data.batch import sample_bytes
+from megatron_ext.data.readahead import READ_AHEAD_STEPS, ReadAhead
 from megatron_ext.data.ring import (
     BYTES_READ,
     CLOSED,
@@ -133,10 +135,18 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
                 raise RingError(f"{label}: local rank {c} of the node (pid {pid}) died without closing the loader; "
                                 "its error is in that rank's log")
 
+    # The index streams run READ_AHEAD_STEPS ahead of the step being filled; each step's samples are
+    # handed to the kernel as soon as they are drawn, so their reads overlap the steps before them.
+    read_ahead = ReadAhead(dataset)
+    pending: deque[list[list[int] | None]] = deque()
     step = 0
     try:
         while True:
-            batches = [next(s, None) for s in streams]
+            while len(pending) <= READ_AHEAD_STEPS:
+                drawn = [next(s, None) for s in streams]
+                read_ahead.advise(i for b in drawn if b is not None for i in b)
+                pending.append(drawn)
+            batches = pending.popleft()
             slot = step % lay.slots
             done = step - lay.slots + 1  # every rank must have released this many steps
             wait_until(
@@ -163,6 +173,8 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
             step += 1
     except _Stop:
         return
+    finally:
+        read_ahead.close()
 
 
 class _Stop(Exception):
