@@ -1,0 +1,74 @@
+"""Set-up time and memory of the producer's index streams for a large dataset.
+
+    .venv/bin/python -m benchmarks.data_loader.sampler_setup --samples 100000000 --streams 8
+
+For each configuration a fresh process builds the streams of ``--streams`` DP ranks on one node
+(``random`` order, as the producer does: one shared :class:`EpochPermutations`) and draws each
+stream's first micro-batch, which is when the epoch's shuffle is made; it reports the seconds that
+took and how much the process's peak RSS grew. ``lists`` redoes what the producer did before
+(each stream its own ``torch.randperm(...).tolist()``, one after another) for ``--list-streams``
+streams, for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import time
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _measure(mode: str, samples: int, streams: int, mbs: int, sharding: bool, queue: mp.Queue) -> None:
+    import torch
+
+    from megatron_ext.data.samplers import EpochPermutations, random_batches
+
+    torch.set_num_threads(1)  # as in the producer
+    base = _rss_kib()
+    start = time.perf_counter()
+    if mode == "arrays":
+        shared = EpochPermutations()
+        iters = [random_batches(samples, 0, mbs, r, streams, sharding, permutations=shared) for r in range(streams)]
+        first = [next(s) for s in iters]
+    else:  # the former producer: a Python list per stream, built one after another
+        lists = []
+        for r in range(streams):
+            g = torch.Generator()
+            g.manual_seed(0)
+            if sharding:
+                bucket = (samples // (mbs * streams)) * mbs
+                lists.append([r * bucket + i for i in torch.randperm(bucket, generator=g).tolist()])
+            else:
+                lists.append(torch.randperm((samples // mbs) * mbs, generator=g).tolist()[r::streams])
+        first = [lst[:mbs] for lst in lists]
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    queue.put(dict(mode=mode, samples=samples, streams=streams, data_sharding=sharding, seconds=round(seconds, 2),
+                   peak_rss_growth_mib=round((peak - base) / 1024), first=first[0]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--samples", type=int, default=100_000_000)
+    p.add_argument("--streams", type=int, default=8, help="DP ranks on the node")
+    p.add_argument("--list-streams", type=int, default=1, help="streams for the former list-based set-up")
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    args = p.parse_args()
+    ctx = mp.get_context("spawn")  # a fresh process per case: its peak RSS is that case's alone
+    cases = [("arrays", args.streams, s) for s in (True, False)] + [("lists", args.list_streams, s) for s in (True, False)]
+    for mode, streams, sharding in cases:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_measure, args=(mode, args.samples, streams, args.micro_batch_size, sharding, queue))
+        proc.start()
+        print(json.dumps(queue.get()), flush=True)
+        proc.join()
+
+
+if __name__ == "__main__":
+    main()
