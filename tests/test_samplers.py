@@ -133,3 +133,13 @@ def test_streams_share_one_int32_permutation_per_epoch():
     assert list(shared._cache) == [(1, 250), (2, 250)]
     with pytest.raises(ValueError, match="keep"):
         EpochPermutations(keep=0)
+
+
+def test_batch_sampler_shuffles_each_epoch_once_for_all_its_passes(monkeypatch):
+    calls = []
+    real = torch.randperm
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    sampler = BatchSampler("random", 50, 0, 2, 1, 3)  # validates by drawing a first batch
+    passes = [iter(sampler), iter(sampler)]  # e.g. the stock path's step counter and its DataLoader
+    assert [next(p) for p in passes] == [next(iter(sampler))] * 2
+    assert calls == [16]  # one epoch-0 permutation of the 16-sample bucket

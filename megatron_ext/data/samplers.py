@@ -143,7 +143,9 @@ class BatchSampler:
     def __init__(self, kind: SamplerKind, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  dp_rank: int, dp_size: int, *, data_sharding: bool = True, seed: int = 0) -> None:
         self._args = (kind, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
-        self._kwargs = {"data_sharding": data_sharding, "seed": seed}
+        # One cache for every pass over this sampler (the check below, the stock path's step counter,
+        # the DataLoader's iterator): each epoch is shuffled once, not once per pass.
+        self._kwargs = {"data_sharding": data_sharding, "seed": seed, "permutations": EpochPermutations()}
         # Validate now, not at the first next(): a wrong resume point should fail at start-up.
         next(iter(self), None)
 
