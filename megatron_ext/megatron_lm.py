@@ -10,7 +10,8 @@ modules are imported inside the functions that need them, so this module imports
   :func:`get_batch_on_this_tp_rank` then takes every rank's batch from its own iterator (no TP
   broadcast). With the loader off both hand over to Megatron-LM unchanged.
 * Data (Megatron-DeepSpeed): :func:`megatron_deepspeed_data_iterators` and :func:`text_batch`.
-* Model (Megatron-LM): ``--spec megatron_ext.megatron_lm flash_overlap_layer_spec``.
+* Model (Megatron-LM): ``--spec megatron_ext.megatron_lm flash_overlap_layer_spec`` (or
+  ``local_layer_spec``, the same block without the plugin), built by :mod:`megatron_ext.upstream_spec`.
 * Engine (Megatron-DeepSpeed): :func:`zero_init` and :func:`deepspeed_initialize` for hierarchical ZeRO.
 """
 
@@ -28,7 +29,6 @@ import torch.distributed as dist
 
 from deepspeed_ext.config import (
     ConfigError,
-    FlashOverlapConfig,
     PluginConfig,
     load_plugin_config,
     log_effective_config,
@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 MEGATRON_LM_TAG = "core_v0.16.1"
 SPEC_ATTRIBUTE = "flash_overlap_layer_spec"
 SPEC_FLAG = [__name__, SPEC_ATTRIBUTE]
-"""The value of Megatron-LM's ``args.spec`` that selects :data:`flash_overlap_layer_spec`."""
+"""The value of Megatron-LM's ``args.spec`` that selects the Flash-Overlap block."""
+LOCAL_SPEC_ATTRIBUTE = "local_layer_spec"  # the same block without the plugin: the baseline at SP without Apex/TE
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 # Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
@@ -347,43 +348,47 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
 
 # -- model (Megatron-LM --spec) -------------------------------------------------------------------
 
-def flash_overlap_submodules(submodules: Any, overlap: FlashOverlapConfig) -> Any:
-    """A copy of transformer-layer ``submodules`` whose linears named in ``overlap.layers`` are the
-    Flash-Overlap ones (``overlap.mode`` and ``timeout_s`` applied)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+def _spec(name: str) -> Any:
+    """The block behind ``--spec megatron_ext.megatron_lm <name>``, built from the parsed flags."""
+    from megatron_ext.upstream_spec import block_spec
 
-    from megatron_ext.layers.spec import get_flash_overlap_layer_spec
+    args = megatron_args()
+    overlap = None
+    if name == SPEC_ATTRIBUTE:
+        overlap = plugin_config(args).flash_overlap
+        if not overlap.enabled:
+            raise ConfigError(f"--spec {' '.join(SPEC_FLAG)} needs flash_overlap enabled: add --flash-overlap "
+                              'or "flash_overlap": {"enabled": true} to the --deepspeed-config JSON')
+    return block_spec(args, name, overlap)
 
-    return get_flash_overlap_layer_spec(overlap, base=ModuleSpec(module=TransformerLayer, submodules=submodules)).submodules
 
-
-def _flash_overlap_layer_spec() -> Any:
-    """The ModuleSpec behind ``--spec megatron_ext.megatron_lm flash_overlap_layer_spec``.
-
-    Megatron-LM reads the named module attribute (it does not call it) and the patched script
-    imports this module before the flags are parsed, so the layer class reads the effective
-    flash_overlap settings when each layer is built. Its base is megatron-core's local GPT layer
-    with sequence-parallel-capable norms (megatron_ext.gpt.local_layer_spec)."""
+def _lazy_block(name: str) -> Any:
+    """Megatron-LM reads ``vars(module)[name]`` before it knows the layer count; a
+    TransformerBlockSubmodules whose fields are computed when the block reads them (after the flags
+    are parsed) stands there. None when megatron-core is not importable (Megatron-DeepSpeed's older
+    megatron package comes first there: it has no specs)."""
     try:
-        from megatron.core.transformer.spec_utils import ModuleSpec
-        from megatron.core.transformer.transformer_layer import TransformerLayer
-
-        from megatron_ext.gpt import local_layer_spec
-    except ImportError:  # Megatron-DeepSpeed's own older megatron package comes first: it has no specs
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    except ImportError:
         return None
 
-    class FlashOverlapTransformerLayer(TransformerLayer):
-        """megatron-core's TransformerLayer with the Flash-Overlap linears of the effective configuration."""
+    class LazyBlockSubmodules(TransformerBlockSubmodules):
+        def __init__(self) -> None:  # the dataclass fields are the properties below
+            pass
 
-        def __init__(self, config: Any, submodules: Any, *args: Any, **kwargs: Any) -> None:
-            overlap = plugin_config().flash_overlap
-            if not overlap.enabled:
-                raise ConfigError(f"--spec {' '.join(SPEC_FLAG)} needs flash_overlap enabled: add --flash-overlap "
-                                  'or "flash_overlap": {"enabled": true} to the --deepspeed-config JSON')
-            super().__init__(config, flash_overlap_submodules(submodules, overlap), *args, **kwargs)
+        def __repr__(self) -> str:
+            return f"<--spec {__name__} {name}>"
 
-    return ModuleSpec(module=FlashOverlapTransformerLayer, submodules=local_layer_spec().submodules)
+        @property
+        def layer_specs(self) -> list:
+            return _spec(name).layer_specs
+
+        @property
+        def layer_norm(self) -> Any:
+            return _spec(name).layer_norm
+
+    return LazyBlockSubmodules()
 
 
-flash_overlap_layer_spec = _flash_overlap_layer_spec()
+flash_overlap_layer_spec = _lazy_block(SPEC_ATTRIBUTE)
+local_layer_spec = _lazy_block(LOCAL_SPEC_ATTRIBUTE)

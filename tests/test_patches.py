@@ -98,12 +98,12 @@ def test_patch_applies_upstream(name):
 # -- the model hook (Megatron-LM's --spec) -----------------------------------------------------
 
 def test_spec_is_what_megatron_lm_imports():
-    from megatron.core.transformer.spec_utils import ModuleSpec, import_module
-    from megatron.core.transformer.transformer_layer import TransformerLayer
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    # Megatron-LM's gpt_builder: transformer_layer_spec = import_module(args.spec), used as is.
-    spec = import_module(list(megatron_lm.SPEC_FLAG))
-    assert isinstance(spec, ModuleSpec) and issubclass(spec.module, TransformerLayer)
+    # Megatron-LM's gpt_builder: transformer_layer_spec = import_module(args.spec), a block spec used as is.
+    for name in (megatron_lm.SPEC_ATTRIBUTE, megatron_lm.LOCAL_SPEC_ATTRIBUTE):
+        assert isinstance(import_module([megatron_lm.__name__, name]), TransformerBlockSubmodules)
 
 
 def test_flash_overlap_submodules_follow_the_config():
@@ -111,10 +111,11 @@ def test_flash_overlap_submodules_follow_the_config():
 
     from deepspeed_ext.config import FlashOverlapConfig
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.upstream_spec import flash_overlap_submodules, layer_spec
 
-    base = megatron_lm.flash_overlap_layer_spec.submodules
+    base = layer_spec().submodules
     overlap = FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7)
-    subs = megatron_lm.flash_overlap_submodules(base, overlap)
+    subs = flash_overlap_submodules(base, overlap)
     attention, mlp = subs.self_attention.submodules, subs.mlp.submodules
     assert issubclass(attention.linear_qkv, FlashOverlapColumnParallelLinear)
     assert issubclass(mlp.linear_fc2, FlashOverlapRowParallelLinear)
@@ -240,25 +241,29 @@ def _spec_layer_matches_stock(mode):
     from megatron_ext.cpu import enable_cpu_support
     from megatron_ext.gpt import causal_mask, gpt_config, local_layer_spec
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.norm import SequenceParallelNorm
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args(
         ["--flash-overlap", "--flash-overlap-layers", "qkv", "fc2", "--flash-overlap-mode", mode])
     args.world_size, args.data_parallel_size, args.spec = 2, 1, list(megatron_lm.SPEC_FLAG)
-    fake = types.ModuleType("megatron.training")
-    fake.get_args = lambda: args
-    sys.modules["megatron.training"] = fake
     config = gpt_config(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2,
                         sequence_parallel=True)
+    fake, fake_arguments = types.ModuleType("megatron.training"), types.ModuleType("megatron.training.arguments")
+    fake.get_args = lambda: args
+    fake_arguments.core_transformer_config_from_args = lambda _: config
+    sys.modules.update({"megatron.training": fake, "megatron.training.arguments": fake_arguments})
     layers = []
     try:
-        for spec in (import_module(list(args.spec)), local_layer_spec()):  # what gpt_builder does with --spec
+        block = import_module(list(args.spec))  # what gpt_builder does with --spec
+        assert len(block.layer_specs) == 1 and block.layer_norm is SequenceParallelNorm
+        for spec in (block.layer_specs[0], local_layer_spec()):
             torch.manual_seed(3)
             model_parallel_cuda_manual_seed(3)
             layers.append(build_module(spec, config=config, layer_number=1))
     finally:
-        del sys.modules["megatron.training"]
+        del sys.modules["megatron.training"], sys.modules["megatron.training.arguments"]
     ours, stock = layers
     attention, mlp = ours.self_attention, ours.mlp
     assert isinstance(attention.linear_qkv, FlashOverlapColumnParallelLinear) and attention.linear_qkv.p2p_mode == mode

@@ -88,7 +88,9 @@ def check_indexed_dataset(prefix: str) -> None:
         raise DatasetFileError(f"{idx} is truncated or corrupt: {os.path.getsize(idx)} bytes, expected {expected_idx}")
     lengths = np.fromfile(idx, dtype=np.int32, count=n_seq, offset=34)
     expected_bin = int(lengths.astype(np.int64).sum()) * _DTYPE_SIZES[dtype_code]
-    if os.path.getsize(bin_) != expected_bin:
+    # A larger .bin is valid: Megatron-DeepSpeed's tools/preprocess_data.py --append-eod writes each EOD
+    # but leaves it out of the recorded sizes, and every reader reads only the bytes the index describes.
+    if os.path.getsize(bin_) < expected_bin or os.path.getsize(bin_) % _DTYPE_SIZES[dtype_code]:
         raise DatasetFileError(
             f"{bin_} holds {os.path.getsize(bin_)} bytes but {idx} describes {expected_bin}: truncated or mismatched pair"
         )
