@@ -142,8 +142,6 @@ def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
         # The layers refuse these too; here the message names Megatron-LM's flag.
         if getattr(args, "tensor_model_parallel_size", 1) > 1 and not getattr(args, "sequence_parallel", False):
             raise ConfigError("flash_overlap overlaps the sequence-parallel collectives: pass --sequence-parallel")
-        if getattr(args, "gradient_accumulation_fusion", False):
-            raise ConfigError("flash_overlap computes its own weight gradients: pass --no-gradient-accumulation-fusion")
 
 
 def shm_loader_enabled() -> bool:

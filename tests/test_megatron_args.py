@@ -160,8 +160,6 @@ def test_megatron_lm_spec_and_loader_accepted():
 @pytest.mark.parametrize(("argv", "fields", "needle"), [
     (["--flash-overlap"], {}, "--spec megatron_ext.megatron_lm flash_overlap_layer_spec"),
     (["--flash-overlap"], {"spec": list(megatron_lm.SPEC_FLAG), "tensor_model_parallel_size": 2}, "--sequence-parallel"),
-    (["--flash-overlap"], {"spec": list(megatron_lm.SPEC_FLAG), "gradient_accumulation_fusion": True},
-     "--no-gradient-accumulation-fusion"),
     (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
     (["--shm-data-loader"], {"dataloader_type": "external"}, "single or cyclic"),
     (["--shm-data-loader"], {"full_validation": True}, "--full-validation"),
