@@ -12,12 +12,15 @@ Before the script runs, the launcher
 * adds stand-ins for the modules in :data:`megatron_ext.standins.STANDINS` that are not installed;
 * on a machine without CUDA, for Megatron-LM: :func:`megatron_ext.cpu_upstream.enable`
   (Megatron-DeepSpeed needs nothing there: it goes through DeepSpeed's accelerator);
+* gives the suite's loggers (``megatron_ext``, ``deepspeed_ext``) a handler at INFO when they have
+  none, so the effective plugin configuration is printed also where the script configures no logging;
 then runs the script as ``__main__`` with the script's directory first on ``sys.path``, as
 ``python pretrain_gpt.py`` would, and undoes the process-wide changes afterwards.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import runpy
 import sys
@@ -79,6 +82,25 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
     return added
 
 
+_LOGGERS = ("megatron_ext", "deepspeed_ext")
+
+
+def _log_plugins() -> list[tuple[logging.Logger, logging.Handler, int, bool]]:
+    """A stderr handler at INFO on each suite logger without one; returns what to undo."""
+    changed = []
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.handlers:
+            continue
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+        changed.append((logger, handler, logger.level, logger.propagate))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False  # a root handler the script adds later would print each line twice
+    return changed
+
+
 def run(script: str, args: list[str]) -> None:
     """Run the upstream ``script`` with ``args`` as described in the module docstring."""
     from megatron_ext import standins
@@ -91,6 +113,7 @@ def run(script: str, args: list[str]) -> None:
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     sys.argv = [script, *args]
     standins.install()
+    logged = _log_plugins()
     cpu_mode = None
     try:
         if kind == MEGATRON_LM:
@@ -102,6 +125,10 @@ def run(script: str, args: list[str]) -> None:
         if cpu_mode is not None:
             cpu_mode.disable()
         standins.uninstall()
+        for logger, handler, level, propagate in logged:
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
         sys.argv, sys.path[:] = saved_argv, saved_path
         os.environ.clear()
         os.environ.update(saved_env)

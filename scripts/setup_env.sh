@@ -16,6 +16,6 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade pip setuptools wheel
 "${pip[@]}" "torch==${TORCH_VERSION:-2.13.0}"
 DS_BUILD_OPS=0 "${pip[@]}" "deepspeed==0.19.8" "megatron-core==0.16.1"
-"${pip[@]}" -e "$root[test]"
+"${pip[@]}" -e "$root[test,upstream]"
 echo "$want" >"$stamp"
 echo "environment ready: $venv"
