@@ -9,8 +9,8 @@ Before the script runs, the launcher
   when they are unset (a variable already set is never changed);
 * puts this interpreter's directories first on ``PATH``: upstream compiles its dataset helper with
   ``make``, which asks ``python3`` for pybind11 and the extension suffix;
-* adds stand-ins for the modules in :data:`megatron_ext.standins.STANDINS` that are not installed;
-* on a machine without CUDA, for Megatron-LM: :func:`megatron_ext.cpu_upstream.enable`
+* adds stand-ins for the modules in :data:`megatron_ext.upstream.standins.STANDINS` that are not installed;
+* on a machine without CUDA, for Megatron-LM: :func:`megatron_ext.upstream.cpu.enable`
   (Megatron-DeepSpeed needs nothing there: it goes through DeepSpeed's accelerator);
 * gives the suite's loggers (``megatron_ext``, ``deepspeed_ext``) a handler at INFO when they have
   none, so the effective plugin configuration is printed also where the script configures no logging;
@@ -103,7 +103,7 @@ def _log_plugins() -> list[tuple[logging.Logger, logging.Handler, int, bool]]:
 
 def run(script: str, args: list[str]) -> None:
     """Run the upstream ``script`` with ``args`` as described in the module docstring."""
-    from megatron_ext import standins
+    from megatron_ext.upstream import standins
 
     if not script.endswith(".py") or not os.path.isfile(script):
         raise LaunchError(f"{script!r} is not a Python file: pass the path of the upstream pretrain_gpt.py")
@@ -117,7 +117,7 @@ def run(script: str, args: list[str]) -> None:
     cpu_mode = None
     try:
         if kind == MEGATRON_LM:
-            from megatron_ext import cpu_upstream
+            from megatron_ext.upstream import cpu as cpu_upstream
 
             cpu_mode = cpu_upstream if cpu_upstream.enable() else None
         runpy.run_path(script, run_name="__main__")

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from deepspeed_ext.config import ConfigError, load_plugin_config
-from megatron_ext import megatron_lm
+from megatron_ext.upstream import hooks
 from megatron_ext.args import extra_args_provider, plugin_config_from_args
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -48,14 +48,14 @@ def test_no_clash_with_upstream_flags(name):
         assert not clash, f"the suite's flags clash with Megatron-LM's: {sorted(clash)}"
     else:
         assert not clash, f"the suite's flags clash with Megatron-DeepSpeed's: {sorted(clash)}"
-    megatron_lm.with_plugin_args()(_upstream_parser(name))  # argparse raises on any clash
+    hooks.with_plugin_args()(_upstream_parser(name))  # argparse raises on any clash
 
 
 def test_megatron_deepspeed_order_and_both_json_flags():
     import deepspeed
 
     # Megatron-DeepSpeed calls the provider, then adds DeepSpeed's flags.
-    parser = deepspeed.add_config_arguments(megatron_lm.with_plugin_args()(_upstream_parser("megatron_deepspeed_flags.txt")))
+    parser = deepspeed.add_config_arguments(hooks.with_plugin_args()(_upstream_parser("megatron_deepspeed_flags.txt")))
     assert parser.parse_args(["--deepspeed_config", "a.json"]).deepspeed_config == "a.json"
     assert parser.parse_args(["--deepspeed-config", "b.json"]).deepspeed_config == "b.json"
 
@@ -68,7 +68,7 @@ def test_base_provider_runs_first():
         parser.add_argument("--modelopt-flag")
         return parser
 
-    args = megatron_lm.with_plugin_args(base)(argparse.ArgumentParser()).parse_args(["--modelopt-flag", "1", "--flash-overlap"])
+    args = hooks.with_plugin_args(base)(argparse.ArgumentParser()).parse_args(["--modelopt-flag", "1", "--flash-overlap"])
     assert calls == ["base"] and args.modelopt_flag == "1" and args.flash_overlap is True
 
 
@@ -80,7 +80,7 @@ def _preset_tokens(path):
 @pytest.mark.parametrize("name", ["megatron_lm_flags.txt", "megatron_deepspeed_flags.txt"])
 @pytest.mark.parametrize("preset", sorted(glob.glob(os.path.join(PRESETS, "*.args"))), ids=os.path.basename)
 def test_slurm_presets_parse_upstream(name, preset):
-    parser = megatron_lm.with_plugin_args()(_upstream_parser(name))
+    parser = hooks.with_plugin_args()(_upstream_parser(name))
     tokens = _preset_tokens(preset) + SLURM_FLAGS
     args, unknown = parser.parse_known_args(tokens)
     assert unknown == [], f"{os.path.basename(preset)} has flags {name[:-10]} does not know: {unknown}"
@@ -115,7 +115,7 @@ def test_cases_cover_every_flag():
 def test_flag_sets_the_json_field(tmp_path, argv, section):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(BASE))
-    parser = megatron_lm.with_plugin_args()(_upstream_parser("megatron_lm_flags.txt"))
+    parser = hooks.with_plugin_args()(_upstream_parser("megatron_lm_flags.txt"))
     from_flags = plugin_config_from_args(parser.parse_args([*argv, "--deepspeed-config", str(path)]))
     assert from_flags == load_plugin_config({**BASE, **section})
     assert from_flags != load_plugin_config(BASE), f"{argv[0]} changed nothing"
@@ -124,15 +124,15 @@ def test_flag_sets_the_json_field(tmp_path, argv, section):
 def test_flag_wins_over_json(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"shm_data_loader": {"enabled": True, "slots": 2}}))
-    parser = megatron_lm.with_plugin_args()(argparse.ArgumentParser())
+    parser = hooks.with_plugin_args()(argparse.ArgumentParser())
     config = plugin_config_from_args(parser.parse_args(["--deepspeed-config", str(path), "--shm-data-loader-slots", "6"]))
     assert (config.shm_data_loader.enabled, config.shm_data_loader.slots) == (True, 6)
 
 
-# -- the checks of megatron_lm.plugin_config, on the fields Megatron's validate_args sets ----------
+# -- the checks of hooks.plugin_config, on the fields Megatron's validate_args sets ----------
 
 def _megatron_lm_args(argv, **fields):
-    args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args(argv)
+    args = hooks.with_plugin_args()(argparse.ArgumentParser()).parse_args(argv)
     defaults = dict(world_size=4, data_parallel_size=2, pipeline_model_parallel_size=1, dataloader_type="single",
                     spec=None, full_validation=False, sft=False, hybrid_context_parallel=False)
     for key, value in {**defaults, **fields}.items():
@@ -149,18 +149,20 @@ def _megatron_deepspeed_args(argv, ds, **fields):
     return args
 
 
-def test_megatron_lm_spec_and_loader_accepted():
-    args = _megatron_lm_args(["--flash-overlap", "--shm-data-loader"], spec=list(megatron_lm.SPEC_FLAG),
-                             dataloader_type="cyclic")
-    config = megatron_lm.plugin_config(args)
+def test_megatron_lm_spec_and_loader_accepted_with_pipeline_parallelism():
+    args = _megatron_lm_args(["--flash-overlap", "--shm-data-loader"], spec=list(hooks.SPEC_FLAG),
+                             dataloader_type="cyclic", world_size=8, pipeline_model_parallel_size=2)
+    config = hooks.plugin_config(args)
     assert config.flash_overlap.enabled and config.shm_data_loader.enabled
-    assert megatron_lm.plugin_config(args) is config  # checked and logged once
+    assert hooks.plugin_config(args) is config  # checked and logged once
 
 
 @pytest.mark.parametrize(("argv", "fields", "needle"), [
-    (["--flash-overlap"], {}, "--spec megatron_ext.megatron_lm flash_overlap_layer_spec"),
-    (["--flash-overlap"], {"spec": list(megatron_lm.SPEC_FLAG), "tensor_model_parallel_size": 2}, "--sequence-parallel"),
-    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
+    (["--flash-overlap"], {}, "--spec megatron_ext.upstream.megatron_lm flash_overlap_layer_spec"),
+    (["--flash-overlap"], {"spec": list(hooks.SPEC_FLAG), "tensor_model_parallel_size": 2}, "--sequence-parallel"),
+    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+     "--num-layers-per-virtual-pipeline-stage"),
+    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2, "mtp_num_layers": 1}, "--mtp-num-layers"),
     (["--shm-data-loader"], {"dataloader_type": "external"}, "single or cyclic"),
     (["--shm-data-loader"], {"full_validation": True}, "--full-validation"),
     (["--hierarchical-zero", "--deepspeed-config", "{stage3}"], {}, "--deepspeed"),
@@ -171,12 +173,12 @@ def test_megatron_lm_unsupported_settings_fail(tmp_path, argv, fields, needle):
     stage3.write_text(json.dumps(BASE))
     argv = [a.replace("{stage3}", str(stage3)) for a in argv]
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        megatron_lm.plugin_config(_megatron_lm_args(argv, **fields))
+        hooks.plugin_config(_megatron_lm_args(argv, **fields))
 
 
 def test_megatron_deepspeed_reads_the_moved_json():
     ds = {"zero_optimization": {"stage": 3}, "hierarchical_zero": {"enabled": True}, "shm_data_loader": {"slots": 3}}
-    config = megatron_lm.plugin_config(_megatron_deepspeed_args(["--shm-data-loader"], ds))
+    config = hooks.plugin_config(_megatron_deepspeed_args(["--shm-data-loader"], ds))
     assert config.hierarchical_zero.enabled and config.zero_stage == 3
     assert (config.shm_data_loader.enabled, config.shm_data_loader.slots) == (True, 3)
 
@@ -184,7 +186,8 @@ def test_megatron_deepspeed_reads_the_moved_json():
 @pytest.mark.parametrize(("argv", "fields", "needle"), [
     (["--flash-overlap"], {}, "legacy"),
     (["--shm-data-loader"], {"no_pipeline_parallel": False}, "--no-pipeline-parallel"),
+    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
 ])
 def test_megatron_deepspeed_unsupported_settings_fail(argv, fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        megatron_lm.plugin_config(_megatron_deepspeed_args(argv, {}, **fields))
+        hooks.plugin_config(_megatron_deepspeed_args(argv, {}, **fields))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext import megatron_lm
+from megatron_ext.upstream import megatron_deepspeed, megatron_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(ROOT, "patches")
@@ -76,10 +76,11 @@ def test_patch_is_well_formed_and_minimal(name):
 def test_patch_calls_existing_hooks(name):
     added = "\n".join(row for hunks in _parse(_read(name)).values() for _, _, body in hunks for row in body
                       if row.startswith("+"))
-    called = set(re.findall(r"megatron_lm\.(\w+)", added))
+    modules = {"megatron_lm": megatron_lm, "megatron_deepspeed": megatron_deepspeed}
+    called = set(re.findall(r"\b(megatron_lm|megatron_deepspeed)\.(\w+)", added))
     assert called, f"{name} calls no hook"
-    missing = sorted(n for n in called if not callable(getattr(megatron_lm, n, None)))
-    assert not missing, f"{name} calls megatron_lm.{missing}, which do not exist"
+    missing = sorted(f"{mod}.{n}" for mod, n in called if not callable(getattr(modules[mod], n, None)))
+    assert not missing, f"{name} calls {missing}, which do not exist"
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -111,7 +112,7 @@ def test_flash_overlap_submodules_follow_the_config():
 
     from deepspeed_ext.config import FlashOverlapConfig
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
-    from megatron_ext.upstream_spec import flash_overlap_submodules, layer_spec
+    from megatron_ext.upstream.spec import flash_overlap_submodules, layer_spec
 
     base = layer_spec().submodules
     overlap = FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7)
@@ -129,12 +130,12 @@ def test_flash_overlap_submodules_follow_the_config():
 def test_text_samples_round_trip():
     seq = 6
     legacy = [{"text": np.arange(i, i + seq + 1, dtype=np.int64)} for i in range(3)]
-    samples = megatron_lm.TextSamples(legacy, seq)
+    samples = megatron_deepspeed.TextSamples(legacy, seq)
     item = samples[2]
     assert len(samples) == 3 and samples.config.sequence_length == seq
     assert torch.equal(torch.cat([item["tokens"], item["labels"][-1:]]), torch.arange(2, 2 + seq + 1))
     with pytest.raises(ValueError, match="--seq-length 5"):
-        megatron_lm.TextSamples(legacy, 5)[0]
+        megatron_deepspeed.TextSamples(legacy, 5)[0]
 
 
 # -- the data hooks on 2 ranks, against build_batch_iterator -----------------------------------
@@ -201,7 +202,7 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
         wrapped = RerunDataIterator(train)  # what Megatron-LM hands to forward_step
         got = [megatron_lm.get_batch_on_this_tp_rank(wrapped) for _ in range(STEPS)]
         got_valid = [megatron_lm.get_batch_on_this_tp_rank(valid) for _ in range(2)]
-        text = megatron_lm.text_batch(["text"], train, torch.int64)
+        text = megatron_deepspeed.text_batch(["text"], train, torch.int64)
         after = next(train)
     finally:
         del sys.modules["megatron.training"], os.environ["SLURM_JOB_ID"]
@@ -320,8 +321,8 @@ def _megatron_deepspeed_path(prefix, cache, job):
     os.environ["SLURM_JOB_ID"] = job
     try:
         assert megatron_lm.shm_loader_enabled()
-        train, valid, test = megatron_lm.megatron_deepspeed_data_iterators(lambda sizes: (_LegacyText(dataset), None, None))
-        rows = [megatron_lm.text_batch(["text"], train, torch.int64)["text"] for _ in range(STEPS)]
+        train, valid, test = megatron_deepspeed.data_iterators(lambda sizes: (_LegacyText(dataset), None, None))
+        rows = [megatron_deepspeed.text_batch(["text"], train, torch.int64)["text"] for _ in range(STEPS)]
         train.close()
     finally:
         del sys.modules["megatron.training"], os.environ["SLURM_JOB_ID"]

@@ -1,7 +1,8 @@
 """Upstream pretrain_gpt.py (Megatron-LM core_v0.16.1, Megatron-DeepSpeed 4efb479) trains on CPU
-through ``python -m megatron_ext.launch`` at TP=2 x DP=2 (4 gloo ranks under torchrun), unpatched,
-patched with the plugins off and with each plugin on; with dropout 0 every run must print the
-unpatched run's ``lm loss`` at every iteration, and each plugin run must log its plugin enabled.
+through ``python -m megatron_ext.launch`` on 4 gloo ranks under torchrun: TP=2 x DP=2 unpatched,
+patched with the plugins off and with each plugin on, and (Megatron-LM) the node loader under
+pipeline parallelism at TP=2 x PP=2 and TP=1 x PP=2 x DP=2. With dropout 0 every run must print its
+unpatched baseline's ``lm loss`` at every iteration, and each plugin run must log its plugin enabled.
 
 Trees and data: tests/upstream_setup.py (../shared/upstream/, a cache outside the project). Where
 CI=true a missing prerequisite fails the tests; elsewhere it skips them.
@@ -9,6 +10,7 @@ CI=true a missing prerequisite fails the tests; elsewhere it skips them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,19 +28,21 @@ ITERS = 4
 RUN_TIMEOUT_S = 300
 LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
 PLUGIN_CONFIG = re.compile(r"plugin config: (\{.*\})")
-COMMON = ["--tensor-model-parallel-size", "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
           "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", str(ITERS), "--lr", "1e-3",
           "--min-lr", "1e-4", "--lr-decay-style", "constant", "--hidden-dropout", "0", "--attention-dropout", "0",
           "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--tokenizer-type", "NullTokenizer",
           "--vocab-size", "256", "--split", "100,0,0", "--no-gradient-accumulation-fusion", "--num-workers", "0"]
-# Megatron-LM without Apex or Transformer Engine: torch layers, no fused CUDA kernels; sequence
-# parallelism through our sequence-parallel block (upstream's own local spec refuses it).
-MEGATRON_LM = ["--sequence-parallel", "--micro-batch-size", "2", "--global-batch-size", "8",
-               "--distributed-backend", "gloo", "--use-cpu-initialization", "--transformer-impl", "local",
-               "--no-persist-layer-norm", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion",
-               "--no-masked-softmax-fusion"]
-LOCAL_SPEC = ["--spec", "megatron_ext.megatron_lm", "local_layer_spec"]
-FLASH = ["--spec", "megatron_ext.megatron_lm", "flash_overlap_layer_spec", "--flash-overlap"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+# Megatron-LM without Apex or Transformer Engine: torch layers, no fused CUDA kernels.
+MEGATRON_LM = ["--micro-batch-size", "2", "--global-batch-size", "8", "--distributed-backend", "gloo",
+               "--use-cpu-initialization", "--transformer-impl", "local", "--no-persist-layer-norm",
+               "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--no-masked-softmax-fusion"]
+# Sequence parallelism through our block (upstream's own local spec refuses it without Apex/TE).
+LOCAL_SPEC = ["--spec", "megatron_ext.upstream.megatron_lm", "local_layer_spec", "--sequence-parallel"]
+FLASH = ["--spec", "megatron_ext.upstream.megatron_lm", "flash_overlap_layer_spec", "--sequence-parallel",
+         "--flash-overlap"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 # Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1;
 # its ZeRO-3 drops weight decay for parameters partitioned under zero.Init, which hierarchical ZeRO
 # builds unpartitioned: weight decay 0 keeps the runs comparable.
@@ -47,19 +51,41 @@ DEEPSPEED = ["--micro-batch-size", "1", "--global-batch-size", "4", "--weight-de
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 4, "gradient_accumulation_steps": 2,
              "zero_optimization": {"stage": 3}, "steps_per_print": 1000}
 
-# (upstream, variant) -> (patched tree?, flags, plugins that must be logged enabled)
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    patched: bool
+    flags: tuple[str, ...]
+    plugins: tuple[str, ...] = ()  # the plugins its log must show enabled
+    baseline: str = "unpatched"  # the run whose losses it must print
+
+
+# (upstream, variant) -> how it runs; 4 ranks each
 VARIANTS = {
-    ("megatron-lm", "unpatched"): (False, LOCAL_SPEC, ()),
-    ("megatron-lm", "patched-off"): (True, LOCAL_SPEC, ()),
-    ("megatron-lm", "shm-data-loader"): (True, [*LOCAL_SPEC, "--shm-data-loader"], ("shm_data_loader",)),
-    ("megatron-lm", "flash-overlap"): (True, FLASH, ("flash_overlap",)),
-    ("megatron-lm", "both"): (True, [*FLASH, "--shm-data-loader"], ("flash_overlap", "shm_data_loader")),
-    ("megatron-deepspeed", "unpatched"): (False, [], ()),
-    ("megatron-deepspeed", "patched-off"): (True, [], ()),
-    ("megatron-deepspeed", "shm-data-loader"): (True, ["--shm-data-loader"], ("shm_data_loader",)),
-    ("megatron-deepspeed", "hierarchical-zero"): (True, ["--hierarchical-zero"], ("hierarchical_zero",)),
-    ("megatron-deepspeed", "both"): (True, ["--shm-data-loader", "--hierarchical-zero"],
-                                     ("shm_data_loader", "hierarchical_zero")),
+    # TP=2 x DP=2 with sequence parallelism
+    ("megatron-lm", "unpatched"): Variant(False, (*TP2, *LOCAL_SPEC)),
+    # upstream's own layer spec and ours, both without sequence parallelism (which upstream's needs Apex
+    # or TE for): our baseline block builds upstream's model
+    ("megatron-lm", "upstream-spec"): Variant(False, tuple(TP2)),
+    ("megatron-lm", "local-spec"): Variant(False, (*TP2, *LOCAL_SPEC[:3])),
+    ("megatron-lm", "patched-off"): Variant(True, (*TP2, *LOCAL_SPEC)),
+    ("megatron-lm", "shm-data-loader"): Variant(True, (*TP2, *LOCAL_SPEC, "--shm-data-loader"), ("shm_data_loader",)),
+    ("megatron-lm", "flash-overlap"): Variant(True, (*TP2, *FLASH), ("flash_overlap",)),
+    ("megatron-lm", "both"): Variant(True, (*TP2, *FLASH, "--shm-data-loader"), ("flash_overlap", "shm_data_loader")),
+    # pipeline parallelism: TP=2 x PP=2, and TP=1 x PP=2 x DP=2
+    ("megatron-lm", "tp2-pp2-unpatched"): Variant(False, (*TP2, *PP2, *LOCAL_SPEC)),
+    ("megatron-lm", "tp2-pp2-shm-data-loader"): Variant(True, (*TP2, *PP2, *LOCAL_SPEC, "--shm-data-loader"),
+                                                        ("shm_data_loader",), "tp2-pp2-unpatched"),
+    ("megatron-lm", "pp2-dp2-unpatched"): Variant(False, tuple(PP2)),
+    ("megatron-lm", "pp2-dp2-shm-data-loader"): Variant(True, (*PP2, "--shm-data-loader"), ("shm_data_loader",),
+                                                        "pp2-dp2-unpatched"),
+    # TP=2 x DP=2, ZeRO-3
+    ("megatron-deepspeed", "unpatched"): Variant(False, tuple(TP2)),
+    ("megatron-deepspeed", "patched-off"): Variant(True, tuple(TP2)),
+    ("megatron-deepspeed", "shm-data-loader"): Variant(True, (*TP2, "--shm-data-loader"), ("shm_data_loader",)),
+    ("megatron-deepspeed", "hierarchical-zero"): Variant(True, (*TP2, "--hierarchical-zero"), ("hierarchical_zero",)),
+    ("megatron-deepspeed", "both"): Variant(True, (*TP2, "--shm-data-loader", "--hierarchical-zero"),
+                                            ("shm_data_loader", "hierarchical_zero")),
 }
 _runs: dict[tuple[str, str], tuple[list[tuple[int, str]], str]] = {}
 
@@ -97,12 +123,12 @@ def _command(tree: Tree, kind: str, patched: bool, flags: list[str], work: Path,
 def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str]], str]:
     if (kind, variant) in _runs:
         return _runs[(kind, variant)]
-    patched, flags, _ = VARIANTS[(kind, variant)]
+    how = VARIANTS[(kind, variant)]
     work, port = upstream["work"], _free_port()
     env = {**tool_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     try:
-        done = subprocess.run(_command(upstream[kind], kind, patched, flags, work, port), cwd=work, env=env,
-                              capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        done = subprocess.run(_command(upstream[kind], kind, how.patched, list(how.flags), work, port), cwd=work,
+                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"")[-4000:]
         pytest.fail(f"{kind} {variant} did not finish in {RUN_TIMEOUT_S}s; output ends:\n{out!r}")
@@ -113,25 +139,34 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
     log = done.stdout + done.stderr
     assert done.returncode == 0, f"{kind} {variant} exited {done.returncode}; output ends:\n{log[-6000:]}"
     losses = sorted({int(it): loss for it, total, loss in LOSS.findall(log)}.items())
+    print(f"{kind} {variant}: lm loss {[loss for _, loss in losses]}")
     _runs[(kind, variant)] = (losses, log)
     return losses, log
 
 
-@pytest.mark.parametrize("kind", ["megatron-lm", "megatron-deepspeed"])
-def test_unpatched_upstream_trains_on_cpu(upstream: dict, kind: str) -> None:
-    losses, log = _train(upstream, kind, "unpatched")
+@pytest.mark.parametrize(("kind", "variant"), [key for key, how in VARIANTS.items() if not how.patched
+                                               and key[1] not in ("upstream-spec", "local-spec")])
+def test_unpatched_upstream_trains_on_cpu(upstream: dict, kind: str, variant: str) -> None:
+    losses, log = _train(upstream, kind, variant)
     assert [it for it, _ in losses] == list(range(1, ITERS + 1)), f"no lm loss for every iteration:\n{log[-4000:]}"
     assert float(losses[-1][1]) < float(losses[0][1]), f"loss did not fall: {losses}"
 
 
-@pytest.mark.parametrize(("kind", "variant"), [key for key in VARIANTS if key[1] != "unpatched"])
+def test_local_layer_spec_builds_upstreams_model(upstream: dict) -> None:
+    ours, _ = _train(upstream, "megatron-lm", "local-spec")
+    theirs, _ = _train(upstream, "megatron-lm", "upstream-spec")
+    assert len(theirs) == ITERS and ours == theirs, f"local_layer_spec {ours} != upstream's spec {theirs}"
+
+
+@pytest.mark.parametrize(("kind", "variant"), [key for key, how in VARIANTS.items() if how.patched])
 def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: str, variant: str) -> None:
-    baseline, _ = _train(upstream, kind, "unpatched")
+    how = VARIANTS[(kind, variant)]
+    baseline, _ = _train(upstream, kind, how.baseline)
     losses, log = _train(upstream, kind, variant)
     configs = [json.loads(m) for m in PLUGIN_CONFIG.findall(log)]
-    if variant != "patched-off":
+    if how.plugins:
         assert configs, f"{kind} {variant}: no 'plugin config:' line logged"
     for config in configs:
         for plugin in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
-            assert config[plugin]["enabled"] == (plugin in VARIANTS[(kind, variant)][2]), (plugin, config)
-    assert len(baseline) == ITERS and losses == baseline, f"{kind} {variant}: {losses} != unpatched {baseline}"
+            assert config[plugin]["enabled"] == (plugin in how.plugins), (plugin, config)
+    assert len(baseline) == ITERS and losses == baseline, f"{kind} {variant}: {losses} != {how.baseline} {baseline}"

@@ -167,7 +167,7 @@ def enable() -> bool:
         _replace(modules[key], "initialize_megatron", wrapped)
     _mode = CudaToCpu()
     _mode.__enter__()
-    logger.info("no CUDA: upstream Megatron-LM runs on CPU (megatron_ext.cpu_upstream)")
+    logger.info("no CUDA: upstream Megatron-LM runs on CPU (megatron_ext.upstream.cpu)")
     return True
 
 

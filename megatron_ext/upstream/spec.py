@@ -1,6 +1,6 @@
-"""The transformer blocks behind Megatron-LM's ``--spec megatron_ext.megatron_lm <name>``.
+"""The transformer blocks behind Megatron-LM's ``--spec megatron_ext.upstream.megatron_lm <name>``.
 
-Megatron-LM's ``gpt_builder`` reads the named attribute of ``megatron_ext.megatron_lm`` once the
+Megatron-LM's ``gpt_builder`` reads the named attribute of ``megatron_ext.upstream.megatron_lm`` once the
 flags are parsed (that module computes it on access, PEP 562) and hands it to ``GPTModel``
 unchanged. Two names:
 
@@ -22,6 +22,7 @@ import argparse
 from typing import Any
 
 from deepspeed_ext.config import ConfigError, FlashOverlapConfig
+from megatron_ext.upstream.hooks import SPEC_MODULE
 
 # (args attribute, is it set?, why the block cannot honour it, what to do)
 _REFUSED = (
@@ -48,7 +49,7 @@ def check_layer_options(args: argparse.Namespace, spec_name: str) -> None:
     """Refuse every layer option of upstream's spec builder that the block would not honour.
     Honoured: ``--normalization`` (LayerNorm, RMSNorm), ``--layernorm-epsilon``, and everything the
     layer reads from the TransformerConfig (hidden sizes, activation, GLU, bias, dropout, ...)."""
-    flag = f"--spec megatron_ext.megatron_lm {spec_name}"
+    flag = f"--spec {SPEC_MODULE} {spec_name}"
     impl = getattr(args, "transformer_impl", "local")
     if impl != "local":
         raise ConfigError(f"{flag} builds megatron-core's local (torch) layer, not --transformer-impl {impl}: "

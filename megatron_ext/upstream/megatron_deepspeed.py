@@ -1,0 +1,129 @@
+"""The hooks upstream Megatron-DeepSpeed (commit 4efb479) calls through
+``patches/megatron-deepspeed-4efb479.patch``: the plugin flags, the shared-memory loader's data
+iterators and batches, and hierarchical ZeRO-3 in place of ``deepspeed.zero.Init`` /
+``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.config import ConfigError
+from megatron_ext.upstream.hooks import (
+    external_data_iterators,
+    is_plugin_iterator,
+    megatron_args,
+    plugin_config,
+    shm_loader_enabled,
+    with_plugin_args,
+)
+
+__all__ = ["TextSamples", "data_iterators", "deepspeed_initialize", "shm_loader_enabled", "text_batch",
+           "with_plugin_args", "zero_init"]  # what the patch names
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TextSampleConfig:
+    """The fields of a megatron-core GPTDatasetConfig that the loader reads."""
+
+    sequence_length: int
+    add_extra_token_to_sequence: bool = True
+    reset_attention_mask: bool = False
+
+
+class TextSamples:
+    """A Megatron-DeepSpeed dataset (items ``{"text": int64[seq_length + 1]}``) seen as megatron-core
+    GPTDataset items: tokens, labels, loss_mask and position_ids. Megatron-DeepSpeed's ``get_batch``
+    rebuilds ``text`` from tokens and labels (:func:`text_batch`) and computes its masks itself."""
+
+    def __init__(self, dataset: Any, seq_length: int) -> None:
+        self.samples = dataset
+        self.config = _TextSampleConfig(seq_length)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        text = torch.as_tensor(self.samples[idx]["text"], dtype=torch.int64)
+        seq = self.config.sequence_length
+        if text.shape != (seq + 1,):
+            raise ValueError(f"sample {idx} has {tuple(text.shape)} tokens, expected ({seq + 1},) for --seq-length "
+                             f"{seq}: rebuild the dataset index for this sequence length")
+        return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.ones(seq, dtype=torch.float32),
+                "position_ids": torch.arange(seq)}
+
+
+def data_iterators(provider: Callable[..., Any]) -> tuple[Any, ...]:
+    """Megatron-DeepSpeed's ``build_train_valid_test_data_iterators`` with the shared-memory loader:
+    datasets on every rank, plugin iterators over them, and the do_train/valid/test flags set."""
+    from megatron.core import parallel_state as mpu
+    from megatron.training import build_train_valid_test_datasets
+
+    args = megatron_args()
+    if args.iteration > 0 and args.consumed_train_samples == 0:  # checkpoints that predate the counter
+        args.consumed_train_samples = args.iteration * args.global_batch_size
+    if args.iteration > 0 and args.consumed_valid_samples == 0 and args.train_samples is None:
+        args.consumed_valid_samples = (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+    # Upstream builds on TP rank 0 only, and its index maps are written by rank 0 and awaited within the
+    # data-parallel group: those ranks go first, the others then find the maps written.
+    first = mpu.get_tensor_model_parallel_rank() == 0
+    built = build_train_valid_test_datasets(provider) if first else None
+    dist.barrier()
+    built = built if first else build_train_valid_test_datasets(provider)
+    datasets = [None if d is None else TextSamples(d, args.seq_length) for d in built]
+    iterators = external_data_iterators(datasets, args)
+    args.do_train = iterators[0] is not None and args.train_iters > 0
+    args.do_valid = iterators[1] is not None and args.eval_iters > 0
+    args.do_test = iterators[2] is not None and args.eval_iters > 0
+    return iterators
+
+
+def text_batch(keys: Sequence[str], data_iterator: Any, datatype: torch.dtype) -> dict[str, torch.Tensor]:
+    """What Megatron-DeepSpeed's ``get_batch`` gets from ``tensor_parallel.broadcast_data``: the
+    ``text`` rows. From a plugin iterator every rank reads its own; otherwise TP rank 0 reads and broadcasts."""
+    if not is_plugin_iterator(data_iterator):
+        from megatron.core import tensor_parallel
+
+        data = next(data_iterator) if data_iterator is not None else None
+        return tensor_parallel.broadcast_data(keys, data, datatype)
+    if list(keys) != ["text"]:
+        raise ValueError(f"the plugin loader provides the 'text' key only, get_batch asked for {list(keys)}")
+    batch = next(data_iterator)
+    return {"text": torch.cat([batch["tokens"], batch["labels"][:, -1:]], dim=1).to(datatype)}
+
+
+def zero_init(**kwargs: Any) -> Any:
+    """``deepspeed.zero.Init(**kwargs)``; with hierarchical ZeRO it is disabled, because the variant
+    partitions over its own level groups when :func:`deepspeed_initialize` builds the engine (the
+    model is built whole on each rank first, as in the suite's main job)."""
+    import deepspeed
+
+    if plugin_config().hierarchical_zero.enabled and kwargs.get("enabled", True):
+        logger.info("hierarchical_zero: the model is built unpartitioned and partitioned by the engine")
+        kwargs["enabled"] = False
+    return deepspeed.zero.Init(**kwargs)
+
+
+def deepspeed_initialize(**kwargs: Any) -> tuple:
+    """``deepspeed.initialize(**kwargs)``, or the hierarchical ZeRO-3 variant when it is enabled."""
+    import deepspeed
+
+    config = plugin_config()
+    if not config.hierarchical_zero.enabled:
+        return deepspeed.initialize(**kwargs)
+    if kwargs.get("mpu") is None:
+        raise ConfigError("hierarchical_zero needs Megatron's process groups: pass --no-pipeline-parallel "
+                          "(ZeRO-3 runs without DeepSpeed's pipeline engine)")
+    from deepspeed_ext.zero import initialize
+
+    return initialize(plugin_config=config, **kwargs)
+
+
