@@ -3,14 +3,15 @@
 Two things assume CUDA: buffers placed with ``torch.cuda.current_device()`` (the global memory
 buffer used by sequence-parallel gathers) and the model-parallel RNG tracker, which saves and
 restores CUDA generator states. On a machine without CUDA we point the first at the CPU and back
-the tracker with the CPU generator. With CUDA present nothing is touched.
+the tracker with the CPU generator. With CUDA present nothing is touched. Every change is recorded
+and :func:`disable_cpu_support` puts the original objects back.
 """
 
 from __future__ import annotations
 
 import torch
 
-_enabled = False
+_undo: list[tuple[object, str, object]] = []  # (owner, attribute, original), in order of change
 
 
 def _cpu_get_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
@@ -37,22 +38,31 @@ def _tracker_add(self, name: str, seed: int) -> None:
 
 
 def enable_cpu_support() -> bool:
-    """Patch megatron-core for CPU when CUDA is absent; returns whether anything was patched."""
-    global _enabled
+    """Patch megatron-core for CPU when CUDA is absent; returns whether the patches are in place."""
     if torch.cuda.is_available():
         return False
-    if _enabled:
+    if _undo:
         return True
     from megatron.core.tensor_parallel import random as mp_random
 
-    torch.cuda.current_device = lambda: "cpu"  # device ids flow straight into torch.empty(device=...)
-    mp_random._get_cuda_rng_state = _cpu_get_rng_state
-    mp_random._set_cuda_rng_state = _cpu_set_rng_state
-    mp_random.CudaRNGStatesTracker.add = _tracker_add
-    _enabled = True
+    for owner, name, value in (
+        (torch.cuda, "current_device", lambda: "cpu"),  # device ids flow straight into torch.empty(device=...)
+        (mp_random, "_get_cuda_rng_state", _cpu_get_rng_state),
+        (mp_random, "_set_cuda_rng_state", _cpu_set_rng_state),
+        (mp_random.CudaRNGStatesTracker, "add", _tracker_add),
+    ):
+        _undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, value)
     return True
+
+
+def disable_cpu_support() -> None:
+    """Undo :func:`enable_cpu_support` (nothing to do when it changed nothing)."""
+    while _undo:
+        owner, name, original = _undo.pop()
+        setattr(owner, name, original)
 
 
 def cpu_support_enabled() -> bool:
     """Whether :func:`enable_cpu_support` has patched megatron-core in this process."""
-    return _enabled
+    return bool(_undo)

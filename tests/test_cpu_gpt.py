@@ -64,7 +64,23 @@ def test_shim_is_inert_when_cuda_is_present(monkeypatch):
     import megatron_ext.cpu as cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cpu, "_enabled", False)
+    monkeypatch.setattr(cpu, "_undo", [])
     before = torch.cuda.current_device
     assert cpu.enable_cpu_support() is False
     assert torch.cuda.current_device is before
+
+
+def test_shim_is_undone_by_disable(monkeypatch):
+    from megatron.core.tensor_parallel import random as mp_random
+
+    import megatron_ext.cpu as cpu
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(cpu, "_undo", [])  # as in a fresh process, whatever earlier tests enabled
+    names = [(torch.cuda, "current_device"), (mp_random, "_get_cuda_rng_state"), (mp_random, "_set_cuda_rng_state"),
+             (mp_random.CudaRNGStatesTracker, "add")]
+    before = [getattr(owner, name) for owner, name in names]
+    assert cpu.enable_cpu_support() and torch.cuda.current_device() == "cpu"
+    cpu.disable_cpu_support()
+    assert not cpu.cpu_support_enabled()
+    assert [getattr(owner, name) for owner, name in names] == before

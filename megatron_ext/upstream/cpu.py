@@ -155,9 +155,10 @@ def enable() -> bool:
         _replace(torch.cuda, name, _twin(getattr(torch.cpu, name)))
     _replace(torch.cuda, "get_rng_state", _cpu_rng_state)
     _replace(torch.cuda, "set_rng_state", _set_cpu_rng_state)
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext import cpu
 
-    enable_cpu_support()
+    if not cpu.cpu_support_enabled() and cpu.enable_cpu_support():
+        _undo.append(cpu.disable_cpu_support)
     modules = _megatron_lm_modules()
     _replace(modules["fused_kernels"], "load", _no_fused_kernels)
     for key in ("utils", "arguments"):
@@ -172,8 +173,7 @@ def enable() -> bool:
 
 
 def disable() -> None:
-    """Undo :func:`enable`. What :func:`megatron_ext.cpu.enable_cpu_support` changed stays: it has no
-    undo, and the suite's own job relies on it for the whole process."""
+    """Undo :func:`enable`, :func:`megatron_ext.cpu.enable_cpu_support` included when it turned it on."""
     global _mode
     if _mode is not None:
         _mode.__exit__(None, None, None)
