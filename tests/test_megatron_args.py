@@ -10,8 +10,8 @@ import re
 import pytest
 
 from deepspeed_ext.config import ConfigError, load_plugin_config
-from megatron_ext.upstream import hooks
 from megatron_ext.args import extra_args_provider, plugin_config_from_args
+from megatron_ext.upstream import hooks
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "presets")
@@ -85,6 +85,18 @@ def test_slurm_presets_parse_upstream(name, preset):
     args, unknown = parser.parse_known_args(tokens)
     assert unknown == [], f"{os.path.basename(preset)} has flags {name[:-10]} does not know: {unknown}"
     assert args.deepspeed_config == "cfg.json"
+
+
+@pytest.mark.parametrize(("name", "preset"), [("megatron_lm_flags.txt", "megatron-lm-local.args"),
+                                              ("megatron_deepspeed_flags.txt", "megatron-deepspeed-local.args")])
+def test_upstream_slurm_presets_parse_upstream(name, preset):
+    import deepspeed
+
+    parser = hooks.with_plugin_args()(_upstream_parser(name))
+    if name.startswith("megatron_deepspeed"):
+        parser = deepspeed.add_config_arguments(parser)  # Megatron-DeepSpeed adds DeepSpeed's flags (--deepspeed)
+    args, unknown = parser.parse_known_args(_preset_tokens(os.path.join(PRESETS, "upstream", preset)))
+    assert unknown == [], f"{preset} has flags {name[:-10]} does not know: {unknown}"
 
 
 BASE = {"zero_optimization": {"stage": 3}}

@@ -24,7 +24,7 @@ PARAMS = (
     "NODES", "TASKS_PER_NODE", "MODEL", "CONFIG", "DATA_PATH", "CHECKPOINT_DIR", "EXTRA_ARGS", "DRY_RUN",
     "MASTER_ADDR", "MASTER_PORT", "MODULES", "AWS_OFI_RCCL_DIR", "GPUS_PER_NODE", "GPU_BINDING", "SRUN_ARGS",
     "TRAIN_PYTHON", "TRAIN_SCRIPT", "ENV_SCRIPT", "REPO_DIR", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES", "LAUNCH_LOCAL_RANK",
+    "CUDA_VISIBLE_DEVICES", "LAUNCH_LOCAL_RANK", "UPSTREAM_DIR", "PYTHONPATH",
 )
 # Flags the main job takes (scripts/pretrain_gpt.py's documented interface).
 JOB_FLAGS = {
@@ -214,6 +214,46 @@ def test_local_defaults() -> None:
     assert plan.env["MASTER_ADDR"] == "127.0.0.1"
     assert plan.job_flag("--deepspeed-config") == str(PRESETS / "ds_cpu_local.json")
     assert plan.job_flag("--hidden-size") == "64"
+
+
+def _fake_upstream(root: Path, kind: str) -> Path:
+    """A directory with the layout of an upstream checkout (what the launcher looks at)."""
+    marker = {"megatron-lm": "megatron/training/initialize.py", "megatron-deepspeed": "megatron/training.py"}[kind]
+    (root / marker).parent.mkdir(parents=True, exist_ok=True)
+    (root / marker).touch()
+    (root / "pretrain_gpt.py").touch()
+    return root
+
+
+@pytest.mark.parametrize(("kind", "config_flag"), [("megatron-lm", None), ("megatron-deepspeed", "--deepspeed_config")])
+def test_local_upstream_runs_through_the_launcher(tmp_path: Path, kind: str, config_flag: str | None) -> None:
+    tree = _fake_upstream(tmp_path / kind, kind)
+    plan = dry("local", UPSTREAM_DIR=str(tree), DATA_PATH="corpus")
+    assert plan.job[plan.job.index("-m"):plan.job.index("-m") + 3] == ["-m", "megatron_ext.launch",
+                                                                       str(tree / "pretrain_gpt.py")]
+    assert plan.env["PYTHONPATH"].split(":")[0] == str(ROOT)
+    assert plan.job_flag("--data-path") == "corpus"
+    preset = PRESETS / "upstream" / f"{kind}-local"
+    assert plan.job_flag("--num-layers") == "2" and f"model preset: {preset}.args" in plan.text
+    if config_flag is None:  # Megatron-LM trains without DeepSpeed: no JSON unless CONFIG is set
+        assert "--deepspeed-config" not in plan.job and "--deepspeed_config" not in plan.job
+    else:  # DeepSpeed's own flag: Megatron-DeepSpeed reads it patched or not
+        assert plan.job_flag(config_flag) == f"{preset}.json"
+
+
+@pytest.mark.parametrize(("upstream", "env", "needle"), [
+    ("none", {"DATA_PATH": "corpus"}, "holds no pretrain_gpt.py"),
+    ("bare", {"DATA_PATH": "corpus"}, "is neither Megatron-LM"),
+    ("megatron-lm", {}, "set DATA_PATH"),
+])
+def test_local_upstream_bad_input(tmp_path: Path, upstream: str, env: dict, needle: str) -> None:
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    if upstream == "bare":
+        (tree / "pretrain_gpt.py").touch()
+    elif upstream != "none":
+        _fake_upstream(tree, upstream)
+    assert needle in fail("local", UPSTREAM_DIR=str(tree), DRY_RUN="1", **env)
 
 
 def test_local_tasks_follow_allocation() -> None:

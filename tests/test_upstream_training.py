@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_slurm_job import LAUNCHER_PARAMS, LOCAL_SBATCH, _wait, slurm  # noqa: F401 (slurm: a fixture)
 from upstream_setup import SetupError, Tree, prepare, tool_env
 
 pytestmark = pytest.mark.upstream
@@ -170,3 +171,32 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
         for plugin in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
             assert config[plugin]["enabled"] == (plugin in how.plugins), (plugin, config)
     assert len(baseline) == ITERS and losses == baseline, f"{kind} {variant}: {losses} != {how.baseline} {baseline}"
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm")
+def test_local_sbatch_runs_upstream_megatron_lm(upstream: dict, tmp_path: Path) -> None:
+    """``UPSTREAM_DIR=<patched Megatron-LM> sbatch scripts/slurm/local.sbatch``: srun starts the 4 ranks
+    through the launcher, and they print the losses torchrun's ranks printed with the same flags."""
+    expected, _ = _train(upstream, "megatron-lm", "both")
+    tree, work = upstream["megatron-lm"], upstream["work"]
+    flags = [*COMMON, *MEGATRON_LM, *VARIANTS[("megatron-lm", "both")].flags,
+             "--data-cache-path", str(work / "index-megatron-lm")]
+    model = tmp_path / "flags.args"
+    model.write_text("\n".join(flags) + "\n")
+    log_file = tmp_path / "job.out"
+    env = {k: v for k, v in tool_env().items() if k not in LAUNCHER_PARAMS}
+    env.update(UPSTREAM_DIR=str(tree.patched), MODEL=str(model), DATA_PATH=tree.data, DRY_RUN="0",
+               TRAIN_PYTHON=sys.executable)
+    sub = subprocess.run(["sbatch", "--parsable", "--ntasks=4", "--nodes=1", f"--output={log_file}",
+                          f"--chdir={tmp_path}", "--job-name=test-upstream-local", f"--time={RUN_TIMEOUT_S // 60 + 2}",
+                          str(LOCAL_SBATCH)], capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert sub.returncode == 0, f"sbatch failed ({sub.returncode}): {sub.stderr.strip()}"
+    job_id = sub.stdout.strip().split(";")[0]
+    state, code, problem = _wait(job_id, RUN_TIMEOUT_S, 300)
+    log = log_file.read_text(errors="replace") if log_file.exists() else "<no log file>"
+    assert not problem and state == "COMPLETED" and code.startswith("0:"), (
+        f"job {job_id}: {problem or state} exit {code}; log ends:\n{log[-4000:]}")
+    assert "-m megatron_ext.launch" in log, "the plan printed by the script names the launcher"
+    losses = sorted({int(it): loss for it, _, loss in LOSS.findall(log)}.items())
+    assert losses == expected, f"srun {losses} != torchrun {expected}"

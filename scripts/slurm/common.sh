@@ -48,6 +48,8 @@ options (each one overrides the environment variable in brackets):
   -h, --help              this text
 Anything else (and everything after --) is appended to the training flags,
 after the preset and EXTRA_ARGS, so it overrides them.
+UPSTREAM_DIR=<Megatron-LM or Megatron-DeepSpeed checkout> runs its pretrain_gpt.py through
+python -m megatron_ext.launch instead of the suite's main job (docs/slurm.md, "Upstream scripts").
 Presets: $(list_presets)
 EOF
 }
@@ -179,10 +181,41 @@ launcher_init() {
     esac
 
     _resolve_nodes
+    _resolve_upstream
     _resolve_model
     _resolve_config
     _resolve_python
     _check_data_path
+}
+
+# UPSTREAM_DIR: run that checkout's pretrain_gpt.py through the suite's launcher. Its presets are
+# scripts/presets/upstream/<kind>-<platform>.args/.json where they exist; the JSON goes to DeepSpeed's own
+# --deepspeed_config on Megatron-DeepSpeed and to the suite's --deepspeed-config on Megatron-LM.
+UPSTREAM_KIND=""
+CONFIG_FLAG=--deepspeed-config
+_resolve_upstream() {
+    [[ -n "${UPSTREAM_DIR:-}" ]] || return 0
+    [[ -f "$UPSTREAM_DIR/pretrain_gpt.py" ]] ||
+        die "UPSTREAM_DIR='$UPSTREAM_DIR' holds no pretrain_gpt.py; point it at the root of a Megatron-LM or Megatron-DeepSpeed checkout"
+    UPSTREAM_DIR="$(cd "$UPSTREAM_DIR" && pwd)"
+    if [[ -f "$UPSTREAM_DIR/megatron/training/initialize.py" ]]; then
+        UPSTREAM_KIND=megatron-lm
+    elif [[ -f "$UPSTREAM_DIR/megatron/training.py" ]]; then
+        UPSTREAM_KIND=megatron-deepspeed
+        CONFIG_FLAG=--deepspeed_config
+    else
+        die "UPSTREAM_DIR='$UPSTREAM_DIR' is neither Megatron-LM (megatron/training/initialize.py) nor Megatron-DeepSpeed (megatron/training.py)"
+    fi
+    DEFAULT_MODEL="upstream/$UPSTREAM_KIND-$PLATFORM"
+    [[ -n "${MODEL:-}" || -f "$PRESETS_DIR/$DEFAULT_MODEL.args" ]] ||
+        die "no preset scripts/presets/$DEFAULT_MODEL.args for upstream $UPSTREAM_KIND on $PLATFORM; set MODEL to an .args file with the upstream flags"
+    DEFAULT_CONFIG=""
+    if [[ -f "$PRESETS_DIR/$DEFAULT_MODEL.json" ]]; then
+        DEFAULT_CONFIG="$DEFAULT_MODEL.json"
+    fi
+    [[ -n "${DATA_PATH:-}" ]] ||
+        die "upstream pretrain_gpt.py needs a corpus: set DATA_PATH to the prefix written by the checkout's tools/preprocess_data.py"
+    return 0
 }
 
 _resolve_nodes() {
@@ -233,6 +266,10 @@ _resolve_model() {
 
 _resolve_config() {
     CONFIG="${CONFIG:-$DEFAULT_CONFIG}"
+    CONFIG_FILE=""
+    if [[ -z "$CONFIG" && "$UPSTREAM_KIND" == megatron-lm ]]; then
+        return 0 # Megatron-LM trains without DeepSpeed: the plugin flags alone are enough
+    fi
     [[ -n "$CONFIG" ]] || die "CONFIG is empty; set CONFIG to a DeepSpeed JSON file"
     local c
     for c in "$CONFIG" "$PRESETS_DIR/$CONFIG" "$PRESETS_DIR/$CONFIG.json"; do
@@ -264,7 +301,14 @@ _resolve_python() {
             TRAIN_PYTHON=python3
         fi
     fi
-    TRAIN_SCRIPT="${TRAIN_SCRIPT:-$REPO_DIR/scripts/pretrain_gpt.py}"
+    if [[ -n "$UPSTREAM_KIND" ]]; then
+        TRAIN_SCRIPT="$UPSTREAM_DIR/pretrain_gpt.py"
+        TRAIN_PROGRAM=(-m megatron_ext.launch "$TRAIN_SCRIPT")
+        prepend_path PYTHONPATH "$REPO_DIR" # the launcher and hooks, also where the suite is not installed
+    else
+        TRAIN_SCRIPT="${TRAIN_SCRIPT:-$REPO_DIR/scripts/pretrain_gpt.py}"
+        TRAIN_PROGRAM=("$TRAIN_SCRIPT")
+    fi
 }
 
 _check_data_path() {
@@ -329,8 +373,9 @@ set_master_addr_port() {
 print_plan() {
     local n
     echo "# platform: $PLATFORM  nodes: $NODES  tasks/node: $TASKS_PER_NODE  tasks: $NTASKS"
+    [[ -n "$UPSTREAM_KIND" ]] && echo "# upstream $UPSTREAM_KIND: $TRAIN_SCRIPT (through megatron_ext.launch)"
     echo "# model preset: $MODEL_FILE"
-    echo "# deepspeed config: $CONFIG_FILE"
+    echo "# deepspeed config: ${CONFIG_FILE:-none}"
     if ((${#MODULE_LINES[@]} > 0)); then
         echo "# modules"
         printf '%s\n' "${MODULE_LINES[@]}"
@@ -359,7 +404,8 @@ launch() {
     ((NTASKS % tp == 0)) ||
         die "$NTASKS tasks cannot be split into tensor-parallel groups of $tp; change NODES/TASKS_PER_NODE or --tensor-model-parallel-size"
 
-    local train=("${MODEL_ARGS[@]}" --deepspeed-config "$CONFIG_FILE")
+    local train=("${MODEL_ARGS[@]}")
+    [[ -n "$CONFIG_FILE" ]] && train+=("$CONFIG_FLAG" "$CONFIG_FILE")
     [[ -n "${DATA_PATH:-}" ]] && train+=(--data-path "$DATA_PATH")
     [[ -n "${CHECKPOINT_DIR:-}" ]] && train+=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR")
     train+=("${EXTRA_ARR[@]}" "${CLI_ARGS[@]}")
@@ -369,7 +415,7 @@ launch() {
     LAUNCH_CMD=(srun "$@" --distribution=block)
     # shellcheck disable=SC2206 # SRUN_ARGS is a whitespace-separated flag string
     LAUNCH_CMD+=(${SRUN_ARGS:-})
-    LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u "$TRAIN_SCRIPT" "${train[@]}")
+    LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u "${TRAIN_PROGRAM[@]}" "${train[@]}")
 
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "# DRY RUN: nothing is launched"
