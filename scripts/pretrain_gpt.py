@@ -100,6 +100,7 @@ def train(args: argparse.Namespace) -> None:
     from deepspeed_ext.config import log_effective_config, validate_against_world
     from megatron_ext.args import plugin_config_from_args
     from megatron_ext.cpu import cpu_support_enabled
+    from megatron_ext.layers.p2p_link import shutdown_posters
 
     plugins = plugin_config_from_args(args)  # config errors surface before any process group exists
     world, rank = init_distributed(args)
@@ -135,6 +136,7 @@ def train(args: argparse.Namespace) -> None:
             _train_loop(args, engine, data, counter, start_iteration, consumed, global_batch, log_file)
     finally:
         data.close()
+        shutdown_posters()
         if log_file:
             log_file.close()
     dist.barrier()

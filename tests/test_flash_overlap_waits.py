@@ -1,6 +1,7 @@
 """How the overlap schedules wait for a peer: on CUDA only the compute stream waits (a timed
 ``work.wait`` would block the host until the transfer ends); on gloo every wait is bounded."""
 
+import threading
 from concurrent.futures import Future
 from contextlib import nullcontext
 from datetime import timedelta
@@ -60,3 +61,19 @@ def test_gloo_waits_are_bounded_by_timeout_s(monkeypatch):
     work = _Work()
     link.wait(_posted(work), True, 1, "receive of slice 1")
     assert work.waits == [{"timeout": timedelta(seconds=7)}]
+
+
+def test_gloo_posting_thread_is_stopped_by_shutdown_posters(monkeypatch):
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
+    posted_ops = []
+    monkeypatch.setattr(dist, "P2POp", lambda *args, **kwargs: args)
+    monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted_ops.append(ops) or [_Work()])
+    link = p2p_link.Link(OverlapGroup(group=_Group()), torch.device("cpu"), "all-gather")
+    link.exchange(torch.zeros(1), 1, None, 1, step=0).works.result(timeout=10)
+    thread_names = lambda: {t.name for t in threading.enumerate() if t.name.startswith("flash-overlap-p2p")}  # noqa: E731
+    assert thread_names(), "gloo transfers are posted from a thread of their own"
+    p2p_link.shutdown_posters()
+    assert not thread_names() and len(posted_ops) == 1
+    link.exchange(torch.zeros(1), 1, None, 1, step=1).works.result(timeout=10)  # a later step starts a new one
+    p2p_link.shutdown_posters()
+    assert len(posted_ops) == 2 and not thread_names()

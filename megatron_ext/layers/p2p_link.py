@@ -87,6 +87,14 @@ def _poster() -> ThreadPoolExecutor:
     return _posters[pid]
 
 
+def shutdown_posters() -> None:
+    """Stop this process's posting thread after the transfers it holds (the next P2P step starts a
+    new one); the one process-wide thing the Flash-Overlap layers create."""
+    poster = _posters.pop(os.getpid(), None)
+    if poster is not None:
+        poster.shutdown(wait=True)
+
+
 class Posted:
     """One step's batch of P2P ops; its works exist once the batch has been issued."""
 
