@@ -38,6 +38,8 @@ _REFUSED = (
     ("kitchen_config_file", lambda v: v is not None, "kitchen layers", "drop --kitchen-config-file"),
     ("kitchen_recipe_number", lambda v: v is not None, "kitchen layers", "drop --kitchen-recipe-number"),
     ("use_legacy_models", bool, "legacy models (upstream ignores --spec there)", "drop --use-legacy-models"),
+    ("yaml_cfg", lambda v: v is not None, "a model configured from YAML (the block counts layers from the flags)",
+     "drop --yaml-cfg"),
     ("num_layers_per_virtual_pipeline_stage", lambda v: v is not None, "virtual pipeline stages",
      "drop --num-layers-per-virtual-pipeline-stage"),
     ("num_virtual_stages_per_pipeline_rank", lambda v: v is not None, "virtual pipeline stages",
