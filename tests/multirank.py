@@ -54,12 +54,20 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection) -
 
 
 def _reset_megatron_state() -> None:
-    """Tests must not leak model-parallel groups into the next call."""
+    """Tests must not leak process groups into the next call: megatron-core's, and every other group
+    made on the way (DeepSpeed's, the plugins'). Each gloo group keeps a polling thread, so hundreds
+    of leaked groups would take a core from every later test."""
     import sys
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     ps = sys.modules.get("megatron.core.parallel_state")
     if ps is not None and ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
+    for group in list(distributed_c10d._world.pg_map):
+        if group is not dist.group.WORLD:
+            dist.destroy_process_group(group)
 
 
 class WorkerPool:

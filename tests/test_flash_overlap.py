@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import time
 from functools import partial
 
 import pytest
@@ -254,6 +255,8 @@ def _silent_peer() -> None:
                                              tp_comm_buffer_name="fc1", timeout_s=1.0)
     if dist.get_rank() == 0:  # rank 1 never enters the layer
         layer(torch.randn(3, 2, 6))
+    else:
+        time.sleep(5)  # alive and silent past rank 0's timeout (a peer that leaves would close the link)
 
 
 def test_a_silent_peer_raises_a_timeout_naming_peer_and_layer(run_ranks):
