@@ -40,9 +40,23 @@ def test_hierarchical_hops_send_one_eighth_across_nodes():
 def test_micro_batches_reuse_the_secondary_copy():
     hops = cm.step_hops(MODEL, FRONTIER_384, cm.hierarchical("package"), micro_batches=4)
     forward = cm.bytes_per_link(hops, "forward", "gather")
-    assert forward["inter_node"] == inter_node(cm.hierarchical("package"), 1) - cm.bytes_per_link(
-        cm.step_hops(MODEL, FRONTIER_384, cm.hierarchical("package")), "backward", "reduce")["inter_node"]
-    assert forward["package"] == M // 2 + 3 * (M // 2)  # one primary gather, three secondary
+    # One primary gather in hops (47/48 M/8 across nodes, 3/4 M/2 = 3M/8 across packages, M/2 in the
+    # package), then three micro-batches gather from the package copy only (M/2 each).
+    assert forward == {"package": M // 2 + 3 * (M // 2), "node": 3 * M // 8, "inter_node": pytest.approx(47 / 48 * M / 8)}
+    # Every micro-batch reduces its gradients through all three hops unless synced at the boundary.
+    assert cm.bytes_per_link(hops, "backward", "reduce")["inter_node"] == pytest.approx(4 * 47 / 48 * M / 8)
+    once = cm.step_hops(MODEL, FRONTIER_384, cm.hierarchical("package", boundary_sync=True), micro_batches=4)
+    assert cm.bytes_per_link(once, "backward", "reduce") == {"package": 4 * M // 2, "node": 4 * 3 * M // 8,
+                                                             "inter_node": pytest.approx(47 / 48 * M / 8)}
+
+
+def test_quantized_factors_apply_to_inter_node_hops_only():
+    ours = cm.hierarchical("package", weight_factor=0.5, grad_factor=0.25)
+    hops = cm.step_hops(MODEL, FRONTIER_384, ours)
+    across = 47 / 48 * M / 8  # the cross-node hop's 16-bit volume
+    assert cm.bytes_per_link(hops, "forward", "gather") == {"package": M // 2, "node": 3 * M // 8,
+                                                            "inter_node": pytest.approx(0.5 * across)}
+    assert cm.bytes_per_link(hops, "backward", "reduce")["inter_node"] == pytest.approx(0.25 * across)
 
 
 def test_padding_follows_zero3():
@@ -50,12 +64,48 @@ def test_padding_follows_zero3():
     assert model.padded(8) == 16 + 8 + 8
 
 
-def test_time_model_shares_nics_and_clamps_overlap():
-    links = cm.Links(ranks_per_nic=2)
-    assert links.rank_bandwidth("inter_node") == 12.5e9
-    assert links.rank_bandwidth("package") == 200e9
-    hops = [cm.Hop("backward", "reduce", "inter_node", 4, 12_500_000_000, 1, 1)]
-    assert cm.comm_time(hops, links) == pytest.approx(1.0 + 3 * 10e-6)
+def test_ring_wire_bytes_cross_each_node_boundary_once():
+    # A flat all-gather ring over 2 nodes x 2 packages x 2 (node- and package-contiguous): of its 8
+    # edges 4 stay in a package (0-1, 2-3, 4-5, 6-7), 2 cross packages (1-2, 5-6), 2 cross nodes (3-4, 7-0).
+    assert cm.ring_edges((2, 2, 2)) == {"package": 4, "node": 2, "inter_node": 2}
+    assert cm.ring_edges((1, 4, 2)) == {"package": 4, "node": 4, "inter_node": 0}  # closes across packages
+    assert cm.ring_edges((1, 1, 2)) == {"package": 2, "node": 0, "inter_node": 0}
+    hop = cm.Hop("forward", "gather", "inter_node", 8, 800, 1, 3, (2, 2, 2))
+    # Each edge carries what one rank sends (800 B, 3 times); per rank on average 800 x 3 x edges / 8.
+    assert cm.ring_wire_bytes([hop]) == {"package": 1200.0, "node": 600.0, "inter_node": 600.0}
+
+
+def test_flat_ring_and_cross_node_hop_put_the_same_bytes_through_a_nic():
+    v_flat = 383 / 384 * M  # a flat all-gather: each rank sends 383/384 of the gathered M
+    v_hop = 47 / 48 * M / 8  # the cross-node hop: 47/48 of the M/8 the package and node hops spread
+    ring = cm.ring_wire_bytes([cm.Hop("forward", "gather", "inter_node", 384, int(v_flat), 1, 1, (48, 4, 2))])
+    hop = cm.ring_wire_bytes([cm.Hop("forward", "gather", "inter_node", 48, int(v_hop), 1, 1, (48, 1, 1))])
+    # Per node (8 ranks): the flat ring's one boundary edge per ring carries v_flat; the 8 hop groups v_hop each.
+    assert 8 * ring["inter_node"] == pytest.approx(v_flat, rel=1e-9)
+    assert 8 * hop["inter_node"] == pytest.approx(8 * v_hop, rel=1e-9)
+    assert v_flat / (8 * v_hop) == pytest.approx((383 / 384) / (47 / 48))  # within 2 %: the hop saves no NIC bytes
+
+
+def test_ring_time_shares_nics_among_concurrent_groups_and_channels():
+    gb = 1e9
+    frontier = cm.Links()  # 25 GB/s per NIC, 4 NICs and 8 ranks per node, 4 channels, node link 50 GB/s per rank
+    flat = cm.Hop("forward", "gather", "inter_node", 384, 100 * 10**9, 1, 1, (48, 4, 2))
+    # One group per node, 4 rings over 4 NICs: 100 GB / 100 GB/s = 1 s; the edges between packages
+    # carry 100 GB at 50 GB/s = 2 s, so those bound it; latency 383 steps x 10 us.
+    assert cm.hop_seconds(flat, frontier) == pytest.approx(2.0 + 383 * 10e-6)
+    cross = cm.Hop("forward", "gather", "inter_node", 48, 10 * 10**9, 1, 1, (48, 1, 1))
+    # 8 concurrent groups per node send 10 GB each through 4 NICs: 80 GB / 100 GB/s = 0.8 s (no intra edge).
+    assert cm.hop_seconds(cross, frontier) == pytest.approx(0.8 + 47 * 10e-6)
+    tp4 = cm.Hop("forward", "gather", "inter_node", 96, 10 * 10**9, 1, 1, (48, 2, 1))
+    # TP=4: 2 DP members per node, so 4 DP groups per node at once: 40 GB / 100 GB/s = 0.4 s,
+    # against 10 GB / 50 GB/s = 0.2 s between packages.
+    assert cm.hop_seconds(tp4, frontier) == pytest.approx(0.4 + 95 * 10e-6)
+    gloo = cm.Links(bandwidth_gbps={"package": 8.0, "node": 4.0, "inter_node": 1.0}, latency_us=dict.fromkeys(
+        ("package", "node", "inter_node"), 0.0), ranks_per_nic=2, nics_per_node=2, channels=1)
+    # One ring: its single boundary edge uses one NIC of the node: 10 GB / 1 GB/s.
+    assert cm.hop_seconds(cm.Hop("forward", "gather", "inter_node", 8, 10 * gb, 1, 1, (2, 2, 2)), gloo) == pytest.approx(10.0)
+    # Inside a node the rank's own link: 10 GB / 4 GB/s.
+    assert cm.hop_seconds(cm.Hop("backward", "gather", "node", 4, 10 * gb, 1, 1, (1, 2, 2)), gloo) == pytest.approx(2.5)
     assert cm.step_time(1.0, 3.0, overlap=1.0) == pytest.approx(3.0)
     assert cm.step_time(1.0, 3.0, overlap=0.0) == pytest.approx(4.0)
 

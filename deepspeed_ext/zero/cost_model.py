@@ -1,12 +1,22 @@
-"""Per-step communication bytes and time of ZeRO-3, ZeRO++ and the hierarchical variant.
+"""Per-step communication of ZeRO-3, ZeRO++ and the hierarchical variant: computed bytes and time.
 
-Bytes follow :mod:`deepspeed_ext.comm`'s accounting exactly (per rank, bandwidth-optimal volume,
-charged to the slowest link class a group spans), so a prediction can be compared with a count.
-Time is an alpha-beta model per hop: ``bytes / bandwidth(link) + (members - 1) * latency(link)``
-per collective launch, hops run one after the other, no overlap with compute (``step_time`` adds
-that). What is assumed about the step (what ZeRO-3 does with ``stage3_max_reuse_distance=0`` and
-``stage3_param_persistence_threshold=0``): every parameter is gathered once per forward and once
-per backward of each micro-batch; gradients are reduce-scattered once per micro-batch.
+Two byte figures, both computed from the parameter sizes, never measured:
+
+- ``bytes_per_link``: :mod:`deepspeed_ext.comm`'s accounting (per rank, bandwidth-optimal volume,
+  all of it charged to the slowest link class a group spans), so a prediction can be compared
+  with a :class:`~deepspeed_ext.comm.CommCounter`, which is computed the same way.
+- ``ring_wire_bytes``: what a ring algorithm puts on each link class, per rank on average (a ring
+  over node-contiguous ranks crosses each node boundary once per channel; most of its edges stay
+  inside a package or node). This is what interface counters can be compared with.
+
+Time is ring-aware per hop: a collective whose group spans nodes is limited by the NICs, which all
+of the node's concurrent groups share (``Links``: NICs per node, ranks per NIC, channels per ring),
+or by its slowest edge inside a node; a group inside one node by its link class per rank. Plus a
+latency term ``launches x (members - 1) x latency(link)``. Hops run one after the other, no
+overlap with compute (``step_time`` adds that). Assumed about the step (ZeRO-3 with
+``stage3_max_reuse_distance=0`` and ``stage3_param_persistence_threshold=0``): every parameter is
+gathered once per forward and once per backward of each micro-batch; gradients are
+reduce-scattered once per micro-batch (across nodes once per step with ``boundary_sync``).
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from dataclasses import dataclass, field
 
 from deepspeed_ext.comm import LINK_CLASSES, volume
 
-# Frontier: GCD pair 200 GB/s; GCDs on different MI250X 50-100 GB/s; 4 x 25 GB/s NICs per 8 GCDs.
+# Frontier: GCD pair 200 GB/s; GCDs on different MI250X 50-100 GB/s; one 25 GB/s NIC per MI250X.
 FRONTIER_BANDWIDTH_GBPS = {"package": 200.0, "node": 50.0, "inter_node": 25.0}
 FRONTIER_LATENCY_US = {"package": 2.0, "node": 4.0, "inter_node": 10.0}
 # ZeRO++ (arXiv 2306.10209): qwZ sends INT8 weights plus block scales (~half of fp16), qgZ INT4 gradients.
@@ -27,17 +37,26 @@ QGZ_BYTES_FACTOR = 0.25
 
 @dataclass(frozen=True)
 class Links:
-    """Speed of each link class as one rank sees it while every rank of its node communicates."""
+    """Speed of each link class and how a node's ranks share its NICs."""
 
     bandwidth_gbps: dict[str, float] = field(default_factory=lambda: dict(FRONTIER_BANDWIDTH_GBPS))
     """GB/s per link: package and node per rank, inter_node per NIC."""
     latency_us: dict[str, float] = field(default_factory=lambda: dict(FRONTIER_LATENCY_US))
     """Per-step latency of a ring collective on each link class (microseconds)."""
     ranks_per_nic: int = 2
-    """Ranks sharing one NIC (Frontier: the two GCDs of an MI250X); divides inter_node bandwidth."""
+    """Ranks sharing one NIC (Frontier: the two GCDs of an MI250X)."""
+    nics_per_node: int = 4
+    """NICs per node (Frontier: one per MI250X, four per node)."""
+    channels: int = 4
+    """Rings one collective is spread over, each crossing a node boundary once (RCCL/NCCL: several,
+    enough to use every NIC; gloo: 1)."""
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.ranks_per_nic * self.nics_per_node
 
     def rank_bandwidth(self, link: str) -> float:
-        """Bytes per second one rank gets on ``link``."""
+        """Bytes per second one rank gets on ``link`` while every rank of its node sends on it."""
         share = self.ranks_per_nic if link == "inter_node" else 1
         return self.bandwidth_gbps[link] * 1e9 / share
 
@@ -98,10 +117,12 @@ class Variant:
     """Primary and node-level gathers in hops (cross-node, cross-package, package)."""
     hierarchical_reduce: bool = False
     """Gradient reduce-scatter in hops (package, cross-package, cross-node)."""
+    boundary_sync: bool = False
+    """Cross-node gradient hop once per optimizer step; within the node every micro-batch."""
     weight_factor: float = 1.0
-    """Bytes on the wire per gathered byte on the primary gather (qwZ: 0.5)."""
+    """Bytes on the wire per gathered byte on inter-node weight gathers (qwZ, int8 hops: 0.5)."""
     grad_factor: float = 1.0
-    """Bytes on the wire per reduced byte across nodes (qgZ: 0.25)."""
+    """Bytes on the wire per reduced byte on inter-node gradient reductions (qgZ: 0.25)."""
 
 
 ZERO3 = Variant("zero3")
@@ -117,9 +138,18 @@ def zeropp_paper(size: int, link: str = "node") -> Variant:
                    weight_factor=QWZ_BYTES_FACTOR, grad_factor=QGZ_BYTES_FACTOR)
 
 
-def hierarchical(secondary: str, grad_reduce: str = "hierarchical") -> Variant:
-    return Variant(f"hierarchical({secondary})", secondary=secondary, hierarchical_gather=True,
-                   hierarchical_reduce=grad_reduce == "hierarchical")
+def hierarchical(secondary: str, grad_reduce: str = "hierarchical", boundary_sync: bool = False,
+                 weight_factor: float = 1.0, grad_factor: float = 1.0) -> Variant:
+    """Our variant; the factors model quantized inter-node hops (int8 weights 0.5, int4 gradients 0.25)."""
+    tags = [secondary] + (["boundary sync"] if boundary_sync else []) + (
+        [f"w x{weight_factor:g} g x{grad_factor:g}"] if (weight_factor, grad_factor) != (1.0, 1.0) else [])
+    return Variant(f"hierarchical({', '.join(tags)})", secondary=secondary, hierarchical_gather=True,
+                   hierarchical_reduce=grad_reduce == "hierarchical", boundary_sync=boundary_sync,
+                   weight_factor=weight_factor, grad_factor=grad_factor)
+
+
+Layout = tuple[int, int, int]
+"""A group as nodes x packages per node x members per package."""
 
 
 @dataclass(frozen=True)
@@ -131,40 +161,49 @@ class Hop:
     kind: str
     """gather or reduce."""
     link: str
-    """Link class of the group."""
+    """Slowest link class of the group."""
     members: int
     """Group size."""
     nbytes: int
-    """Bytes this rank sends per occurrence."""
+    """Bytes this rank sends per occurrence (comm.py's accounting)."""
     launches: int
     """Collective launches per occurrence (for the latency term)."""
     times: int
     """Occurrences per step."""
+    layout: Layout
+    """The group as nodes x packages per node x members per package (the ring's edges)."""
 
 
-def _gather_hops(shape: DPShape, level: str, nbytes: int, hierarchical_hops: bool) -> list[tuple[str, int, int]]:
-    """(link, members, bytes sent) of gathering ``nbytes`` of full weights over ``level``'s group."""
+def _link(layout: Layout) -> str:
+    n, q, _ = layout
+    return "inter_node" if n > 1 else ("node" if q > 1 else "package")
+
+
+def _gather_hops(shape: DPShape, level: str, nbytes: int, hierarchical_hops: bool) -> list[tuple[Layout, int]]:
+    """(group layout, bytes sent) of gathering ``nbytes`` of full weights over ``level``'s group."""
     n, q, k = shape.nodes, shape.packages_per_node, shape.per_package
-    stages = {"package": [(k, "package")], "node": [(q, "node"), (k, "package")],
-              "global": [(n, "inter_node"), (q, "node"), (k, "package")]}[level]
-    members = math.prod(m for m, _ in stages)
+    stages: list[Layout] = {"package": [(1, 1, k)], "node": [(1, q, 1), (1, 1, k)],
+                            "global": [(n, 1, 1), (1, q, 1), (1, 1, k)]}[level]
+    members = math.prod(math.prod(s) for s in stages)
     if not hierarchical_hops:
-        link = shape.span(n if level == "global" else 1, q if level != "package" else 1)
-        return [(link, members, volume("all_gather", nbytes, members))]
+        flat = {"package": (1, 1, k), "node": (1, q, k), "global": (n, q, k)}[level]
+        return [(flat, volume("all_gather", nbytes, members))]
     hops, held = [], nbytes // members
-    for m, link in stages:  # outermost first: each hop gathers what the next one spreads
+    for layout in stages:  # outermost first: each hop gathers what the next one spreads
+        m = math.prod(layout)
         held *= m
-        hops.append((link, m, volume("all_gather", held, m)))
+        hops.append((layout, volume("all_gather", held, m)))
     return hops
 
 
-def _reduce_hops(shape: DPShape, nbytes: int, hierarchical_hops: bool) -> list[tuple[str, int, int]]:
+def _reduce_hops(shape: DPShape, nbytes: int, hierarchical_hops: bool) -> list[tuple[Layout, int]]:
     n, q, k = shape.nodes, shape.packages_per_node, shape.per_package
     if not hierarchical_hops:
-        return [(shape.span(n, q), shape.size, volume("reduce_scatter", nbytes, shape.size))]
+        return [((n, q, k), volume("reduce_scatter", nbytes, shape.size))]
     hops, held = [], nbytes
-    for m, link in ((k, "package"), (q, "node"), (n, "inter_node")):  # each hop on the previous result
-        hops.append((link, m, volume("reduce_scatter", held, m)))
+    for layout in ((1, 1, k), (1, q, 1), (n, 1, 1)):  # each hop on the previous result
+        m = math.prod(layout)
+        hops.append((layout, volume("reduce_scatter", held, m)))
         held //= m
     return hops
 
@@ -174,30 +213,37 @@ def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches:
     dp = shape.size
     w = model.padded(dp) * model.weight_bytes
     g = model.padded(dp) * model.grad_bytes
-    primary = [(link, m, int(b * variant.weight_factor))
-               for link, m, b in _gather_hops(shape, "global", w, variant.hierarchical_gather)]
+
+    def quantized(layout: Layout, nbytes: int, factor: float) -> int:
+        return int(nbytes * factor) if _link(layout) == "inter_node" else nbytes
+
+    primary = [(lay, quantized(lay, b, variant.weight_factor))
+               for lay, b in _gather_hops(shape, "global", w, variant.hierarchical_gather)]
     if variant.secondary == "global":
         secondary = primary
     elif variant.secondary == "hpz":
-        secondary = [(variant.hpz_link, variant.hpz_size, volume("all_gather", w, variant.hpz_size))]
+        k = min(variant.hpz_size, shape.per_package)
+        lay = (1, 1, variant.hpz_size) if variant.hpz_link == "package" else (1, variant.hpz_size // k, k)
+        secondary = [(lay, volume("all_gather", w, variant.hpz_size))]
     else:
         secondary = _gather_hops(shape, variant.secondary, w, variant.hierarchical_gather)
-    reduce = [(link, m, int(b * (variant.grad_factor if link == "inter_node" else 1)))
-              for link, m, b in _reduce_hops(shape, g, variant.hierarchical_reduce)]
     hops: list[Hop] = []
-    for link, m, b in primary:
-        hops.append(Hop("forward", "gather", link, m, b, model.gathers_per_pass, 1))
-    for link, m, b in secondary:
+    for lay, b in primary:
+        hops.append(Hop("forward", "gather", _link(lay), math.prod(lay), b, model.gathers_per_pass, 1, lay))
+    for lay, b in secondary:
         if micro_batches > 1:
-            hops.append(Hop("forward", "gather", link, m, b, model.gathers_per_pass, micro_batches - 1))
-        hops.append(Hop("backward", "gather", link, m, b, model.gathers_per_pass, micro_batches))
-    for link, m, b in reduce:
-        hops.append(Hop("backward", "reduce", link, m, b, model.reduce_launches, micro_batches))
+            hops.append(Hop("forward", "gather", _link(lay), math.prod(lay), b, model.gathers_per_pass,
+                            micro_batches - 1, lay))
+        hops.append(Hop("backward", "gather", _link(lay), math.prod(lay), b, model.gathers_per_pass, micro_batches, lay))
+    for lay, b in _reduce_hops(shape, g, variant.hierarchical_reduce):
+        once = variant.boundary_sync and variant.hierarchical_reduce and lay[0] > 1
+        hops.append(Hop("backward", "reduce", _link(lay), math.prod(lay), quantized(lay, b, variant.grad_factor),
+                        model.reduce_launches, 1 if once else micro_batches, lay))
     return [h for h in hops if h.members > 1]
 
 
 def bytes_per_link(hops: Sequence[Hop], phase: str | None = None, kind: str | None = None) -> dict[str, int]:
-    """Bytes per link class of the hops that match (None matches all): comparable to CommCounter.per_link."""
+    """Computed bytes per link class in comm.py's accounting (comparable to CommCounter.per_link)."""
     out = dict.fromkeys(LINK_CLASSES, 0)
     for h in hops:
         if (phase is None or h.phase == phase) and (kind is None or h.kind == kind):
@@ -205,13 +251,44 @@ def bytes_per_link(hops: Sequence[Hop], phase: str | None = None, kind: str | No
     return out
 
 
+def ring_edges(layout: Layout) -> dict[str, int]:
+    """Edges of each link class in a ring over a node- and package-contiguous group."""
+    n, q, k = layout
+    edges = {"package": n * q * (k - 1), "node": n * (q - 1), "inter_node": n if n > 1 else 0}
+    if n == 1:  # the ring closes inside the node
+        edges["node" if q > 1 else "package"] += 1
+    return edges
+
+
+def ring_wire_bytes(hops: Sequence[Hop]) -> dict[str, float]:
+    """Computed bytes per link class a rank puts on the wire, averaged over the group, when every
+    collective is a ring: each of its ``members`` edges carries what one rank sends."""
+    out = dict.fromkeys(LINK_CLASSES, 0.0)
+    for h in hops:
+        for link, count in ring_edges(h.layout).items():
+            out[link] += h.nbytes * h.times * count / h.members
+    return out
+
+
+def hop_seconds(hop: Hop, links: Links) -> float:
+    """One occurrence of ``hop``. A group spanning nodes is limited by its slowest edge inside a node
+    or by the NICs: every concurrent group of the node (one per ``members on a node`` ranks) sends
+    what one rank sends through the node boundary once, spread over ``channels`` rings, on at most
+    ``nics_per_node`` NICs."""
+    latency = hop.launches * (hop.members - 1) * links.latency_us[hop.link] * 1e-6
+    if hop.link != "inter_node":
+        return hop.nbytes / links.rank_bandwidth(hop.link) + latency
+    _, q, k = hop.layout
+    groups = max(1, links.ranks_per_node // (q * k))
+    nics = min(groups * links.channels, links.nics_per_node)
+    nic_s = groups * hop.nbytes / (nics * links.bandwidth_gbps["inter_node"] * 1e9)
+    intra_s = hop.nbytes / links.rank_bandwidth("node" if q > 1 else "package") if q * k > 1 else 0.0
+    return max(nic_s, intra_s) + latency
+
+
 def comm_time(hops: Sequence[Hop], links: Links) -> float:
     """Seconds of communication in one step, hops one after the other."""
-    total = 0.0
-    for h in hops:
-        per = h.nbytes / links.rank_bandwidth(h.link) + h.launches * (h.members - 1) * links.latency_us[h.link] * 1e-6
-        total += per * h.times
-    return total
+    return sum(hop_seconds(h, links) * h.times for h in hops)
 
 
 def step_time(compute_s: float, comm_s: float, overlap: float) -> float:
