@@ -6,6 +6,13 @@ whose classes carry one rate per link class; u32 prefix filters pick the class f
 address (destination on the rank side, source on the switch side towards the rank), so a
 transfer between two ranks is shaped on the sender's port and again on the receiver's port at
 the rate of the link class it crosses, and concurrent flows of one class share that rate.
+
+With ``spec.shared_nic`` the ranks of a package also share one inter-node link per direction, as
+Frontier's two GCDs share the NIC of their MI250X: in the switch namespace every NIC has two ifb
+devices shaped to the inter-node rate, one for what its ranks send to other nodes (redirected
+from their ports' ingress) and one for what they receive from other nodes (redirected from their
+ports' egress). ifb hands a packet back to the device it came from with classification skipped,
+so it then passes the port's own class as well.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import re
 import shutil
 import signal
 import subprocess
+from pathlib import Path
 
 from .spec import LINK_CLASSES, SUBNET, ClusterSpec, LinkClass
 
@@ -106,8 +114,9 @@ def _class_nets(spec: ClusterSpec, rank: int) -> dict[LinkClass, str]:
     return {"package": spec.package_net(rank), "node": spec.node_net(rank), "inter_node": f"{SUBNET}.0.0/16"}
 
 
-def _shape(ns: str, dev: str, spec: ClusterSpec, rank: int, match: str) -> None:
-    """Give dev an htb root with one class per link class, chosen by the peer's address (`match` src or dst)."""
+def _shape(ns: str, dev: str, spec: ClusterSpec, rank: int, match: str, skip_filter: str | None = None) -> None:
+    """Give dev an htb root with one class per link class, chosen by the peer's address (`match` src
+    or dst); the filter of class ``skip_filter`` is left to the caller."""
     tc = ("tc", "-n", ns)
     # Unclassified traffic (ARP, IPv6 neighbour discovery) leaves unshaped through htb's direct queue.
     sh(*tc, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb")
@@ -118,8 +127,43 @@ def _shape(ns: str, dev: str, spec: ClusterSpec, rank: int, match: str) -> None:
         rate = f"{round(spec.rate_mbit(link) * 1000)}kbit"
         sh(*tc, "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{idx}",
            "htb", "rate", rate, "ceil", rate, "quantum", str(HTB_QUANTUM))  # fmt: skip
+        if link == skip_filter:
+            continue
         sh(*tc, "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", str(idx),
            "u32", "match", "ip", match, nets[link], "flowid", f"1:{idx}")  # fmt: skip
+
+
+def _nic_devices(prefix: str, nic: int) -> tuple[str, str]:
+    """The ifb devices of one NIC: what it sends to other nodes, what it receives from them."""
+    return f"{prefix}-t{nic}", f"{prefix}-x{nic}"
+
+
+def _build_nic(sw: str, prefix: str, nic: int, spec: ClusterSpec) -> None:
+    rate = f"{round(spec.inter_node_mbit * 1000)}kbit"
+    for dev in _nic_devices(prefix, nic):
+        sh("ip", "-n", sw, "link", "add", dev, "type", "ifb")
+        sh("ip", "-n", sw, "link", "set", dev, "mtu", str(MTU), "up")
+        sh("tc", "-n", sw, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1")
+        sh("tc", "-n", sw, "class", "add", "dev", dev, "parent", "1:", "classid", "1:1",
+           "htb", "rate", rate, "ceil", rate, "quantum", str(HTB_QUANTUM))  # fmt: skip
+
+
+def _share_nic(sw: str, port: str, prefix: str, spec: ClusterSpec, rank: int) -> None:
+    """Send the port's inter-node traffic through its NIC's ifb devices (both directions)."""
+    tx, rx = _nic_devices(prefix, spec.nic(rank))
+    tc = ("tc", "-n", sw, "filter", "add", "dev", port)
+    sh("tc", "-n", sw, "qdisc", "add", "dev", port, "handle", "ffff:", "ingress")
+    # From the rank: traffic within its node passes (a match without action ends classification;
+    # no gact action needed, which some kernels lack); everything else queues on the NIC's tx device.
+    sh(*tc, "parent", "ffff:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst", spec.node_net(rank),
+       "classid", "1:1")  # fmt: skip
+    sh(*tc, "parent", "ffff:", "protocol", "ip", "prio", "2", "u32", "match", "ip", "dst", f"{SUBNET}.0.0/16",
+       "action", "mirred", "egress", "redirect", "dev", tx)  # fmt: skip
+    # To the rank from other nodes: the NIC's rx device first, then (classification skipped on the
+    # way back, the flowid stays) the port's own inter-node class.
+    idx = LINK_CLASSES.index("inter_node") + 1
+    sh(*tc, "parent", "1:", "protocol", "ip", "prio", str(idx), "u32", "match", "ip", "src", f"{SUBNET}.0.0/16",
+       "flowid", f"1:{idx}", "action", "mirred", "egress", "redirect", "dev", rx)  # fmt: skip
 
 
 def _mbit(text: str) -> float:
@@ -151,6 +195,10 @@ def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:
     sh("ip", "netns", "add", sw)
     sh("ip", "-n", sw, "link", "add", bridge, "type", "bridge")
     sh("ip", "-n", sw, "link", "set", bridge, "up")
+    shared = spec.shared_nic and "inter_node" in spec.link_classes()
+    if shared:
+        for nic in sorted({spec.nic(r) for r in range(spec.world_size)}):
+            _build_nic(sw, prefix, nic, spec)
     namespaces = []
     for rank in range(spec.world_size):
         ns, port = rank_ns(prefix, rank), _port(prefix, rank)
@@ -163,8 +211,21 @@ def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:
         sh("ip", "-n", ns, "link", "set", "lo", "up")
         if spec.link_classes():
             _shape(ns, RANK_IFACE, spec, rank, "dst")
-            _shape(sw, port, spec, rank, "src")
+            _shape(sw, port, spec, rank, "src", skip_filter="inter_node" if shared else None)
+            if shared:
+                _share_nic(sw, port, prefix, spec, rank)
             _verify_shaping(ns, RANK_IFACE, spec)
             _verify_shaping(sw, port, spec)
         namespaces.append(ns)
     return namespaces
+
+
+def sent_bytes(dev: str = RANK_IFACE) -> dict[str, int]:
+    """Bytes ``dev`` of the calling process's namespace has sent, per link class (its tc classes)
+    and in all (its interface counter): call it from inside a rank."""
+    out = dict.fromkeys(LINK_CLASSES, 0)
+    text = sh("tc", "-s", "class", "show", "dev", dev)
+    for m in re.finditer(r"class htb 1:(\d+) .*?\n\s*Sent (\d+) bytes", text):
+        out[LINK_CLASSES[int(m[1]) - 1]] = int(m[2])
+    out["total"] = int(Path(f"/sys/class/net/{dev}/statistics/tx_bytes").read_text())
+    return out

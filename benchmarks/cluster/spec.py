@@ -53,6 +53,9 @@ class ClusterSpec:
     """Rate in Mbit/s between ranks of different nodes."""
     name: str = "custom"
     """Label shown in reports."""
+    shared_nic: bool = True
+    """One inter-node link per package, shared by its ranks in each direction (Frontier: one NIC per
+    MI250X); False gives every rank its own inter-node link."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -147,6 +150,16 @@ class ClusterSpec:
         """Configured rate of a link class."""
         return {"package": self.package_mbit, "node": self.node_mbit, "inter_node": self.inter_node_mbit}[link]
 
+    def nic(self, rank: int) -> int:
+        """Index of the NIC a rank's inter-node traffic goes through (its package's, or its own)."""
+        p = self.place(rank)
+        return p.node * self.packages_per_node + p.package if self.shared_nic else rank
+
+    @property
+    def ranks_per_nic(self) -> int:
+        """Ranks sharing one inter-node link."""
+        return self.ranks_per_package if self.shared_nic else 1
+
     def link_classes(self) -> list[LinkClass]:
         """Link classes that actually occur in this layout."""
         present = []
@@ -170,9 +183,10 @@ class ClusterSpec:
         return asdict(self)
 
 
-def frontier(nodes: int = 2, packages_per_node: int = 2) -> ClusterSpec:
-    """Frontier ratios (GCD-GCD 200 GB/s : MI250X-MI250X 100 GB/s : NIC 25 GB/s) scaled to 400:200:50 Mbit/s."""
-    return ClusterSpec(nodes, packages_per_node, 2, 400.0, 200.0, 50.0, name="frontier")
+def frontier(nodes: int = 2, packages_per_node: int = 2, shared_nic: bool = True) -> ClusterSpec:
+    """Frontier ratios (GCD-GCD 200 GB/s : MI250X-MI250X 100 GB/s : NIC 25 GB/s) scaled to 400:200:50
+    Mbit/s, one NIC per package (MI250X) shared by its two ranks."""
+    return ClusterSpec(nodes, packages_per_node, 2, 400.0, 200.0, 50.0, name="frontier", shared_nic=shared_nic)
 
 
 def generic(nodes: int = 2, ranks_per_node: int = 2, node_mbit: float = 400.0, inter_node_mbit: float = 100.0) -> ClusterSpec:

@@ -1,9 +1,12 @@
 """One rank of the ZeRO benchmark: ZeRO-3, ZeRO++ hpZ and the hierarchical variant, side by side.
 
-Started by ``benchmarks.zero.run`` on every rank (emulated cluster or loopback). The three engines
-are built once, then their steps interleave (ZeRO-3, hpZ, ours, ZeRO-3, ...) so that a change of
-host load hits all three alike. Each step is timed between barriers; bytes per link class are
-counted for every step.
+Started by ``benchmarks.zero.run`` on every rank (emulated cluster or loopback). Every engine is
+built once, then their steps interleave (ZeRO-3, hpZ(2), ours(package), hpZ(4), ours(node), ...)
+so that a change of host load hits all alike. Each step is timed between barriers. Per step and
+engine it records the bytes the counter computes (comm.py) and, inside an emulated cluster, the
+bytes this rank's interface sent per link class, read from its tc classes (measured). Memory: the
+bytes of the engine's tensors (partitions, secondary copy, fp32 master, Adam states, gradient
+partitions) read after the last backward of a step, when the secondary copy exists.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from benchmarks.cluster.netns import sent_bytes
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Topology
 
@@ -29,16 +33,20 @@ def model(hidden: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks)
 
 
-def ds_config(args: argparse.Namespace, topology: Topology, **zero: object) -> dict:
+def ds_config(args: argparse.Namespace, topology: Topology, level: str = "package", **zero: object) -> dict:
+    # Prefetch on; every parameter gathered in each forward and backward (no reuse, none persistent,
+    # at most --max-live elements gathered at once: with DeepSpeed's default of 1e9 a small model
+    # stays gathered from its forward to its backward), as the cost model assumes.
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.micro,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                              "stage3_prefetch_bucket_size": 0, **zero},
+                              "stage3_prefetch_bucket_size": args.prefetch_bucket, "overlap_comm": True,
+                              "stage3_max_live_parameters": args.max_live, **zero},
         "steps_per_print": 10**9,
         "topology": {"ranks_per_node": topology.ranks_per_node, "ranks_per_package": topology.ranks_per_package},
-        "hierarchical_zero": {"enabled": False, "secondary_level": args.level, "secondary_memory_budget_gb": 1.0},
+        "hierarchical_zero": {"enabled": False, "secondary_level": level, "secondary_memory_budget_gb": 1.0},
     }
 
 
@@ -59,9 +67,33 @@ def build(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace):
     return engine
 
 
-def one_step(engine, counter: comm.CommCounter, step: int, args: argparse.Namespace) -> float:
+def engine_bytes(engine) -> dict[str, int]:
+    """Bytes of the storages the engine's state lives in, each storage counted once."""
+    opt = engine.optimizer
+    parts = {
+        "weights_16bit": [p.ds_tensor for p in engine.module.parameters()] + list(opt.fp16_partitioned_groups_flat),
+        "secondary": [t for p in engine.module.parameters() if (t := getattr(p, "ds_secondary_tensor", None)) is not None],
+        "fp32_and_adam": list(opt.fp32_partitioned_groups_flat)
+        + [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
+        "gradients": [t for t in (getattr(opt, "grad_partitions_flat_buffer", None),) if t is not None],
+    }
+    seen: set[int] = set()
+    out = {}
+    for name, tensors in parts.items():
+        total = 0
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen and storage.nbytes():
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        out[name] = total
+    return out
+
+
+def one_step(engine, counter: comm.CommCounter, step: int, args: argparse.Namespace) -> tuple[float, dict[str, int]]:
     dist.barrier()
     start = time.perf_counter()
+    held: dict[str, int] = {}
     for micro in range(args.micro):
         g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
         x = torch.randn(args.batch, args.hidden, generator=g)
@@ -69,10 +101,14 @@ def one_step(engine, counter: comm.CommCounter, step: int, args: argparse.Namesp
             loss = engine(x).pow(2).mean()
         with counter.phase("backward"):
             engine.backward(loss)
+        if micro == args.micro - 1:
+            paused = time.perf_counter()
+            held = engine_bytes(engine)
+            start += time.perf_counter() - paused  # reading the tensors is not part of the step
         with counter.phase("step"):
             engine.step()
     dist.barrier()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, held
 
 
 def main() -> None:
@@ -81,9 +117,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--micro", type=int, default=1, help="gradient accumulation steps")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--level", default="package", choices=("auto", "package", "node"))
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--prefetch-bucket", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
+    parser.add_argument("--max-live", type=int, default=300_000, help="stage3_max_live_parameters")
+    parser.add_argument("--ours-variant", action="append", default=[], metavar="NAME=JSON",
+                        help="one more engine of ours with these hierarchical_zero keys, e.g. quantized hops")
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -92,29 +131,42 @@ def main() -> None:
     per_package = spec["ranks_per_package"] if spec else int(os.environ.get("BENCH_RANKS_PER_PACKAGE", "2"))
     topology = Topology(dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]), per_package)
     comm.patch_deepspeed_comm()
-    hpz = topology.ranks_per_node
-    engines = {
-        "zero3": build("stock", ds_config(args, topology), topology, args),
-        f"zero++ hpZ({hpz})": build("stock", ds_config(args, topology, zero_hpz_partition_size=hpz), topology, args),
-        "ours": build("ours", ds_config(args, topology), topology, args),
+    node, package = topology.ranks_per_node, topology.ranks_per_package
+    # ZeRO++ hpZ next to ours at the same secondary memory: hpZ(package size) and hpZ(node size).
+    configs = {
+        "zero3": ("stock", ds_config(args, topology)),
+        f"zero++ hpZ({package})": ("stock", ds_config(args, topology, zero_hpz_partition_size=package)),
+        "ours (package)": ("ours", ds_config(args, topology, "package")),
+        f"zero++ hpZ({node})": ("stock", ds_config(args, topology, zero_hpz_partition_size=node)),
+        "ours (node)": ("ours", ds_config(args, topology, "node")),
     }
+    for item in args.ours_variant:
+        name, _, keys = item.partition("=")
+        cfg = ds_config(args, topology, "package")
+        cfg["hierarchical_zero"].update(json.loads(keys))
+        configs[f"ours ({name})"] = ("ours", cfg)
+    engines = {name: build(kind, cfg, topology, args) for name, (kind, cfg) in configs.items()}
     counters = {name: comm.CommCounter(topology) for name in engines}
-    times: dict[str, list[float]] = {name: [] for name in engines}
+    record: dict[str, dict[str, list]] = {name: {"times": [], "wire": [], "held": []} for name in engines}
     counts: dict[str, dict] = {}
     for step in range(args.warmup + args.steps):
         for name, engine in engines.items():
             counters[name].reset()
+            before = sent_bytes() if spec else None
             with comm.counting(counters[name]):
-                seconds = one_step(engine, counters[name], step, args)
+                seconds, held = one_step(engine, counters[name], step, args)
             if step >= args.warmup:
-                times[name].append(seconds)
+                record[name]["times"].append(seconds)
+                record[name]["held"].append(held)
+                if before is not None:
+                    after = sent_bytes()
+                    record[name]["wire"].append({k: after[k] - before[k] for k in after})
                 counts[name] = counters[name].snapshot()
-    ours = engines["ours"].hierarchical_zero
     from benchmarks.cluster import write_result
 
-    write_result({"times": times, "counts": counts, "level": ours.levels.secondary_level,
-                  "params": sum(ours.model.param_numels), "args": vars(args),
-                  "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package]})
+    write_result({"record": record, "counts": counts, "params": sum(p.numel() for p in model(args.hidden, args.layers).parameters()),
+                  "args": vars(args), "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package],
+                  "loadavg": os.getloadavg()})
 
 
 if __name__ == "__main__":

@@ -1,13 +1,18 @@
-"""ZeRO-3, ZeRO++ hpZ and hierarchical ZeRO-3 measured side by side in one run.
+"""ZeRO-3, ZeRO++ hpZ and hierarchical ZeRO-3 measured side by side, on the emulated cluster and unshaped.
 
-  python -m benchmarks.zero.run --network cluster      (root: emulated Frontier-like cluster, 8 ranks)
-  python -m benchmarks.zero.run --network loopback     (unshaped 127.0.0.1: only the bytes mean much)
+  python -m benchmarks.zero.run --network cluster --launches 3 --micro 1 4   (root: emulated cluster)
+  python -m benchmarks.zero.run --network loopback                          (unshaped 127.0.0.1 only)
 
-The cluster is 2 nodes x 2 packages x 2 ranks with links shaped 400 / 200 / 50 Mbit/s (package /
-node / inter-node, Frontier's ratios; see docs/emulated_cluster.md). Prints and writes
-benchmarks/results/zero/<network>.{json,md}: step time (median, min, max over the timed steps,
-each the slowest rank's), bytes per link class per step and rank, and the cost model's bytes and
-communication time for the same links. Remaining arguments go to ``benchmarks.zero.rank``.
+The cluster is 2 nodes x 2 packages x 2 ranks, links 400 / 200 Mbit/s per rank inside a package /
+node and one 50 Mbit/s inter-node link per package shared by its two ranks (Frontier's ratios and
+NIC sharing; docs/emulated_cluster.md). Each round launches every accumulation value on the cluster
+and then the same launch over unshaped loopback (the time of the same work without the shaped
+network). Measured: step time (each step the slowest rank's; min / median / max pooled over
+launches), wire bytes per link class per rank and step from the interfaces' tc classes, bytes held
+by each engine's tensors, load average before each launch. Computed beside them (ring-aware cost
+model with the emulator's links, one channel as gloo): ring wire bytes, communication time, and the
+counter's bytes. Writes benchmarks/results/zero/<network>.{json,md}. Remaining arguments go to
+``benchmarks.zero.rank``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,90 +34,168 @@ RANK_MODULE = ["-m", "benchmarks.zero.rank"]
 OUT = REPO_ROOT / "benchmarks" / "results" / "zero"
 
 
-def run_loopback(rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
+def loopback(rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
     """8 local ranks over 127.0.0.1 laid out as 2 nodes x 2 packages x 2."""
     return launch_loopback([*RANK_MODULE, *rank_args], world_size=8, timeout=timeout,
                            env={"BENCH_RANKS_PER_PACKAGE": "2"}, ranks_per_node=4)
 
 
-def run_cluster(rank_args: list[str], timeout: float, launches: int) -> tuple[list[list[dict[str, Any]]], dict[str, float]]:
+def run_all(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, list], dict | None]:
+    """Rounds of (cluster, loopback) launches per accumulation value; returns the runs by key."""
+    runs: dict[str, list] = {}
+
+    def launch(key: str, start: Callable[[], list]) -> None:
+        load = os.getloadavg()
+        result = start()
+        runs.setdefault(key, []).append({"loadavg_before": load, "loadavg_after": os.getloadavg(), "ranks": result})
+        print(f"{key}: launch done, load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
+
+    if args.network == "loopback":
+        for _ in range(args.launches):
+            for micro in args.micro:
+                launch(f"loopback micro {micro}", lambda m=micro: loopback([*rank_args, "--micro", str(m)], args.timeout))
+        return runs, None
     from benchmarks.cluster import EmulatedCluster, frontier
 
-    spec = frontier()
+    spec = frontier(shared_nic=not args.own_nic)
     with EmulatedCluster(spec, prefix="emzr") as cluster:
-        results = [cluster.launch([*RANK_MODULE, *rank_args], timeout=timeout, echo=False) for _ in range(launches)]
-    rates = {"package": spec.package_mbit, "node": spec.node_mbit, "inter_node": spec.inter_node_mbit}
-    return results, rates
+        for _ in range(args.launches):
+            for micro in args.micro:
+                argv = [*RANK_MODULE, *rank_args, "--micro", str(micro)]
+                launch(f"cluster micro {micro}", lambda a=argv: cluster.launch(a, timeout=args.timeout))
+                launch(f"loopback micro {micro}", lambda a=argv: loopback(a[2:], args.timeout))
+    return runs, spec.to_dict() | {"ranks_per_nic": spec.ranks_per_nic}
 
 
-def summarize(runs: list[list[dict[str, Any]]], rates: dict[str, float] | None) -> dict[str, Any]:
-    """Step times pooled over launches (each step: the slowest rank), bytes from rank 0 of the first."""
-    first = runs[0][0]
+def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str, cm.Variant]]:
     world, per_node, per_package = first["topology"]
     shape = cm.DPShape(nodes=world // per_node, packages_per_node=per_node // per_package, per_package=per_package)
-    args = first["args"]
-    numels = tuple([args["hidden"] * args["hidden"], args["hidden"]] * args["layers"])
-    model = cm.ModelSpec(param_numels=numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=args["layers"])
-    variants = {"zero3": cm.ZERO3, f"zero++ hpZ({per_node})": cm.hpz(per_node, "node"),
-                "ours": cm.hierarchical(first["level"])}
-    # The emulator shapes each rank's port per link class, so no NIC is shared: ranks_per_nic=1.
-    links = cm.Links(bandwidth_gbps={k: v / 8 / 1000 for k, v in rates.items()},
-                     latency_us=dict.fromkeys(LINK_CLASSES, 0.0), ranks_per_nic=1) if rates else None
+    a = first["args"]
+    numels = tuple([a["hidden"] * a["hidden"], a["hidden"]] * a["layers"])
+    model = cm.ModelSpec(param_numels=numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
+    variants = {"zero3": cm.ZERO3, f"zero++ hpZ({per_package})": cm.hpz(per_package, "package"),
+                "ours (package)": cm.hierarchical("package"), f"zero++ hpZ({per_node})": cm.hpz(per_node, "node"),
+                "ours (node)": cm.hierarchical("node")}
+    return shape, model, variants
+
+
+def _steps(launches: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+    """Pooled step times (each the slowest rank's) and each launch's median."""
+    per_launch = []
+    for launch in launches:
+        ranks = launch["ranks"]
+        n = len(ranks[0]["record"][name]["times"])
+        per_launch.append([max(r["record"][name]["times"][i] for r in ranks) for i in range(n)])
+    return [t for steps in per_launch for t in steps], [statistics.median(s) for s in per_launch]
+
+
+def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str, Any]:
+    shaped = runs.get(f"cluster micro {micro}")
+    base = runs[f"loopback micro {micro}"]
+    first = (shaped or base)[0]["ranks"][0]
+    shape, model, variants = model_for(first)
+    links = None
+    if spec:
+        rates = {"package": spec["package_mbit"], "node": spec["node_mbit"], "inter_node": spec["inter_node_mbit"]}
+        per_node = spec["packages_per_node"] * spec["ranks_per_package"]
+        links = cm.Links(bandwidth_gbps={k: v / 8 / 1000 for k, v in rates.items()}, latency_us=dict.fromkeys(LINK_CLASSES, 0.0),
+                         ranks_per_nic=spec["ranks_per_nic"], nics_per_node=per_node // spec["ranks_per_nic"], channels=1)
     rows = {}
-    for name, variant in variants.items():
-        per_launch = [[max(r["times"][name][i] for r in per_rank) for i in range(len(per_rank[0]["times"][name]))]
-                      for per_rank in runs]
-        steps = [t for launch in per_launch for t in launch]
-        measured = {link: sum(kinds.get(link, 0) for phase in first["counts"][name].values()
-                              for kind, kinds in phase.items() if kind != "other") for link in LINK_CLASSES}
-        hops = cm.step_hops(model, shape, variant, args["micro"])
-        rows[name] = {"step_s": {"median": statistics.median(steps), "min": min(steps), "max": max(steps),
-                                 "launch_medians": [statistics.median(launch) for launch in per_launch]},
-                      "bytes_measured": measured, "bytes_model": cm.bytes_per_link(hops),
-                      "comm_s_model": cm.comm_time(hops, links) if links else None}
-    return {"rows": rows, "level": first["level"], "params": first["params"], "rates_mbit": rates, "args": args,
-            "shape": [shape.nodes, shape.packages_per_node, shape.per_package], "launches": len(runs)}
+    for name in first["record"]:
+        row: dict[str, Any] = {}
+        for key, launches in (("shaped", shaped), ("unshaped", base)):
+            if launches:
+                steps, medians = _steps(launches, name)
+                row[key] = {"median": statistics.median(steps), "min": min(steps), "max": max(steps), "launch_medians": medians}
+        ranks = (shaped or base)[0]["ranks"]
+        row["held_bytes"] = max((r["record"][name]["held"][-1] for r in ranks), key=lambda h: sum(h.values()))
+        row["counter_bytes"] = {link: sum(kinds.get(link, 0) for phase in first["counts"][name].values()
+                                          for kind, kinds in phase.items() if kind != "other") for link in LINK_CLASSES}
+        if shaped:
+            row["wire_bytes"] = {k: statistics.mean(statistics.median(s[k] for s in r["record"][name]["wire"])
+                                                    for launch in shaped for r in launch["ranks"])
+                                 for k in (*LINK_CLASSES, "total")}
+        if name in variants:
+            hops = cm.step_hops(model, shape, variants[name], micro)
+            row["computed"] = {"counter_bytes": cm.bytes_per_link(hops), "ring_wire_bytes": cm.ring_wire_bytes(hops),
+                               "comm_s": cm.comm_time(hops, links) if links else None}
+        rows[name] = row
+    return {"rows": rows, "params": first["params"], "args": first["args"], "micro": micro,
+            "loadavg": [launch["loadavg_before"][0] for launch in (shaped or []) + base],
+            "launches": len(shaped or base)}
+
+
+def _peer(name: str, rows: dict[str, Any]) -> str | None:
+    """The hpZ engine holding the same secondary copy as one of ours (package: hpZ(2), node: hpZ(4))."""
+    hpzs = sorted((k for k in rows if k.startswith("zero++ hpZ(")), key=lambda k: int(k[11:-1]))
+    if not name.startswith("ours") or len(hpzs) < 2:
+        return None
+    return hpzs[1] if name == "ours (node)" else hpzs[0]
 
 
 def markdown(summary: dict[str, Any], title: str) -> str:
-    rows = summary["rows"]
-    base = rows["zero3"]["step_s"]["median"]
-    hpz = next(v for k, v in rows.items() if k.startswith("zero++"))["step_s"]["median"]
-    lines = [f"### {title}", "", f"{summary['params']:,} fp32 parameters, secondary level of ours: {summary['level']}, "
-             f"{summary['launches']} launch(es) x {summary['args']['steps']} timed steps", "",
-             "| variant | step s median (min-max) | launch medians | vs ZeRO-3 | vs hpZ | package MB | node MB | inter-node MB | model MB (pkg/node/inter) | model comm s |",
-             "|---|---|---|---:|---:|---:|---:|---:|---|---:|"]
+    rows, mb = summary["rows"], 1e6
+    loads = ", ".join(f"{x:.1f}" for x in summary["loadavg"])
+    lines = [f"### {title}, gradient accumulation {summary['micro']}", "",
+             f"{summary['params']:,} fp32 parameters, {summary['launches']} launch(es) x {summary['args']['steps']} timed "
+             f"steps, prefetch bucket {summary['args']['prefetch_bucket']:,}; load average before each launch: {loads}", "",
+             "| variant | step s, shaped: median (min-max) | launch medians | unshaped median | shaped - unshaped (measured) "
+             "| comm s (computed) | computed / measured | vs hpZ at equal memory |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for name, r in rows.items():
-        s, b, m = r["step_s"], r["bytes_measured"], r["bytes_model"]
-        model_s = f"{r['comm_s_model']:.2f}" if r["comm_s_model"] is not None else "-"
-        launches = ", ".join(f"{t:.2f}" for t in s["launch_medians"])
-        lines.append(f"| {name} | {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f}) | {launches} | {base / s['median']:.2f}x | "
-                     f"{hpz / s['median']:.2f}x | {b['package'] / 1e6:.2f} | {b['node'] / 1e6:.2f} | {b['inter_node'] / 1e6:.2f} | "
-                     f"{m['package'] / 1e6:.2f}/{m['node'] / 1e6:.2f}/{m['inter_node'] / 1e6:.2f} | {model_s} |")
+        s, u = r.get("shaped"), r["unshaped"]
+        exposed = s["median"] - u["median"] if s else None
+        comm = (r.get("computed") or {}).get("comm_s")
+        peer = _peer(name, rows)
+        ref = rows[peer].get("shaped", rows[peer]["unshaped"])["median"] if peer else None
+        own = (s or u)["median"]
+        lines.append(
+            f"| {name} | " + (f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" if s else "-") + " | "
+            + (", ".join(f"{t:.2f}" for t in s["launch_medians"]) if s else "-")
+            + f" | {u['median']:.2f} | " + (f"{exposed:.2f}" if exposed is not None else "-") + " | "
+            + (f"{comm:.2f}" if comm is not None else "-") + " | "
+            + (f"{comm / exposed:.2f}" if comm is not None and exposed else "-") + " | "
+            + (f"{ref / own:.2f}x {peer}" if ref else "-") + " |")
+    lines += ["", "| variant | wire MB measured: package / node / inter-node (all) | ring wire MB computed | "
+              "counter MB computed: package / node / inter-node | engine MB: secondary / all |", "|---|---|---|---|---:|"]
+    for name, r in rows.items():
+        w, c = r.get("wire_bytes"), r["counter_bytes"]
+        ring = (r.get("computed") or {}).get("ring_wire_bytes")
+        held = r["held_bytes"]
+        lines.append(
+            f"| {name} | " + (f"{w['package'] / mb:.2f} / {w['node'] / mb:.2f} / {w['inter_node'] / mb:.2f} ({w['total'] / mb:.2f})"
+                              if w else "-") + " | "
+            + (" / ".join(f"{ring[k] / mb:.2f}" for k in LINK_CLASSES) if ring else "-") + " | "
+            + " / ".join(f"{c[k] / mb:.2f}" for k in LINK_CLASSES) + " | "
+            + f"{held['secondary'] / mb:.2f} / {sum(held.values()) / mb:.2f} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--network", choices=("loopback", "cluster"), default="cluster")
+    parser.add_argument("--micro", type=int, nargs="+", default=[1, 4], help="gradient accumulation values")
+    parser.add_argument("--own-nic", action="store_true", help="every rank its own inter-node link (not shared)")
     parser.add_argument("--out", type=Path, default=OUT)
-    parser.add_argument("--timeout", type=float, default=1200.0, help="seconds per launch")
-    parser.add_argument("--launches", type=int, default=1, help="launches of all ranks, pooled")
+    parser.add_argument("--name", help="file name stem (default: the network)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
+    parser.add_argument("--launches", type=int, default=1, help="rounds of launches, pooled")
     args, rank_args = parser.parse_known_args()
-    load = os.getloadavg()[0]
-    if args.network == "cluster":
-        runs, rates = run_cluster(rank_args, args.timeout, args.launches)
-        title = "Emulated cluster 2 nodes x 2 packages x 2, links 400 / 200 / 50 Mbit/s"
+    runs, spec = run_all(args, rank_args)
+    if spec:
+        title = ("Emulated cluster 2 nodes x 2 packages x 2, links 400 / 200 Mbit/s per rank, 50 Mbit/s inter-node per "
+                 + ("rank" if args.own_nic else "package (NIC shared by its 2 ranks)"))
     else:
-        runs, rates = [run_loopback(rank_args, args.timeout) for _ in range(args.launches)], None
         title = "Loopback (127.0.0.1, unshaped), 8 ranks as 2 nodes x 2 packages x 2"
-    summary = summarize(runs, rates)
-    summary["load_average_before"] = load
-    table = markdown(summary, title) + f"\n\nHost load average before the run: {load:.1f}; bytes are per rank and step.\n"
-    print(table)
+    summaries = {str(m): summarize(runs, spec, m) for m in args.micro}
+    text = "\n\n".join(markdown(s, title) for s in summaries.values())
+    text += ("\n\nBytes are per rank and step. Wire bytes: what the ranks' interfaces sent per tc class (measured, "
+             "mean over ranks of each rank's median step); ring wire and counter bytes: computed.\n")
+    print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.network}.json").write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
-    (args.out / f"{args.network}.md").write_text(table)
+    name = args.name or args.network
+    (args.out / f"{name}.json").write_text(json.dumps({"summary": summaries, "spec": spec, "runs": runs}, indent=1))
+    (args.out / f"{name}.md").write_text(text)
 
 
 if __name__ == "__main__":
