@@ -43,8 +43,9 @@ def steps(network: str, quick: bool) -> list[Step]:
     loader_args = ["--steps", "40", "--tokens", "8000000"] if quick else []
     flash_tp = ["--tp", "2"] if quick else ["--tp", "2", "4"]
     out = [
-        Step("Frontier projection of hierarchical ZeRO (cost model)", ["-m", "benchmarks.zero.project"],
-             RESULTS / "zero" / "projection.md"),
+        Step("Frontier projection of hierarchical ZeRO (computed, 20B preset at TP=4)",
+             ["-m", "benchmarks.zero.project", "--tp", "4", "--name", "projection_tp4_ga1"],
+             RESULTS / "zero" / "projection_tp4_ga1.md"),
         Step(f"Hierarchical ZeRO vs ZeRO-3 and ZeRO++ hpZ ({network})",
              ["-m", "benchmarks.zero.run", "--network", network, "--launches", "1" if quick else "3"],
              RESULTS / "zero" / f"{network}.md"),

@@ -14,21 +14,24 @@ LINKS = ("package", "node", "inter_node")
 
 
 def _zero(ax, path: Path) -> None:
-    rows = json.loads(path.read_text())["summary"]["rows"]
+    by_micro = json.loads(path.read_text())["summary"]
+    micro = max(by_micro, key=int)  # the largest gradient accumulation run
+    rows = by_micro[micro]["rows"]
     names = list(rows)
-    ax.bar([i - 0.2 for i in range(len(names))], [rows[n]["step_s"]["median"] for n in names], width=0.4,
-           color="tab:blue")
+    ax.bar([i - 0.2 for i in range(len(names))], [rows[n].get("shaped", rows[n]["unshaped"])["median"] for n in names],
+           width=0.4, color="tab:blue")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("step time, s (median)")
     twin = ax.twinx()
     bottom = [0.0] * len(names)
     for link, colour in zip(LINKS, ("tab:green", "tab:orange", "tab:red")):
-        mb = [rows[n]["bytes_measured"][link] / 1e6 for n in names]
+        # Measured wire bytes on the emulated cluster; over loopback only the computed counter bytes exist.
+        mb = [rows[n].get("wire_bytes", rows[n]["counter_bytes"])[link] / 1e6 for n in names]
         twin.bar([i + 0.2 for i in range(len(names))], mb, width=0.4, bottom=bottom, color=colour, label=f"{link} MB")
         bottom = [b + m for b, m in zip(bottom, mb)]
     twin.set_ylabel("MB sent per rank and step")
     twin.legend(fontsize=7, loc="upper right")
-    ax.set_title(f"hierarchical ZeRO ({path.stem})", fontsize=9)
+    ax.set_title(f"hierarchical ZeRO ({path.stem}, accumulation {micro})", fontsize=9)
 
 
 def _loader(ax, path: Path) -> None:

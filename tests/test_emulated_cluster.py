@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from benchmarks.cluster import ClusterSpec, ClusterUnavailable, EmulatedCluster, RankFailure, netns
-from benchmarks.cluster.calibrate import calibrate, main
+from benchmarks.cluster.calibrate import calibrate, main, shared_nic_flows
 from benchmarks.cluster.spec import frontier, generic
 
 PREFIX = "emct"  # not the default prefix, so a calibration running at the same time is left alone
@@ -44,6 +44,17 @@ def test_spec_layout_addresses_and_link_classes() -> None:
     assert generic(nodes=3, ranks_per_node=2).link_classes() == ["node", "inter_node"]
     with pytest.raises(SystemExit):
         main(["--profile", "frontier", "--node-mbit", "-5"])
+
+
+def test_a_package_shares_one_inter_node_link() -> None:
+    spec = frontier()  # 2 nodes x 2 packages x 2: NICs 0, 1 on node 0 and 2, 3 on node 1
+    assert [spec.nic(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3] and spec.ranks_per_nic == 2
+    own = frontier(shared_nic=False)
+    assert [own.nic(r) for r in range(8)] == list(range(8)) and own.ranks_per_nic == 1
+    # Both ranks of package 0 send to node 1 at once (through one NIC's tx), and receive from it (its rx).
+    assert shared_nic_flows(spec) == [("inter_node tx shared by a package", [[0, 4], [1, 5]]),
+                                      ("inter_node rx shared by a package", [[4, 0], [5, 1]])]
+    assert shared_nic_flows(own) == [] and shared_nic_flows(generic()) == []
 
 
 def test_missing_prerequisites_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -85,4 +96,40 @@ def test_shaped_link_bandwidth_failures_and_teardown() -> None:
     with pytest.raises(SystemExit), EmulatedCluster(spec, prefix=PREFIX):
         assert len(_leftovers()[0]) == 3
         os.kill(os.getpid(), signal.SIGTERM)
+    assert _leftovers() == ([], [])
+
+
+SEND_AND_COUNT = """
+import torch, torch.distributed as dist
+from benchmarks.cluster import write_result
+from benchmarks.cluster.netns import sent_bytes
+dist.init_process_group("gloo")
+payload = torch.zeros(250_000)  # 1 MB
+dist.barrier()
+before = sent_bytes()
+if dist.get_rank() == 0:
+    dist.send(payload, 2)  # rank 2 sits on the other node
+elif dist.get_rank() == 2:
+    dist.recv(payload, 0)
+dist.barrier()  # the receiver has it all: the bytes have left the sender's queues
+after = sent_bytes()
+write_result({k: after[k] - before[k] for k in after})
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
+def test_shared_nic_halves_each_flow_and_wire_bytes_are_counted_per_class() -> None:
+    spec = ClusterSpec(2, 1, 2, 200.0, 200.0, 40.0, name="shared")  # 2 nodes, one package (one NIC) each
+    rows = {r.link: r for r in calibrate(spec, mbytes=1.0, repeats=3, timeout=120.0, prefix=PREFIX)}
+    assert abs(rows["inter_node"].measured_mbit / 40.0 - 1) < 0.25, rows["inter_node"]
+    for label in ("inter_node tx shared by a package", "inter_node rx shared by a package"):
+        # Two flows through one 40 Mbit/s link: together 40, not the 80 of two own links.
+        assert abs(rows[label].measured_mbit / 40.0 - 1) < 0.25, rows[label]
+    with EmulatedCluster(spec, prefix=PREFIX) as cluster:
+        sent = cluster.launch(["-c", SEND_AND_COUNT], timeout=60)
+    # Rank 0 put the 1 MB (plus TCP/IP headers, < 2 % at MTU 9000) on its inter-node class only.
+    assert 1_000_000 <= sent[0]["inter_node"] < 1_030_000 and sent[0]["package"] < 10_000, sent[0]
+    assert 1_000_000 <= sent[0]["total"] < 1_040_000
+    assert sent[2]["inter_node"] < 100_000  # the receiver only acknowledges
     assert _leftovers() == ([], [])

@@ -16,15 +16,15 @@ from dataclasses import dataclass
 
 from .launch import EmulatedCluster
 from .netns import DEFAULT_PREFIX, ClusterUnavailable
-from .spec import PROFILES, ClusterSpec, LinkClass, profile
+from .spec import PROFILES, ClusterSpec, profile
 
 
 @dataclass(frozen=True)
 class LinkMeasurement:
     """Measured point-to-point bandwidth of one link class."""
 
-    link: LinkClass
-    """Link class the measured pair crosses."""
+    link: str
+    """Link class the measured pair crosses, or the label of a shared-NIC measurement."""
     ranks: tuple[int, int]
     """The measured pair (a, b)."""
     configured_mbit: float
@@ -32,9 +32,9 @@ class LinkMeasurement:
     measured_mbit: float
     """Median over all transfers in both directions, Mbit/s of payload."""
     forward_mbit: float
-    """Median of the a -> b transfers, Mbit/s."""
+    """Median of the a -> b transfers, Mbit/s (shared NIC: the slowest flow)."""
     backward_mbit: float
-    """Median of the b -> a transfers, Mbit/s."""
+    """Median of the b -> a transfers, Mbit/s (shared NIC: the fastest flow)."""
     samples: int
     """Number of timed transfers behind the medians."""
 
@@ -56,7 +56,8 @@ def calibrate(
     pairs = [(link, *spec.sample_pair(link)) for link in spec.link_classes()]
     if not pairs:
         raise ValueError(f"spec '{spec.name}' has a single rank: there is no link to measure")
-    argv = ["-m", "benchmarks.cluster.p2p", "--pairs", json.dumps(pairs),
+    shared = shared_nic_flows(spec)
+    argv = ["-m", "benchmarks.cluster.p2p", "--pairs", json.dumps(pairs), "--concurrent", json.dumps(shared),
             "--mbytes", str(mbytes), "--repeats", str(repeats), "--timeout", str(timeout)]  # fmt: skip
     with EmulatedCluster(spec, prefix=prefix) as cluster:
         if echo:
@@ -76,7 +77,24 @@ def calibrate(
             measured_mbit=statistics.median(fwd + bwd), forward_mbit=statistics.median(fwd),
             backward_mbit=statistics.median(bwd), samples=len(fwd) + len(bwd),
         ))  # fmt: skip
+    for label, flows in shared:
+        per_flow = [r["bytes"] * 8 / r["seconds"] / 1e6 for r in records if r["link"] == label]
+        # Several flows share one link: its measured rate is their sum.
+        total = statistics.median(per_flow) * len(flows)
+        out.append(LinkMeasurement(link=label, ranks=tuple(flows[0]), configured_mbit=spec.inter_node_mbit,
+                                   measured_mbit=total, forward_mbit=min(per_flow), backward_mbit=max(per_flow),
+                                   samples=len(per_flow)))
     return out
+
+
+def shared_nic_flows(spec: ClusterSpec) -> list[tuple[str, list[list[int]]]]:
+    """Concurrent transfers that must share one inter-node link: every rank of rank 0's package
+    sends to a different rank of the next node (one NIC's tx) and, the other way round, its rx."""
+    if not (spec.shared_nic and spec.nodes > 1 and spec.ranks_per_package > 1):
+        return []
+    k, node = spec.ranks_per_package, spec.ranks_per_node
+    return [("inter_node tx shared by a package", [[i, node + i] for i in range(k)]),
+            ("inter_node rx shared by a package", [[node + i, i] for i in range(k)])]
 
 
 def format_table(rows: list[LinkMeasurement]) -> str:
