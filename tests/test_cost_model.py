@@ -106,6 +106,11 @@ def test_ring_time_shares_nics_among_concurrent_groups_and_channels():
     assert cm.hop_seconds(cm.Hop("forward", "gather", "inter_node", 8, 10 * gb, 1, 1, (2, 2, 2)), gloo) == pytest.approx(10.0)
     # Inside a node the rank's own link: 10 GB / 4 GB/s.
     assert cm.hop_seconds(cm.Hop("backward", "gather", "node", 4, 10 * gb, 1, 1, (1, 2, 2)), gloo) == pytest.approx(2.5)
+    # gloo's reduce-scatter sends what an all-reduce sends: twice the 10 GB, 5 s.
+    doubled = cm.Links(**{**gloo.__dict__, "reduce_scatter_wire": 2.0})
+    reduce = cm.Hop("backward", "reduce", "node", 4, 10 * gb, 1, 1, (1, 2, 2))
+    assert cm.hop_seconds(reduce, doubled) == pytest.approx(5.0)
+    assert cm.ring_wire_bytes([reduce], doubled) == {"package": 10 * gb, "node": 10 * gb, "inter_node": 0.0}
     assert cm.step_time(1.0, 3.0, overlap=1.0) == pytest.approx(3.0)
     assert cm.step_time(1.0, 3.0, overlap=0.0) == pytest.approx(4.0)
 

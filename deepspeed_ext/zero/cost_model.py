@@ -50,6 +50,9 @@ class Links:
     channels: int = 4
     """Rings one collective is spread over, each crossing a node boundary once (RCCL/NCCL: several,
     enough to use every NIC; gloo: 1)."""
+    reduce_scatter_wire: float = 1.0
+    """Wire bytes of a reduce-scatter per byte of its bandwidth-optimal volume (gloo's runs an
+    all-reduce: 2, measured on the emulated cluster)."""
 
     @property
     def ranks_per_node(self) -> int:
@@ -260,13 +263,14 @@ def ring_edges(layout: Layout) -> dict[str, int]:
     return edges
 
 
-def ring_wire_bytes(hops: Sequence[Hop]) -> dict[str, float]:
+def ring_wire_bytes(hops: Sequence[Hop], links: Links | None = None) -> dict[str, float]:
     """Computed bytes per link class a rank puts on the wire, averaged over the group, when every
     collective is a ring: each of its ``members`` edges carries what one rank sends."""
     out = dict.fromkeys(LINK_CLASSES, 0.0)
     for h in hops:
+        wire = h.nbytes * (links.reduce_scatter_wire if links and h.kind == "reduce" else 1.0)
         for link, count in ring_edges(h.layout).items():
-            out[link] += h.nbytes * h.times * count / h.members
+            out[link] += wire * h.times * count / h.members
     return out
 
 
@@ -276,13 +280,14 @@ def hop_seconds(hop: Hop, links: Links) -> float:
     what one rank sends through the node boundary once, spread over ``channels`` rings, on at most
     ``nics_per_node`` NICs."""
     latency = hop.launches * (hop.members - 1) * links.latency_us[hop.link] * 1e-6
+    nbytes = hop.nbytes * (links.reduce_scatter_wire if hop.kind == "reduce" else 1.0)
     if hop.link != "inter_node":
-        return hop.nbytes / links.rank_bandwidth(hop.link) + latency
+        return nbytes / links.rank_bandwidth(hop.link) + latency
     _, q, k = hop.layout
     groups = max(1, links.ranks_per_node // (q * k))
     nics = min(groups * links.channels, links.nics_per_node)
-    nic_s = groups * hop.nbytes / (nics * links.bandwidth_gbps["inter_node"] * 1e9)
-    intra_s = hop.nbytes / links.rank_bandwidth("node" if q > 1 else "package") if q * k > 1 else 0.0
+    nic_s = groups * nbytes / (nics * links.bandwidth_gbps["inter_node"] * 1e9)
+    intra_s = nbytes / links.rank_bandwidth("node" if q > 1 else "package") if q * k > 1 else 0.0
     return max(nic_s, intra_s) + latency
 
 
