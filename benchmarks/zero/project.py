@@ -2,7 +2,7 @@
 
   python -m benchmarks.zero.project --tp 4 --name projection_tp4   # the 20B preset's layout
   python -m benchmarks.zero.project --tp 1 --name projection_tp1
-  options: [--micro-batch 1] [--grad-accum 1] [--mfu 0.40] [--budget-gb 24] [--channels 4]
+  options: [--micro-batch 1] [--grad-accum 1] [--mfu 0.40] [--channels 4] [--nodes 1 2 6 12 24 48]
 
 Every figure here is computed (ring-aware cost model, deepspeed_ext/zero/cost_model.py), none is
 measured. Prints TFLOPS per GCD of each variant, our ratios to ZeRO++ (hpZ alone, and with qwZ+qgZ

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -50,7 +51,7 @@ def ds_config(args: argparse.Namespace, topology: Topology, level: str = "packag
     }
 
 
-def build(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace):
+def build(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace) -> Any:
     import deepspeed
     from deepspeed.utils import groups
 
@@ -67,7 +68,7 @@ def build(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace):
     return engine
 
 
-def engine_bytes(engine) -> dict[str, int]:
+def engine_bytes(engine: Any) -> dict[str, int]:
     """Bytes of the storages the engine's state lives in, each storage counted once."""
     opt = engine.optimizer
     parts = {
@@ -90,7 +91,7 @@ def engine_bytes(engine) -> dict[str, int]:
     return out
 
 
-def one_step(engine, counter: comm.CommCounter, step: int, args: argparse.Namespace) -> tuple[float, dict[str, int]]:
+def one_step(engine: Any, counter: comm.CommCounter, step: int, args: argparse.Namespace) -> tuple[float, dict[str, int]]:
     dist.barrier()
     start = time.perf_counter()
     held: dict[str, int] = {}
@@ -122,7 +123,9 @@ def main() -> None:
     parser.add_argument("--prefetch-bucket", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
     parser.add_argument("--max-live", type=int, default=300_000, help="stage3_max_live_parameters")
     parser.add_argument("--ours-variant", action="append", default=[], metavar="NAME=JSON",
-                        help="one more engine of ours with these hierarchical_zero keys, e.g. quantized hops")
+                        help="one more engine of ours with these hierarchical_zero keys")
+    parser.add_argument("--quantized-hops", metavar="JSON",
+                        help="one more engine of ours with quantized inter-node hops: the hierarchical_zero keys that turn them on")
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -140,6 +143,8 @@ def main() -> None:
         f"zero++ hpZ({node})": ("stock", ds_config(args, topology, zero_hpz_partition_size=node)),
         "ours (node)": ("ours", ds_config(args, topology, "node")),
     }
+    if args.quantized_hops:
+        args.ours_variant.append(f"package, quantized hops={args.quantized_hops}")
     for item in args.ours_variant:
         name, _, keys = item.partition("=")
         cfg = ds_config(args, topology, "package")

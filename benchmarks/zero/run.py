@@ -27,6 +27,7 @@ from typing import Any
 
 from benchmarks.cluster.loopback import launch_loopback
 from deepspeed_ext.comm import LINK_CLASSES
+from deepspeed_ext.config import HierarchicalZeroConfig
 from deepspeed_ext.zero import cost_model as cm
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -65,6 +66,18 @@ def run_all(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, l
                 launch(f"cluster micro {micro}", lambda a=argv: cluster.launch(a, timeout=args.timeout))
                 launch(f"loopback micro {micro}", lambda a=argv: loopback(a[2:], args.timeout))
     return runs, spec.to_dict() | {"ranks_per_nic": spec.ranks_per_nic}
+
+
+def check_keys(rank_args: list[str]) -> None:
+    """Refuse, before any launch, hierarchical_zero keys the config does not have (quantized hops
+    and boundary sync come with the engine that implements them)."""
+    known = set(HierarchicalZeroConfig.model_fields)
+    for flag, value in zip(rank_args, rank_args[1:]):
+        if flag in ("--quantized-hops", "--ours-variant"):
+            keys = json.loads(value.partition("=")[2] if flag == "--ours-variant" else value)
+            unknown = sorted(set(keys) - known)
+            if unknown:
+                raise SystemExit(f"{flag}: hierarchical_zero has no key(s) {unknown}; it has {sorted(known)}")
 
 
 def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str, cm.Variant]]:
@@ -190,6 +203,7 @@ def main() -> None:
         runs, spec = saved["runs"], saved["spec"]
         args.micro = [int(m) for m in saved["summary"]]
     else:
+        check_keys(rank_args)
         runs, spec = run_all(args, rank_args)
     if spec:
         title = ("Emulated cluster 2 nodes x 2 packages x 2, links 400 / 200 Mbit/s per rank, 50 Mbit/s inter-node per "
