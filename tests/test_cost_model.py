@@ -57,6 +57,9 @@ def test_quantized_factors_apply_to_inter_node_hops_only():
     assert cm.bytes_per_link(hops, "forward", "gather") == {"package": M // 2, "node": 3 * M // 8,
                                                             "inter_node": pytest.approx(0.5 * across)}
     assert cm.bytes_per_link(hops, "backward", "reduce")["inter_node"] == pytest.approx(0.25 * across)
+    # qwZ quantizes ZeRO++'s flat primary gather wherever it runs: on one node, 7/8 of M at half the bytes.
+    one_node = cm.step_hops(MODEL, cm.DPShape(nodes=1, packages_per_node=4, per_package=2), cm.zeropp_paper(8))
+    assert cm.bytes_per_link(one_node, "forward", "gather")["node"] == pytest.approx(0.5 * 7 / 8 * M)
 
 
 def test_padding_follows_zero3():

@@ -123,7 +123,8 @@ class Variant:
     boundary_sync: bool = False
     """Cross-node gradient hop once per optimizer step; within the node every micro-batch."""
     weight_factor: float = 1.0
-    """Bytes on the wire per gathered byte on inter-node weight gathers (qwZ, int8 hops: 0.5)."""
+    """Bytes on the wire per gathered byte of the primary gather: all of a flat one (qwZ: 0.5),
+    the inter-node hop of ours (int8 hops: 0.5)."""
     grad_factor: float = 1.0
     """Bytes on the wire per reduced byte on inter-node gradient reductions (qgZ: 0.25)."""
 
@@ -217,10 +218,11 @@ def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches:
     w = model.padded(dp) * model.weight_bytes
     g = model.padded(dp) * model.grad_bytes
 
-    def quantized(layout: Layout, nbytes: int, factor: float) -> int:
-        return int(nbytes * factor) if _link(layout) == "inter_node" else nbytes
+    def quantized(layout: Layout, nbytes: int, factor: float, whole: bool = False) -> int:
+        return int(nbytes * factor) if whole or _link(layout) == "inter_node" else nbytes
 
-    primary = [(lay, quantized(lay, b, variant.weight_factor))
+    # qwZ quantizes a flat primary gather wherever it runs; our hops only where they cross nodes.
+    primary = [(lay, quantized(lay, b, variant.weight_factor, whole=not variant.hierarchical_gather))
                for lay, b in _gather_hops(shape, "global", w, variant.hierarchical_gather)]
     if variant.secondary == "global":
         secondary = primary
