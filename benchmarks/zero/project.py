@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--name", default="projection", help="file name stem of the JSON and markdown")
     args = parser.parse_args()
     gpt = GPT()
-    results: dict = {"gpt": asdict(gpt) | {"params": gpt.params}, "args": {k: str(v) for k, v in vars(args).items()},
+    results: dict = {"gpt": asdict(gpt) | {"params": gpt.params}, "args": {k: str(v) for k, v in vars(args).items() if k != "out"},
                      "links": asdict(cm.Links(channels=args.channels)), "overlap": {}, "summary": {}}
     for overlap in (0.0, 0.5, 1.0):
         by_nodes = {str(n): project(gpt, n, args, overlap) for n in args.nodes}
