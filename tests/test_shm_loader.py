@@ -1,6 +1,7 @@
 """The shared-memory node loader against Megatron's stock path (TP rank 0 reads, then broadcasts):
 every rank must receive the same batches, token for token, for the same settings."""
 
+import dataclasses
 import glob
 import uuid
 
@@ -10,7 +11,12 @@ import torch.distributed as dist
 
 from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology
-from megatron_ext.data.gpt_dataset import gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.data.gpt_dataset import (
+    ByteTokenizer,
+    gpt_dataset_config,
+    synthetic_documents,
+    write_indexed_dataset,
+)
 from megatron_ext.data.loader import build_batch_iterator
 
 SEQ, MBS, SLOTS = 32, 2, 3
@@ -26,12 +32,19 @@ def corpus(tmp_path_factory):
     return prefix, str(root / "cache")
 
 
-def _dataset(prefix, cache):
+class PadIsEodTokenizer(ByteTokenizer):
+    pad = ByteTokenizer.eod
+
+
+def _dataset(prefix, cache, documents_apart=False):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     # The dataset creates the attention mask, so the stock path broadcasts Megatron's own mask.
     config = gpt_dataset_config(prefix, SEQ, 1234, cache, create_attention_mask=True)
+    if documents_apart:  # masks keep documents apart, and the returned tokens hide the EODs (set to 0)
+        config = dataclasses.replace(config, reset_attention_mask=True, tokenizer=PadIsEodTokenizer(),
+                                     allow_ambiguous_pad_tokens=True)
     return BlendedMegatronDatasetBuilder(GPTDataset, [10, 0, 0], lambda: True, config).build()[0]
 
 
@@ -45,11 +58,11 @@ def _take(iterator, steps):
     return batches
 
 
-def _compare(prefix, cache, tp, sampler, consumed, steps, job, topology=None, mask=False):
+def _compare(prefix, cache, tp, sampler, consumed, steps, job, topology=None, mask=False, documents_apart=False):
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
-    dataset = _dataset(prefix, cache)
+    dataset = _dataset(prefix, cache, documents_apart)
     kwargs = dict(micro_batch_size=MBS, consumed_samples=consumed, topology=topology,
                   tp_group=ps.get_tensor_model_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
                   dp_size=ps.get_data_parallel_world_size(), sampler=sampler, create_attention_mask=mask)
@@ -88,6 +101,14 @@ def test_tp2_dp2_single_with_attention_mask(run_ranks, corpus):
     assert results[0]["tokens"] == results[1]["tokens"] != results[2]["tokens"]  # TP peers share, DP ranks differ
     assert [r["stock"]["samples_read"] for r in results] == [20, 0, 20, 0]  # stock: TP rank 0 of each DP rank
     _check_reads(results, 10, streams_per_node=2, leaders={0})
+
+
+def test_masks_keep_documents_apart_when_the_dataset_hides_its_eods(run_ranks, corpus):
+    """reset_attention_mask with pad id == EOD id: GPTDataset returns its EODs as 0 after building
+    its mask, so the loader carries the document ids of the tokens the dataset read."""
+    results = run_ranks(2, _compare, *corpus, 2, "single", 0, 30, uuid.uuid4().hex[:8], mask=True,
+                        documents_apart=True, timeout=120)
+    assert [r["batches"] for r in results] == [30] * 2
 
 
 def test_tp1_dp4_random(run_ranks, corpus):

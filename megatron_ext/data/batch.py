@@ -101,21 +101,3 @@ def sample_bytes(dataset: Any) -> int:
     index = getattr(getattr(dataset, "dataset", None), "index", None)
     itemsize = np.dtype(index.dtype).itemsize if index is not None else 8  # unknown storage: count int64
     return (sequence_length(dataset) + extra) * itemsize
-
-
-def build_attention_mask(tokens: torch.Tensor, dataset: Any) -> torch.Tensor:
-    """The causal mask GPTDataset would have built for these tokens, batched: True = masked.
-    Documents are kept apart as well when the dataset's config sets ``reset_attention_mask``.
-
-    Built where ``tokens`` live, without a host round trip: on a GPU the mask never crosses PCIe
-    and the training thread does no per-element work (a [4, 1, 8192, 8192] mask is 268 MB)."""
-    mbs, s = tokens.shape
-    causal = torch.ones(s, s, dtype=torch.bool, device=tokens.device).triu_(1)
-    config = dataset.config
-    if not getattr(config, "reset_attention_mask", False):
-        return causal.expand(mbs, 1, s, s).clone()
-    # Upstream masks rows after each EOD at i from columns <= i. Equivalently, a query and a key
-    # in different documents are masked, a document being the run of tokens after the previous EOD.
-    is_eod = tokens == config.tokenizer.eod
-    document = is_eod.cumsum(dim=1) - is_eod.long()  # EODs strictly before each position
-    return (causal | (document[:, :, None] != document[:, None, :]))[:, None]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from megatron_ext.data.batch import sample_bytes
+from megatron_ext.data.documents import RawTokens, separates_documents
 from megatron_ext.data.readahead import READ_AHEAD_STEPS, ReadAhead
 from megatron_ext.data.ring import (
     BYTES_READ,
@@ -46,6 +47,7 @@ from megatron_ext.data.ring import (
 from megatron_ext.data.samplers import EpochPermutations, SamplerKind, sampler_batches
 from megatron_ext.data.shm_segment import is_alive
 
+STORED = tuple(key for key, _ in STREAM_ARRAYS if key != "documents")  # copied from the dataset's item as is
 KILL_WAIT_S = 5.0  # SIGKILL takes effect at once unless the process sits in an uninterruptible read
 
 
@@ -122,6 +124,7 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
     consumers = [(ring.get(ring.consumer_word(c, PID)), ring.get(ring.consumer_word(c, START)))
                  for c in range(lay.consumers)]
     per_sample = sample_bytes(dataset)
+    raw = RawTokens(dataset) if separates_documents(dataset) else None  # else masks are causal only
     samples = 0
 
     def closed(c: int) -> bool:
@@ -163,8 +166,10 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
             for k, batch in enumerate(batches):
                 for j, idx in enumerate(batch):
                     sample = dataset[idx]
-                    for key, _ in STREAM_ARRAYS:
+                    for key in STORED:
                         views[slot][k][key][j] = sample[key].numpy()
+                    if raw is not None:
+                        views[slot][k]["documents"][j] = raw.documents(sample)
                 samples += len(batch)
             ring.set(SAMPLES_READ, samples)
             ring.set(BYTES_READ, samples * per_sample)

@@ -2,7 +2,7 @@
 
 One segment per node: a header, a table with one entry per rank of the node (consumer), a table
 with one entry per slot, then the slots. A slot holds one step: for each distinct DP rank on the
-node (a *stream*) its micro-batch of tokens, labels, position_ids and loss_mask. Ranks that share
+node (a *stream*) its micro-batch of tokens, labels, position_ids, loss_mask and document ids. Ranks that share
 a DP rank (TP and CP peers) read the same stream.
 
 Synchronisation is by counters only, no locks: the producer fills slot ``step % slots`` and then
@@ -32,7 +32,7 @@ import numpy as np
 from deepspeed_ext.config import ConfigError
 from megatron_ext.data.shm_segment import MAGIC
 
-VERSION = 1
+VERSION = 2  # 2: document ids beside the tokens
 _WORD = struct.Struct("q")  # native: one aligned 8-byte store or load
 
 # header words
@@ -49,8 +49,10 @@ SEQ, END = range(SLOT_WORDS)  # a slot entry: the step it holds, and whether tha
 # states
 CREATED, RUNNING, FAILED, CLOSING = range(4)
 
-# (key, numpy dtype): int64 arrays first so every array stays 8-byte aligned
-STREAM_ARRAYS = (("tokens", np.int64), ("labels", np.int64), ("position_ids", np.int64), ("loss_mask", np.float32))
+# (key, numpy dtype): int64 arrays first so every array stays aligned. "documents" holds the
+# document ids masks are built from (documents.py), written only with reset_attention_mask.
+STREAM_ARRAYS = (("tokens", np.int64), ("labels", np.int64), ("position_ids", np.int64), ("loss_mask", np.float32),
+                 ("documents", np.int32))
 
 
 class RingError(RuntimeError):

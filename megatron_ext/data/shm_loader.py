@@ -36,9 +36,9 @@ from megatron_ext.data.batch import (
     STORED_KEYS,
     LoaderCounters,
     StageKeys,
-    build_attention_mask,
     sequence_length,
 )
+from megatron_ext.data.documents import attention_mask, separates_documents
 from megatron_ext.data.producer import ProducerProcess
 from megatron_ext.data.ring import (
     BYTES_READ,
@@ -78,7 +78,7 @@ from megatron_ext.data.shm_segment import (
     remove_stale_segments,
 )
 
-_DTYPES = dict(STORED_KEYS)
+_DTYPES = {**dict(STORED_KEYS), "documents": torch.int32}
 
 
 class _Handle:
@@ -124,11 +124,11 @@ class ShmBatchIterator:
         self._handle = _Handle(local_index)
         # Runs when the iterator is collected or at exit, whichever is first; holds no reference to it.
         self._finalizer = weakref.finalize(self, self._handle.close)
-        self._dataset = dataset
         self._timeout = config.timeout_s
         self._local = local_index
         self._rank = rank
         self._mask = self._keys.mask
+        self._documents = self._mask and separates_documents(dataset)  # else the mask is causal only
         self._device = torch.device("cpu" if device is None else device)
         streams = sorted(set(node_dp_ranks))
         self._stream = streams.index(node_dp_ranks[local_index])
@@ -142,7 +142,7 @@ class ShmBatchIterator:
             self._create_and_start(dataset, streams, sampler, consumed_samples, dp_size, data_sharding, seed)
         else:
             self._attach()
-        copied = set(self._keys.returned) | ({"tokens"} if self._keys.mask else set())
+        copied = set(self._keys.returned) | ({"documents"} if self._documents else set())
         self._views = [{k: v for k, v in self._ring.arrays(slot, self._stream).items() if k in copied}
                        for slot in range(config.slots)]
 
@@ -264,7 +264,9 @@ class ShmBatchIterator:
         ring.set(ring.consumer_word(self._local, RELEASED), step + 1)
         self._step += 1
         if self._mask:
-            batch["attention_mask"] = build_attention_mask(batch["tokens"], self._dataset)  # on the device
+            documents = batch.pop("documents", None)
+            batch["attention_mask"] = attention_mask(self._layout.micro_batch_size, self._layout.seq_length,
+                                                     self._device, documents)  # on the device
         self.counters.batches += 1
         self.counters.wait_s += waited + time.perf_counter() - start
         if self._local == 0:

@@ -23,7 +23,6 @@ from megatron_ext.data.batch import (
     STORED_KEYS,
     LoaderCounters,
     StageKeys,
-    build_attention_mask,
     sample_bytes,
     sequence_length,
 )
@@ -70,9 +69,11 @@ class StockBatchIterator:
             # Megatron's get_batch: pinned batches, copied with cuda(non_blocking=True).
             batch = {key: t.to(self._device, non_blocking=True) for key, t in batch.items()}
             if self._mask:
-                mask = data.get("attention_mask")
-                batch["attention_mask"] = (mask.to(self._device, non_blocking=True) if mask is not None
-                                           else build_attention_mask(batch["tokens"], self._dataset))
+                if "attention_mask" not in data:  # Megatron's get_batch would fail with a KeyError
+                    raise ValueError(
+                        "an attention mask was asked for but the dataset built none: set create_attention_mask=True "
+                        "in its GPTDatasetConfig (Megatron builds it from --create-attention-mask-in-dataloader)")
+                batch["attention_mask"] = data["attention_mask"].to(self._device, non_blocking=True)
             self.counters.samples_read += self._shape[0]
             self.counters.bytes_read += self._shape[0] * self._sample_bytes
         else:

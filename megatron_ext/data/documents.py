@@ -1,0 +1,87 @@
+"""Attention masks, and the document boundaries they need, without the dataset's [s, s] mask.
+
+megatron-core's GPTDataset builds a [1, s, s] mask per sample on the CPU (0.1-0.3 s at s=8192).
+Instead every rank builds its micro-batch's mask where its tokens live, from one int32 per token:
+the *document id*, the number of end-of-document tokens strictly before that position. With
+``reset_attention_mask`` a query and a key in different documents are masked, which is what
+upstream's ``_get_ltor_masks_and_position_ids`` does when it masks, after each EOD at ``i``, every
+later row from the columns up to ``i``.
+
+The ids must come from the tokens the dataset built its mask from. ``GPTDataset.__getitem__``
+replaces padding tokens by 0 *after* building the mask, so when the tokenizer's pad id equals its
+EOD (common for Hugging Face tokenizers) the returned tokens hold no EOD at all and a mask rebuilt
+from them keeps documents together. :class:`RawTokens` keeps the token ids each dataset read for
+its last sample, before that replacement; the producer computes the ids from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _gpt_datasets(dataset: Any) -> Iterator[Any]:
+    """The dataset and, for a BlendedDataset, the datasets it draws from."""
+    yield dataset
+    yield from getattr(dataset, "datasets", ())
+
+
+def separates_documents(dataset: Any) -> bool:
+    """The dataset's config asks for ``reset_attention_mask``: masks keep documents apart."""
+    return bool(getattr(getattr(dataset, "config", None), "reset_attention_mask", False))
+
+
+def document_ids(tokens: np.ndarray | torch.Tensor, eod: int) -> np.ndarray | torch.Tensor:
+    """Per position, the count of EOD tokens strictly before it (int32, the shape of ``tokens``)."""
+    is_eod = tokens == eod
+    if isinstance(tokens, torch.Tensor):
+        return (is_eod.cumsum(dim=-1) - is_eod.long()).to(torch.int32)
+    return (np.cumsum(is_eod, axis=-1) - is_eod).astype(np.int32)
+
+
+def attention_mask(micro_batch_size: int, seq_length: int, device: torch.device,
+                   documents: torch.Tensor | None = None) -> torch.Tensor:
+    """The [mbs, 1, s, s] bool mask GPTDataset builds (True = masked): causal, and across
+    documents too when ``documents`` ([mbs, s] ids) is given. Built on ``device``: on a GPU it
+    never crosses PCIe and the training thread does no per-element work."""
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device).triu_(1)
+    if documents is None:
+        return causal.expand(micro_batch_size, 1, seq_length, seq_length).clone()
+    return (causal | (documents[:, :, None] != documents[:, None, :]))[:, None]
+
+
+class RawTokens:
+    """Keeps the token ids a GPTDataset read for its last sample, before ``__getitem__`` replaced
+    padding by 0. Wraps ``_query_document_sample_shuffle_indices`` on these dataset *instances*
+    (the producer's forked copies, never the ranks'); a dataset without it keeps its returned
+    tokens, which are then what its mask was built from."""
+
+    def __init__(self, dataset: Any) -> None:
+        self._last: np.ndarray | None = None
+        self.eod = int(dataset.config.tokenizer.eod)
+        self._wrapped = 0
+        for d in _gpt_datasets(dataset):
+            query = getattr(d, "_query_document_sample_shuffle_indices", None)
+            if query is not None:
+                d._query_document_sample_shuffle_indices = self._keeping(query, int(d.config.sequence_length))
+                self._wrapped += 1
+
+    def _keeping(self, query: Any, seq_length: int) -> Any:
+        def query_and_keep(idx: int) -> tuple[np.ndarray, np.ndarray]:
+            text, documents = query(idx)
+            # Now: __getitem__ then rewrites the padding in ``text`` in place (its tokens are a view).
+            self._last = document_ids(text[:seq_length], self.eod)
+            return text, documents
+        return query_and_keep
+
+    def documents(self, sample: dict[str, torch.Tensor]) -> np.ndarray:
+        """Document ids of ``sample``, the dataset item just read."""
+        if not self._wrapped:
+            return document_ids(sample["tokens"].numpy(), self.eod)
+        if self._last is None:
+            raise RuntimeError("the dataset returned a sample without reading its tokens: cannot tell its documents")
+        documents, self._last = self._last, None
+        return documents
