@@ -162,15 +162,13 @@ def _plant_forged_ring(path):
     me, start = os.getpid(), process_start_time(os.getpid())
     mm[: LAYOUT.data_offset] = LAYOUT.header(me, start)
     forged = ring_module.Ring(mm, LAYOUT)
-    for word, value in ((ring_module.PRODUCER_START, start), (ring_module.PRODUCER_PID, me),
-                        (ring_module.STATE, ring_module.RUNNING)):
-        forged.set(word, value)
+    forged.start_producer(me, start)
     for slot in range(SLOTS):
         for stream in range(RANKS):
             views = forged.arrays(slot, stream)
             views["tokens"][...] = views["labels"][...] = FORGED
             views["loss_mask"][...] = 1.0
-        forged.set(forged.slot_word(slot, ring_module.SEQ), slot)
+        forged.publish(slot, slot)
     del views
     mm.close()
     os.close(fd)

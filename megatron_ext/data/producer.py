@@ -28,22 +28,7 @@ import torch
 from megatron_ext.data.batch import sample_bytes
 from megatron_ext.data.documents import RawTokens, separates_documents
 from megatron_ext.data.readahead import READ_AHEAD_STEPS, ReadAhead
-from megatron_ext.data.ring import (
-    BYTES_READ,
-    CLOSED,
-    CLOSING,
-    END,
-    PID,
-    RELEASED,
-    SAMPLES_READ,
-    SEQ,
-    START,
-    STATE,
-    STREAM_ARRAYS,
-    Ring,
-    RingError,
-    wait_until,
-)
+from megatron_ext.data.ring import STREAM_ARRAYS, Ring, RingError, State, wait_until
 from megatron_ext.data.samplers import EpochPermutations, SamplerKind, sampler_batches
 from megatron_ext.data.shm_segment import is_alive
 
@@ -68,7 +53,7 @@ class ProducerProcess:
             _produce(ring, dataset, dp_ranks, kind, consumed_samples, dp_size, data_sharding, seed, label)
             code = 0
         except BaseException as e:
-            if ring.get(STATE) != CLOSING:
+            if ring.state != State.CLOSING:
                 ring.fail(f"{label} failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}")
             traceback.print_exc()
         finally:
@@ -121,20 +106,16 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
         for r in dp_ranks
     ]
     views = [[ring.arrays(slot, k) for k in range(lay.streams)] for slot in range(lay.slots)]
-    consumers = [(ring.get(ring.consumer_word(c, PID)), ring.get(ring.consumer_word(c, START)))
-                 for c in range(lay.consumers)]
+    consumers = [ring.consumer(c) for c in range(lay.consumers)]
     per_sample = sample_bytes(dataset)
     raw = RawTokens(dataset) if separates_documents(dataset) else None  # else masks are causal only
     samples = 0
 
-    def closed(c: int) -> bool:
-        return ring.get(ring.consumer_word(c, CLOSED)) != 0
-
     def check() -> None:
-        if ring.get(STATE) == CLOSING:
+        if ring.state == State.CLOSING:
             raise _Stop
         for c, (pid, start) in enumerate(consumers):
-            if not closed(c) and not is_alive(pid, start):
+            if not ring.has_left(c) and not is_alive(pid, start):
                 raise RingError(f"{label}: local rank {c} of the node (pid {pid}) died without closing the loader; "
                                 "its error is in that rank's log")
 
@@ -153,15 +134,12 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
             slot = step % lay.slots
             done = step - lay.slots + 1  # every rank must have released this many steps
             wait_until(
-                lambda done=done: all(closed(c) or ring.get(ring.consumer_word(c, RELEASED)) >= done
-                            for c in range(lay.consumers)),
-                check, None, f"{label} waited for the node's ranks to release slot {slot}", max_sleep_s=5e-3,
+                lambda done=done: ring.released_by_all(done), check, None, f"{label} waited for the node's ranks to release slot {slot}", max_sleep_s=5e-3,
             )
-            if all(closed(c) for c in range(lay.consumers)):
+            if all(ring.has_left(c) for c in range(lay.consumers)):
                 return
             if any(b is None for b in batches):  # a single-pass sampler ran out: the same step on every rank
-                ring.set(ring.slot_word(slot, END), 1)
-                ring.set(ring.slot_word(slot, SEQ), step)
+                ring.publish(slot, step, end=True)
                 return
             for k, batch in enumerate(batches):
                 for j, idx in enumerate(batch):
@@ -171,10 +149,8 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKin
                     if raw is not None:
                         views[slot][k]["documents"][j] = raw.documents(sample)
                 samples += len(batch)
-            ring.set(SAMPLES_READ, samples)
-            ring.set(BYTES_READ, samples * per_sample)
-            ring.set(ring.slot_word(slot, END), 0)
-            ring.set(ring.slot_word(slot, SEQ), step)  # last: publishes the slot
+            ring.set_progress(samples, samples * per_sample)
+            ring.publish(slot, step)
             step += 1
     except _Stop:
         return

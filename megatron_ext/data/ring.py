@@ -22,6 +22,7 @@ checkpoint save): it stops when one of them dies (and raises) or when all have c
 from __future__ import annotations
 
 import dataclasses
+import enum
 import platform
 import struct
 import time
@@ -35,19 +36,30 @@ from megatron_ext.data.shm_segment import MAGIC
 VERSION = 2  # 2: document ids beside the tokens
 _WORD = struct.Struct("q")  # native: one aligned 8-byte store or load
 
+# Words of the layout; only Ring's methods below read or write them.
 # header words
-MAGIC_W, OWNER_PID, OWNER_START, VERSION_W, STATE, PRODUCER_PID, PRODUCER_START = range(7)
-SAMPLES_READ, BYTES_READ, SLOTS_W, STREAMS_W, MBS_W, SEQ_W, CONSUMERS_W = range(7, 14)
-GEOMETRY = (SLOTS_W, STREAMS_W, MBS_W, SEQ_W, CONSUMERS_W)
-ERROR_OFFSET, ERROR_BYTES = 256, 1792  # a failure message, UTF-8, NUL padded
-CONSUMERS_OFFSET = ERROR_OFFSET + ERROR_BYTES
-CONSUMER_WORDS = 4
-PID, START, RELEASED, CLOSED = range(CONSUMER_WORDS)  # a consumer entry: who, and how far it got
-SLOT_WORDS = 2
-SEQ, END = range(SLOT_WORDS)  # a slot entry: the step it holds, and whether that step is end-of-data
+_MAGIC, _OWNER_PID, _OWNER_START, _VERSION, _STATE, _PRODUCER_PID, _PRODUCER_START = range(7)
+_SAMPLES_READ, _BYTES_READ, _SLOTS, _STREAMS, _MBS, _SEQ_LENGTH, _CONSUMERS = range(7, 14)
+_GEOMETRY = (_SLOTS, _STREAMS, _MBS, _SEQ_LENGTH, _CONSUMERS)
+_ERROR_OFFSET, _ERROR_BYTES = 256, 1792  # a failure message, UTF-8, NUL padded
+_CONSUMERS_OFFSET = _ERROR_OFFSET + _ERROR_BYTES
+_CONSUMER_WORDS = 4
+_PID, _START, _RELEASED, _CLOSED = range(_CONSUMER_WORDS)  # a consumer entry: who, and how far it got
+_SLOT_WORDS = 2
+_STEP, _END = range(_SLOT_WORDS)  # a slot entry: the step it holds, and whether that step is end-of-data
 
-# states
-CREATED, RUNNING, FAILED, CLOSING = range(4)
+
+class State(enum.IntEnum):
+    """Life of a ring, in its header's state word."""
+
+    CREATED = 0
+    """The first rank made it; the node's ranks are attaching."""
+    RUNNING = 1
+    """The producer is filling slots."""
+    FAILED = 2
+    """Someone wrote a failure message; every rank raises it."""
+    CLOSING = 3
+    """The first rank closed the loader; the producer leaves."""
 
 # (key, numpy dtype): int64 arrays first so every array stays aligned. "documents" holds the
 # document ids masks are built from (documents.py), written only with reset_attention_mask.
@@ -93,11 +105,11 @@ class RingLayout:
 
     @property
     def slot_table_offset(self) -> int:
-        return CONSUMERS_OFFSET + 8 * CONSUMER_WORDS * self.consumers
+        return _CONSUMERS_OFFSET + 8 * _CONSUMER_WORDS * self.consumers
 
     @property
     def data_offset(self) -> int:
-        return -(-(self.slot_table_offset + 8 * SLOT_WORDS * self.slots) // 4096) * 4096
+        return -(-(self.slot_table_offset + 8 * _SLOT_WORDS * self.slots) // 4096) * 4096
 
     @property
     def size(self) -> int:
@@ -106,17 +118,18 @@ class RingLayout:
     def header(self, owner_pid: int, owner_start: int) -> bytes:
         """Everything before the slots' data, as the creator writes it."""
         buf = bytearray(self.data_offset)
-        words = {MAGIC_W: MAGIC, OWNER_PID: owner_pid, OWNER_START: owner_start, VERSION_W: VERSION,
-                 **dict(zip(GEOMETRY, dataclasses.astuple(self)))}
+        words = {_MAGIC: MAGIC, _OWNER_PID: owner_pid, _OWNER_START: owner_start, _VERSION: VERSION,
+                 **dict(zip(_GEOMETRY, dataclasses.astuple(self)))}
         for word, value in words.items():
             _WORD.pack_into(buf, 8 * word, value)
         for slot in range(self.slots):
-            _WORD.pack_into(buf, self.slot_table_offset + 8 * SLOT_WORDS * slot, -1)  # no step held yet
+            _WORD.pack_into(buf, self.slot_table_offset + 8 * _SLOT_WORDS * slot, -1)  # no step held yet
         return bytes(buf)
 
 
 class Ring:
-    """Typed access to a mapped segment. Holds no buffer exports, so the map can always be closed."""
+    """The protocol over a mapped segment: each method reads or writes the words one step of it
+    needs, in the order that step needs. Holds no buffer exports, so the map can always be closed."""
 
     def __init__(self, mm, layout: RingLayout) -> None:
         self.mm = mm
@@ -125,28 +138,101 @@ class Ring:
     @classmethod
     def attach(cls, mm) -> Ring:
         """Read the layout from a mapped segment's header."""
-        values = [_WORD.unpack_from(mm, 8 * w)[0] for w in GEOMETRY]
-        return cls(mm, RingLayout(*values))
+        return cls(mm, RingLayout(*(_WORD.unpack_from(mm, 8 * w)[0] for w in _GEOMETRY)))
 
-    def get(self, word: int) -> int:
+    def _get(self, word: int) -> int:
         return _WORD.unpack_from(self.mm, 8 * word)[0]
 
-    def set(self, word: int, value: int) -> None:
+    def _set(self, word: int, value: int) -> None:
         _WORD.pack_into(self.mm, 8 * word, value)
 
-    def consumer_word(self, consumer: int, field: int) -> int:
-        return (CONSUMERS_OFFSET // 8) + CONSUMER_WORDS * consumer + field
+    def _consumer(self, consumer: int, field: int) -> int:
+        return _CONSUMERS_OFFSET // 8 + _CONSUMER_WORDS * consumer + field
 
-    def slot_word(self, slot: int, field: int) -> int:
-        return self.layout.slot_table_offset // 8 + SLOT_WORDS * slot + field
+    def _slot(self, slot: int, field: int) -> int:
+        return self.layout.slot_table_offset // 8 + _SLOT_WORDS * slot + field
+
+    # -- header ---------------------------------------------------------------------------------
+    def is_current_version(self) -> bool:
+        """The segment is a loader ring of this code's layout version."""
+        return self._get(_MAGIC) == MAGIC and self._get(_VERSION) == VERSION
+
+    @property
+    def state(self) -> State:
+        return State(self._get(_STATE))
+
+    def close_for_all(self) -> None:
+        """The first rank leaves: the producer stops (a recorded failure stays)."""
+        if self.state != State.FAILED:
+            self._set(_STATE, State.CLOSING)
 
     def fail(self, message: str) -> None:
-        data = message.encode("utf-8", errors="replace")[: ERROR_BYTES - 1]
-        self.mm[ERROR_OFFSET: ERROR_OFFSET + ERROR_BYTES] = data.ljust(ERROR_BYTES, b"\0")
-        self.set(STATE, FAILED)  # after the message: a reader that sees FAILED finds the text
+        data = message.encode("utf-8", errors="replace")[: _ERROR_BYTES - 1]
+        self.mm[_ERROR_OFFSET: _ERROR_OFFSET + _ERROR_BYTES] = data.ljust(_ERROR_BYTES, b"\0")
+        self._set(_STATE, State.FAILED)  # after the message: a reader that sees FAILED finds the text
 
     def error(self) -> str:
-        return bytes(self.mm[ERROR_OFFSET: ERROR_OFFSET + ERROR_BYTES]).rstrip(b"\0").decode("utf-8", "replace")
+        return bytes(self.mm[_ERROR_OFFSET: _ERROR_OFFSET + _ERROR_BYTES]).rstrip(b"\0").decode("utf-8", "replace")
+
+    def owner(self) -> tuple[int, int]:
+        """Pid and start time of the rank that created the segment."""
+        return self._get(_OWNER_PID), self._get(_OWNER_START)
+
+    def producer(self) -> tuple[int, int]:
+        """Pid and start time of the producer; pid 0 before it started."""
+        return self._get(_PRODUCER_PID), self._get(_PRODUCER_START)
+
+    def start_producer(self, pid: int, start: int) -> None:
+        self._set(_PRODUCER_START, start)
+        self._set(_PRODUCER_PID, pid)  # after its start time: a reader that sees the pid can check it
+        self._set(_STATE, State.RUNNING)
+
+    def progress(self) -> tuple[int, int]:
+        """Samples the producer has read, and the bytes of the ``.bin`` they span."""
+        return self._get(_SAMPLES_READ), self._get(_BYTES_READ)
+
+    def set_progress(self, samples: int, nbytes: int) -> None:
+        self._set(_SAMPLES_READ, samples)
+        self._set(_BYTES_READ, nbytes)
+
+    # -- consumers ------------------------------------------------------------------------------
+    def register(self, consumer: int, pid: int, start: int) -> None:
+        self._set(self._consumer(consumer, _START), start)
+        self._set(self._consumer(consumer, _PID), pid)  # last: marks the entry complete
+
+    def consumer(self, consumer: int) -> tuple[int, int]:
+        """Pid and start time of a consumer; pid 0 before it registered."""
+        return self._get(self._consumer(consumer, _PID)), self._get(self._consumer(consumer, _START))
+
+    def release(self, consumer: int, step: int) -> None:
+        """The consumer is done with ``step``: its slot may be refilled."""
+        self._set(self._consumer(consumer, _RELEASED), step + 1)
+
+    def leave(self, consumer: int) -> None:
+        """The consumer reads no more: the producer no longer waits for it."""
+        self._set(self._consumer(consumer, _CLOSED), 1)
+
+    def has_left(self, consumer: int) -> bool:
+        return self._get(self._consumer(consumer, _CLOSED)) != 0
+
+    def released_by_all(self, steps: int) -> bool:
+        """Every consumer has released ``steps`` steps or left."""
+        return all(self.has_left(c) or self._get(self._consumer(c, _RELEASED)) >= steps
+                   for c in range(self.layout.consumers))
+
+    # -- slots ----------------------------------------------------------------------------------
+    def publish(self, slot: int, step: int, end: bool = False) -> None:
+        """Hand ``slot`` (filled with ``step``, or marking the end of the data) to the consumers."""
+        self._set(self._slot(slot, _END), int(end))
+        self._set(self._slot(slot, _STEP), step)  # last: publishes the slot
+
+    def holds(self, slot: int, step: int) -> bool:
+        """``slot`` has been published with ``step``."""
+        return self._get(self._slot(slot, _STEP)) == step
+
+    def is_end(self, slot: int) -> bool:
+        """The published slot marks the end of the data."""
+        return self._get(self._slot(slot, _END)) != 0
 
     def arrays(self, slot: int, stream: int) -> dict[str, np.ndarray]:
         """Views of one stream of one slot. They pin the map: drop them before closing it."""

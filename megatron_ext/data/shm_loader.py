@@ -41,35 +41,16 @@ from megatron_ext.data.batch import (
 from megatron_ext.data.documents import attention_mask, separates_documents
 from megatron_ext.data.producer import ProducerProcess
 from megatron_ext.data.ring import (
-    BYTES_READ,
-    CLOSED,
-    CLOSING,
-    END,
-    FAILED,
-    GEOMETRY,
-    MAGIC_W,
-    OWNER_PID,
-    OWNER_START,
-    PID,
-    PRODUCER_PID,
-    PRODUCER_START,
-    RELEASED,
-    RUNNING,
-    SAMPLES_READ,
-    SEQ,
-    START,
-    STATE,
     VERSION,
-    VERSION_W,
     Ring,
     RingError,
     RingLayout,
+    State,
     check_platform,
     wait_until,
 )
 from megatron_ext.data.samplers import SamplerKind
 from megatron_ext.data.shm_segment import (
-    MAGIC,
     create_segment,
     is_alive,
     open_segment,
@@ -93,10 +74,9 @@ class _Handle:
         ring, self.ring = self.ring, None
         if ring is None:
             return
-        ring.set(ring.consumer_word(self.local, CLOSED), 1)
+        ring.leave(self.local)
         if self.producer is not None:
-            if ring.get(STATE) != FAILED:
-                ring.set(STATE, CLOSING)
+            ring.close_for_all()
             self.producer.stop(timeout_s=2)  # past that it is stuck in a read: its work is moot now
         try:
             ring.mm.close()
@@ -148,9 +128,7 @@ class ShmBatchIterator:
 
     # -- set-up ---------------------------------------------------------------------------------
     def _register(self) -> None:
-        ring = self._ring
-        ring.set(ring.consumer_word(self._local, START), process_start_time(os.getpid()))
-        ring.set(ring.consumer_word(self._local, PID), os.getpid())  # last: marks the entry complete
+        self._ring.register(self._local, os.getpid(), process_start_time(os.getpid()))
 
     def _create_and_start(self, dataset: Any, streams: list[int], sampler: SamplerKind, consumed_samples: int,
                           dp_size: int, data_sharding: bool, seed: int) -> None:
@@ -160,15 +138,14 @@ class ShmBatchIterator:
         self._ring = self._handle.ring = ring = Ring(mm, lay)
         try:
             self._register()
-            entries = [ring.consumer_word(c, PID) for c in range(lay.consumers)]
 
             def check() -> None:
                 for c in range(lay.consumers):
-                    pid = ring.get(entries[c])
-                    if pid and not is_alive(pid, ring.get(ring.consumer_word(c, START))):
+                    pid, start = ring.consumer(c)
+                    if pid and not is_alive(pid, start):
                         raise RingError(f"local rank {c} (pid {pid}) attached to {self.path} and died")
 
-            wait_until(lambda: all(ring.get(w) for w in entries), check, self._timeout,
+            wait_until(lambda: all(ring.consumer(c)[0] for c in range(lay.consumers)), check, self._timeout,
                        f"rank {self._rank} waited for the {lay.consumers} ranks of its node to attach to {self.path}",
                        max_sleep_s=10e-3)
             remove_segment(self.path)
@@ -176,9 +153,7 @@ class ShmBatchIterator:
             self.producer = ProducerProcess(ring, dataset, streams, sampler, consumed_samples, dp_size,
                                             data_sharding, seed, label)
             self._handle.producer = self.producer
-            ring.set(PRODUCER_START, process_start_time(self.producer.pid) or -1)
-            ring.set(PRODUCER_PID, self.producer.pid)
-            ring.set(STATE, RUNNING)
+            ring.start_producer(self.producer.pid, process_start_time(self.producer.pid) or -1)
         except BaseException as e:
             ring.fail(f"rank {self._rank}, the first of its node, failed to set up {self.path}: {e}")
             remove_segment(self.path)
@@ -191,10 +166,10 @@ class ShmBatchIterator:
             if mm is None:
                 return False
             ring = Ring.attach(mm)
-            if ring.get(MAGIC_W) != MAGIC or ring.get(VERSION_W) != VERSION:
+            if not ring.is_current_version():
                 mm.close()
                 raise RingError(f"{self.path} is not a version-{VERSION} loader segment: remove it")
-            if ring.get(STATE) == FAILED:
+            if ring.state == State.FAILED:
                 message = ring.error()
                 mm.close()
                 raise RingError(message)
@@ -202,8 +177,9 @@ class ShmBatchIterator:
             self._register()
             # Checked after registering, so the creator cannot die unseen in between: its name came
             # from this job's collective, so a dead owner is this job's first rank.
-            if not is_alive(ring.get(OWNER_PID), ring.get(OWNER_START)):
-                self._creator_died(ring.get(OWNER_PID))
+            owner = ring.owner()
+            if not is_alive(*owner):
+                self._creator_died(owner[0])
             return True
 
         def creator_alive() -> None:
@@ -213,7 +189,7 @@ class ShmBatchIterator:
         wait_until(try_open, creator_alive, self._timeout,
                    f"rank {self._rank} waited for {self.path}, which the first rank of its node creates: did that "
                    "rank fail, or use another job id or shm_dir?", max_sleep_s=20e-3)
-        theirs = tuple(self._ring.get(w) for w in GEOMETRY)
+        theirs = dataclasses.astuple(self._ring.layout)
         if theirs != dataclasses.astuple(self._layout):
             self.close()
             raise ValueError(f"rank {self._rank} expects ring geometry {self._layout} but {self.path} has "
@@ -229,15 +205,15 @@ class ShmBatchIterator:
     # -- iteration ------------------------------------------------------------------------------
     def _check_producer(self) -> None:
         ring = self._ring
-        state = ring.get(STATE)
-        if state == FAILED:
+        state = ring.state
+        if state == State.FAILED:
             raise RingError(ring.error())
-        if state == CLOSING:
+        if state == State.CLOSING:
             raise RingError(f"the first rank of this node closed the loader of {self.path} while rank {self._rank} "
                             "still reads from it")
-        pid, start = ring.get(PRODUCER_PID), ring.get(PRODUCER_START)
+        pid, start = ring.producer()
         if not pid:  # not started yet: its parent must be alive
-            pid, start = ring.get(OWNER_PID), ring.get(OWNER_START)
+            pid, start = ring.owner()
             if not is_alive(pid, start):
                 self._creator_died(pid)
         if not is_alive(pid, start):
@@ -252,16 +228,15 @@ class ShmBatchIterator:
             raise StopIteration
         ring, step = self._ring, self._step
         slot = step % self._layout.slots
-        seq_word = ring.slot_word(slot, SEQ)
-        waited = wait_until(lambda: ring.get(seq_word) == step, self._check_producer, self._timeout,
+        waited = wait_until(lambda: ring.holds(slot, step), self._check_producer, self._timeout,
                             f"rank {self._rank} waited for step {step} (slot {slot}) of {self.path}",
                             max_sleep_s=1e-3)
         start = time.perf_counter()
-        if ring.get(ring.slot_word(slot, END)):
+        if ring.is_end(slot):
             self._ended = True
             raise StopIteration
         batch = {key: self._copy_out(view, _DTYPES[key]) for key, view in self._views[slot].items()}
-        ring.set(ring.consumer_word(self._local, RELEASED), step + 1)
+        ring.release(self._local, step)
         self._step += 1
         if self._mask:
             documents = batch.pop("documents", None)
@@ -270,8 +245,7 @@ class ShmBatchIterator:
         self.counters.batches += 1
         self.counters.wait_s += waited + time.perf_counter() - start
         if self._local == 0:
-            self.counters.samples_read = ring.get(SAMPLES_READ)
-            self.counters.bytes_read = ring.get(BYTES_READ)
+            self.counters.samples_read, self.counters.bytes_read = ring.progress()
         return self._keys.batch(batch)
 
     def _copy_out(self, view: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
