@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader
 from megatron_ext.data.samplers import (
     BatchSampler,
     EpochPermutations,
+    SamplerSettings,
     random_batches,
-    sampler_batches,
     single_pass_batches,
 )
 
@@ -78,13 +78,13 @@ def test_random_rejects_a_resume_inside_a_step():
 
 
 def test_batch_sampler_drives_a_dataloader_and_restarts():
-    sampler = BatchSampler("single", 12, 0, 2, 1, 2)
+    sampler = BatchSampler(SamplerSettings(2, 0, 2, "single"), 12, 1)
     loader = DataLoader(list(range(100, 112)), batch_sampler=sampler)
     expected = [[102, 103], [106, 107], [110, 111]]
     assert [b.tolist() for b in loader] == expected
     assert [b.tolist() for b in loader] == expected
     with pytest.raises(ValueError, match="expected 'single'"):
-        sampler_batches("cyclic", 12, 0, 2, 0, 1)
+        SamplerSettings(2, 0, 1, "cyclic")
 
 
 def _megatron_random_epoch(total, mbs, dp_rank, dp, sharding, epoch):
@@ -139,7 +139,7 @@ def test_batch_sampler_shuffles_each_epoch_once_for_all_its_passes(monkeypatch):
     calls = []
     real = torch.randperm
     monkeypatch.setattr(torch, "randperm", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
-    sampler = BatchSampler("random", 50, 0, 2, 1, 3)  # validates by drawing a first batch
+    sampler = BatchSampler(SamplerSettings(2, 0, 3, "random"), 50, 1)  # validates by drawing a first batch
     passes = [iter(sampler), iter(sampler)]  # e.g. the stock path's step counter and its DataLoader
     assert [next(p) for p in passes] == [next(iter(sampler))] * 2
     assert calls == [16]  # one epoch-0 permutation of the 16-sample bucket

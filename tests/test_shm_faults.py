@@ -12,8 +12,10 @@ import uuid
 import pytest
 
 from deepspeed_ext.config import ShmDataLoaderConfig
+from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.ring import RingError, wait_until
+from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import segment_path
 
@@ -36,9 +38,9 @@ def path():
 
 
 def _iterator(dataset, path, local, consumers=2, timeout=TIMEOUT_S):
-    return ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, path=path, local_index=local,
+    return ShmBatchIterator(dataset, SamplerSettings(2, 0, consumers, kind="random"), keys=ALL_KEYS, path=path, local_index=local,
                             config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=timeout),
-                            node_dp_ranks=list(range(consumers)), dp_size=consumers, rank=local, sampler="random")
+                            node_dp_ranks=list(range(consumers)), rank=local)
 
 
 def _consume(dataset, path, local, queue, batches_then_sleep=None):

@@ -15,8 +15,10 @@ import pytest
 
 from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data import producer as producer_module
+from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.ring import RingError
+from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import process_start_time, remove_stale_segments, segment_path
 
@@ -39,10 +41,9 @@ def path():
 
 
 def _iterator(dataset, path, local, consumers=3, creator=None):
-    return ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, path=path, local_index=local,
+    return ShmBatchIterator(dataset, SamplerSettings(2, 0, consumers, kind="random"), keys=ALL_KEYS, path=path, local_index=local,
                             config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
-                            node_dp_ranks=list(range(consumers)), dp_size=consumers, rank=local,
-                            sampler="random", creator=creator)
+                            node_dp_ranks=list(range(consumers)), rank=local, creator=creator)
 
 
 def _rank(dataset, path, local, queue, creator=None):
@@ -146,9 +147,9 @@ def test_stop_is_bounded_when_sigkill_does_not_end_the_producer(monkeypatch):
 
 
 def _drop_without_close(dataset, path, queue):
-    it = ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, path=path, local_index=0,
+    it = ShmBatchIterator(dataset, SamplerSettings(2, 0, 1, kind="random"), keys=ALL_KEYS, path=path, local_index=0,
                           config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
-                          node_dp_ranks=[0], dp_size=1, rank=0, sampler="random")
+                          node_dp_ranks=[0], rank=0)
     next(it)
     queue.put(it.producer.pid)
     del it

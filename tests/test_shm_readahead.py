@@ -86,7 +86,8 @@ def test_advice_reaches_the_kernel_for_every_range(corpora, monkeypatch):
 
 def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, monkeypatch):
     from deepspeed_ext.config import ShmDataLoaderConfig
-    from megatron_ext.data.samplers import random_batches
+    from megatron_ext.data.batch import ALL_KEYS
+    from megatron_ext.data.samplers import SamplerSettings, random_batches
     from megatron_ext.data.shm_loader import ShmBatchIterator
     from megatron_ext.data.shm_segment import segment_path
 
@@ -99,9 +100,9 @@ def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, 
             f.write(f"{offset} {length}\n")
 
     monkeypatch.setattr(readahead.os, "posix_fadvise", record)
-    it = ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, path=segment_path("/dev/shm", "ra", 0),
+    it = ShmBatchIterator(dataset, SamplerSettings(2, 0, 1, kind="random"), keys=ALL_KEYS, path=segment_path("/dev/shm", "ra", 0),
                           config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30), local_index=0,
-                          node_dp_ranks=[0], dp_size=1, rank=0, sampler="random")
+                          node_dp_ranks=[0], rank=0)
     for _ in range(6):
         next(it)
     it.close()

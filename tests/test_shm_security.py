@@ -24,7 +24,7 @@ from megatron_ext.data import loader as loader_module
 from megatron_ext.data import ring as ring_module
 from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.loader import build_batch_iterator
-from megatron_ext.data.samplers import sampler_batches
+from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_segment import (
     RING,
     create_segment,
@@ -196,7 +196,7 @@ def _load(prefix, cache, shm_dir, token=None, steps=3):
         return dict(error=f"{type(e).__name__}: {e}", seconds=time.monotonic() - start)
     finally:
         loader_module.new_token = NEW_TOKEN
-    indices = sampler_batches("single", len(dataset), 0, MBS, rank, RANKS)
+    indices = SamplerSettings(MBS, 0, RANKS).batches(len(dataset), rank)
     for batch, idx in zip(got, indices):
         expected = torch.stack([torch.as_tensor(dataset[i]["tokens"]) for i in idx])
         assert torch.equal(batch["tokens"], expected), f"rank {rank} got tokens the dataset does not hold"

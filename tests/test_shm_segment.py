@@ -14,6 +14,7 @@ import pytest
 
 from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data import shm_segment
+from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.gpt_dataset import (
     DatasetFileError,
     build_train_dataset,
@@ -22,6 +23,7 @@ from megatron_ext.data.gpt_dataset import (
 )
 from megatron_ext.data.loader import build_batch_iterator
 from megatron_ext.data.ring import RingLayout, UnsupportedPlatformError, check_platform
+from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import (
     RING,
@@ -122,8 +124,8 @@ def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
         # the loader's first rank does the same at start-up
         _make(stale, dead, 12345)
         dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
-        it = ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, config=ShmDataLoaderConfig(timeout_s=5),
-                              path=segment_path("/dev/shm", _job(), 0), local_index=0, node_dp_ranks=[0], dp_size=1, rank=0)
+        it = ShmBatchIterator(dataset, SamplerSettings(2, 0, 1), keys=ALL_KEYS, config=ShmDataLoaderConfig(timeout_s=5),
+                              path=segment_path("/dev/shm", _job(), 0), local_index=0, node_dp_ranks=[0], rank=0)
         assert not os.path.exists(stale)
         next(it)
         it.close()
@@ -164,8 +166,8 @@ def test_weakly_ordered_machines_are_refused(corpus, monkeypatch, machine):
     dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
     path = segment_path("/dev/shm", _job(), 0)
     with pytest.raises(UnsupportedPlatformError, match=rf"x86-64 only.*'{machine}'.*stale.*shm_data_loader.enabled=false"):
-        ShmBatchIterator(dataset, micro_batch_size=2, consumed_samples=0, config=ShmDataLoaderConfig(timeout_s=5),
-                         path=path, local_index=0, node_dp_ranks=[0], dp_size=1, rank=0)
+        ShmBatchIterator(dataset, SamplerSettings(2, 0, 1), keys=ALL_KEYS, config=ShmDataLoaderConfig(timeout_s=5),
+                         path=path, local_index=0, node_dp_ranks=[0], rank=0)
     assert not os.path.exists(path)
     # the entry point refuses before its collective (no process group exists here: it would fail otherwise)
     with pytest.raises(UnsupportedPlatformError, match=machine):

@@ -60,6 +60,9 @@ class StageKeys:
         return {key: tensors[key] if key in self.returned else None for key in self.listed}
 
 
+ALL_KEYS = StageKeys.of(True, True, attention_mask=False)  # no pipeline parallelism, no attention mask
+
+
 @dataclasses.dataclass
 class LoaderCounters:
     """Figures a training loop can log; summed over ranks they give the job's totals."""

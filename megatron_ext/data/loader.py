@@ -20,7 +20,7 @@ from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology, detect_topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
 from megatron_ext.data.ring import check_platform
-from megatron_ext.data.samplers import SamplerKind
+from megatron_ext.data.samplers import SamplerKind, SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import new_token, process_start_time, resolve_job_id, segment_path
 from megatron_ext.data.stock import StockBatchIterator
@@ -65,11 +65,10 @@ def build_batch_iterator(
 
         check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
     keys = StageKeys.of(first_pipeline_stage, last_pipeline_stage, create_attention_mask)
-    common = dict(micro_batch_size=micro_batch_size, consumed_samples=consumed_samples, dp_size=dp_size,
-                  sampler=sampler, seed=seed, data_sharding=data_sharding,
-                  create_attention_mask=create_attention_mask, device=device, keys=keys)
+    settings = SamplerSettings(micro_batch_size, consumed_samples, dp_size, sampler, data_sharding, seed)
     if not config.enabled:
-        return StockBatchIterator(dataset, tp_group=tp_group, dp_rank=dp_rank, num_workers=num_workers, **common)
+        return StockBatchIterator(dataset, settings, tp_group=tp_group, dp_rank=dp_rank, keys=keys, device=device,
+                                  num_workers=num_workers)
     check_platform()  # every rank, before the collective: none is left waiting in it
     rank, world = dist.get_rank(), dist.get_world_size()
     topology = topology or detect_topology(world_size=world)
@@ -81,13 +80,13 @@ def build_batch_iterator(
     pid = os.getpid()
     dist.all_gather_object(gathered, (dp_rank, new_token(), bool(keys.returned), pid, process_start_time(pid)))
     if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
-        return StockBatchIterator(dataset, tp_group=None, dp_rank=dp_rank, **common)
+        return StockBatchIterator(dataset, settings, tp_group=None, dp_rank=dp_rank, keys=keys, device=device)
     node = topology.node(rank)
     local = [r for r in range(world) if topology.node(r) == node and gathered[r][2]]
     first = gathered[local[0]]
     path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node, token=first[1])
     if not os.path.isdir(config.shm_dir):
         raise FileNotFoundError(f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs")
-    return ShmBatchIterator(dataset, config=config, path=path, local_index=local.index(rank),
-                            node_dp_ranks=[gathered[r][0] for r in local], rank=rank,
-                            creator=(first[3], first[4]), **common)
+    return ShmBatchIterator(dataset, settings, config=config, path=path, local_index=local.index(rank),
+                            node_dp_ranks=[gathered[r][0] for r in local], rank=rank, keys=keys, device=device,
+                            creator=(first[3], first[4]))

@@ -29,7 +29,7 @@ from megatron_ext.data.batch import sample_bytes
 from megatron_ext.data.documents import RawTokens, separates_documents
 from megatron_ext.data.readahead import READ_AHEAD_STEPS, ReadAhead
 from megatron_ext.data.ring import STREAM_ARRAYS, Ring, RingError, State, wait_until
-from megatron_ext.data.samplers import EpochPermutations, SamplerKind, sampler_batches
+from megatron_ext.data.samplers import EpochPermutations, SamplerSettings
 from megatron_ext.data.shm_segment import is_alive
 
 STORED = tuple(key for key, _ in STREAM_ARRAYS if key != "documents")  # copied from the dataset's item as is
@@ -39,8 +39,8 @@ KILL_WAIT_S = 5.0  # SIGKILL takes effect at once unless the process sits in an 
 class ProducerProcess:
     """The forked producer, seen from the rank that started it."""
 
-    def __init__(self, ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind,
-                 consumed_samples: int, dp_size: int, data_sharding: bool, seed: int, label: str) -> None:
+    def __init__(self, ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: SamplerSettings,
+                 label: str) -> None:
         """Fork and run; ``dp_ranks[k]`` is the DP rank whose samples go to stream k."""
         self.exitcode: int | None = None
         self.pid = os.fork()
@@ -50,7 +50,7 @@ class ProducerProcess:
         try:  # the child: never returns into the caller's stack
             torch.set_num_threads(1)  # one reader; the node's cores belong to training
             _skip_dataset_masks(dataset)
-            _produce(ring, dataset, dp_ranks, kind, consumed_samples, dp_size, data_sharding, seed, label)
+            _produce(ring, dataset, dp_ranks, settings, label)
             code = 0
         except BaseException as e:
             if ring.state != State.CLOSING:
@@ -96,15 +96,10 @@ def _skip_dataset_masks(dataset: Any) -> None:
             config.create_attention_mask = False
 
 
-def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], kind: SamplerKind, consumed_samples: int,
-             dp_size: int, data_sharding: bool, seed: int, label: str) -> None:
+def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: SamplerSettings, label: str) -> None:
     lay = ring.layout
     shared = EpochPermutations()  # every DP rank shuffles alike: one permutation per epoch for the node
-    streams = [
-        sampler_batches(kind, len(dataset), consumed_samples, lay.micro_batch_size, r, dp_size,
-                        data_sharding=data_sharding, seed=seed, permutations=shared)
-        for r in dp_ranks
-    ]
+    streams = [settings.batches(len(dataset), r, shared) for r in dp_ranks]
     views = [[ring.arrays(slot, k) for k in range(lay.streams)] for slot in range(lay.slots)]
     consumers = [ring.consumer(c) for c in range(lay.consumers)]
     per_sample = sample_bytes(dataset)

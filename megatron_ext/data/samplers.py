@@ -23,6 +23,7 @@ without sharding), so the streams of one node share it through :class:`EpochPerm
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Literal
@@ -123,31 +124,49 @@ def random_batches(
             yield [base + j for j in mine[i:i + micro_batch_size].tolist()]
 
 
-def sampler_batches(
-    kind: SamplerKind, total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-    dp_size: int, *, data_sharding: bool = True, seed: int = 0, permutations: EpochPermutations | None = None,
-) -> Iterator[list[int]]:
-    """The index stream of one DP rank for Megatron's ``single`` or ``cyclic`` (here: ``random``) loader.
-    ``permutations``: shared by the streams of one process, so a node shuffles once per epoch."""
-    if kind == "single":
-        return single_pass_batches(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
-    if kind == "random":
-        return random_batches(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size,
-                              data_sharding=data_sharding, seed=seed, permutations=permutations)
-    raise ValueError(f"sampler={kind!r}: expected 'single' (Megatron's default) or 'random' (its cyclic loader)")
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+    """What fixes Megatron's sample order for a loader; the same on every rank of the job."""
+
+    micro_batch_size: int
+    """Samples per micro-batch of one DP rank."""
+    consumed_samples: int
+    """Samples the job consumed before this start (all DP ranks together): where the order resumes."""
+    dp_size: int
+    """Data-parallel ranks of the job."""
+    kind: SamplerKind = "single"
+    """Megatron's ``single`` loader, or its ``cyclic`` one (``random``)."""
+    data_sharding: bool = True
+    """random: each DP rank shuffles its own bucket (Megatron's --data-sharding default)."""
+    seed: int = 0
+    """random: added to the epoch as the shuffle's seed (0 is Megatron's order)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("single", "random"):
+            raise ValueError(f"sampler={self.kind!r}: expected 'single' (Megatron's default) or 'random' "
+                             "(its cyclic loader)")
+
+    def batches(self, total_samples: int, dp_rank: int,
+                permutations: EpochPermutations | None = None) -> Iterator[list[int]]:
+        """The index stream of DP rank ``dp_rank`` over a dataset of ``total_samples``.
+        ``permutations``: shared by the streams of one process, so a node shuffles once per epoch."""
+        if self.kind == "single":
+            return single_pass_batches(total_samples, self.consumed_samples, self.micro_batch_size, dp_rank,
+                                       self.dp_size)
+        return random_batches(total_samples, self.consumed_samples, self.micro_batch_size, dp_rank, self.dp_size,
+                              data_sharding=self.data_sharding, seed=self.seed, permutations=permutations)
 
 
 class BatchSampler:
     """A re-iterable batch sampler over one DP rank's stream, for ``torch.utils.data.DataLoader``."""
 
-    def __init__(self, kind: SamplerKind, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, *, data_sharding: bool = True, seed: int = 0) -> None:
-        self._args = (kind, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
+    def __init__(self, settings: SamplerSettings, total_samples: int, dp_rank: int) -> None:
+        self._settings, self._total, self._dp_rank = settings, total_samples, dp_rank
         # One cache for every pass over this sampler (the check below, the stock path's step counter,
         # the DataLoader's iterator): each epoch is shuffled once, not once per pass.
-        self._kwargs = {"data_sharding": data_sharding, "seed": seed, "permutations": EpochPermutations()}
+        self._permutations = EpochPermutations()
         # Validate now, not at the first next(): a wrong resume point should fail at start-up.
         next(iter(self), None)
 
     def __iter__(self) -> Iterator[list[int]]:
-        return sampler_batches(*self._args, **self._kwargs)
+        return self._settings.batches(self._total, self._dp_rank, self._permutations)

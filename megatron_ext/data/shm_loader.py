@@ -49,7 +49,7 @@ from megatron_ext.data.ring import (
     check_platform,
     wait_until,
 )
-from megatron_ext.data.samplers import SamplerKind
+from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_segment import (
     create_segment,
     is_alive,
@@ -90,16 +90,14 @@ class ShmBatchIterator:
     time of the node's first consumer, which creates the ring (None: judged by the ring's header only)."""
 
     def __init__(
-        self, dataset: Any, *, micro_batch_size: int, consumed_samples: int, config: ShmDataLoaderConfig,
-        path: str, local_index: int, node_dp_ranks: Sequence[int], dp_size: int, rank: int,
-        sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
-        create_attention_mask: bool = False, device: torch.device | str | None = None,
-        keys: StageKeys | None = None, creator: tuple[int, int] | None = None,
+        self, dataset: Any, settings: SamplerSettings, *, config: ShmDataLoaderConfig, path: str,
+        local_index: int, node_dp_ranks: Sequence[int], rank: int, keys: StageKeys,
+        device: torch.device | str | None = None, creator: tuple[int, int] | None = None,
     ) -> None:
         check_platform()  # before anything is created: the ring's ordering holds on x86-64 only
         self.counters = LoaderCounters()
         self.path = path
-        self._keys = keys if keys is not None else StageKeys.of(True, True, create_attention_mask)
+        self._keys = keys
         self._creator = creator
         self._handle = _Handle(local_index)
         # Runs when the iterator is collected or at exit, whichever is first; holds no reference to it.
@@ -112,14 +110,14 @@ class ShmBatchIterator:
         self._device = torch.device("cpu" if device is None else device)
         streams = sorted(set(node_dp_ranks))
         self._stream = streams.index(node_dp_ranks[local_index])
-        self._layout = RingLayout(config.slots, len(streams), micro_batch_size, sequence_length(dataset),
+        self._layout = RingLayout(config.slots, len(streams), settings.micro_batch_size, sequence_length(dataset),
                                   len(node_dp_ranks))
         self._step = 0
         self._ended = False
         self.producer: ProducerProcess | None = None
         self._ring: Ring | None = None
         if local_index == 0:
-            self._create_and_start(dataset, streams, sampler, consumed_samples, dp_size, data_sharding, seed)
+            self._create_and_start(dataset, streams, settings)
         else:
             self._attach()
         copied = set(self._keys.returned) | ({"documents"} if self._documents else set())
@@ -130,8 +128,7 @@ class ShmBatchIterator:
     def _register(self) -> None:
         self._ring.register(self._local, os.getpid(), process_start_time(os.getpid()))
 
-    def _create_and_start(self, dataset: Any, streams: list[int], sampler: SamplerKind, consumed_samples: int,
-                          dp_size: int, data_sharding: bool, seed: int) -> None:
+    def _create_and_start(self, dataset: Any, streams: list[int], settings: SamplerSettings) -> None:
         remove_stale_segments(os.path.dirname(self.path))
         lay = self._layout
         mm = create_segment(self.path, lay.size, lay.header(os.getpid(), process_start_time(os.getpid())))
@@ -150,8 +147,7 @@ class ShmBatchIterator:
                        max_sleep_s=10e-3)
             remove_segment(self.path)
             label = f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
-            self.producer = ProducerProcess(ring, dataset, streams, sampler, consumed_samples, dp_size,
-                                            data_sharding, seed, label)
+            self.producer = ProducerProcess(ring, dataset, streams, settings, label)
             self._handle.producer = self.producer
             ring.start_producer(self.producer.pid, process_start_time(self.producer.pid) or -1)
         except BaseException as e:

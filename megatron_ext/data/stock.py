@@ -26,30 +26,27 @@ from megatron_ext.data.batch import (
     sample_bytes,
     sequence_length,
 )
-from megatron_ext.data.samplers import BatchSampler, SamplerKind
+from megatron_ext.data.samplers import BatchSampler, SamplerSettings
 
 
 class StockBatchIterator:
     """Micro-batches of this rank, read on TP rank 0 and broadcast over ``tp_group``."""
 
     def __init__(
-        self, dataset: Any, *, micro_batch_size: int, consumed_samples: int, tp_group: dist.ProcessGroup | None,
-        dp_rank: int, dp_size: int, sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
-        create_attention_mask: bool = False, device: torch.device | str | None = None, num_workers: int = 0,
-        keys: StageKeys | None = None,
+        self, dataset: Any, settings: SamplerSettings, *, tp_group: dist.ProcessGroup | None, dp_rank: int,
+        keys: StageKeys, device: torch.device | str | None = None, num_workers: int = 0,
     ) -> None:
         self.counters = LoaderCounters()
-        self._keys = keys if keys is not None else StageKeys.of(True, True, create_attention_mask)
+        self._keys = keys
         self._dataset = dataset
         self._group = tp_group
         self._src = dist.get_global_rank(tp_group, 0) if tp_group is not None else dist.get_rank()
         self._is_src = dist.get_rank() == self._src
-        self._shape = (micro_batch_size, sequence_length(dataset))
+        self._shape = (settings.micro_batch_size, sequence_length(dataset))
         self._mask = self._keys.mask
         self._device = torch.device("cpu" if device is None else device)
         self._sample_bytes = sample_bytes(dataset)
-        batches = BatchSampler(sampler, len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size,
-                               data_sharding=data_sharding, seed=seed)
+        batches = BatchSampler(settings, len(dataset), dp_rank)
         self._steps = iter(batches)
         self._loader = (
             iter(DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
