@@ -58,6 +58,17 @@ def _take(iterator, steps):
     return batches
 
 
+def _megatron_pretraining_sampler(total, consumed, mbs, dp_rank, dp):
+    """MegatronPretrainingSampler's order (core_v0.16.1, drop_last), as its __iter__ is written:
+    indices from consumed on gathered into global batches of mbs * dp, each rank taking its slice."""
+    batch = []
+    for idx in range(consumed, total):
+        batch.append(idx)
+        if len(batch) == mbs * dp:
+            yield batch[dp_rank * mbs:(dp_rank + 1) * mbs]
+            batch = []
+
+
 def _compare(prefix, cache, tp, sampler, consumed, steps, job, topology=None, mask=False, documents_apart=False):
     from megatron.core import parallel_state as ps
 
@@ -80,6 +91,11 @@ def _compare(prefix, cache, tp, sampler, consumed, steps, job, topology=None, ma
     for i, (a, b) in enumerate(zip(got, expected)):
         for key in a:
             assert torch.equal(a[key], b[key]), f"rank {dist.get_rank()} batch {i} key {key} differs"
+    if sampler == "single":  # and both hold the samples Megatron's own sampler picks
+        order = _megatron_pretraining_sampler(len(dataset), consumed, MBS, ps.get_data_parallel_rank(),
+                                              ps.get_data_parallel_world_size())
+        for batch, indices in zip(got, order):
+            assert torch.equal(batch["tokens"], torch.stack([dataset[j]["tokens"] for j in indices]))
     return dict(batches=len(got), counters=ours.counters.as_dict(), stock=stock.counters.as_dict(),
                 left=attached_left + glob.glob(f"/dev/shm/*{job}*"),
                 dp=ps.get_data_parallel_rank(), tokens=[b["tokens"].sum().item() for b in got])
