@@ -98,6 +98,7 @@ def train(args: argparse.Namespace) -> None:
 
     from deepspeed_ext import comm as deepspeed_comm
     from deepspeed_ext.config import log_effective_config, validate_against_world
+    from deepspeed_ext.topology import detect_topology
     from megatron_ext.args import plugin_config_from_args
     from megatron_ext.cpu import cpu_support_enabled
     from megatron_ext.layers.p2p_link import shutdown_posters
@@ -107,6 +108,7 @@ def train(args: argparse.Namespace) -> None:
     tp = args.tensor_model_parallel_size
     dp = world // tp
     validate_against_world(plugins, world, dp)
+    topology = detect_topology(plugins.topology, world_size=world)  # once; every plugin gets this one
     ds_config = deepspeed_config_for(args, dp)
     log_effective_config(plugins, rank)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
@@ -116,7 +118,7 @@ def train(args: argparse.Namespace) -> None:
     model = build_model(args, plugins, tokenizer)
     _log(rank, f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "
                f"megatron-core CPU support {'on' if cpu_support_enabled() else 'off'}")
-    engine = build_engine(args, model, ds_config, plugins, lambda it: _lr_at(args, it) / args.lr)
+    engine = build_engine(args, model, ds_config, plugins, topology, lambda it: _lr_at(args, it) / args.lr)
 
     start_iteration, consumed = 0, 0
     if args.load:
@@ -128,9 +130,9 @@ def train(args: argparse.Namespace) -> None:
             _log(rank, f"resumed from {path} at iteration {start_iteration}, consumed_samples {consumed}")
 
     global_batch = ds_config["train_micro_batch_size_per_gpu"] * ds_config["gradient_accumulation_steps"] * dp
-    data = build_data_iterator(args, plugins, data_prefix, consumed, global_batch, tokenizer)
+    data = build_data_iterator(args, plugins, topology, data_prefix, consumed, global_batch, tokenizer)
     log_file = open(args.log_json, "a") if args.log_json and rank == 0 else None  # noqa: SIM115
-    counter = comm_counter(plugins)
+    counter = comm_counter(topology)
     try:
         with deepspeed_comm.counting(counter):
             _train_loop(args, engine, data, counter, start_iteration, consumed, global_batch, log_file)

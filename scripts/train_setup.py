@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.config import PluginConfig
+from deepspeed_ext.topology import Topology
 
 
 class UsageError(ValueError):
@@ -171,7 +172,7 @@ def build_model(args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any)
 
 def build_engine(
     args: argparse.Namespace, model: torch.nn.Module, ds_config: dict[str, Any], plugins: PluginConfig,
-    lr_factor: Callable[[int], float],
+    topology: Topology, lr_factor: Callable[[int], float],
 ) -> Any:
     """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled)."""
     import deepspeed
@@ -184,10 +185,8 @@ def build_engine(
     kwargs = dict(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                   config=ds_config, mpu=MegatronMPU(), lr_scheduler=scheduler)
     if plugins.hierarchical_zero.enabled:
-        from deepspeed_ext.topology import detect_topology
         from deepspeed_ext.zero import initialize as hierarchical_initialize
 
-        topology = detect_topology(plugins.topology, world_size=dist.get_world_size())
         engine, *_ = hierarchical_initialize(plugin_config=plugins, topology=topology, **kwargs)
     else:
         engine, *_ = deepspeed.initialize(**kwargs)
@@ -195,14 +194,13 @@ def build_engine(
 
 
 def build_data_iterator(
-    args: argparse.Namespace, plugins: PluginConfig, prefix: str, consumed_samples: int, global_batch: int,
-    tokenizer: Any,
+    args: argparse.Namespace, plugins: PluginConfig, topology: Topology, prefix: str, consumed_samples: int,
+    global_batch: int, tokenizer: Any,
 ) -> Any:
     """Micro-batches for this rank from ``consumed_samples`` on: the shared-memory loader when
     enabled, otherwise Megatron's stock path (TP rank 0 reads, then broadcasts)."""
     from megatron.core import parallel_state as ps
 
-    from deepspeed_ext.topology import detect_topology
     from megatron_ext.data.gpt_dataset import build_train_dataset
     from megatron_ext.data.loader import build_batch_iterator
 
@@ -220,7 +218,7 @@ def build_data_iterator(
         micro_batch_size=args.micro_batch_size,
         consumed_samples=consumed_samples,
         config=plugins.shm_data_loader,
-        topology=detect_topology(plugins.topology, world_size=dist.get_world_size()),
+        topology=topology,
         tp_group=ps.get_tensor_model_parallel_group(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
@@ -231,13 +229,12 @@ def build_data_iterator(
     )
 
 
-def comm_counter(plugins: PluginConfig) -> Any:
+def comm_counter(topology: Topology) -> Any:
     """A counter of DeepSpeed's collectives per link class (package, node, inter-node)."""
     from deepspeed_ext.comm import CommCounter, patch_deepspeed_comm
-    from deepspeed_ext.topology import detect_topology
 
     patch_deepspeed_comm()
-    return CommCounter(detect_topology(plugins.topology, world_size=dist.get_world_size()))
+    return CommCounter(topology)
 
 
 def plugin_figures(data: Any, counter: Any) -> dict[str, Any]:
