@@ -40,18 +40,20 @@ def _zero3_config(tmp_path):
 def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
     ds = _zero3_config(tmp_path)
     common = ["--tensor-model-parallel-size", "2", "--train-iters", "6", "--deepspeed-config", ds]
-    out = _torchrun(tmp_path, 4, *common, "--log-json", str(tmp_path / "full.jsonl"))
+    ckpt = tmp_path / "ckpt"
+    out = _torchrun(tmp_path, 4, *common, "--save", str(ckpt), "--save-interval", "3",
+                    "--log-json", str(tmp_path / "full.jsonl"))
     full = _losses(tmp_path / "full.jsonl")
     assert "iteration 6/6 | loss" in out and "tokens/s" in out
     assert full[6] < full[1] - 0.5, full
 
-    ckpt = str(tmp_path / "ckpt")
-    _torchrun(tmp_path, 4, *common, "--save", ckpt, "--exit-interval", "3", "--log-json", str(tmp_path / "a.jsonl"))
-    _torchrun(tmp_path, 4, *common, "--load", ckpt, "--log-json", str(tmp_path / "b.jsonl"))
-    first, second = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "b.jsonl")
-    assert sorted(first) == [1, 2, 3] and sorted(second) == [4, 5, 6]
-    for it in range(1, 7):
-        assert (first | second)[it] == pytest.approx(full[it], rel=1e-5), it
+    # Resume from the checkpoint of iteration 3 (the run saved at 3 and 6; DeepSpeed loads the tag in `latest`).
+    (ckpt / "latest").write_text("iter_0000003")
+    _torchrun(tmp_path, 4, *common, "--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl"))
+    resumed = _losses(tmp_path / "resumed.jsonl")
+    assert sorted(resumed) == [4, 5, 6]
+    for it in range(4, 7):
+        assert resumed[it] == pytest.approx(full[it], rel=1e-5), it
 
 
 @pytest.fixture
