@@ -40,7 +40,7 @@ class Step:
 
 def steps(network: str, quick: bool) -> list[Step]:
     cluster = network == "cluster"
-    loader_args = ["--steps", "40", "--tokens", "8000000"] if quick else []
+    loader_args = ["--steps", "20", "--repeats", "2", "--tokens", "8000000"] if quick else []
     flash_tp = ["--tp", "2"] if quick else ["--tp", "2", "4"]
     out = [
         Step("Frontier projection of hierarchical ZeRO (computed, 20B preset at TP=4)",
@@ -52,7 +52,7 @@ def steps(network: str, quick: bool) -> list[Step]:
         Step(f"Flash-Overlap MLP vs no overlap and 4-chunk slicing ({network})",
              ["-m", "benchmarks.flash_overlap.run", "--network", network, *flash_tp],
              RESULTS / "flash_overlap" / (f"cluster400_tp{flash_tp[-1]}.md" if cluster else f"loopback_tp{flash_tp[-1]}.md")),
-        Step("Shared-memory node loader vs per-rank and TP-broadcast loading (one node, 8 ranks)",
+        Step("Shared-memory node loader vs Megatron's DataLoader path with 0/1/2 workers (one node, 4 ranks)",
              ["-m", "benchmarks.data_loader.run", *loader_args], RESULTS / "data_loader" / "results.md"),
     ]
     if cluster:

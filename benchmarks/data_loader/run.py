@@ -1,15 +1,16 @@
-"""Data-loader benchmark: 8 ranks on one node, three loading schemes side by side in one run.
+"""Data-loader benchmark: Megatron's path (DataLoader workers 0, 1, 2) against the node loader.
 
-    .venv/bin/python -m benchmarks.data_loader.run [--tp 2 8] [--steps 200] [--tokens 48000000]
+    .venv/bin/python -m benchmarks.data_loader.run [--repeats 5] [--steps 50] [--cpus 0 1]
 
-For each TP size and scheme it drops the dataset's pages from the page cache
-(``posix_fadvise(DONTNEED)``), launches 8 fresh rank processes (``benchmarks.data_loader.rank``)
-and reports, per node: bytes of the ``.bin`` the samples span (what the loaders asked for), bytes
-the kernel read from the block device (``read_bytes`` of every rank and every process they
-reaped) and ``rchar``; per-rank batch latency p50/p99 (the first batches, which include start-up,
-left out); CPU seconds of all processes; peak RSS. Writes ``benchmarks/results/data_loader/``
-``results.json`` and ``results.md``. The corpus (random tokens, built once) lives under
-``benchmarks/results/raw/``.
+Four ranks on one node in two layouts: TP=2 x DP=2, and TP=1 x CP=2 x DP=2. For each repetition
+every scheme runs once, in an order rotated per repetition, as 4 fresh rank processes
+(``benchmarks.data_loader.rank``) pinned to the same CPUs (``--cpus``; children inherit it), after
+the corpus was dropped from the page cache (``posix_fadvise(DONTNEED)``). Measured per run: bytes
+the ranks and every process they reaped asked of the filesystem (``rchar``; the ``.bin`` is read
+with file reads, not a memory map) and read from the block device (``read_bytes``), CPU seconds of
+all of them, the median step time (data wait + a fixed CPU computation standing in for the training
+step) and data wait, and peak RSS. Reported as min / median / max over the repetitions, with the
+load average before and after. Writes ``benchmarks/results/data_loader/results.{json,md}``.
 """
 
 from __future__ import annotations
@@ -17,20 +18,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
-
-from benchmarks.data_loader.rank import SCHEMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RAW = os.path.join(ROOT, "benchmarks", "results", "raw", "data_loader")
 OUT = os.path.join(ROOT, "benchmarks", "results", "data_loader")
-WORLD = 8
+WORLD = 4
 WARMUP = 5
+LAYOUTS = ((2, 1), (1, 2))  # (TP, CP); DP = 4 / (TP * CP) = 2
+SCHEMES = (("megatron", 0), ("megatron", 1), ("megatron", 2), ("shm", 0))  # (scheme, DataLoader workers)
 
 
 def make_corpus(prefix: str, tokens: int, seed: int = 0) -> None:
@@ -61,86 +62,101 @@ def drop_cache(prefix: str) -> None:
             os.close(fd)
 
 
-def launch(scheme: str, tp: int, prefix: str, extra: list[str], timeout_s: float) -> list[dict]:
+def launch(scheme: str, workers: int, tp: int, cp: int, prefix: str, extra: list[str], cpus: set[int],
+           timeout_s: float) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="dl-bench-") as tmp:
         procs = []
         for rank in range(WORLD):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
             cmd = [sys.executable, "-m", "benchmarks.data_loader.rank", "--scheme", scheme, "--tp", str(tp),
-                   "--prefix", prefix, "--cache", os.path.join(RAW, "cache"),
-                   "--rendezvous", os.path.join(tmp, "rdv"), *extra]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
+                   "--cp", str(cp), "--num-workers", str(workers), "--prefix", prefix,
+                   "--cache", os.path.join(RAW, "cache"), "--rendezvous", os.path.join(tmp, "rdv"), *extra]
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
+                                          preexec_fn=lambda: os.sched_setaffinity(0, cpus)))
         outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     if any(p.returncode for p in procs):
-        raise RuntimeError(f"{scheme} TP={tp}: ranks exited with {[p.returncode for p in procs]}")
+        raise RuntimeError(f"{scheme} TP={tp} CP={cp}: ranks exited with {[p.returncode for p in procs]}")
     return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
 
 
-def summarise(ranks: list[dict]) -> dict:
-    lat = [np.array(r["latencies_s"][WARMUP:]) * 1e3 for r in ranks]
+def measure(ranks: list[dict]) -> dict[str, float]:
+    """One run's figures for the node (sums) or its median rank (times)."""
     return {
-        "logical_bytes_per_node": sum(r["counters"]["bytes_read"] for r in ranks),
-        "kernel_read_bytes_per_node": sum(r["read_bytes"] for r in ranks),
-        "rchar_per_node": sum(r["rchar"] for r in ranks),
-        "p50_ms_median_rank": float(np.median([np.percentile(x, 50) for x in lat])),
-        "p99_ms_worst_rank": float(max(np.percentile(x, 99) for x in lat)),
-        "p99_ms_per_rank": [round(float(np.percentile(x, 99)), 3) for x in lat],
-        "wait_s_per_rank": [round(r["counters"]["wait_s"], 3) for r in ranks],
-        "cpu_s_all_processes": sum(r["cpu_s"] for r in ranks),
-        "peak_rss_mb_rank": max(r["max_rss_kb"] for r in ranks) / 1024,
-        "peak_rss_mb_child": max(r["children_max_rss_kb"] for r in ranks) / 1024,
-        "setup_s_max": max(r["setup_s"] for r in ranks),
+        "rchar_mib": sum(r["rchar"] for r in ranks) / 2**20,
+        "read_bytes_mib": sum(r["read_bytes"] for r in ranks) / 2**20,
+        "samples_read": sum(r["samples_read"] for r in ranks),
+        "cpu_s": sum(r["cpu_s"] for r in ranks),
+        "step_ms": statistics.median(statistics.median(r["step_s"][WARMUP:]) for r in ranks) * 1e3,
+        "wait_ms": statistics.median(statistics.median(r["wait_s"][WARMUP:]) for r in ranks) * 1e3,
+        "wait_p99_ms": max(float(np.percentile(r["wait_s"][WARMUP:], 99)) for r in ranks) * 1e3,
+        "rss_mib": (max(r["max_rss_kb"] for r in ranks) + max(r["children_max_rss_kb"] for r in ranks)) / 1024,
     }
 
 
-def table(results: list[dict]) -> str:
-    mb = 1 << 20
-    lines = ["| TP | scheme | asked MiB/node | kernel read MiB/node | rchar MiB | p50 ms | p99 ms (worst rank) "
-             "| CPU s (all) | peak RSS MiB rank / child |", "|---|---|---|---|---|---|---|---|---|"]
-    for r in results:
-        s = r["summary"]
-        lines.append(
-            f"| {r['tp']} | {r['scheme']} | {s['logical_bytes_per_node'] / mb:.1f} | "
-            f"{s['kernel_read_bytes_per_node'] / mb:.1f} | {s['rchar_per_node'] / mb:.1f} | "
-            f"{s['p50_ms_median_rank']:.3f} | {s['p99_ms_worst_rank']:.3f} | {s['cpu_s_all_processes']:.1f} | "
-            f"{s['peak_rss_mb_rank']:.0f} / {s['peak_rss_mb_child']:.0f} |")
+FIGURES = (("rchar_mib", "filesystem MiB (rchar)", 1), ("read_bytes_mib", "device MiB (read_bytes)", 1),
+           ("cpu_s", "CPU s", 1), ("step_ms", "step ms", 1), ("wait_ms", "data wait ms", 2),
+           ("wait_p99_ms", "wait p99 ms (worst rank)", 1), ("rss_mib", "peak RSS MiB rank+child", 0))
+
+
+def spread(values: list[float], digits: int) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| TP x CP x DP | scheme | " + " | ".join(name for _, name, _ in FIGURES) + " |",
+             "|---" * (len(FIGURES) + 2) + "|"]
+    for row in rows:
+        runs = row["runs"]
+        cells = [spread([r[key] for r in runs], d) for key, _, d in FIGURES]
+        lines.append(f"| {row['tp']} x {row['cp']} x {WORLD // (row['tp'] * row['cp'])} | {row['label']} | "
+                     + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, nargs="+", default=[2, 8])
-    parser.add_argument("--tokens", type=int, default=48_000_000, help="corpus size (2 bytes each)")
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=16_000_000, help="corpus size (2 bytes each)")
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--step-ms", type=float, default=20.0, help="sleep standing in for a training step")
-    parser.add_argument("--num-workers", type=int, default=2, help="DataLoader workers of the stock schemes")
+    parser.add_argument("--step-ms", type=float, default=40.0, help="CPU work standing in for a training step")
     parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--timeout-s", type=float, default=1200)
+    parser.add_argument("--cpus", type=int, nargs="+", default=sorted(os.sched_getaffinity(0)))
+    parser.add_argument("--timeout-s", type=float, default=600)
     args = parser.parse_args()
 
     prefix = os.path.join(RAW, f"random{args.tokens}")
     make_corpus(prefix, args.tokens)
     extra = ["--steps", str(args.steps), "--mbs", str(args.mbs), "--seq-length", str(args.seq_length),
-             "--step-ms", str(args.step_ms), "--num-workers", str(args.num_workers), "--slots", str(args.slots)]
-    results = []
-    for tp in args.tp:
-        for scheme in SCHEMES:
-            drop_cache(prefix)
-            start = time.time()
-            ranks = launch(scheme, tp, prefix, extra, args.timeout_s)
-            results.append({"tp": tp, "scheme": scheme, "wall_s": time.time() - start, "summary": summarise(ranks)})
-            print(table(results[-1:]).splitlines()[-1], flush=True)
+             "--step-ms", str(args.step_ms), "--slots", str(args.slots)]
+    cpus = set(args.cpus)
+    rows = [{"tp": tp, "cp": cp, "scheme": scheme, "workers": workers,
+             "label": f"Megatron, {workers} workers" if scheme == "megatron" else "node loader", "runs": [],
+             "load_average": []}
+            for tp, cp in LAYOUTS for scheme, workers in SCHEMES]
+    for rep in range(args.repeats):
+        for layout in range(len(LAYOUTS)):
+            group = rows[layout * len(SCHEMES):(layout + 1) * len(SCHEMES)]
+            for row in group[rep % len(group):] + group[:rep % len(group)]:  # order rotated per repetition
+                drop_cache(prefix)
+                before = os.getloadavg()[0]
+                ranks = launch(row["scheme"], row["workers"], row["tp"], row["cp"], prefix, extra, cpus,
+                               args.timeout_s)
+                row["runs"].append(measure(ranks))
+                row["load_average"].append([before, os.getloadavg()[0]])
+                print(f"rep {rep} {table([{**row, 'runs': row['runs'][-1:]}]).splitlines()[-1]}", flush=True)
+    loads = [x for row in rows for pair in row["load_average"] for x in pair]
+    meta = {"world": WORLD, "corpus_bytes": os.path.getsize(prefix + ".bin"), "cpus": sorted(cpus),
+            "load_average_min_max": [min(loads), max(loads)], **{k: v for k, v in vars(args).items() if k != "cpus"}}
     os.makedirs(OUT, exist_ok=True)
-    meta = {"world": WORLD, "corpus_bytes": os.path.getsize(prefix + ".bin"), "load_average": os.getloadavg(),
-            "cpus": os.cpu_count(), **vars(args)}
     with open(os.path.join(OUT, "results.json"), "w") as f:
-        json.dump({"settings": meta, "results": results}, f, indent=1)
+        json.dump({"settings": meta, "rows": rows}, f, indent=1)
+    text = (f"Settings: {json.dumps(meta)}\n\nmedian (min-max) over {args.repeats} repetitions\n\n{table(rows)}\n")
     with open(os.path.join(OUT, "results.md"), "w") as f:
-        f.write(f"Settings: {json.dumps(meta)}\n\n{table(results)}\n")
-    print(table(results))
+        f.write(text)
+    print(text)
 
 
 if __name__ == "__main__":
