@@ -114,7 +114,9 @@ def _describe(error: ValidationError) -> str:
     return "invalid plugin config: " + "; ".join(lines)
 
 
-def _read(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
+def read_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
+    """The DeepSpeed config as a dict (a dict is returned as is, None gives {}); a missing file or
+    invalid JSON raises ConfigError naming the file. The suite's one reader of DeepSpeed JSON."""
     if ds_config is None:
         return {}
     if isinstance(ds_config, dict):
@@ -131,7 +133,7 @@ def _read(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
 def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrides: Any) -> PluginConfig:
     """Parse our sections from the DeepSpeed config (path or dict); ``overrides`` are dotted
     field paths such as ``{"shm_data_loader.enabled": True}`` (what Megatron flags set)."""
-    raw = _read(ds_config)
+    raw = read_ds_config(ds_config)
     for key in raw:
         near = difflib.get_close_matches(key, SECTIONS, n=1, cutoff=0.8)
         if near and key not in SECTIONS:

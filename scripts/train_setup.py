@@ -7,7 +7,6 @@ names the flag, the value and the fix; ``pretrain_gpt.main`` prints it and exits
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import tempfile
 from collections.abc import Callable
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import PluginConfig
+from deepspeed_ext.config import PluginConfig, read_ds_config
 from deepspeed_ext.topology import Topology
 
 
@@ -68,10 +67,7 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
 
 def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     """The user's DeepSpeed JSON with the batch and precision flags applied; a conflict is an error."""
-    config: dict[str, Any] = {}
-    if args.deepspeed_config:
-        with open(args.deepspeed_config) as f:  # readable and valid: load_plugin_config checked it
-            config = json.load(f)
+    config = dict(read_ds_config(args.deepspeed_config))  # {} without one
     mbs = args.micro_batch_size
     gbs = args.global_batch_size or mbs * dp
     if gbs % (mbs * dp):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -13,7 +12,13 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import comm
-from deepspeed_ext.config import ConfigError, PluginConfig, load_plugin_config, validate_against_world
+from deepspeed_ext.config import (
+    ConfigError,
+    PluginConfig,
+    load_plugin_config,
+    read_ds_config,
+    validate_against_world,
+)
 from deepspeed_ext.topology import Topology, detect_topology
 from deepspeed_ext.zero import inject
 from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, hierarchical, step_hops
@@ -56,13 +61,6 @@ def check_deepspeed_version(version: str | None = None) -> None:
             f"hierarchical_zero supports DeepSpeed {', '.join(v + 'x' for v in SUPPORTED_DEEPSPEED)}, found {version}: "
             "install deepspeed>=0.19,<0.20 or disable hierarchical_zero"
         )
-
-
-def read_ds_config(config: Union[str, os.PathLike, dict]) -> dict:
-    if isinstance(config, dict):
-        return config
-    with open(config) as f:
-        return json.load(f)
 
 
 def validate_deepspeed_config(ds: dict) -> None:
