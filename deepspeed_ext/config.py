@@ -70,6 +70,8 @@ class FlashOverlapConfig(_Section):
     """Which linears of each transformer layer are replaced."""
     mode: Literal["direct", "ring"] = "direct"
     """P2P pattern: direct (each step a different peer) or ring (neighbours only)."""
+    backend: Literal["auto", "p2p", "symm_mem"] = "auto"
+    """auto: torch's symmetric-memory fused ops where they run (NCCL on CUDA, ROCm gfx942/950), else p2p."""
     timeout_s: float = Field(default=300.0, gt=0)
     """Seconds to wait for a peer's transfer before raising."""
 

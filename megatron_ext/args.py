@@ -33,6 +33,8 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--flash-overlap-layers": ("flash_overlap.layers", {"nargs": "+", "choices": list(LAYER_NAMES),
                                                         "help": "which linears to replace"}),
     "--flash-overlap-mode": ("flash_overlap.mode", {"choices": ["direct", "ring"], "help": "P2P pattern"}),
+    "--flash-overlap-backend": ("flash_overlap.backend", {"choices": ["auto", "p2p", "symm_mem"],
+                                                          "help": "torch's fused symm_mem ops or our P2P schedule"}),
     "--flash-overlap-timeout": ("flash_overlap.timeout_s", {"type": float, "help": "seconds to wait for a peer"}),
     "--ranks-per-node": ("topology.ranks_per_node", {"type": int, "help": "ranks per node (default: detect)"}),
     "--ranks-per-package": ("topology.ranks_per_package", {"type": int,

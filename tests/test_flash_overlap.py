@@ -1,5 +1,6 @@
 """Flash-Overlap linears against a dense single-process computation and megatron-core's own layers
-(TP=2 and 4, both P2P modes, with and without bias), a GPT trained with them, and their errors.
+(TP=2 and 4, both P2P modes, with and without bias; the symm_mem backend over torch's fused ops as
+documented), a GPT trained with them, the backend choice, and their errors.
 
 All layer cases of one TP size run in one pool call (module-scoped fixture); tests then read them.
 """
@@ -66,7 +67,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() / max(1.0, b.double().abs().max().item())
 
 
-def _run_case(tp: int, config, group, case: tuple) -> dict:
+def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
@@ -84,10 +85,11 @@ def _run_case(tp: int, config, group, case: tuple) -> dict:
         common["input_is_parallel"] = True
         ours_cls, ref_cls = FlashOverlapRowParallelLinear, RowParallelLinear
     torch.manual_seed(1234)
-    ours = ours_cls(size_in, size_out, keep_master_weight_for_test=True, p2p_mode=mode, **common)
+    ours = ours_cls(size_in, size_out, keep_master_weight_for_test=True, p2p_mode=mode, backend=backend, **common)
     torch.manual_seed(1234)
     ref = ref_cls(size_in, size_out, **common)
-    result = {"weights_equal": torch.equal(ours.weight, ref.weight),
+    result = {"backend": "p2p" if ours.fused is None else "symm_mem",
+              "weights_equal": torch.equal(ours.weight, ref.weight),
               "attrs_equal": all(getattr(p, a, None) == getattr(q, a, None) for p, q in
                                  zip(ours.parameters(), ref.parameters()) for a in ATTRS)}
 
@@ -145,17 +147,57 @@ def _all_cases(tp: int) -> list[dict]:
     return [_run_case(tp, config, group, case) for case in CASES]
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
+def _documented_fused_ops():
+    """torch's symm_mem fused_all_gather_matmul / fused_matmul_reduce_scatter as their schemas and
+    docs define them, from plain collectives: gloo has no symmetric memory."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from megatron_ext.layers.symm_mem import FusedOps
+
+    def all_gather_matmul(a, bs, gather_dim, group_name, *, return_A=True):
+        group = _resolve_process_group(group_name)
+        parts = [torch.empty_like(a) for _ in range(group.size())]
+        dist.all_gather(parts, a.contiguous(), group=group)
+        full = torch.cat(parts, dim=gather_dim)
+        return (full if return_A else None), [torch.matmul(full, b) for b in bs]
+
+    def matmul_reduce_scatter(a, b, reduce_op, scatter_dim, group_name):
+        assert reduce_op == "sum"
+        group = _resolve_process_group(group_name)
+        full = torch.matmul(a, b)
+        dist.all_reduce(full, group=group)
+        return full.chunk(group.size(), dim=scatter_dim)[group.rank()].contiguous()
+
+    return FusedOps(all_gather_matmul, matmul_reduce_scatter)
+
+
+def _symm_mem_cases(tp: int) -> list[dict]:
+    """Every case with flash_overlap.backend=symm_mem, as on a platform where torch's ops run."""
+    from unittest import mock
+
+    from megatron_ext.layers import symm_mem
+
+    config, group = _setup(tp)
+    with mock.patch.object(symm_mem, "group_problem", return_value=None), \
+            mock.patch.object(symm_mem, "torch_fused_ops", _documented_fused_ops):
+        return [_run_case(tp, config, group, case, backend="symm_mem") for case in CASES]
+
+
+@pytest.fixture(scope="module", params=[(2, "auto"), (4, "auto"), (2, "symm_mem")], ids=["tp2", "tp4", "tp2-symm_mem"])
 def case_results(request, run_ranks):
-    tp = request.param
-    return tp, run_ranks(tp, _all_cases, tp, timeout=120)
+    tp, backend = request.param
+    cases = _all_cases if backend == "auto" else _symm_mem_cases
+    return tp, backend, run_ranks(tp, cases, tp, timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_matches_dense_and_megatron_core(case_results, case):
-    tp, per_rank = case_results
+    tp, backend, per_rank = case_results
     for rank, results in enumerate(per_rank):
         result = results[CASES.index(case)]
+        # auto picks our P2P schedule on gloo (no symmetric memory)
+        assert result.pop("backend") == ("p2p" if backend == "auto" else "symm_mem")
         assert result.pop("weights_equal"), f"TP={tp} rank {rank}: weights differ from megatron-core's for the same seed"
         assert result.pop("attrs_equal"), f"TP={tp} rank {rank}: parameter attributes differ from megatron-core's"
         assert len(result) >= 6
@@ -208,6 +250,7 @@ def test_gpt_trains_to_the_same_losses_as_megatron_core(run_ranks):
 
 def _bad_inputs() -> dict[str, str]:
     from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.symm_mem import BackendUnavailableError
 
     config, _ = _setup(2)
     init = partial(torch.nn.init.normal_, std=0.1)
@@ -223,13 +266,14 @@ def _bad_inputs() -> dict[str, str]:
             6, 8, config=dataclasses.replace(config, sequence_parallel=False), init_method=init),
         "expert": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, is_expert=True),
         "mode": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, p2p_mode="star"),
+        "backend": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, backend="symm_mem"),
     }
     messages = {}
     for name, attempt in attempts.items():
         try:
             attempt()
             messages[name] = "no error"
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError, BackendUnavailableError) as e:
             messages[name] = f"{type(e).__name__}: {e}"
     return messages
 
@@ -243,6 +287,49 @@ def test_bad_inputs_and_options_give_clear_errors(run_ranks):
     assert "sequence_parallel=True" in messages["no_sp"]
     assert "is_expert=True" in messages["expert"]
     assert "'star'" in messages["mode"]
+    assert messages["backend"].startswith("BackendUnavailableError") and "gloo, not NCCL" in messages["backend"]
+    assert "flash_overlap.backend=p2p" in messages["backend"] and "--flash-overlap-backend p2p" in messages["backend"]
+
+
+def _backend_log_lines() -> list[str]:
+    import logging
+    from unittest import mock
+
+    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear, symm_mem
+
+    config, _ = _setup(2)
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger(symm_mem.__name__)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with mock.patch.object(symm_mem, "_logged", set()):
+            for _ in range(2):
+                FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=torch.nn.init.zeros_)
+                FlashOverlapRowParallelLinear(8, 6, config=config, init_method=torch.nn.init.zeros_, bias=False,
+                                              input_is_parallel=True, skip_bias_add=False)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return lines
+
+
+def test_auto_backend_picks_p2p_without_symmetric_memory_and_says_why_once(run_ranks):
+    for lines in run_ranks(2, _backend_log_lines):
+        assert lines == ["Flash-Overlap backend: p2p (flash_overlap.backend=auto: the tensor-parallel group's "
+                         "backend is gloo, not NCCL)"]
+
+
+def test_symm_mem_needs_cuda_and_is_moot_at_tensor_parallel_size_1():
+    from megatron_ext.layers.symm_mem import platform_problem, resolve_backend
+
+    assert "the layers run on cpu, not CUDA" in platform_problem(torch.device("cpu"))
+    assert resolve_backend("symm_mem", None, torch.device("cpu")) == "p2p"
+    with pytest.raises(ValueError, match="flash_overlap.backend='nvshmem' is unknown: use one of auto, p2p, symm_mem"):
+        resolve_backend("nvshmem", None, torch.device("cpu"))
 
 
 def _silent_peer() -> None:
@@ -288,16 +375,17 @@ def test_single_rank_layers_need_no_process_group():
         torch.testing.assert_close(ours(x)[0], torch.nn.functional.linear(x, ref.weight, ref.bias))
 
 
-def test_spec_replaces_the_chosen_linears_and_passes_mode_and_timeout():
+def test_spec_replaces_the_chosen_linears_and_passes_mode_timeout_and_backend():
     from megatron_ext.gpt import local_layer_spec
     from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
-    spec = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7))
+    spec = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7,
+                                                           backend="p2p"))
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     assert issubclass(attn.linear_qkv, FlashOverlapColumnParallelLinear)
     assert issubclass(mlp.linear_fc2, FlashOverlapRowParallelLinear)
-    assert (attn.linear_qkv.p2p_mode, attn.linear_qkv.p2p_timeout_s) == ("ring", 7)
+    assert (attn.linear_qkv.p2p_mode, attn.linear_qkv.p2p_timeout_s, attn.linear_qkv.overlap_backend) == ("ring", 7, "p2p")
     base = local_layer_spec()
     assert attn.linear_proj is base.submodules.self_attention.submodules.linear_proj
     assert mlp.linear_fc1 is base.submodules.mlp.submodules.linear_fc1

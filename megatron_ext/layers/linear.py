@@ -17,6 +17,9 @@ under the wgrad GEMM), with P2P transfers and unsliced GEMMs; row forward is GEM
 own slice last; row backward gathers the output gradient fused with the dgrad GEMM (megatron-core
 gathers it before computing anything), then computes wgrad as one GEMM: slicing the wgrad GEMM's
 reduction costs up to half its speed on Hopper at TP=8 (docs/gpu.md).
+
+Where torch's symmetric-memory fused ops run (``flash_overlap.backend``: auto or symm_mem), the
+same layers call them instead of the P2P schedules (:mod:`megatron_ext.layers.symm_mem`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup
+from megatron_ext.layers import symm_mem
 from megatron_ext.layers.p2p_overlap import (
     all_gather_compute,
     compute_reduce_scatter,
@@ -36,6 +40,7 @@ from megatron_ext.layers.p2p_overlap import (
     start_all_gather,
     start_reduce_scatter,
 )
+from megatron_ext.layers.symm_mem import FusedGroup, Requested, SymmMemAllGatherLinear, SymmMemLinearReduceScatter
 from megatron_ext.layers.wgrad import GemmPrecision, require_main_grad, weight_gradient
 
 
@@ -127,14 +132,17 @@ class _GatherLastDim(torch.autograd.Function):
 
 
 class _FlashOverlapMixin:
-    """Option checks and the P2P settings shared by both layers."""
+    """Option checks, the P2P settings and the backend choice shared by both layers."""
 
     p2p_mode: ClassVar[Mode] = "direct"
     """P2P pattern used when the constructor gets none (the spec sets it per config)."""
     p2p_timeout_s: ClassVar[float] = DEFAULT_TIMEOUT_S
     """Wait bound used when the constructor gets none."""
+    overlap_backend: ClassVar[Requested] = "auto"
+    """Backend requested when the constructor gets none: auto, p2p or symm_mem."""
 
-    def _setup_overlap(self, mode: Mode | None, timeout_s: float | None, name: str | None, sequence_parallel: bool) -> None:
+    def _setup_overlap(self, mode: Mode | None, timeout_s: float | None, backend: Requested | None,
+                       name: str | None, sequence_parallel: bool) -> None:
         kind = type(self).__name__
         cfg = self.config
         tp = 1 if self.tp_group is None else self.tp_group.size()
@@ -158,6 +166,19 @@ class _FlashOverlapMixin:
             timeout_s=timeout_s if timeout_s is not None else self.p2p_timeout_s,
             name=name or kind,
         )
+        # All ranks of the TP group construct their layers together, so the backend is agreed here.
+        chosen = symm_mem.resolve_backend(backend or self.overlap_backend, self.overlap.group, self._run_device())
+        self.fused = None
+        if chosen == "symm_mem":
+            self.fused = FusedGroup(self.tp_group.group_name, tp, symm_mem.torch_fused_ops(), self.overlap.name)
+
+    def _run_device(self) -> torch.device:
+        """Where the GEMMs will run: the weight's accelerator, or the current CUDA device for weights
+        initialised on the CPU (``use_cpu_initialization``) or not allocated, else the CPU."""
+        weight = getattr(self, "weight", None)
+        if weight is not None and weight.device.type != "cpu":
+            return weight.device
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor, features: int) -> None:
         name = self.overlap.name
@@ -177,10 +198,11 @@ class _FlashOverlapMixin:
 class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear (same arguments, same ``(output, bias)`` return) whose
     sequence all-gather is fused with the GEMM. Extra keyword arguments: ``p2p_mode`` ("direct" or
-    "ring") and ``timeout_s``; ``tp_comm_buffer_name`` names the layer in error messages."""
+    "ring"), ``timeout_s`` and ``backend`` ("auto", "p2p" or "symm_mem"); ``tp_comm_buffer_name``
+    names the layer in error messages."""
 
     def __init__(self, input_size: int, output_size: int, *, p2p_mode: Mode | None = None,
-                 timeout_s: float | None = None, **megatron_kwargs: Any) -> None:
+                 timeout_s: float | None = None, backend: Requested | None = None, **megatron_kwargs: Any) -> None:
         config = megatron_kwargs["config"]
         if config.gradient_accumulation_fusion:
             # megatron-core's constructor refuses this option without Apex's fused wgrad kernel;
@@ -190,7 +212,8 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
             megatron_kwargs = {**megatron_kwargs, "config": without}
         super().__init__(input_size, output_size, **megatron_kwargs)
         self.config, self.gradient_accumulation_fusion = config, config.gradient_accumulation_fusion
-        self._setup_overlap(p2p_mode, timeout_s, megatron_kwargs.get("tp_comm_buffer_name"), self.sequence_parallel)
+        self._setup_overlap(p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"),
+                            self.sequence_parallel)
 
     def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
                 runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -206,7 +229,11 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
                 f"{(self.output_size_per_partition, self.input_size)}"
             )
         self._check_input(input_, weight, self.input_size)
-        output = _AllGatherLinear.apply(input_, weight, self.overlap, self.config.gradient_accumulation_fusion)
+        fuse = self.config.gradient_accumulation_fusion
+        if self.fused is not None:
+            output = SymmMemAllGatherLinear.apply(input_, weight, self.fused, fuse)
+        else:
+            output = _AllGatherLinear.apply(input_, weight, self.overlap, fuse)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -220,9 +247,10 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
     sequence reduce-scatter is fused with the GEMM. Extra keyword arguments as for the column layer."""
 
     def __init__(self, input_size: int, output_size: int, *, p2p_mode: Mode | None = None,
-                 timeout_s: float | None = None, **megatron_kwargs: Any) -> None:
+                 timeout_s: float | None = None, backend: Requested | None = None, **megatron_kwargs: Any) -> None:
         super().__init__(input_size, output_size, **megatron_kwargs)
-        self._setup_overlap(p2p_mode, timeout_s, megatron_kwargs.get("tp_comm_buffer_name"), self.sequence_parallel)
+        self._setup_overlap(p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"),
+                            self.sequence_parallel)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check_input(input_, self.weight, self.input_size_per_partition)
@@ -232,7 +260,11 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
                 f"layer {self.overlap.name!r}: sequence length {input_.shape[0]} is not divisible by the "
                 f"tensor-parallel size {n}: pad the sequence to a multiple of {n}"
             )
-        output = _LinearReduceScatter.apply(input_, self.weight, self.overlap, self.config.gradient_accumulation_fusion)
+        fuse = self.config.gradient_accumulation_fusion
+        if self.fused is not None:
+            output = SymmMemLinearReduceScatter.apply(input_, self.weight, self.fused, fuse)
+        else:
+            output = _LinearReduceScatter.apply(input_, self.weight, self.overlap, fuse)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None

@@ -11,11 +11,12 @@ from megatron_ext.gpt import local_layer_spec
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
 
-def _configured(cls: type, mode: str, timeout_s: float) -> type:
-    """A subclass of ``cls`` with the P2P mode and timeout as defaults. A class, not a partial:
-    megatron-core's ``build_module`` instantiates only classes, functions or ModuleSpecs."""
-    name = f"{cls.__name__}_{mode}"
-    return type(name, (cls,), {"p2p_mode": mode, "p2p_timeout_s": timeout_s, "__module__": __name__, "__qualname__": name})
+def _configured(cls: type, config: FlashOverlapConfig) -> type:
+    """A subclass of ``cls`` with the config's P2P mode, timeout and backend as defaults. A class, not
+    a partial: megatron-core's ``build_module`` instantiates only classes, functions or ModuleSpecs."""
+    name = f"{cls.__name__}_{config.mode}_{config.backend}"
+    defaults = {"p2p_mode": config.mode, "p2p_timeout_s": config.timeout_s, "overlap_backend": config.backend}
+    return type(name, (cls,), {**defaults, "__module__": __name__, "__qualname__": name})
 
 
 def get_flash_overlap_layer_spec(config: FlashOverlapConfig, base: ModuleSpec | None = None) -> ModuleSpec:
@@ -26,8 +27,8 @@ def get_flash_overlap_layer_spec(config: FlashOverlapConfig, base: ModuleSpec | 
     spec = copy.deepcopy(base) if base is not None else local_layer_spec()
     if not config.enabled:
         return spec
-    column = _configured(FlashOverlapColumnParallelLinear, config.mode, config.timeout_s)
-    row = _configured(FlashOverlapRowParallelLinear, config.mode, config.timeout_s)
+    column = _configured(FlashOverlapColumnParallelLinear, config)
+    row = _configured(FlashOverlapRowParallelLinear, config)
     attention = getattr(spec.submodules, "self_attention", None)
     mlp = getattr(spec.submodules, "mlp", None)
     slots = {
