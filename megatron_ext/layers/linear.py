@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup
 from megatron_ext.layers import symm_mem
+from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup
 from megatron_ext.layers.p2p_overlap import (
     all_gather_compute,
     compute_reduce_scatter,
@@ -40,7 +40,12 @@ from megatron_ext.layers.p2p_overlap import (
     start_all_gather,
     start_reduce_scatter,
 )
-from megatron_ext.layers.symm_mem import FusedGroup, Requested, SymmMemAllGatherLinear, SymmMemLinearReduceScatter
+from megatron_ext.layers.symm_mem import (
+    FusedGroup,
+    Requested,
+    SymmMemAllGatherLinear,
+    SymmMemLinearReduceScatter,
+)
 from megatron_ext.layers.wgrad import GemmPrecision, require_main_grad, weight_gradient
 
 

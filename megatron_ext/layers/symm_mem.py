@@ -53,7 +53,7 @@ class FusedOps:
 
 def torch_fused_ops() -> FusedOps:
     """torch's symmetric-memory ops (importing the module registers ``torch.ops.symm_mem``)."""
-    import torch.distributed._symmetric_memory  # noqa: F401
+    import torch.distributed._symmetric_memory
 
     return FusedOps(torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter)
 
