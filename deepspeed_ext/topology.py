@@ -14,12 +14,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from pydantic import Field
 
-from deepspeed_ext.config import ConfigError, TopologyConfig
+from deepspeed_ext.section import ConfigError, Section
 
 LEVELS = ("package", "node", "global")
 FRONTIER_RANKS_PER_NODE = 8
 FRONTIER_RANKS_PER_PACKAGE = 2  # two GCDs per MI250X: (0,1), (2,3), (4,5), (6,7)
+
+
+class TopologyConfig(Section):
+    ranks_per_node: int | None = Field(default=None, ge=1)
+    """Ranks (GPUs/GCDs) per node; null detects it from SLURM_NTASKS_PER_NODE or LOCAL_WORLD_SIZE."""
+    ranks_per_package: int | None = Field(default=None, ge=1)
+    """Ranks sharing one package (2 GCDs of an MI250X on Frontier, 1 elsewhere); null detects it."""
+
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deepspeed_ext.config import LAYER_NAMES, PluginConfig, load_plugin_config
+from megatron_ext.layers.config import LAYER_NAMES
+from plugin_config import PluginConfig, load_plugin_config
 
 # flag -> (config field, argparse options). Names are prefixed so none clashes with Megatron-LM's.
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -52,6 +53,11 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     for flag, (_, options) in _FLAGS.items():
         group.add_argument(flag, dest=_dest(flag), default=None, **options)
     return parser
+
+
+def flag_of(field: str) -> str | None:
+    """The flag that sets ``field`` (a dotted path such as "flash_overlap.backend"), or None."""
+    return next((flag for flag, (path, _) in _FLAGS.items() if path == field), None)
 
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:

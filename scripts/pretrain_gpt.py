@@ -97,11 +97,11 @@ def train(args: argparse.Namespace) -> None:
     from megatron.core import parallel_state as ps
 
     from deepspeed_ext import comm as deepspeed_comm
-    from deepspeed_ext.config import log_effective_config, validate_against_world
     from deepspeed_ext.topology import detect_topology
     from megatron_ext.args import plugin_config_from_args
     from megatron_ext.cpu import cpu_support_enabled
     from megatron_ext.layers.p2p_link import shutdown_posters
+    from plugin_config import log_effective_config, validate_against_world
 
     plugins = plugin_config_from_args(args)  # config errors surface before any process group exists
     world, rank = init_distributed(args)
@@ -197,7 +197,7 @@ def _log(rank: int, message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from deepspeed_ext.config import ConfigError
+    from deepspeed_ext.section import ConfigError
     from megatron_ext.data.gpt_dataset import DatasetFileError
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")

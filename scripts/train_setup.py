@@ -16,8 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import PluginConfig, read_ds_config
+from deepspeed_ext.section import read_ds_config
 from deepspeed_ext.topology import Topology
+from plugin_config import PluginConfig
 
 
 class UsageError(ValueError):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepspeed_ext.config import HierarchicalZeroConfig
 from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.planner import choose_secondary_level, describe
 
 FRONTIER_384 = cm.DPShape(nodes=48, packages_per_node=4, per_package=2)

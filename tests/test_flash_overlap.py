@@ -17,7 +17,7 @@ import pytest
 import torch
 from multirank import RankError
 
-from deepspeed_ext.config import FlashOverlapConfig
+from megatron_ext.layers.config import FlashOverlapConfig
 
 S_LOCAL, BATCH = 3, 5
 COL_IN, COL_OUT = 18, 40  # not powers of two; COL_OUT / (TP * stride 2) whole at TP=4
@@ -70,7 +70,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
     kind, mode, bias, extra = case
     rank, n = group.rank(), tp
@@ -249,7 +249,7 @@ def test_gpt_trains_to_the_same_losses_as_megatron_core(run_ranks):
 
 
 def _bad_inputs() -> dict[str, str]:
-    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.symm_mem import BackendUnavailableError
 
     config, _ = _setup(2)
@@ -295,7 +295,8 @@ def _backend_log_lines() -> list[str]:
     import logging
     from unittest import mock
 
-    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear, symm_mem
+    from megatron_ext.layers import symm_mem
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
     config, _ = _setup(2)
     lines: list[str] = []
@@ -336,7 +337,7 @@ def _silent_peer() -> None:
     config, _ = _setup(2)
     import torch.distributed as dist
 
-    from megatron_ext.layers import FlashOverlapColumnParallelLinear
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear
 
     layer = FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=torch.nn.init.zeros_,
                                              tp_comm_buffer_name="fc1", timeout_s=1.0)
@@ -358,7 +359,7 @@ def test_single_rank_layers_need_no_process_group():
     from megatron.core.model_parallel_config import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
     config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32)
     init = partial(torch.nn.init.normal_, std=0.2)
@@ -377,7 +378,7 @@ def test_single_rank_layers_need_no_process_group():
 
 def test_spec_replaces_the_chosen_linears_and_passes_mode_timeout_and_backend():
     from megatron_ext.gpt import local_layer_spec
-    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
     spec = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7,

@@ -15,7 +15,7 @@ S_LOCAL, BATCH, IN, OUT = 8, 2, 64, 96
 def _layers(kind: str, config, flash: bool, **extra):
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+    from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
     cls = {("column", True): FlashOverlapColumnParallelLinear, ("column", False): ColumnParallelLinear,
            ("row", True): FlashOverlapRowParallelLinear, ("row", False): RowParallelLinear}[kind, flash]

@@ -9,9 +9,10 @@ import re
 
 import pytest
 
-from deepspeed_ext.config import ConfigError, load_plugin_config
+from deepspeed_ext.section import ConfigError
 from megatron_ext.args import extra_args_provider, plugin_config_from_args
 from megatron_ext.upstream import hooks
+from plugin_config import load_plugin_config
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "presets")

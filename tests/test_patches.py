@@ -120,7 +120,7 @@ def test_spec_is_what_megatron_lm_imports():
 def test_flash_overlap_submodules_follow_the_config():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from deepspeed_ext.config import FlashOverlapConfig
+    from megatron_ext.layers.config import FlashOverlapConfig
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.upstream.spec import flash_overlap_submodules, layer_spec
 
@@ -192,7 +192,7 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
     from megatron.core import parallel_state as ps
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from deepspeed_ext.config import ShmDataLoaderConfig
+    from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.loader import build_batch_iterator
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
@@ -310,7 +310,7 @@ def _megatron_deepspeed_path(prefix, cache, job):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from deepspeed_ext.config import ShmDataLoaderConfig
+    from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.loader import build_batch_iterator
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)

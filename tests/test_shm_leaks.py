@@ -13,9 +13,9 @@ import uuid
 
 import pytest
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data import producer as producer_module
 from megatron_ext.data.batch import ALL_KEYS
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.ring import RingError
 from megatron_ext.data.samplers import SamplerSettings

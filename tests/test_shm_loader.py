@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import (
     ByteTokenizer,
     gpt_dataset_config,

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from test_shm_loader import MBS, _dataset, _take
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import synthetic_documents, write_indexed_dataset
 from megatron_ext.data.loader import build_batch_iterator
 from megatron_ext.data.shm_loader import ShmBatchIterator

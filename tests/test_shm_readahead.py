@@ -85,8 +85,8 @@ def test_advice_reaches_the_kernel_for_every_range(corpora, monkeypatch):
 
 
 def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, monkeypatch):
-    from deepspeed_ext.config import ShmDataLoaderConfig
     from megatron_ext.data.batch import ALL_KEYS
+    from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.samplers import SamplerSettings, random_batches
     from megatron_ext.data.shm_loader import ShmBatchIterator
     from megatron_ext.data.shm_segment import segment_path

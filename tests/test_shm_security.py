@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data import loader as loader_module
 from megatron_ext.data import ring as ring_module
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.loader import build_batch_iterator
 from megatron_ext.data.samplers import SamplerSettings

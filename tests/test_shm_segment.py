@@ -12,9 +12,9 @@ import uuid
 
 import pytest
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data import shm_segment
 from megatron_ext.data.batch import ALL_KEYS
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import (
     DatasetFileError,
     build_train_dataset,

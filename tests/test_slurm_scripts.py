@@ -429,7 +429,7 @@ def test_cpu_config_uses_torch_adam_fp32() -> None:
 
 @pytest.mark.parametrize("config", sorted(p.name for p in PRESETS.glob("ds_*.json")))
 def test_config_plugin_sections_validate(config: str) -> None:
-    from deepspeed_ext.config import load_plugin_config
+    from plugin_config import load_plugin_config
 
     plugins = load_plugin_config(str(PRESETS / config))
     assert plugins.hierarchical_zero.enabled and plugins.flash_overlap.enabled and plugins.shm_data_loader.enabled

@@ -3,8 +3,15 @@
 import pytest
 import torch.distributed as dist
 
-from deepspeed_ext.config import ConfigError, TopologyConfig
-from deepspeed_ext.topology import Topology, all_level_groups, detect_topology, level_members, partition_of
+from deepspeed_ext.section import ConfigError
+from deepspeed_ext.topology import (
+    Topology,
+    TopologyConfig,
+    all_level_groups,
+    detect_topology,
+    level_members,
+    partition_of,
+)
 
 
 def test_slurm_variables_on_frontier_give_gcd_pairs():

@@ -11,7 +11,7 @@ import tarfile
 import pytest
 from upstream_setup import TARBALLS, UPSTREAM
 
-from deepspeed_ext.config import ConfigError
+from deepspeed_ext.section import ConfigError
 from megatron_ext.upstream.spec import _REFUSED, check_layer_options
 
 # What gpt_builder passes to GPTModel itself, whichever spec is used: --spec changes none of it.

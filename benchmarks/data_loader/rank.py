@@ -23,8 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import check_indexed_dataset, gpt_dataset_config
 from megatron_ext.data.loader import build_batch_iterator
 

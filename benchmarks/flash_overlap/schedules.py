@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megatron_ext.layers import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
 CHUNKS = 4  # Megatron / TransformerEngine "pipeline" overlap splits a GEMM in 4 by default
 

@@ -88,7 +88,7 @@ def measure(dataset: Any, scheme: str, workers: int, mask: bool, mbs: int, steps
             device: torch.device) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
-    from deepspeed_ext.config import ShmDataLoaderConfig
+    from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.loader import build_batch_iterator
 
     it = build_batch_iterator(

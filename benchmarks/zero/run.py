@@ -27,8 +27,8 @@ from typing import Any
 
 from benchmarks.cluster.loopback import launch_loopback
 from deepspeed_ext.comm import LINK_CLASSES
-from deepspeed_ext.config import HierarchicalZeroConfig
 from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.zero.rank"]

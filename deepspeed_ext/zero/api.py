@@ -12,18 +12,13 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import comm
-from deepspeed_ext.config import (
-    ConfigError,
-    PluginConfig,
-    load_plugin_config,
-    read_ds_config,
-    validate_against_world,
-)
+from deepspeed_ext.section import ConfigError, read_ds_config
 from deepspeed_ext.topology import Topology, detect_topology
 from deepspeed_ext.zero import inject
 from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, hierarchical, step_hops
 from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
 from deepspeed_ext.zero.planner import SecondaryChoice, choose_secondary_level, describe, links_for
+from plugin_config import PluginConfig, load_plugin_config, validate_against_world
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from deepspeed_ext.config import ConfigError
+from deepspeed_ext.section import ConfigError
 from deepspeed_ext.topology import LevelGroups, Topology, check_uniform, level_members, new_level_groups
 from deepspeed_ext.zero.cost_model import DPShape
 

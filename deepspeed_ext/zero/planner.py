@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from deepspeed_ext.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost_model import (
     FRONTIER_BANDWIDTH_GBPS,
     DPShape,

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from deepspeed_ext.topology import Topology, detect_topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.ring import check_platform
 from megatron_ext.data.samplers import SamplerKind, SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator

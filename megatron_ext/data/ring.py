@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from deepspeed_ext.config import ConfigError
+from deepspeed_ext.section import ConfigError
 from megatron_ext.data.shm_segment import MAGIC
 
 VERSION = 2  # 2: document ids beside the tokens

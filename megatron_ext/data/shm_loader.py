@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from deepspeed_ext.config import ShmDataLoaderConfig
 from megatron_ext.data.batch import (
     STORED_KEYS,
     LoaderCounters,
     StageKeys,
     sequence_length,
 )
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.documents import attention_mask, separates_documents
 from megatron_ext.data.producer import ProducerProcess
 from megatron_ext.data.ring import (

@@ -28,7 +28,7 @@ import secrets
 import struct
 import time
 
-from deepspeed_ext.config import ConfigError
+from deepspeed_ext.section import ConfigError
 from megatron_ext.data.shm_private import (
     SAFE_OPEN,
     ShmSecurityError,

@@ -1,19 +1,9 @@
-"""Flash-Overlap tensor/sequence-parallel linears: the P2P overlap schedules and the drop-in layers.
+"""Flash-Overlap tensor/sequence-parallel linears.
 
-The GPT layer spec lives in :mod:`megatron_ext.layers.spec` (imported on its own: it builds on
-:mod:`megatron_ext.gpt`, which itself imports this package's norm).
+* :mod:`~megatron_ext.layers.config`: the ``flash_overlap`` section (imports no megatron-core);
+* :mod:`~megatron_ext.layers.linear`: the drop-in layers; :mod:`~megatron_ext.layers.p2p_overlap`
+  and :mod:`~megatron_ext.layers.p2p_link`: the P2P schedules; :mod:`~megatron_ext.layers.symm_mem`:
+  the backend on torch's fused symmetric-memory ops; :mod:`~megatron_ext.layers.wgrad`: GEMM
+  precision and the weight gradient;
+* :mod:`~megatron_ext.layers.spec`: the GPT layer spec (builds on :mod:`megatron_ext.gpt`).
 """
-
-from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
-from megatron_ext.layers.p2p_link import OverlapGroup, PeerTimeoutError, PeerTransferError
-from megatron_ext.layers.p2p_overlap import all_gather_compute, compute_reduce_scatter
-
-__all__ = [
-    "FlashOverlapColumnParallelLinear",
-    "FlashOverlapRowParallelLinear",
-    "OverlapGroup",
-    "PeerTimeoutError",
-    "PeerTransferError",
-    "all_gather_compute",
-    "compute_reduce_scatter",
-]

@@ -6,8 +6,8 @@ import copy
 
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from deepspeed_ext.config import FlashOverlapConfig
 from megatron_ext.gpt import local_layer_spec
+from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
 

@@ -17,14 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import (
-    ConfigError,
-    PluginConfig,
-    load_plugin_config,
-    log_effective_config,
-    validate_against_world,
-)
+from deepspeed_ext.section import ConfigError
 from megatron_ext.args import extra_args_provider, flag_overrides, plugin_config_from_args
+from plugin_config import PluginConfig, load_plugin_config, log_effective_config, validate_against_world
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.config import ConfigError
+from deepspeed_ext.section import ConfigError
 from megatron_ext.upstream.hooks import (
     external_data_iterators,
     is_plugin_iterator,

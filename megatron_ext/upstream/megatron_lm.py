@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepspeed_ext.config import ConfigError
+from deepspeed_ext.section import ConfigError
 from megatron_ext.upstream.hooks import (
     LOCAL_SPEC_ATTRIBUTE,
     SPEC_ATTRIBUTE,

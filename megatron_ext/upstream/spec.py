@@ -21,7 +21,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from deepspeed_ext.config import ConfigError, FlashOverlapConfig
+from deepspeed_ext.section import ConfigError
+from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.upstream.hooks import SPEC_MODULE
 
 # (args attribute, is it set?, why the block cannot honour it, what to do)

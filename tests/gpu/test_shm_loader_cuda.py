@@ -8,7 +8,7 @@ import pytest
 import torch
 from megatron.core import parallel_state as ps
 
-from deepspeed_ext.config import ShmDataLoaderConfig
+from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import gpt_dataset_config, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.loader import build_batch_iterator
 

@@ -1,82 +1,35 @@
-"""Typed models of the suite's top-level DeepSpeed JSON sections.
+"""The effective configuration of the suite: each plugin's section of the DeepSpeed JSON (modelled
+next to the plugin) assembled into one object, validated once.
 
-DeepSpeed forbids unknown keys inside its own sections but keeps unknown top-level sections, so
-each plugin owns one top-level section. The user passes the same JSON (path or dict) to
-``deepspeed.initialize`` and to :func:`load_plugin_config`; Megatron flags (``megatron_ext.args``)
-then override fields of the result. :func:`validate_against_world` runs the checks that need the
-world size, once, before any collective.
+The user passes the same JSON (path or dict) to ``deepspeed.initialize`` and to
+:func:`load_plugin_config`; Megatron flags (``megatron_ext.args``) then override fields of the
+result. :func:`validate_against_world` runs the checks that need the world size, once, before any
+collective. Sections: ``topology`` (``deepspeed_ext/topology.py``), ``hierarchical_zero``
+(``deepspeed_ext/zero/config.py``), ``shm_data_loader`` (``megatron_ext/data/config.py``),
+``flash_overlap`` (``megatron_ext/layers/config.py``).
 """
 
 from __future__ import annotations
 
 import difflib
-import json
 import logging
 import os
-from typing import Any, Literal, Union
+from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
+
+from deepspeed_ext.section import ConfigError, Section, read_ds_config
+from deepspeed_ext.topology import TopologyConfig
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from megatron_ext.data.config import ShmDataLoaderConfig
+from megatron_ext.layers.config import FlashOverlapConfig
 
 logger = logging.getLogger(__name__)
 
 SECTIONS = ("topology", "hierarchical_zero", "shm_data_loader", "flash_overlap")
-LAYER_NAMES = ("qkv", "proj", "fc1", "fc2")
 
 
-class ConfigError(ValueError):
-    """A plugin section of the DeepSpeed config is wrong; the message names key, value and fix."""
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
-
-
-class TopologyConfig(_Section):
-    ranks_per_node: int | None = Field(default=None, ge=1)
-    """Ranks (GPUs/GCDs) per node; null detects it from Slurm or torchrun variables."""
-    ranks_per_package: int | None = Field(default=None, ge=1)
-    """Ranks sharing one package (2 GCDs of an MI250X on Frontier, 1 elsewhere); null detects it."""
-
-
-class HierarchicalZeroConfig(_Section):
-    enabled: bool = False
-    """Use the hierarchical ZeRO-3 variant (needs zero_optimization.stage 3)."""
-    secondary_level: Literal["auto", "package", "node"] = "auto"
-    """Level of the secondary 16-bit weight partition; auto picks the fastest one that fits the budget."""
-    secondary_memory_budget_gb: float = Field(default=8.0, gt=0)
-    """Extra memory per rank (GB) that the secondary weight copy may take when secondary_level is auto."""
-    grad_reduce: Literal["hierarchical", "flat"] = "hierarchical"
-    """Gradient reduce-scatter in hops package -> node -> global, or one flat reduce-scatter."""
-    link_bandwidth_gbps: dict[Literal["package", "node", "inter_node"], float] | None = None
-    """GB/s per link class for the cost model; null uses Frontier's 200 / 50 / 25."""
-
-
-class ShmDataLoaderConfig(_Section):
-    enabled: bool = False
-    """Feed batches through one producer per node and a ring in shared memory."""
-    slots: int = Field(default=4, ge=1, le=1024)
-    """Ring slots, each holding one step's micro-batches for the node: the prefetch depth."""
-    timeout_s: float = Field(default=600.0, gt=0)
-    """Seconds a rank waits for its next batch before raising; the producer waits for live ranks
-    as long as they live and raises as soon as one dies."""
-    shm_dir: str = "/dev/shm"
-    """Directory of the shared-memory segments (a tmpfs)."""
-
-
-class FlashOverlapConfig(_Section):
-    enabled: bool = False
-    """Replace megatron-core's TP linears by the P2P-overlapped ones."""
-    layers: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(default_factory=lambda: list(LAYER_NAMES))
-    """Which linears of each transformer layer are replaced."""
-    mode: Literal["direct", "ring"] = "direct"
-    """P2P pattern: direct (each step a different peer) or ring (neighbours only)."""
-    backend: Literal["auto", "p2p", "symm_mem"] = "auto"
-    """auto: torch's symmetric-memory fused ops where they run (NCCL on CUDA, ROCm gfx942/950), else p2p."""
-    timeout_s: float = Field(default=300.0, gt=0)
-    """Seconds to wait for a peer's transfer before raising."""
-
-
-class PluginConfig(_Section):
+class PluginConfig(Section):
     """The effective configuration of all plugins."""
 
     topology: TopologyConfig = Field(default_factory=TopologyConfig)
@@ -114,22 +67,6 @@ def _describe(error: ValidationError) -> str:
         else:
             lines.append(f"{key}={item.get('input')!r}: {item['msg']}")
     return "invalid plugin config: " + "; ".join(lines)
-
-
-def read_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
-    """The DeepSpeed config as a dict (a dict is returned as is, None gives {}); a missing file or
-    invalid JSON raises ConfigError naming the file. The suite's one reader of DeepSpeed JSON."""
-    if ds_config is None:
-        return {}
-    if isinstance(ds_config, dict):
-        return ds_config
-    try:
-        with open(ds_config) as f:
-            return json.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"DeepSpeed config {os.fspath(ds_config)!r} does not exist: pass an existing JSON file") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"DeepSpeed config {os.fspath(ds_config)!r} is not valid JSON: {e}") from None
 
 
 def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrides: Any) -> PluginConfig:

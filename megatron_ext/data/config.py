@@ -1,0 +1,19 @@
+"""The ``shm_data_loader`` section of the DeepSpeed JSON."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from deepspeed_ext.section import Section
+
+
+class ShmDataLoaderConfig(Section):
+    enabled: bool = False
+    """Feed batches through one producer per node and a ring in shared memory."""
+    slots: int = Field(default=4, ge=1, le=1024)
+    """Ring slots, each holding one step's micro-batches for the node: the prefetch depth."""
+    timeout_s: float = Field(default=600.0, gt=0)
+    """Seconds a rank waits for its next batch before raising; the producer waits for live ranks
+    as long as they live and raises as soon as one dies."""
+    shm_dir: str = "/dev/shm"
+    """Directory of the shared-memory segments (a tmpfs)."""
