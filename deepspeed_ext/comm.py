@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.topology import Topology
+from deepspeed_ext.topology import LinkClass, Topology
 
-LINK_CLASSES = ("package", "node", "inter_node")
+LINK_CLASSES = tuple(LinkClass)
 KINDS = ("gather", "reduce", "other")
 
 # torch 2.13 deprecates the *_tensor names (a FutureWarning per call on gloo); the *_single ones are
@@ -44,12 +44,12 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-def span_class(topology: Topology, ranks: Sequence[int]) -> str:
+def span_class(topology: Topology, ranks: Sequence[int]) -> LinkClass:
     """The slowest link class a collective among ``ranks`` crosses."""
     first = ranks[0]
     if all(topology.package(r) == topology.package(first) for r in ranks):
-        return "package"
-    return "node" if all(topology.node(r) == topology.node(first) for r in ranks) else "inter_node"
+        return LinkClass.PACKAGE
+    return LinkClass.NODE if all(topology.node(r) == topology.node(first) for r in ranks) else LinkClass.INTER_NODE
 
 
 def volume(kind: str, nbytes: int, group_size: int) -> int:

@@ -12,15 +12,49 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 
 import torch.distributed as dist
 from pydantic import Field
 
 from deepspeed_ext.section import ConfigError, Section
 
-LEVELS = ("package", "node", "global")
 FRONTIER_RANKS_PER_NODE = 8
 FRONTIER_RANKS_PER_PACKAGE = 2  # two GCDs per MI250X: (0,1), (2,3), (4,5), (6,7)
+
+
+class _Named(str, Enum):
+    """Members equal their strings, so JSON values, dict keys and f-strings read as before."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class Level(_Named):
+    """A unit that holds ranks, innermost first; global is the whole parent group."""
+
+    PACKAGE = "package"
+    NODE = "node"
+    GLOBAL = "global"
+
+
+class LinkClass(_Named):
+    """The slowest link a transfer or a group crosses."""
+
+    PACKAGE = "package"
+    NODE = "node"
+    INTER_NODE = "inter_node"
+
+
+class GroupKind(_Named):
+    """The process groups cut from a parent group: one per level, and the strided groups hops run
+    over (the same position in the node's other packages, in the other nodes)."""
+
+    PACKAGE = "package"
+    NODE = "node"
+    GLOBAL = "global"
+    CROSS_PACKAGE = "cross_package"
+    CROSS_NODE = "cross_node"
 
 
 class TopologyConfig(Section):
@@ -67,15 +101,15 @@ class Topology:
         """Global package id of ``rank``."""
         return rank // self.ranks_per_package
 
-    def link_class(self, a: int, b: int) -> str:
-        """The link a transfer between ranks a and b crosses: package, node or inter_node."""
+    def link_class(self, a: int, b: int) -> LinkClass:
+        """The link a transfer between ranks a and b crosses."""
         if self.package(a) == self.package(b):
-            return "package"
-        return "node" if self.node(a) == self.node(b) else "inter_node"
+            return LinkClass.PACKAGE
+        return LinkClass.NODE if self.node(a) == self.node(b) else LinkClass.INTER_NODE
 
-    def level_of(self, rank: int, level: str) -> int:
+    def level_of(self, rank: int, level: Level) -> int:
         """Id of the unit at ``level`` that holds ``rank`` (the whole job for global)."""
-        return {"package": self.package, "node": self.node, "global": lambda r: 0}[level](rank)
+        return {Level.PACKAGE: self.package, Level.NODE: self.node, Level.GLOBAL: lambda r: 0}[level](rank)
 
 
 def _is_frontier(env: Mapping[str, str]) -> bool:
@@ -128,20 +162,21 @@ def _check_rank_order(topo: Topology, env: Mapping[str, str]) -> None:
         )
 
 
-def level_members(topo: Topology, parent: Sequence[int], rank: int) -> dict[str, list[int]]:
+def level_members(topo: Topology, parent: Sequence[int], rank: int) -> dict[GroupKind, list[int]]:
     """Members of ``parent`` that share ``rank``'s package, node and (all of) the job, plus the
     strided groups a hop needs: same position in the other packages of the node (``cross_package``)
     and same position in the node on the other nodes (``cross_node``)."""
     if rank not in parent:
         raise ValueError(f"rank {rank} is not in the parent group {list(parent)}")
-    members = {level: [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)] for level in LEVELS}
-    in_package, in_node = _positions(topo, parent, "package"), _positions(topo, parent, "node")
-    members["cross_package"] = [r for r in members["node"] if in_package[r] == in_package[rank]]
-    members["cross_node"] = [r for r in parent if in_node[r] == in_node[rank]]
+    members = {GroupKind(level): [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)]
+               for level in Level}
+    in_package, in_node = _positions(topo, parent, Level.PACKAGE), _positions(topo, parent, Level.NODE)
+    members[GroupKind.CROSS_PACKAGE] = [r for r in members[GroupKind.NODE] if in_package[r] == in_package[rank]]
+    members[GroupKind.CROSS_NODE] = [r for r in parent if in_node[r] == in_node[rank]]
     return members
 
 
-def _positions(topo: Topology, parent: Sequence[int], level: str) -> dict[int, int]:
+def _positions(topo: Topology, parent: Sequence[int], level: Level) -> dict[int, int]:
     """Each parent member's position among the parent members of its unit at ``level``."""
     seen: dict[int, int] = {}
     positions = {}
@@ -152,7 +187,7 @@ def _positions(topo: Topology, parent: Sequence[int], level: str) -> dict[int, i
     return positions
 
 
-def partition_of(topo: Topology, parent: Sequence[int], kind: str) -> list[list[int]]:
+def partition_of(topo: Topology, parent: Sequence[int], kind: GroupKind) -> list[list[int]]:
     """All groups of one kind (a level or a cross group) that cover ``parent``, in a fixed order."""
     seen: list[list[int]] = []
     for r in parent:
@@ -164,8 +199,8 @@ def partition_of(topo: Topology, parent: Sequence[int], kind: str) -> list[list[
 
 def check_uniform(topo: Topology, parent: Sequence[int]) -> None:
     """Hierarchical hops need every package (node) to hold the same number of parent members."""
-    for level in ("package", "node"):
-        sizes = {len(g) for g in partition_of(topo, parent, level)}
+    for level in (Level.PACKAGE, Level.NODE):
+        sizes = {len(g) for g in partition_of(topo, parent, GroupKind(level))}
         if len(sizes) > 1:
             raise ConfigError(
                 f"the parent group {list(parent)} has {sorted(sizes)} members per {level}: "
@@ -177,10 +212,10 @@ def check_uniform(topo: Topology, parent: Sequence[int]) -> None:
 class LevelGroups:
     """This rank's process groups per level, cut from one parent group."""
 
-    members: dict[str, list[int]]
+    members: dict[GroupKind, list[int]]
     """Global ranks of each group this rank belongs to, by kind."""
-    groups: dict[str, dist.ProcessGroup]
-    """The process group of each kind (package, node, global, cross_package, cross_node)."""
+    groups: dict[GroupKind, dist.ProcessGroup]
+    """The process group of each kind."""
 
 
 def new_level_groups(topo: Topology, parent_ranks: Sequence[int], backend: str | None = None) -> LevelGroups:
@@ -190,9 +225,8 @@ def new_level_groups(topo: Topology, parent_ranks: Sequence[int], backend: str |
     parent = sorted(parent_ranks)
     check_uniform(topo, parent)
     rank = dist.get_rank()
-    kinds = ("package", "node", "global", "cross_package", "cross_node")
-    groups: dict[str, dist.ProcessGroup] = {}
-    for kind in kinds:
+    groups: dict[GroupKind, dist.ProcessGroup] = {}
+    for kind in GroupKind:
         for members in partition_of(topo, parent, kind):
             group = dist.new_group(members, backend=backend)
             if rank in members:

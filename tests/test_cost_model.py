@@ -6,9 +6,10 @@ import pytest
 
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.planner import choose_secondary_level, describe
 
-FRONTIER_384 = cm.DPShape(nodes=48, packages_per_node=4, per_package=2)
+FRONTIER_384 = DPShape(nodes=48, packages_per_node=4, per_package=2)
 PSI = 384 * 1_000_000  # parameters, a multiple of the DP size: no padding
 MODEL = cm.ModelSpec(param_numels=(PSI,), weight_bytes=2, grad_bytes=2)
 M = 2 * PSI  # bytes of the 16-bit model
@@ -58,7 +59,7 @@ def test_quantized_factors_apply_to_inter_node_hops_only():
                                                             "inter_node": pytest.approx(0.5 * across)}
     assert cm.bytes_per_link(hops, "backward", "reduce")["inter_node"] == pytest.approx(0.25 * across)
     # qwZ quantizes ZeRO++'s flat primary gather wherever it runs: on one node, 7/8 of M at half the bytes.
-    one_node = cm.step_hops(MODEL, cm.DPShape(nodes=1, packages_per_node=4, per_package=2), cm.zeropp_paper(8))
+    one_node = cm.step_hops(MODEL, DPShape(nodes=1, packages_per_node=4, per_package=2), cm.zeropp_paper(8))
     assert cm.bytes_per_link(one_node, "forward", "gather")["node"] == pytest.approx(0.5 * 7 / 8 * M)
 
 
@@ -127,12 +128,12 @@ def test_planner_picks_fastest_level_within_budget():
     assert choice.level == "node" and choice.extra_bytes == {"package": M // 2, "node": M // 8}
     tiny = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=1e-3)
     assert choose_secondary_level(tiny, FRONTIER_384, MODEL, links).level == "global"
-    one_node = cm.DPShape(nodes=1, packages_per_node=4, per_package=2)
+    one_node = DPShape(nodes=1, packages_per_node=4, per_package=2)
     forced = HierarchicalZeroConfig(enabled=True, secondary_level="node")
     assert choose_secondary_level(forced, one_node, MODEL, links).level == "global"
-    alone = cm.DPShape(nodes=1, packages_per_node=1, per_package=1)  # one rank: nothing to place
+    alone = DPShape(nodes=1, packages_per_node=1, per_package=1)  # one rank: nothing to place
     assert choose_secondary_level(big, alone, MODEL, links).level == "global"
-    package_is_group = cm.DPShape(nodes=1, packages_per_node=1, per_package=2)
+    package_is_group = DPShape(nodes=1, packages_per_node=1, per_package=2)
     assert choose_secondary_level(HierarchicalZeroConfig(enabled=True, secondary_level="package"), package_is_group,
                                   MODEL, links).level == "global"
     assert "secondary level package" in describe(choose_secondary_level(big, FRONTIER_384, MODEL, links), FRONTIER_384)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Topology
 from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.levels import DPShape
 
 TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
 STEPS = 10
@@ -175,7 +176,7 @@ def test_auto_picks_package_and_checkpoint_resume_matches(runs):
 
 def _predicted(variant: cm.Variant) -> list[cm.Hop]:
     model = cm.ModelSpec(param_numels=mlp_numels(), weight_bytes=4, grad_bytes=4)
-    return cm.step_hops(model, cm.DPShape(nodes=2, packages_per_node=2, per_package=2), variant, MICRO)
+    return cm.step_hops(model, DPShape(nodes=2, packages_per_node=2, per_package=2), variant, MICRO)
 
 
 VARIANTS = {"zero3": cm.ZERO3, "hpz": cm.hpz(4, "node"), "package": cm.hierarchical("package"),

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from test_hierarchical_zero import MICRO, STEPS, TOL, ds_config, full_params, make_engine, train
 
 from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.levels import DPShape
 
 
 class TPMLP(torch.nn.Module):
@@ -80,7 +81,7 @@ def test_tp2_matches_stock_zero3_and_uses_strided_dp_groups(tp_runs):
 def test_tp2_cost_model_bytes_equal_measured(tp_runs, name):
     variant = {"zero3": cm.ZERO3, "package": cm.hierarchical("package"), "node": cm.hierarchical("node")}[name]
     model = cm.ModelSpec(param_numels=tp_numels(), weight_bytes=4, grad_bytes=4)
-    hops = cm.step_hops(model, cm.DPShape(nodes=2, packages_per_node=2, per_package=1), variant, MICRO)
+    hops = cm.step_hops(model, DPShape(nodes=2, packages_per_node=2, per_package=1), variant, MICRO)
     for rank_runs in tp_runs:
         step = rank_runs[name]["counts"][-1]
         for phase, kind in (("forward", "gather"), ("backward", "gather"), ("backward", "reduce")):

@@ -25,7 +25,10 @@ import signal
 import subprocess
 from pathlib import Path
 
-from .spec import LINK_CLASSES, SUBNET, ClusterSpec, LinkClass
+from deepspeed_ext.comm import LINK_CLASSES
+from deepspeed_ext.topology import LinkClass
+
+from .spec import SUBNET, ClusterSpec
 
 DEFAULT_PREFIX = "emc"
 RANK_IFACE = "eth0"

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Literal
 
-LinkClass = Literal["package", "node", "inter_node"]
-LINK_CLASSES: tuple[LinkClass, ...] = ("package", "node", "inter_node")
+from deepspeed_ext.topology import LinkClass
 
 # Shaping through veth + tbf stays accurate up to about this rate on a small host; above it the
 # kernel's packet processing, not the shaper, becomes the limit and measurements stop meaning much.
@@ -143,12 +141,13 @@ class ClusterSpec:
         """Link class that traffic between ranks a and b crosses."""
         pa, pb = self.place(a), self.place(b)
         if pa.node != pb.node:
-            return "inter_node"
-        return "package" if pa.package == pb.package else "node"
+            return LinkClass.INTER_NODE
+        return LinkClass.PACKAGE if pa.package == pb.package else LinkClass.NODE
 
     def rate_mbit(self, link: LinkClass) -> float:
         """Configured rate of a link class."""
-        return {"package": self.package_mbit, "node": self.node_mbit, "inter_node": self.inter_node_mbit}[link]
+        return {LinkClass.PACKAGE: self.package_mbit, LinkClass.NODE: self.node_mbit,
+                LinkClass.INTER_NODE: self.inter_node_mbit}[link]
 
     def nic(self, rank: int) -> int:
         """Index of the NIC a rank's inter-node traffic goes through (its package's, or its own)."""
@@ -164,11 +163,11 @@ class ClusterSpec:
         """Link classes that actually occur in this layout."""
         present = []
         if self.ranks_per_package > 1:
-            present.append("package")
+            present.append(LinkClass.PACKAGE)
         if self.packages_per_node > 1:
-            present.append("node")
+            present.append(LinkClass.NODE)
         if self.nodes > 1:
-            present.append("inter_node")
+            present.append(LinkClass.INTER_NODE)
         return present
 
     def sample_pair(self, link: LinkClass) -> tuple[int, int]:

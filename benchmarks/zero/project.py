@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.levels import DPShape
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
 PAPER_RATIO, PAPER_EFFICIENCY = 1.71, 0.94
@@ -49,16 +50,16 @@ class GPT:
         return 72 * s * lyr * h**2 * (1 + s / (6 * h) + v / (12 * lyr * h))
 
 
-def dp_shape(nodes: int, tp: int) -> cm.DPShape:
+def dp_shape(nodes: int, tp: int) -> DPShape:
     """A DP group under megatron's rank order (TP ranks contiguous): its members on each node."""
     if GCDS_PER_NODE % tp:
         raise ValueError(f"--tp {tp} must divide the {GCDS_PER_NODE} GCDs of a node")
     per_node = GCDS_PER_NODE // tp
     per_package = max(1, GCDS_PER_PACKAGE // tp)
-    return cm.DPShape(nodes=nodes, packages_per_node=per_node // per_package, per_package=per_package)
+    return DPShape(nodes=nodes, packages_per_node=per_node // per_package, per_package=per_package)
 
 
-def variants(shape: cm.DPShape) -> dict[str, cm.Variant]:
+def variants(shape: DPShape) -> dict[str, cm.Variant]:
     """ZeRO-3, ZeRO++ (secondary on the node, as its paper), ours at the node level (hpZ's memory)
     and at the package level where a package holds more than one DP member."""
     node = shape.per_package * shape.packages_per_node
@@ -75,7 +76,7 @@ def variants(shape: cm.DPShape) -> dict[str, cm.Variant]:
     return out
 
 
-def secondary_bytes(model: cm.ModelSpec, shape: cm.DPShape, variant: cm.Variant) -> int:
+def secondary_bytes(model: cm.ModelSpec, shape: DPShape, variant: cm.Variant) -> int:
     """Computed bytes per rank of the secondary 16-bit weight copy (0 without one)."""
     full = model.padded(shape.size) * model.weight_bytes
     size = {"global": 0, "hpz": variant.hpz_size, "node": shape.packages_per_node * shape.per_package,

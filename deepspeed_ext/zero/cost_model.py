@@ -26,10 +26,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from deepspeed_ext.comm import LINK_CLASSES, volume
+from deepspeed_ext.topology import Level, LinkClass
+from deepspeed_ext.zero.levels import DPShape
 
+PACKAGE, NODE, INTER_NODE = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
 # Frontier: GCD pair 200 GB/s; GCDs on different MI250X 50-100 GB/s; one 25 GB/s NIC per MI250X.
-FRONTIER_BANDWIDTH_GBPS = {"package": 200.0, "node": 50.0, "inter_node": 25.0}
-FRONTIER_LATENCY_US = {"package": 2.0, "node": 4.0, "inter_node": 10.0}
+FRONTIER_BANDWIDTH_GBPS = {PACKAGE: 200.0, NODE: 50.0, INTER_NODE: 25.0}
+FRONTIER_LATENCY_US = {PACKAGE: 2.0, NODE: 4.0, INTER_NODE: 10.0}
 # ZeRO++ (arXiv 2306.10209): qwZ sends INT8 weights plus block scales (~half of fp16), qgZ INT4 gradients.
 QWZ_BYTES_FACTOR = 0.5
 QGZ_BYTES_FACTOR = 0.25
@@ -39,9 +42,9 @@ QGZ_BYTES_FACTOR = 0.25
 class Links:
     """Speed of each link class and how a node's ranks share its NICs."""
 
-    bandwidth_gbps: dict[str, float] = field(default_factory=lambda: dict(FRONTIER_BANDWIDTH_GBPS))
+    bandwidth_gbps: dict[LinkClass, float] = field(default_factory=lambda: dict(FRONTIER_BANDWIDTH_GBPS))
     """GB/s per link: package and node per rank, inter_node per NIC."""
-    latency_us: dict[str, float] = field(default_factory=lambda: dict(FRONTIER_LATENCY_US))
+    latency_us: dict[LinkClass, float] = field(default_factory=lambda: dict(FRONTIER_LATENCY_US))
     """Per-step latency of a ring collective on each link class (microseconds)."""
     ranks_per_nic: int = 2
     """Ranks sharing one NIC (Frontier: the two GCDs of an MI250X)."""
@@ -58,30 +61,10 @@ class Links:
     def ranks_per_node(self) -> int:
         return self.ranks_per_nic * self.nics_per_node
 
-    def rank_bandwidth(self, link: str) -> float:
+    def rank_bandwidth(self, link: LinkClass) -> float:
         """Bytes per second one rank gets on ``link`` while every rank of its node sends on it."""
-        share = self.ranks_per_nic if link == "inter_node" else 1
+        share = self.ranks_per_nic if link == INTER_NODE else 1
         return self.bandwidth_gbps[link] * 1e9 / share
-
-
-@dataclass(frozen=True)
-class DPShape:
-    """The data-parallel group as nodes x packages per node x members per package."""
-
-    nodes: int
-    """Nodes holding members of the group."""
-    packages_per_node: int
-    """Packages per node holding members."""
-    per_package: int
-    """Members in each package."""
-
-    @property
-    def size(self) -> int:
-        return self.nodes * self.packages_per_node * self.per_package
-
-    def span(self, nodes: int, packages: int) -> str:
-        """Link class of a group spanning ``nodes`` nodes and ``packages`` packages per node."""
-        return "inter_node" if nodes > 1 else ("node" if packages > 1 else "package")
 
 
 @dataclass(frozen=True)
@@ -110,11 +93,11 @@ class Variant:
 
     name: str
     """Label in reports."""
-    secondary: str = "global"
-    """Secondary weight copy: global (none), package, node, or hpz (consecutive-rank groups)."""
+    secondary: Level | str = Level.GLOBAL
+    """Secondary weight copy: a Level (global: none), or "hpz" (consecutive-rank groups)."""
     hpz_size: int = 1
     """Members of an hpZ group when secondary is hpz."""
-    hpz_link: str = "node"
+    hpz_link: LinkClass = NODE
     """Link class an hpZ group spans."""
     hierarchical_gather: bool = False
     """Primary and node-level gathers in hops (cross-node, cross-package, package)."""
@@ -132,17 +115,17 @@ class Variant:
 ZERO3 = Variant("zero3")
 
 
-def hpz(size: int, link: str = "node") -> Variant:
+def hpz(size: int, link: LinkClass = NODE) -> Variant:
     return Variant(f"zero++ hpZ({size})", secondary="hpz", hpz_size=size, hpz_link=link)
 
 
-def zeropp_paper(size: int, link: str = "node") -> Variant:
+def zeropp_paper(size: int, link: LinkClass = NODE) -> Variant:
     """ZeRO++ with hpZ, qwZ and qgZ as the paper describes them (their kernels need a GPU)."""
     return Variant(f"zero++ hpZ({size})+qwZ+qgZ", secondary="hpz", hpz_size=size, hpz_link=link,
                    weight_factor=QWZ_BYTES_FACTOR, grad_factor=QGZ_BYTES_FACTOR)
 
 
-def hierarchical(secondary: str, grad_reduce: str = "hierarchical", boundary_sync: bool = False,
+def hierarchical(secondary: Level, grad_reduce: str = "hierarchical", boundary_sync: bool = False,
                  weight_factor: float = 1.0, grad_factor: float = 1.0) -> Variant:
     """Our variant; the factors model quantized inter-node hops (int8 weights 0.5, int4 gradients 0.25)."""
     tags = [secondary] + (["boundary sync"] if boundary_sync else []) + (
@@ -164,7 +147,7 @@ class Hop:
     """forward, backward or step."""
     kind: str
     """gather or reduce."""
-    link: str
+    link: LinkClass
     """Slowest link class of the group."""
     members: int
     """Group size."""
@@ -178,19 +161,19 @@ class Hop:
     """The group as nodes x packages per node x members per package (the ring's edges)."""
 
 
-def _link(layout: Layout) -> str:
+def _link(layout: Layout) -> LinkClass:
     n, q, _ = layout
-    return "inter_node" if n > 1 else ("node" if q > 1 else "package")
+    return INTER_NODE if n > 1 else (NODE if q > 1 else PACKAGE)
 
 
-def _gather_hops(shape: DPShape, level: str, nbytes: int, hierarchical_hops: bool) -> list[tuple[Layout, int]]:
+def _gather_hops(shape: DPShape, level: Level, nbytes: int, hierarchical_hops: bool) -> list[tuple[Layout, int]]:
     """(group layout, bytes sent) of gathering ``nbytes`` of full weights over ``level``'s group."""
     n, q, k = shape.nodes, shape.packages_per_node, shape.per_package
-    stages: list[Layout] = {"package": [(1, 1, k)], "node": [(1, q, 1), (1, 1, k)],
-                            "global": [(n, 1, 1), (1, q, 1), (1, 1, k)]}[level]
+    stages: list[Layout] = {Level.PACKAGE: [(1, 1, k)], Level.NODE: [(1, q, 1), (1, 1, k)],
+                            Level.GLOBAL: [(n, 1, 1), (1, q, 1), (1, 1, k)]}[level]
     members = math.prod(math.prod(s) for s in stages)
     if not hierarchical_hops:
-        flat = {"package": (1, 1, k), "node": (1, q, k), "global": (n, q, k)}[level]
+        flat = {Level.PACKAGE: (1, 1, k), Level.NODE: (1, q, k), Level.GLOBAL: (n, q, k)}[level]
         return [(flat, volume("all_gather", nbytes, members))]
     hops, held = [], nbytes // members
     for layout in stages:  # outermost first: each hop gathers what the next one spreads
@@ -219,16 +202,16 @@ def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches:
     g = model.padded(dp) * model.grad_bytes
 
     def quantized(layout: Layout, nbytes: int, factor: float, whole: bool = False) -> int:
-        return int(nbytes * factor) if whole or _link(layout) == "inter_node" else nbytes
+        return int(nbytes * factor) if whole or _link(layout) == INTER_NODE else nbytes
 
     # qwZ quantizes a flat primary gather wherever it runs; our hops only where they cross nodes.
     primary = [(lay, quantized(lay, b, variant.weight_factor, whole=not variant.hierarchical_gather))
-               for lay, b in _gather_hops(shape, "global", w, variant.hierarchical_gather)]
-    if variant.secondary == "global":
+               for lay, b in _gather_hops(shape, Level.GLOBAL, w, variant.hierarchical_gather)]
+    if variant.secondary == Level.GLOBAL:
         secondary = primary
     elif variant.secondary == "hpz":
         k = min(variant.hpz_size, shape.per_package)
-        lay = (1, 1, variant.hpz_size) if variant.hpz_link == "package" else (1, variant.hpz_size // k, k)
+        lay = (1, 1, variant.hpz_size) if variant.hpz_link == PACKAGE else (1, variant.hpz_size // k, k)
         secondary = [(lay, volume("all_gather", w, variant.hpz_size))]
     else:
         secondary = _gather_hops(shape, variant.secondary, w, variant.hierarchical_gather)
@@ -247,7 +230,7 @@ def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches:
     return [h for h in hops if h.members > 1]
 
 
-def bytes_per_link(hops: Sequence[Hop], phase: str | None = None, kind: str | None = None) -> dict[str, int]:
+def bytes_per_link(hops: Sequence[Hop], phase: str | None = None, kind: str | None = None) -> dict[LinkClass, int]:
     """Computed bytes per link class in comm.py's accounting (comparable to CommCounter.per_link)."""
     out = dict.fromkeys(LINK_CLASSES, 0)
     for h in hops:
@@ -256,16 +239,16 @@ def bytes_per_link(hops: Sequence[Hop], phase: str | None = None, kind: str | No
     return out
 
 
-def ring_edges(layout: Layout) -> dict[str, int]:
+def ring_edges(layout: Layout) -> dict[LinkClass, int]:
     """Edges of each link class in a ring over a node- and package-contiguous group."""
     n, q, k = layout
-    edges = {"package": n * q * (k - 1), "node": n * (q - 1), "inter_node": n if n > 1 else 0}
+    edges = {PACKAGE: n * q * (k - 1), NODE: n * (q - 1), INTER_NODE: n if n > 1 else 0}
     if n == 1:  # the ring closes inside the node
-        edges["node" if q > 1 else "package"] += 1
+        edges[NODE if q > 1 else PACKAGE] += 1
     return edges
 
 
-def ring_wire_bytes(hops: Sequence[Hop], links: Links | None = None) -> dict[str, float]:
+def ring_wire_bytes(hops: Sequence[Hop], links: Links | None = None) -> dict[LinkClass, float]:
     """Computed bytes per link class a rank puts on the wire, averaged over the group, when every
     collective is a ring: each of its ``members`` edges carries what one rank sends."""
     out = dict.fromkeys(LINK_CLASSES, 0.0)
@@ -283,13 +266,13 @@ def hop_seconds(hop: Hop, links: Links) -> float:
     ``nics_per_node`` NICs."""
     latency = hop.launches * (hop.members - 1) * links.latency_us[hop.link] * 1e-6
     nbytes = hop.nbytes * (links.reduce_scatter_wire if hop.kind == "reduce" else 1.0)
-    if hop.link != "inter_node":
+    if hop.link != INTER_NODE:
         return nbytes / links.rank_bandwidth(hop.link) + latency
     _, q, k = hop.layout
     groups = max(1, links.ranks_per_node // (q * k))
     nics = min(groups * links.channels, links.nics_per_node)
-    nic_s = groups * nbytes / (nics * links.bandwidth_gbps["inter_node"] * 1e9)
-    intra_s = nbytes / links.rank_bandwidth("node" if q > 1 else "package") if q * k > 1 else 0.0
+    nic_s = groups * nbytes / (nics * links.bandwidth_gbps[INTER_NODE] * 1e9)
+    intra_s = nbytes / links.rank_bandwidth(NODE if q > 1 else PACKAGE) if q * k > 1 else 0.0
     return max(nic_s, intra_s) + latency
 
 

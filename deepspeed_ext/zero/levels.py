@@ -15,10 +15,36 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from deepspeed_ext.section import ConfigError
-from deepspeed_ext.topology import LevelGroups, Topology, check_uniform, level_members, new_level_groups
-from deepspeed_ext.zero.cost_model import DPShape
+from deepspeed_ext.topology import (
+    GroupKind,
+    Level,
+    LevelGroups,
+    LinkClass,
+    Topology,
+    check_uniform,
+    level_members,
+    new_level_groups,
+)
 
-HOP_LINKS = {"package": "package", "cross_package": "node", "cross_node": "inter_node"}
+# The link each hop group's ring runs on.
+HOP_LINKS = {GroupKind.PACKAGE: LinkClass.PACKAGE, GroupKind.CROSS_PACKAGE: LinkClass.NODE,
+             GroupKind.CROSS_NODE: LinkClass.INTER_NODE}
+
+
+@dataclass(frozen=True)
+class DPShape:
+    """The data-parallel group as nodes x packages per node x members per package."""
+
+    nodes: int
+    """Nodes holding members of the group."""
+    packages_per_node: int
+    """Packages per node holding members."""
+    per_package: int
+    """Members in each package."""
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.packages_per_node * self.per_package
 
 
 def dp_shape(topology: Topology, dp_ranks: Sequence[int]) -> DPShape:
@@ -26,8 +52,8 @@ def dp_shape(topology: Topology, dp_ranks: Sequence[int]) -> DPShape:
     ranks = sorted(dp_ranks)
     check_uniform(topology, ranks)
     members = level_members(topology, ranks, ranks[0])
-    per_package = len(members["package"])
-    per_node = len(members["node"])
+    per_package = len(members[GroupKind.PACKAGE])
+    per_node = len(members[GroupKind.NODE])
     if per_node % per_package or len(ranks) % per_node:
         raise ConfigError(
             f"level sizes do not divide the data-parallel size {len(ranks)}: {per_package} per package, "
@@ -46,7 +72,7 @@ class HopPlan:
     """Members of each hop's group, innermost first; their product is the parent's size."""
     groups: tuple[dist.ProcessGroup, ...]
     """This rank's process group for each hop."""
-    links: tuple[str, ...]
+    links: tuple[LinkClass, ...]
     """Link class each hop runs on."""
 
     @property
@@ -65,8 +91,8 @@ class ZeroLevels:
     """The data-parallel group as nodes x packages x members."""
     groups: LevelGroups
     """Process groups of each level and cross group, our own objects (not megatron's)."""
-    secondary_level: str
-    """Level of the secondary 16-bit weight partition: package, node, or global (none)."""
+    secondary_level: Level
+    """Level of the secondary 16-bit weight partition (global: none)."""
     grad_reduce: str
     """hierarchical or flat gradient reduce-scatter."""
     self_group: dist.ProcessGroup
@@ -74,35 +100,35 @@ class ZeroLevels:
 
     @property
     def dp_ranks(self) -> tuple[int, ...]:
-        return tuple(self.groups.members["global"])
+        return tuple(self.groups.members[GroupKind.GLOBAL])
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
         """Our own data-parallel group: the identity the collective dispatchers recognise."""
-        return self.groups.groups["global"]
+        return self.groups.groups[GroupKind.GLOBAL]
 
     @property
     def secondary_group(self) -> dist.ProcessGroup | None:
-        return None if self.secondary_level == "global" else self.groups.groups[self.secondary_level]
+        return None if self.secondary_level == Level.GLOBAL else self.groups.groups[GroupKind(self.secondary_level)]
 
-    def _plan(self, kinds: Sequence[str], parent: str) -> HopPlan:
+    def _plan(self, kinds: Sequence[GroupKind], parent: GroupKind) -> HopPlan:
         sizes = tuple(len(self.groups.members[k]) for k in kinds)
         return HopPlan(parent=tuple(self.groups.members[parent]), sizes=sizes,
                        groups=tuple(self.groups.groups[k] for k in kinds), links=tuple(HOP_LINKS[k] for k in kinds))
 
     def dp_plan(self) -> HopPlan:
         """Hops over the whole data-parallel group."""
-        return self._plan(("package", "cross_package", "cross_node"), "global")
+        return self._plan((GroupKind.PACKAGE, GroupKind.CROSS_PACKAGE, GroupKind.CROSS_NODE), GroupKind.GLOBAL)
 
     def secondary_plan(self) -> HopPlan | None:
         """Hops of a secondary (backward) gather; None when there is no secondary copy."""
-        if self.secondary_level == "global":
+        if self.secondary_level == Level.GLOBAL:
             return None
-        kinds = ("package",) if self.secondary_level == "package" else ("package", "cross_package")
-        return self._plan(kinds, self.secondary_level)
+        kinds = [GroupKind.PACKAGE] + ([GroupKind.CROSS_PACKAGE] if self.secondary_level == Level.NODE else [])
+        return self._plan(kinds, GroupKind(self.secondary_level))
 
 
-def build_levels(topology: Topology, dp_group: dist.ProcessGroup | None, secondary_level: str,
+def build_levels(topology: Topology, dp_group: dist.ProcessGroup | None, secondary_level: Level,
                  grad_reduce: str) -> ZeroLevels:
     """Create the level groups of every data-parallel group of the job. Collective over the whole job
     (each rank learns the others' DP groups, then all create the same groups in the same order)."""
@@ -117,5 +143,5 @@ def build_levels(topology: Topology, dp_group: dist.ProcessGroup | None, seconda
         if dist.get_rank() in parent:
             groups = made
     self_group, _ = dist.new_subgroups(group_size=1)
-    return ZeroLevels(topology=topology, shape=shape, groups=groups, secondary_level=secondary_level,
+    return ZeroLevels(topology=topology, shape=shape, groups=groups, secondary_level=Level(secondary_level),
                       grad_reduce=grad_reduce, self_group=self_group)

@@ -5,16 +5,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from deepspeed_ext.topology import Level, LinkClass
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost_model import (
     FRONTIER_BANDWIDTH_GBPS,
-    DPShape,
     Links,
     ModelSpec,
     comm_time,
     hierarchical,
     step_hops,
 )
+from deepspeed_ext.zero.levels import DPShape
 
 logger = logging.getLogger(__name__)
 
@@ -23,11 +24,11 @@ logger = logging.getLogger(__name__)
 class SecondaryChoice:
     """The chosen level and the figures behind it."""
 
-    level: str
-    """package, node, or global (no secondary copy)."""
-    extra_bytes: dict[str, int]
+    level: Level
+    """The secondary copy's level (global: none)."""
+    extra_bytes: dict[Level, int]
     """Memory per rank the secondary copy takes at each candidate level."""
-    step_seconds: dict[str, float]
+    step_seconds: dict[Level, float]
     """Modelled communication time of one step at each candidate level (and global)."""
     budget_bytes: int
     """secondary_memory_budget_gb in bytes."""
@@ -38,16 +39,16 @@ class SecondaryChoice:
 def links_for(config: HierarchicalZeroConfig, ranks_per_nic: int) -> Links:
     """The cost model's links from the config (Frontier's figures where it gives none)."""
     bandwidth = dict(FRONTIER_BANDWIDTH_GBPS)
-    bandwidth.update(config.link_bandwidth_gbps or {})
+    bandwidth.update({LinkClass(k): v for k, v in (config.link_bandwidth_gbps or {}).items()})
     return Links(bandwidth_gbps=bandwidth, ranks_per_nic=ranks_per_nic)
 
 
-def candidate_sizes(shape: DPShape) -> dict[str, int]:
+def candidate_sizes(shape: DPShape) -> dict[Level, int]:
     """Secondary levels worth having: a level spanning the whole group would copy the primary
     partition: pure cost, since every module release then copies each weight (docs/gpu.md)."""
-    sizes = {"package": shape.per_package} if shape.per_package < shape.size else {}
+    sizes = {Level.PACKAGE: shape.per_package} if shape.per_package < shape.size else {}
     if shape.nodes > 1:
-        sizes["node"] = shape.per_package * shape.packages_per_node
+        sizes[Level.NODE] = shape.per_package * shape.packages_per_node
     return sizes
 
 
@@ -57,14 +58,14 @@ def choose_secondary_level(config: HierarchicalZeroConfig, shape: DPShape, model
     full = model.padded(shape.size) * model.weight_bytes
     extra = {level: full // size for level, size in candidate_sizes(shape).items()}
     seconds = {level: comm_time(step_hops(model, shape, hierarchical(level), micro_batches), links)
-               for level in (*extra, "global")}
+               for level in (*extra, Level.GLOBAL)}
     budget = int(config.secondary_memory_budget_gb * 1e9)
     requested = config.secondary_level
     if requested != "auto":
         if requested not in extra:
-            level, reason = "global", f"{requested} level spans the whole data-parallel group: no secondary copy"
+            level, reason = Level.GLOBAL, f"{requested} level spans the whole data-parallel group: no secondary copy"
         else:
-            level, reason = requested, "configured"
+            level, reason = Level(requested), "configured"
             if extra[level] > budget:
                 reason += f" (over the {config.secondary_memory_budget_gb} GB budget)"
     else:
@@ -73,7 +74,7 @@ def choose_secondary_level(config: HierarchicalZeroConfig, shape: DPShape, model
             level = min(fitting, key=lambda lvl: seconds[lvl])
             reason = "fastest level within the memory budget"
         else:
-            level, reason = "global", "no level fits the memory budget: backward gathers use the primary partition"
+            level, reason = Level.GLOBAL, "no level fits the memory budget: backward gathers use the primary partition"
     return SecondaryChoice(level=level, extra_bytes=extra, step_seconds=seconds, budget_bytes=budget, reason=reason)
 
 
