@@ -82,7 +82,7 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
     return added
 
 
-_LOGGERS = ("megatron_ext", "deepspeed_ext")
+_LOGGERS = ("megatron_ext", "deepspeed_ext", "plugin_config")
 
 
 def _log_plugins() -> list[tuple[logging.Logger, logging.Handler, int, bool]]:
