@@ -206,16 +206,26 @@ def _rs_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any 
     return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 
-def patch_deepspeed_comm() -> None:
+_ABSENT = object()
+# The backend object patch_deepspeed_comm changed and the attributes it replaced on it.
+_patched: dict[str, Any] = {}
+
+
+def patch_deepspeed_comm() -> bool:
     """Count DeepSpeed's collectives and route its all-gather/reduce-scatter through the non-deprecated
     torch names. Idempotent; inert (one attribute check per call) while no counter is active.
-    Initialises DeepSpeed's communication backend over the existing torch process group if needed."""
+    Initialises DeepSpeed's communication backend over the existing torch process group if needed.
+    Returns whether this call changed anything (False: already patched)."""
     import deepspeed.comm as ds_dist
     from deepspeed.comm import comm as ds_comm
 
     if ds_comm.cdb is None:
         ds_dist.init_distributed(dist_backend=dist.get_backend())
     cdb = ds_comm.cdb
+    if _patched.get("cdb") is cdb:
+        return False
+    names = ("all_gather_function", "reduce_scatter_function", *_DS_METHODS)
+    _patched.update(cdb=cdb, before={name: cdb.__dict__.get(name, _ABSENT) for name in names})
     if cdb.has_all_gather_into_tensor():
         cdb.all_gather_function = _ag_single
     if cdb.has_reduce_scatter_tensor():
@@ -225,3 +235,17 @@ def patch_deepspeed_comm() -> None:
         if method is None or getattr(method, "__counted__", False):
             continue
         setattr(cdb, name, _counted(method, kind, collective, sized, names))
+    return True
+
+
+def unpatch_deepspeed_comm() -> None:
+    """Undo :func:`patch_deepspeed_comm`: DeepSpeed's backend object as it was before."""
+    if not _patched:
+        return
+    cdb = _patched["cdb"]
+    for name, before in _patched["before"].items():
+        if before is _ABSENT:
+            cdb.__dict__.pop(name, None)
+        else:
+            setattr(cdb, name, before)
+    _patched.clear()

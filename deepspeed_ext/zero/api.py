@@ -10,6 +10,7 @@ from typing import Any, Union
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.utils import groups as ds_groups
 
 from deepspeed_ext import comm
 from deepspeed_ext.section import ConfigError, read_ds_config
@@ -153,10 +154,34 @@ def initialize(model: torch.nn.Module, config: Union[str, os.PathLike, dict, Non
     if foreign:
         raise ConfigError("the model was partitioned by another zero.Init: build it under "
                           "deepspeed_ext.zero.Init(plan.levels) with the same plan, or without zero.Init")
-    comm.patch_deepspeed_comm()
+    previous_mpu = ds_groups.mpu
+    patched_comm = comm.patch_deepspeed_comm()
     inject.register(levels)
     level_mpu = inject.LevelMPU(levels, base=mpu, single=levels.self_group)
     with inject.hierarchical_stage3(levels):
         result = deepspeed.initialize(model=model, config=config, mpu=level_mpu, **kwargs)
-    result[0].hierarchical_zero = plan
+    engine = result[0]
+    engine.hierarchical_zero = plan
+    _undo_on_destroy(engine, level_mpu, previous_mpu, patched_comm)
     return result
+
+
+def _undo_on_destroy(engine: Any, level_mpu: inject.LevelMPU, previous_mpu: Any, patched_comm: bool) -> None:
+    """``engine.destroy()`` then also undoes what :func:`initialize` made: the engine's hop plans
+    (and the dispatchers when no engine has any), its process groups, DeepSpeed's ``groups.mpu``
+    where it is still ours, and the communication patch if this engine applied it."""
+    destroy = engine.destroy
+
+    def destroy_and_undo() -> None:
+        destroy()
+        levels = engine.hierarchical_zero.levels
+        if not levels.groups.groups:  # destroyed already
+            return
+        inject.unregister(levels)
+        levels.destroy_groups()
+        if ds_groups.mpu is level_mpu:
+            ds_groups.mpu = previous_mpu
+        if patched_comm:
+            comm.unpatch_deepspeed_comm()
+
+    engine.destroy = destroy_and_undo

@@ -83,6 +83,16 @@ def uninstall_dispatchers() -> None:
     _reduce_plans.clear()
 
 
+def unregister(levels: ZeroLevels) -> None:
+    """Forget the plans of ``levels``; with no plan left, DeepSpeed's functions are restored."""
+    for table in (_gather_plans, _reduce_plans):
+        for group in (levels.dp_group, levels.secondary_group):
+            if _lookup(table, group) is not None:
+                del table[id(group)]
+    if not _gather_plans and not _reduce_plans:
+        uninstall_dispatchers()
+
+
 def register(levels: ZeroLevels) -> None:
     """Route this engine's collectives: primary and node-level gathers and (hierarchical) gradient
     reduce-scatters in hops; a package-level gather is one hop, so DeepSpeed's own call does it."""

@@ -98,6 +98,14 @@ class ZeroLevels:
     self_group: dist.ProcessGroup
     """A group of this rank alone: the model-parallel group when the model has no mpu."""
 
+    def destroy_groups(self) -> None:
+        """Destroy the process groups made for these levels that hold this rank (each rank its own;
+        no collective). The levels are unusable afterwards."""
+        made = {id(g): g for g in (*self.groups.groups.values(), self.self_group)}
+        for group in made.values():
+            dist.destroy_process_group(group)
+        self.groups = LevelGroups(members={}, groups={})
+
     @property
     def dp_ranks(self) -> tuple[int, ...]:
         return tuple(self.groups.members[GroupKind.GLOBAL])
