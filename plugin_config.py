@@ -60,7 +60,11 @@ def _describe(error: ValidationError) -> str:
         if item["type"] == "extra_forbidden":
             section = item["loc"][0] if item["loc"] else ""
             model = PluginConfig.model_fields.get(section)
-            valid = sorted(model.annotation.model_fields) if model is not None and len(item["loc"]) > 1 else SECTIONS
+            valid = (
+                sorted(model.annotation.model_fields)
+                if model is not None and len(item["loc"]) > 1
+                else SECTIONS
+            )
             lines.append(f"unknown key {key!r}; valid keys here: {', '.join(valid)}")
         elif not item["loc"]:
             lines.append(item["msg"].removeprefix("Value error, "))
@@ -79,7 +83,7 @@ def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrid
             raise ConfigError(f"unknown top-level section {key!r}: did you mean {near[0]!r}?")
     for name in SECTIONS:
         if name in raw and not isinstance(raw[name], dict):
-            raise ConfigError(f"{name}={raw[name]!r}: must be a JSON object like {{\"enabled\": true}}")
+            raise ConfigError(f'{name}={raw[name]!r}: must be a JSON object like {{"enabled": true}}')
     sections: dict[str, Any] = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     for path, value in overrides.items():
         section, _, field = path.partition(".")

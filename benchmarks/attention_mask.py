@@ -38,7 +38,9 @@ def _tokens(mbs: int, seq: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _upstream(tokens: torch.Tensor, reset: bool) -> torch.Tensor:
-    return torch.stack([_get_ltor_masks_and_position_ids(row, EOD, False, reset, False, True)[0] for row in tokens])
+    return torch.stack(
+        [_get_ltor_masks_and_position_ids(row, EOD, False, reset, False, True)[0] for row in tokens]
+    )
 
 
 def _ours(tokens: torch.Tensor, reset: bool) -> torch.Tensor:
@@ -71,18 +73,33 @@ def main() -> None:
             assert torch.equal(_ours(tokens, reset), _upstream(tokens, reset))  # same mask, or no figure
             for name, fn in (("megatron dataset", _upstream), ("ours", _ours)):
                 t = _time_ms(fn, tokens, reset, args.repeats)
-                rows.append(dict(mbs=mbs, mask="reset" if reset else "causal", path=name,
-                                 min=min(t), median=statistics.median(t), max=max(t)))
-    result = dict(seq=args.seq, repeats=args.repeats, threads=1, load_average=[load_before, os.getloadavg()],
-                  rows=rows)
+                rows.append(
+                    dict(
+                        mbs=mbs,
+                        mask="reset" if reset else "causal",
+                        path=name,
+                        min=min(t),
+                        median=statistics.median(t),
+                        max=max(t),
+                    )
+                )
+    result = dict(
+        seq=args.seq, repeats=args.repeats, threads=1, load_average=[load_before, os.getloadavg()], rows=rows
+    )
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "attention_mask.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"s={args.seq}, {args.repeats} repetitions, 1 thread, load average before/after "
-             f"{load_before[0]:.1f} / {os.getloadavg()[0]:.1f}", "",
-             "| mbs | mask | path | min ms | median ms | max ms |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['mbs']} | {r['mask']} | {r['path']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} |"
-              for r in rows]
+    lines = [
+        f"s={args.seq}, {args.repeats} repetitions, 1 thread, load average before/after "
+        f"{load_before[0]:.1f} / {os.getloadavg()[0]:.1f}",
+        "",
+        "| mbs | mask | path | min ms | median ms | max ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['mbs']} | {r['mask']} | {r['path']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} |"
+        for r in rows
+    ]
     with open(os.path.join(OUT, "attention_mask.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

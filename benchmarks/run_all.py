@@ -43,23 +43,39 @@ def steps(network: str, quick: bool) -> list[Step]:
     loader_args = ["--steps", "20", "--repeats", "2", "--tokens", "8000000"] if quick else []
     flash_tp = ["--tp", "2"] if quick else ["--tp", "2", "4"]
     out = [
-        Step("Frontier projection of hierarchical ZeRO (computed, 20B preset at TP=4)",
-             ["-m", "benchmarks.zero.project", "--tp", "4", "--name", "projection_tp4_ga1"],
-             RESULTS / "zero" / "projection_tp4_ga1.md"),
-        Step(f"Hierarchical ZeRO vs ZeRO-3 and ZeRO++ hpZ ({network})",
-             ["-m", "benchmarks.zero.run", "--network", network, "--launches", "1" if quick else "3"],
-             RESULTS / "zero" / f"{network}.md"),
-        Step(f"Flash-Overlap MLP vs no overlap and 4-chunk slicing ({network})",
-             ["-m", "benchmarks.flash_overlap.run", "--network", network, *flash_tp],
-             RESULTS / "flash_overlap" / (f"cluster400_tp{flash_tp[-1]}.md" if cluster else f"loopback_tp{flash_tp[-1]}.md")),
-        Step("Shared-memory node loader vs Megatron's DataLoader path with 0/1/2 workers (one node, 4 ranks)",
-             ["-m", "benchmarks.data_loader.run", *loader_args], RESULTS / "data_loader" / "results.md"),
+        Step(
+            "Frontier projection of hierarchical ZeRO (computed, 20B preset at TP=4)",
+            ["-m", "benchmarks.zero.project", "--tp", "4", "--name", "projection_tp4_ga1"],
+            RESULTS / "zero" / "projection_tp4_ga1.md",
+        ),
+        Step(
+            f"Hierarchical ZeRO vs ZeRO-3 and ZeRO++ hpZ ({network})",
+            ["-m", "benchmarks.zero.run", "--network", network, "--launches", "1" if quick else "3"],
+            RESULTS / "zero" / f"{network}.md",
+        ),
+        Step(
+            f"Flash-Overlap MLP vs no overlap and 4-chunk slicing ({network})",
+            ["-m", "benchmarks.flash_overlap.run", "--network", network, *flash_tp],
+            RESULTS
+            / "flash_overlap"
+            / (f"cluster400_tp{flash_tp[-1]}.md" if cluster else f"loopback_tp{flash_tp[-1]}.md"),
+        ),
+        Step(
+            "Shared-memory node loader vs Megatron's DataLoader path with 0/1/2 workers (one node, 4 ranks)",
+            ["-m", "benchmarks.data_loader.run", *loader_args],
+            RESULTS / "data_loader" / "results.md",
+        ),
     ]
     if cluster:
         calibration = RESULTS / "cluster" / "calibration.json"
-        out.insert(0, Step("Emulated cluster calibration (frontier profile)",
-                           ["-m", "benchmarks.cluster.calibrate", "--profile", "frontier", "--json", str(calibration)],
-                           calibration))
+        out.insert(
+            0,
+            Step(
+                "Emulated cluster calibration (frontier profile)",
+                ["-m", "benchmarks.cluster.calibrate", "--profile", "frontier", "--json", str(calibration)],
+                calibration,
+            ),
+        )
     return out
 
 
@@ -80,8 +96,10 @@ def _table_text(step: Step) -> str:
         rows = rows.get("links", rows) if isinstance(rows, dict) else rows
         lines = ["| link class | configured Mbit/s | measured Mbit/s | ratio |", "|---|---:|---:|---:|"]
         for r in rows:
-            lines.append(f"| {r['link']} | {r['configured_mbit']:.0f} | {r['measured_mbit']:.1f} | "
-                         f"{r['measured_mbit'] / r['configured_mbit']:.3f} |")
+            lines.append(
+                f"| {r['link']} | {r['configured_mbit']:.0f} | {r['measured_mbit']:.1f} | "
+                f"{r['measured_mbit'] / r['configured_mbit']:.3f} |"
+            )
         return "\n".join(lines)
     return step.table.read_text().strip()
 
@@ -96,10 +114,18 @@ def write_summary(done: list[tuple[Step, bool]], command: str) -> Path:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--network", choices=("cluster", "loopback"), default="cluster",
-                        help="emulated cluster with shaped links (root), or plain loopback")
-    parser.add_argument("--quick", action="store_true", help="fewer steps and sizes (minutes instead of ~half an hour)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--network",
+        choices=("cluster", "loopback"),
+        default="cluster",
+        help="emulated cluster with shaped links (root), or plain loopback",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer steps and sizes (minutes instead of ~half an hour)"
+    )
     args = parser.parse_args()
     todo = steps(args.network, args.quick)
     started = time.monotonic()

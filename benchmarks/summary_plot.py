@@ -18,8 +18,12 @@ def _zero(ax, path: Path) -> None:
     micro = max(by_micro, key=int)  # the largest gradient accumulation run
     rows = by_micro[micro]["rows"]
     names = list(rows)
-    ax.bar([i - 0.2 for i in range(len(names))], [rows[n].get("shaped", rows[n]["unshaped"])["median"] for n in names],
-           width=0.4, color="tab:blue")
+    ax.bar(
+        [i - 0.2 for i in range(len(names))],
+        [rows[n].get("shaped", rows[n]["unshaped"])["median"] for n in names],
+        width=0.4,
+        color="tab:blue",
+    )
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("step time, s (median)")
     twin = ax.twinx()
@@ -27,7 +31,14 @@ def _zero(ax, path: Path) -> None:
     for link, colour in zip(LINKS, ("tab:green", "tab:orange", "tab:red")):
         # Measured wire bytes on the emulated cluster; over loopback only the computed counter bytes exist.
         mb = [rows[n].get("wire_bytes", rows[n]["counter_bytes"])[link] / 1e6 for n in names]
-        twin.bar([i + 0.2 for i in range(len(names))], mb, width=0.4, bottom=bottom, color=colour, label=f"{link} MB")
+        twin.bar(
+            [i + 0.2 for i in range(len(names))],
+            mb,
+            width=0.4,
+            bottom=bottom,
+            color=colour,
+            label=f"{link} MB",
+        )
         bottom = [b + m for b, m in zip(bottom, mb)]
     twin.set_ylabel("MB sent per rank and step")
     twin.legend(fontsize=7, loc="upper right")
@@ -50,8 +61,15 @@ def _loader(ax, path: Path) -> None:
 def _calibration(ax, path: Path) -> None:
     links = json.loads(path.read_text())["links"]
     names = [r["link"] for r in links]
-    ax.bar([i - 0.2 for i in range(len(names))], [r["configured_mbit"] for r in links], width=0.4, label="configured")
-    ax.bar([i + 0.2 for i in range(len(names))], [r["measured_mbit"] for r in links], width=0.4, label="measured")
+    ax.bar(
+        [i - 0.2 for i in range(len(names))],
+        [r["configured_mbit"] for r in links],
+        width=0.4,
+        label="configured",
+    )
+    ax.bar(
+        [i + 0.2 for i in range(len(names))], [r["measured_mbit"] for r in links], width=0.4, label="measured"
+    )
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("Mbit/s")
     ax.legend(fontsize=7)
@@ -60,9 +78,15 @@ def _calibration(ax, path: Path) -> None:
 
 def plot_summary(results: Path, network: str) -> Path | None:
     """Draw the panels whose JSON exists; returns the PNG path, or None when there is nothing to draw."""
-    panels = [(p, fn) for p, fn in ((results / "zero" / f"{network}.json", _zero),
-                                    (results / "data_loader" / "results.json", _loader),
-                                    (results / "cluster" / "calibration.json", _calibration)) if p.exists()]
+    panels = [
+        (p, fn)
+        for p, fn in (
+            (results / "zero" / f"{network}.json", _zero),
+            (results / "data_loader" / "results.json", _loader),
+            (results / "cluster" / "calibration.json", _calibration),
+        )
+        if p.exists()
+    ]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)

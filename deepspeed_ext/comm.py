@@ -49,7 +49,11 @@ def span_class(topology: Topology, ranks: Sequence[int]) -> LinkClass:
     first = ranks[0]
     if all(topology.package(r) == topology.package(first) for r in ranks):
         return LinkClass.PACKAGE
-    return LinkClass.NODE if all(topology.node(r) == topology.node(first) for r in ranks) else LinkClass.INTER_NODE
+    return (
+        LinkClass.NODE
+        if all(topology.node(r) == topology.node(first) for r in ranks)
+        else LinkClass.INTER_NODE
+    )
 
 
 def volume(kind: str, nbytes: int, group_size: int) -> int:
@@ -144,22 +148,32 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
-                           async_op: bool = False) -> Any:
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Any:
     """``output`` = concatenation of every member's ``input`` in group-rank order."""
     _record("gather", "all_gather", _nbytes(output), group)
     return _ALL_GATHER(output, input, group=group, async_op=async_op)
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-                          group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
     """``output`` = this member's block of the element-wise reduction of every member's ``input``."""
     _record("reduce", "reduce_scatter", _nbytes(input), group)
     return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
 
 
-def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
-               group: dist.ProcessGroup | None = None, async_op: bool = False) -> Any:
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
     _record("other", "all_reduce", _nbytes(tensor), group)
     return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
 
@@ -167,22 +181,43 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp
 # DeepSpeed 0.19 backend methods we count: name -> (kind, collective, the argument whose size is the
 # buffer, the parameter names in order). Spelled out because DeepSpeed's decorators hide the signatures.
 _DS_METHODS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
-    "all_gather_into_tensor": ("gather", "all_gather", "output_tensor", ("output_tensor", "input_tensor", "group", "async_op")),
+    "all_gather_into_tensor": (
+        "gather",
+        "all_gather",
+        "output_tensor",
+        ("output_tensor", "input_tensor", "group", "async_op"),
+    ),
     "all_gather": ("gather", "all_gather", "tensor_list", ("tensor_list", "tensor", "group", "async_op")),
-    "reduce_scatter_tensor": ("reduce", "reduce_scatter", "input_tensor",
-                              ("output_tensor", "input_tensor", "op", "group", "async_op")),
-    "reduce_scatter": ("reduce", "reduce_scatter", "input_list", ("output", "input_list", "op", "group", "async_op")),
+    "reduce_scatter_tensor": (
+        "reduce",
+        "reduce_scatter",
+        "input_tensor",
+        ("output_tensor", "input_tensor", "op", "group", "async_op"),
+    ),
+    "reduce_scatter": (
+        "reduce",
+        "reduce_scatter",
+        "input_list",
+        ("output", "input_list", "op", "group", "async_op"),
+    ),
     "all_reduce": ("other", "all_reduce", "tensor", ("tensor", "op", "group", "async_op")),
     "all_reduce_coalesced": ("other", "all_reduce", "tensors", ("tensors", "op", "group", "async_op")),
     "broadcast": ("other", "broadcast", "tensor", ("tensor", "src", "group", "async_op")),
-    "all_to_all_single": ("other", "all_to_all", "input",
-                          ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op")),
+    "all_to_all_single": (
+        "other",
+        "all_to_all",
+        "input",
+        ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+    ),
 }
 
 
-def _counted(method: Callable[..., Any], kind: str, collective: str, sized: str, names: tuple[str, ...]) -> Callable[..., Any]:
-    signature = inspect.Signature([inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)
-                                   for n in names])
+def _counted(
+    method: Callable[..., Any], kind: str, collective: str, sized: str, names: tuple[str, ...]
+) -> Callable[..., Any]:
+    signature = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for n in names]
+    )
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -197,12 +232,19 @@ def _counted(method: Callable[..., Any], kind: str, collective: str, sized: str,
     return wrapper
 
 
-def _ag_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+def _ag_single(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
     return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
-def _rs_single(output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
-               async_op: bool = False) -> Any:
+def _rs_single(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
     return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
 

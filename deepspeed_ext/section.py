@@ -36,6 +36,8 @@ def read_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
         with open(ds_config) as f:
             return json.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"DeepSpeed config {os.fspath(ds_config)!r} does not exist: pass an existing JSON file") from None
+        raise ConfigError(
+            f"DeepSpeed config {os.fspath(ds_config)!r} does not exist: pass an existing JSON file"
+        ) from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"DeepSpeed config {os.fspath(ds_config)!r} is not valid JSON: {e}") from None

@@ -64,7 +64,6 @@ class TopologyConfig(Section):
     """Ranks sharing one package (2 GCDs of an MI250X on Frontier, 1 elsewhere); null detects it."""
 
 
-
 @dataclass(frozen=True)
 class Topology:
     """The job's layout: ``world_size`` ranks in nodes of ``ranks_per_node``, packages of ``ranks_per_package``."""
@@ -141,7 +140,9 @@ def detect_topology(
         or _int_env(env, "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE", "SLURM_TASKS_PER_NODE")
         or (FRONTIER_RANKS_PER_NODE if frontier else world)
     )
-    per_package = config.ranks_per_package or (FRONTIER_RANKS_PER_PACKAGE if frontier and per_node % 2 == 0 else 1)
+    per_package = config.ranks_per_package or (
+        FRONTIER_RANKS_PER_PACKAGE if frontier and per_node % 2 == 0 else 1
+    )
     topo = Topology(world_size=world, ranks_per_node=min(per_node, world), ranks_per_package=per_package)
     _check_rank_order(topo, env)
     return topo
@@ -168,10 +169,14 @@ def level_members(topo: Topology, parent: Sequence[int], rank: int) -> dict[Grou
     and same position in the node on the other nodes (``cross_node``)."""
     if rank not in parent:
         raise ValueError(f"rank {rank} is not in the parent group {list(parent)}")
-    members = {GroupKind(level): [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)]
-               for level in Level}
+    members = {
+        GroupKind(level): [r for r in parent if topo.level_of(r, level) == topo.level_of(rank, level)]
+        for level in Level
+    }
     in_package, in_node = _positions(topo, parent, Level.PACKAGE), _positions(topo, parent, Level.NODE)
-    members[GroupKind.CROSS_PACKAGE] = [r for r in members[GroupKind.NODE] if in_package[r] == in_package[rank]]
+    members[GroupKind.CROSS_PACKAGE] = [
+        r for r in members[GroupKind.NODE] if in_package[r] == in_package[rank]
+    ]
     members[GroupKind.CROSS_NODE] = [r for r in parent if in_node[r] == in_node[rank]]
     return members
 
@@ -234,7 +239,9 @@ def new_level_groups(topo: Topology, parent_ranks: Sequence[int], backend: str |
     return LevelGroups(members=level_members(topo, parent, rank) if rank in parent else {}, groups=groups)
 
 
-def all_level_groups(topo: Topology, parents: Sequence[Sequence[int]], backend: str | None = None) -> LevelGroups:
+def all_level_groups(
+    topo: Topology, parents: Sequence[Sequence[int]], backend: str | None = None
+) -> LevelGroups:
     """Level groups for a family of disjoint parents (e.g. every DP group): call on every rank."""
     mine = LevelGroups(members={}, groups={})
     rank = dist.get_rank()

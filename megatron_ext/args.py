@@ -15,31 +15,67 @@ from plugin_config import PluginConfig, load_plugin_config
 
 # flag -> (config field, argparse options). Names are prefixed so none clashes with Megatron-LM's.
 _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--shm-data-loader": ("shm_data_loader.enabled", {"action": "store_const", "const": True,
-                                                      "help": "feed batches through the node's shared-memory ring"}),
-    "--shm-data-loader-slots": ("shm_data_loader.slots", {"type": int, "help": "ring slots (prefetch depth)"}),
-    "--shm-data-loader-timeout": ("shm_data_loader.timeout_s", {"type": float, "help": "seconds before a wait fails"}),
-    "--shm-data-loader-dir": ("shm_data_loader.shm_dir", {"help": "tmpfs directory of the ring (default /dev/shm)"}),
-    "--hierarchical-zero": ("hierarchical_zero.enabled", {"action": "store_const", "const": True,
-                                                          "help": "ZeRO-3 with package/node/global partitions"}),
-    "--hierarchical-zero-secondary-level": ("hierarchical_zero.secondary_level",
-                                            {"choices": ["auto", "package", "node"],
-                                             "help": "level of the secondary 16-bit weight copy"}),
-    "--hierarchical-zero-memory-budget-gb": ("hierarchical_zero.secondary_memory_budget_gb",
-                                             {"type": float, "help": "extra GB per rank for the secondary copy"}),
-    "--hierarchical-zero-grad-reduce": ("hierarchical_zero.grad_reduce", {"choices": ["hierarchical", "flat"],
-                                                                          "help": "gradient reduce-scatter in hops or flat"}),
-    "--flash-overlap": ("flash_overlap.enabled", {"action": "store_const", "const": True,
-                                                  "help": "P2P-overlapped TP/SP linears (Flash-Overlap)"}),
-    "--flash-overlap-layers": ("flash_overlap.layers", {"nargs": "+", "choices": list(LAYER_NAMES),
-                                                        "help": "which linears to replace"}),
+    "--shm-data-loader": (
+        "shm_data_loader.enabled",
+        {
+            "action": "store_const",
+            "const": True,
+            "help": "feed batches through the node's shared-memory ring",
+        },
+    ),
+    "--shm-data-loader-slots": (
+        "shm_data_loader.slots",
+        {"type": int, "help": "ring slots (prefetch depth)"},
+    ),
+    "--shm-data-loader-timeout": (
+        "shm_data_loader.timeout_s",
+        {"type": float, "help": "seconds before a wait fails"},
+    ),
+    "--shm-data-loader-dir": (
+        "shm_data_loader.shm_dir",
+        {"help": "tmpfs directory of the ring (default /dev/shm)"},
+    ),
+    "--hierarchical-zero": (
+        "hierarchical_zero.enabled",
+        {"action": "store_const", "const": True, "help": "ZeRO-3 with package/node/global partitions"},
+    ),
+    "--hierarchical-zero-secondary-level": (
+        "hierarchical_zero.secondary_level",
+        {"choices": ["auto", "package", "node"], "help": "level of the secondary 16-bit weight copy"},
+    ),
+    "--hierarchical-zero-memory-budget-gb": (
+        "hierarchical_zero.secondary_memory_budget_gb",
+        {"type": float, "help": "extra GB per rank for the secondary copy"},
+    ),
+    "--hierarchical-zero-grad-reduce": (
+        "hierarchical_zero.grad_reduce",
+        {"choices": ["hierarchical", "flat"], "help": "gradient reduce-scatter in hops or flat"},
+    ),
+    "--flash-overlap": (
+        "flash_overlap.enabled",
+        {"action": "store_const", "const": True, "help": "P2P-overlapped TP/SP linears (Flash-Overlap)"},
+    ),
+    "--flash-overlap-layers": (
+        "flash_overlap.layers",
+        {"nargs": "+", "choices": list(LAYER_NAMES), "help": "which linears to replace"},
+    ),
     "--flash-overlap-mode": ("flash_overlap.mode", {"choices": ["direct", "ring"], "help": "P2P pattern"}),
-    "--flash-overlap-backend": ("flash_overlap.backend", {"choices": ["auto", "p2p", "symm_mem"],
-                                                          "help": "torch's fused symm_mem ops or our P2P schedule"}),
-    "--flash-overlap-timeout": ("flash_overlap.timeout_s", {"type": float, "help": "seconds to wait for a peer"}),
-    "--ranks-per-node": ("topology.ranks_per_node", {"type": int, "help": "ranks per node (default: detect)"}),
-    "--ranks-per-package": ("topology.ranks_per_package", {"type": int,
-                                                           "help": "ranks per package, 2 on Frontier (default: detect)"}),
+    "--flash-overlap-backend": (
+        "flash_overlap.backend",
+        {"choices": ["auto", "p2p", "symm_mem"], "help": "torch's fused symm_mem ops or our P2P schedule"},
+    ),
+    "--flash-overlap-timeout": (
+        "flash_overlap.timeout_s",
+        {"type": float, "help": "seconds to wait for a peer"},
+    ),
+    "--ranks-per-node": (
+        "topology.ranks_per_node",
+        {"type": int, "help": "ranks per node (default: detect)"},
+    ),
+    "--ranks-per-package": (
+        "topology.ranks_per_package",
+        {"type": int, "help": "ranks per package, 2 on Frontier (default: detect)"},
+    ),
 }
 
 
@@ -62,8 +98,11 @@ def flag_of(field: str) -> str | None:
 
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields set on the command line."""
-    return {field: getattr(args, _dest(flag)) for flag, (field, _) in _FLAGS.items()
-            if getattr(args, _dest(flag), None) is not None}
+    return {
+        field: getattr(args, _dest(flag))
+        for flag, (field, _) in _FLAGS.items()
+        if getattr(args, _dest(flag), None) is not None
+    }
 
 
 def plugin_config_from_args(args: argparse.Namespace) -> PluginConfig:

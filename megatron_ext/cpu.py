@@ -14,7 +14,9 @@ import torch
 _undo: list[tuple[object, str, object]] = []  # (owner, attribute, original), in order of change
 
 
-def _cpu_get_rng_state(device: object = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+def _cpu_get_rng_state(
+    device: object = "cuda", clone: bool = False, graph_safe: bool = False
+) -> torch.Tensor:
     state = torch.get_rng_state()
     return state.clone() if clone else state
 
@@ -46,7 +48,11 @@ def enable_cpu_support() -> bool:
     from megatron.core.tensor_parallel import random as mp_random
 
     for owner, name, value in (
-        (torch.cuda, "current_device", lambda: "cpu"),  # device ids flow straight into torch.empty(device=...)
+        (
+            torch.cuda,
+            "current_device",
+            lambda: "cpu",
+        ),  # device ids flow straight into torch.empty(device=...)
         (mp_random, "_get_cuda_rng_state", _cpu_get_rng_state),
         (mp_random, "_set_cuda_rng_state", _cpu_set_rng_state),
         (mp_random.CudaRNGStatesTracker, "add", _tracker_add),

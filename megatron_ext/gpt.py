@@ -58,7 +58,9 @@ def build_gpt_model(
     """GPTModel whose layers follow ``layer_spec`` (default :func:`local_layer_spec`) and whose final
     norm is the SP-capable one (megatron-core picks its own final norm when given a layer spec)."""
     layer_spec = layer_spec or local_layer_spec()
-    block = TransformerBlockSubmodules(layer_specs=[layer_spec] * config.num_layers, layer_norm=SequenceParallelNorm)
+    block = TransformerBlockSubmodules(
+        layer_specs=[layer_spec] * config.num_layers, layer_norm=SequenceParallelNorm
+    )
     return GPTModel(
         config=config,
         transformer_layer_spec=block,

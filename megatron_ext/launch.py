@@ -42,9 +42,11 @@ def upstream_kind(script: str) -> str:
         return MEGATRON_LM
     if os.path.isfile(os.path.join(tree, "megatron", "training.py")):
         return MEGATRON_DEEPSPEED
-    raise LaunchError(f"{script} is not in the root of a Megatron-LM or Megatron-DeepSpeed checkout (no "
-                      f"megatron/training package or megatron/training.py beside it): pass the upstream "
-                      "checkout's pretrain_gpt.py")
+    raise LaunchError(
+        f"{script} is not in the root of a Megatron-LM or Megatron-DeepSpeed checkout (no "
+        f"megatron/training package or megatron/training.py beside it): pass the upstream "
+        "checkout's pretrain_gpt.py"
+    )
 
 
 def _tasks_per_node(value: str) -> str:
@@ -55,8 +57,11 @@ def _tasks_per_node(value: str) -> str:
 def launch_env(environ: dict[str, str]) -> dict[str, str]:
     """The variables to add to ``environ`` (never one that is set) for the upstream script."""
     added: dict[str, str] = {}
-    slurm = {"RANK": environ.get("SLURM_PROCID"), "WORLD_SIZE": environ.get("SLURM_NTASKS"),
-             "LOCAL_RANK": environ.get("SLURM_LOCALID")}
+    slurm = {
+        "RANK": environ.get("SLURM_PROCID"),
+        "WORLD_SIZE": environ.get("SLURM_NTASKS"),
+        "LOCAL_RANK": environ.get("SLURM_LOCALID"),
+    }
     per_node = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_NTASKS_PER_NODE")
     if "RANK" not in environ and slurm["RANK"] is not None:  # srun without torchrun
         added.update({k: v for k, v in slurm.items() if v is not None and k not in environ})
@@ -71,11 +76,15 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
         elif merged.get("WORLD_SIZE", "1") == "1":
             added["LOCAL_SIZE"] = "1"
         else:
-            raise LaunchError("cannot tell the ranks per node: WORLD_SIZE is set but neither LOCAL_WORLD_SIZE "
-                              "(torchrun) nor SLURM_NTASKS_PER_NODE (srun) is; set LOCAL_SIZE=<ranks per node>")
+            raise LaunchError(
+                "cannot tell the ranks per node: WORLD_SIZE is set but neither LOCAL_WORLD_SIZE "
+                "(torchrun) nor SLURM_NTASKS_PER_NODE (srun) is; set LOCAL_SIZE=<ranks per node>"
+            )
     if int(merged.get("WORLD_SIZE", "1")) > 1 and "MASTER_ADDR" not in merged:
-        raise LaunchError("WORLD_SIZE > 1 but MASTER_ADDR is unset: under srun export MASTER_ADDR and MASTER_PORT "
-                          "(the suite's Slurm scripts do), or start the ranks with torchrun")
+        raise LaunchError(
+            "WORLD_SIZE > 1 but MASTER_ADDR is unset: under srun export MASTER_ADDR and MASTER_PORT "
+            "(the suite's Slurm scripts do), or start the ranks with torchrun"
+        )
     dirs = [os.path.dirname(sys.executable), sysconfig.get_path("scripts", vars={"base": sys.base_prefix})]
     path = environ.get("PATH", "")
     added["PATH"] = os.pathsep.join(dict.fromkeys([*dirs, *path.split(os.pathsep)])).rstrip(os.pathsep)

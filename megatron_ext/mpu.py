@@ -15,9 +15,13 @@ class MegatronMPU:
 
     def __init__(self) -> None:
         if not ps.model_parallel_is_initialized():
-            raise RuntimeError("initialize megatron-core model parallelism (initialize_model_parallel) before MegatronMPU()")
+            raise RuntimeError(
+                "initialize megatron-core model parallelism (initialize_model_parallel) before MegatronMPU()"
+            )
         if ps.get_pipeline_model_parallel_world_size() != 1:
-            raise NotImplementedError("pipeline parallelism is not supported by the plugins yet: use --pipeline-model-parallel-size 1")
+            raise NotImplementedError(
+                "pipeline parallelism is not supported by the plugins yet: use --pipeline-model-parallel-size 1"
+            )
 
     def get_data_parallel_group(self) -> dist.ProcessGroup:
         return ps.get_data_parallel_group()

@@ -47,36 +47,58 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--tokenizer-type", choices=["NullTokenizer"], default="NullTokenizer",
-                   help="Megatron's tokenizer types that need no files: NullTokenizer (ids 0..N-1, EOD = N)")
-    g.add_argument("--vocab-size", type=int, default=256,
-                   help="vocabulary size before EOD and padding, Megatron's meaning; 256 fits the generated "
-                        "byte corpus, a corpus from a real tokenizer needs its own (e.g. 50257 for GPT-2's)")
+    g.add_argument(
+        "--tokenizer-type",
+        choices=["NullTokenizer"],
+        default="NullTokenizer",
+        help="Megatron's tokenizer types that need no files: NullTokenizer (ids 0..N-1, EOD = N)",
+    )
+    g.add_argument(
+        "--vocab-size",
+        type=int,
+        default=256,
+        help="vocabulary size before EOD and padding, Megatron's meaning; 256 fits the generated "
+        "byte corpus, a corpus from a real tokenizer needs its own (e.g. 50257 for GPT-2's)",
+    )
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data-parallel size")
+    g.add_argument(
+        "--global-batch-size", type=int, default=None, help="default: micro batch x data-parallel size"
+    )
     g.add_argument("--train-iters", type=int, default=20)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
-                   help="sample order: Megatron's sequential (single) or random (cyclic) sampler")
+    g.add_argument(
+        "--dataloader-type",
+        choices=["single", "cyclic"],
+        default="single",
+        help="sample order: Megatron's sequential (single) or random (cyclic) sampler",
+    )
     g = p.add_argument_group("data and checkpoints")
-    g.add_argument("--data-path", default=None, help="prefix of .bin/.idx files; default: a generated local corpus")
+    g.add_argument(
+        "--data-path", default=None, help="prefix of .bin/.idx files; default: a generated local corpus"
+    )
     g.add_argument("--data-cache-path", default=None, help="where dataset indices (and the local corpus) go")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--exit-interval", type=int, default=None,
-                   help="stop (after saving, with --save) once the iteration count is a multiple of this")
+    g.add_argument(
+        "--exit-interval",
+        type=int,
+        default=None,
+        help="stop (after saving, with --save) once the iteration count is a multiple of this",
+    )
     g.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None)
-    g.add_argument("--log-json", default=None, help="also write per-iteration records to this JSON-lines file")
+    g.add_argument(
+        "--log-json", default=None, help="also write per-iteration records to this JSON-lines file"
+    )
     extra_args_provider(p)
     args = p.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
@@ -116,8 +138,11 @@ def train(args: argparse.Namespace) -> None:
     tokenizer = build_tokenizer(args)
     data_prefix = prepare_data(args, rank, tokenizer)
     model = build_model(args, plugins, tokenizer)
-    _log(rank, f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "
-               f"megatron-core CPU support {'on' if cpu_support_enabled() else 'off'}")
+    _log(
+        rank,
+        f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "
+        f"megatron-core CPU support {'on' if cpu_support_enabled() else 'off'}",
+    )
     engine = build_engine(args, model, ds_config, plugins, topology, lambda it: _lr_at(args, it) / args.lr)
 
     start_iteration, consumed = 0, 0
@@ -146,8 +171,16 @@ def train(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def _train_loop(args: argparse.Namespace, engine: Any, data: Any, counter: Any, start_iteration: int,
-                consumed: int, global_batch: int, log_file: Any) -> None:
+def _train_loop(
+    args: argparse.Namespace,
+    engine: Any,
+    data: Any,
+    counter: Any,
+    start_iteration: int,
+    consumed: int,
+    global_batch: int,
+    log_file: Any,
+) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -174,19 +207,30 @@ def _train_loop(args: argparse.Namespace, engine: Any, data: Any, counter: Any, 
         elapsed = time.perf_counter() - t0
         figures = plugin_figures(data, counter)
         done = iteration + 1
-        record = {"iteration": done, "loss": mean, "lr": lr, "tokens_per_s": global_batch * args.seq_length / elapsed,
-                  **figures}
+        record = {
+            "iteration": done,
+            "loss": mean,
+            "lr": lr,
+            "tokens_per_s": global_batch * args.seq_length / elapsed,
+            **figures,
+        }
         if done % args.log_interval == 0:
             extras = "".join(f" | {k} {v}" for k, v in figures.items())
-            _log(rank, f"iteration {done}/{args.train_iters} | loss {mean:.4f} | lr {lr:.3e} | "
-                       f"tokens/s {record['tokens_per_s']:.1f}{extras}")
+            _log(
+                rank,
+                f"iteration {done}/{args.train_iters} | loss {mean:.4f} | lr {lr:.3e} | "
+                f"tokens/s {record['tokens_per_s']:.1f}{extras}",
+            )
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         stop = done == args.train_iters or bool(args.exit_interval and done % args.exit_interval == 0)
         if args.save and (stop or (args.save_interval and done % args.save_interval == 0)):
-            engine.save_checkpoint(args.save, tag=f"iter_{done:07d}",
-                                   client_state={"iteration": done, "consumed_samples": consumed})
+            engine.save_checkpoint(
+                args.save,
+                tag=f"iter_{done:07d}",
+                client_state={"iteration": done, "consumed_samples": consumed},
+            )
         if stop:
             break
 

@@ -5,5 +5,6 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 bash scripts/setup_env.sh
 .venv/bin/ruff check .
+.venv/bin/ruff format --check .
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
 .venv/bin/python -m pytest "$@"

@@ -39,13 +39,17 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     tp = args.tensor_model_parallel_size
     if tp < 1 or world % tp:
-        raise UsageError(f"--tensor-model-parallel-size {tp} does not divide the world size {world}: "
-                         f"use a divisor of {world}")
+        raise UsageError(
+            f"--tensor-model-parallel-size {tp} does not divide the world size {world}: "
+            f"use a divisor of {world}"
+        )
     if args.pipeline_model_parallel_size != 1:
         raise UsageError("--pipeline-model-parallel-size other than 1 is not supported by this job")
     if args.num_attention_heads % tp:
-        raise UsageError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-                         f"--tensor-model-parallel-size {tp}")
+        raise UsageError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
     if args.sequence_parallel and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by TP ({tp})")
     local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
@@ -59,7 +63,9 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
         init = f"file://{tempfile.mkdtemp(prefix='pretrain-gpt-')}/rendezvous"
     else:
         if "MASTER_ADDR" not in os.environ:
-            raise UsageError(f"world size {world} but MASTER_ADDR is not set: launch with torchrun or the Slurm scripts")
+            raise UsageError(
+                f"world size {world} but MASTER_ADDR is not set: launch with torchrun or the Slurm scripts"
+            )
         os.environ.setdefault("MASTER_PORT", "29500")
         init = "env://"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
@@ -72,13 +78,20 @@ def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     mbs = args.micro_batch_size
     gbs = args.global_batch_size or mbs * dp
     if gbs % (mbs * dp):
-        raise UsageError(f"--global-batch-size {gbs} is not a multiple of micro batch ({mbs}) x data-parallel ({dp})")
+        raise UsageError(
+            f"--global-batch-size {gbs} is not a multiple of micro batch ({mbs}) x data-parallel ({dp})"
+        )
     accum = gbs // (mbs * dp)
-    for key, want in (("train_micro_batch_size_per_gpu", mbs), ("gradient_accumulation_steps", accum),
-                      ("train_batch_size", gbs)):
+    for key, want in (
+        ("train_micro_batch_size_per_gpu", mbs),
+        ("gradient_accumulation_steps", accum),
+        ("train_batch_size", gbs),
+    ):
         if key in config and config[key] != want:
-            raise UsageError(f"{args.deepspeed_config}: {key}={config[key]} but the flags give {want} "
-                             f"(micro batch {mbs}, global batch {gbs}, data-parallel {dp}): make them agree")
+            raise UsageError(
+                f"{args.deepspeed_config}: {key}={config[key]} but the flags give {want} "
+                f"(micro batch {mbs}, global batch {gbs}, data-parallel {dp}): make them agree"
+            )
     config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=accum, train_batch_size=gbs)
     config.setdefault("optimizer", {"type": "Adam", "params": {"torch_adam": True}})
     config["optimizer"].setdefault("params", {})["lr"] = args.lr
@@ -95,8 +108,10 @@ def build_tokenizer(args: argparse.Namespace) -> Any:
     if args.vocab_size < 1:
         raise UsageError(f"--vocab-size {args.vocab_size} must be positive")
     if not args.data_path and args.vocab_size < 256:
-        raise UsageError(f"--vocab-size {args.vocab_size} is too small for the generated corpus (byte ids 0-255): "
-                         "pass --vocab-size 256 or more, or --data-path")
+        raise UsageError(
+            f"--vocab-size {args.vocab_size} is too small for the generated corpus (byte ids 0-255): "
+            "pass --vocab-size 256 or more, or --data-path"
+        )
     return NullTokenizer(args.vocab_size)
 
 
@@ -149,17 +164,22 @@ def build_model(args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any)
     model_parallel_cuda_manual_seed(args.seed)
     sequence_parallel = args.sequence_parallel or plugins.flash_overlap.enabled
     config = gpt_config(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=sequence_parallel, bf16=args.bf16,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=sequence_parallel,
+        bf16=args.bf16,
     )
     layer_spec = None
     if plugins.flash_overlap.enabled:
         from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
         layer_spec = get_flash_overlap_layer_spec(plugins.flash_overlap)
-    vocab = padded_vocab_size(tokenizer.vocab_size, args.tensor_model_parallel_size,
-                              args.make_vocab_size_divisible_by)
+    vocab = padded_vocab_size(
+        tokenizer.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+    )
     model = build_gpt_model(config, vocab, args.max_position_embeddings, layer_spec)
     allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
     if torch.cuda.is_available():
@@ -168,8 +188,12 @@ def build_model(args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any)
 
 
 def build_engine(
-    args: argparse.Namespace, model: torch.nn.Module, ds_config: dict[str, Any], plugins: PluginConfig,
-    topology: Topology, lr_factor: Callable[[int], float],
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    ds_config: dict[str, Any],
+    plugins: PluginConfig,
+    topology: Topology,
+    lr_factor: Callable[[int], float],
 ) -> Any:
     """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled)."""
     import deepspeed
@@ -179,8 +203,13 @@ def build_engine(
     def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
-    kwargs = dict(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                  config=ds_config, mpu=MegatronMPU(), lr_scheduler=scheduler)
+    kwargs = dict(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config,
+        mpu=MegatronMPU(),
+        lr_scheduler=scheduler,
+    )
     if plugins.hierarchical_zero.enabled:
         from deepspeed_ext.zero import initialize as hierarchical_initialize
 
@@ -191,8 +220,13 @@ def build_engine(
 
 
 def build_data_iterator(
-    args: argparse.Namespace, plugins: PluginConfig, topology: Topology, prefix: str, consumed_samples: int,
-    global_batch: int, tokenizer: Any,
+    args: argparse.Namespace,
+    plugins: PluginConfig,
+    topology: Topology,
+    prefix: str,
+    consumed_samples: int,
+    global_batch: int,
+    tokenizer: Any,
 ) -> Any:
     """Micro-batches for this rank from ``consumed_samples`` on: the shared-memory loader when
     enabled, otherwise Megatron's stock path (TP rank 0 reads, then broadcasts)."""
@@ -205,7 +239,9 @@ def build_data_iterator(
     cache = os.path.join(_cache_dir(args), "index-cache")
     num_samples = args.train_iters * global_batch
     # Rank 0 writes the index caches; the others then only read them.
-    build = partial(build_train_dataset, prefix, args.seq_length, num_samples, args.seed, cache, tokenizer=tokenizer)
+    build = partial(
+        build_train_dataset, prefix, args.seq_length, num_samples, args.seed, cache, tokenizer=tokenizer
+    )
     dataset = build(is_built_on_rank=True) if rank == 0 else None
     dist.barrier()
     if dataset is None:
@@ -238,7 +274,9 @@ def plugin_figures(data: Any, counter: Any) -> dict[str, Any]:
     """Figures of the plugins for the log line, this rank's view: time blocked on the loader and bytes
     the node's reader took from storage (both since the start), DeepSpeed's bytes sent per link
     class (this iteration)."""
-    figures = {"data_wait_s_total": round(data.counters.wait_s, 4),
-               "storage_MB_read_total": round(data.counters.bytes_read / 1e6, 3)}
+    figures = {
+        "data_wait_s_total": round(data.counters.wait_s, 4),
+        "storage_MB_read_total": round(data.counters.bytes_read / 1e6, 3),
+    }
     figures.update({f"zero_MB_{link}": round(n / 1e6, 3) for link, n in counter.per_link().items()})
     return figures

@@ -22,7 +22,9 @@ RunRanks = Callable[..., list[Any]]
 def run_ranks() -> Iterator[RunRanks]:
     pools: dict[int, WorkerPool] = {}
 
-    def run(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    def run(
+        world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
         pool = pools.get(world_size)
         if pool is None or not pool.alive:
             pool = pools[world_size] = WorkerPool(world_size)

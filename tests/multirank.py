@@ -27,8 +27,12 @@ class RankError(RuntimeError):
 
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection) -> None:
     os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1", OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        OMP_NUM_THREADS="1",
     )
     for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
         os.environ.pop(name, None)
@@ -121,7 +125,9 @@ class WorkerPool:
         if len(results) < self.world_size:
             missing = [r for r in range(self.world_size) if r not in results]
             self.close(graceful=False)
-            raise TimeoutError(f"{what}: ranks {missing} of {self.world_size} gave no answer within {timeout:.0f}s")
+            raise TimeoutError(
+                f"{what}: ranks {missing} of {self.world_size} gave no answer within {timeout:.0f}s"
+            )
         return [results[r][1] for r in range(self.world_size)]
 
     @property

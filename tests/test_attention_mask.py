@@ -54,9 +54,17 @@ def test_masks_follow_the_tokens_the_dataset_read_when_pad_is_eod(tmp_path):
     prefix = str(tmp_path / "corpus")
     write_indexed_dataset(prefix, synthetic_documents(20))
     config = dataclasses.replace(
-        gpt_dataset_config(prefix, 64, 1234, str(tmp_path / "cache"), create_attention_mask=True,
-                           tokenizer=PadIsEodTokenizer()),
-        reset_attention_mask=True, allow_ambiguous_pad_tokens=True)  # else megatron-core drops the pad id
+        gpt_dataset_config(
+            prefix,
+            64,
+            1234,
+            str(tmp_path / "cache"),
+            create_attention_mask=True,
+            tokenizer=PadIsEodTokenizer(),
+        ),
+        reset_attention_mask=True,
+        allow_ambiguous_pad_tokens=True,
+    )  # else megatron-core drops the pad id
     dataset = BlendedMegatronDatasetBuilder(GPTDataset, [40, 0, 0], lambda: True, config).build()[0]
     expected = [dataset[i] for i in range(len(dataset))]
     raw = RawTokens(dataset)
@@ -66,7 +74,9 @@ def test_masks_follow_the_tokens_the_dataset_read_when_pad_is_eod(tmp_path):
         assert torch.equal(got["tokens"], want["tokens"])  # the dataset's items are unchanged
         mask = attention_mask(1, 64, torch.device("cpu"), torch.from_numpy(raw.documents(got))[None])
         assert torch.equal(mask[0], want["attention_mask"]), f"sample {i}"
-        from_tokens = attention_mask(1, 64, torch.device("cpu"), document_ids(got["tokens"], ByteTokenizer.eod)[None])
+        from_tokens = attention_mask(
+            1, 64, torch.device("cpu"), document_ids(got["tokens"], ByteTokenizer.eod)[None]
+        )
         differing += not torch.equal(from_tokens[0], want["attention_mask"])
     # The case is real: the returned tokens hold no EOD (replaced by 0), so a rebuild from them is wrong.
     assert differing > len(expected) // 4, f"{differing} of {len(expected)}"

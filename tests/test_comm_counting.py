@@ -36,15 +36,23 @@ def _flat_vs_hops() -> dict:
         flat = torch.empty(6, dtype=torch.float64)
         comm.reduce_scatter_tensor(flat, data.clone(), group=dp)
         block = torch.randn(5, generator=g, dtype=torch.float64)
-        gathered, gathered_hops = torch.empty(p * 5, dtype=torch.float64), torch.empty(p * 5, dtype=torch.float64)
+        gathered, gathered_hops = (
+            torch.empty(p * 5, dtype=torch.float64),
+            torch.empty(p * 5, dtype=torch.float64),
+        )
         comm.all_gather_into_tensor(gathered, block, group=dp)
         hops.all_gather(plan, block, gathered_hops)
         tensors = [torch.randn(n, generator=g, dtype=torch.float64) for n in (7, 1, 16, 3)]
         out[name] = {
             "reduce_scatter": torch.allclose(hops.reduce_scatter(plan, data), flat, rtol=1e-12, atol=1e-12),
             "all_gather": torch.equal(gathered_hops, gathered),
-            "coalesced": all(torch.allclose(a, b, rtol=1e-12, atol=1e-12) for a, b in zip(
-                hops.reduce_scatter_coalesced(plan, [t.clone() for t in tensors]), ds_rs([t.clone() for t in tensors], dp))),
+            "coalesced": all(
+                torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+                for a, b in zip(
+                    hops.reduce_scatter_coalesced(plan, [t.clone() for t in tensors]),
+                    ds_rs([t.clone() for t in tensors], dp),
+                )
+            ),
             "sizes": plan.sizes,
         }
 
@@ -68,7 +76,10 @@ def test_hops_equal_flat_collectives_and_bytes_are_counted_per_link(run_ranks):
     for r in results:
         assert r["tp1"]["sizes"] == (2, 2, 2) and r["tp2"]["sizes"] == (1, 2, 2)
         for name in ("tp1", "tp2"):
-            assert r[name]["reduce_scatter"] and r[name]["all_gather"] and r[name]["coalesced"], (name, r[name])
+            assert r[name]["reduce_scatter"] and r[name]["all_gather"] and r[name]["coalesced"], (
+                name,
+                r[name],
+            )
         assert r["future_warnings"] == []
         counts = r["counts"]
         # all-gather of 32 floats over 8 ranks spanning nodes: 7/8 of 128 bytes; reduce-scatter in a package: half of 24.

@@ -12,7 +12,9 @@ from plugin_config import PluginConfig, load_plugin_config, validate_against_wor
 
 def test_defaults_leave_every_plugin_off():
     config = load_plugin_config({"train_micro_batch_size_per_gpu": 2})
-    assert not (config.shm_data_loader.enabled or config.hierarchical_zero.enabled or config.flash_overlap.enabled)
+    assert not (
+        config.shm_data_loader.enabled or config.hierarchical_zero.enabled or config.flash_overlap.enabled
+    )
     assert config.flash_overlap.layers == ["qkv", "proj", "fc1", "fc2"]
 
 
@@ -25,8 +27,11 @@ def test_every_field_is_documented():
 
 
 def test_json_file_and_dict_give_the_same_config(tmp_path):
-    raw = {"zero_optimization": {"stage": 3}, "hierarchical_zero": {"enabled": True, "secondary_level": "node"},
-           "shm_data_loader": {"enabled": True, "slots": 8}}
+    raw = {
+        "zero_optimization": {"stage": 3},
+        "hierarchical_zero": {"enabled": True, "secondary_level": "node"},
+        "shm_data_loader": {"enabled": True, "slots": 8},
+    }
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(raw))
     assert load_plugin_config(str(path)) == load_plugin_config(raw)
@@ -35,13 +40,25 @@ def test_json_file_and_dict_give_the_same_config(tmp_path):
 @pytest.mark.parametrize(
     ("raw", "message"),
     [
-        ({"shm_data_loader": {"slotz": 3}}, "unknown key 'shm_data_loader.slotz'; valid keys here: enabled, shm_dir, slots"),
-        ({"shm_data_loader": {"slots": 0}}, "shm_data_loader.slots=0: Input should be greater than or equal to 1"),
+        (
+            {"shm_data_loader": {"slotz": 3}},
+            "unknown key 'shm_data_loader.slotz'; valid keys here: enabled, shm_dir, slots",
+        ),
+        (
+            {"shm_data_loader": {"slots": 0}},
+            "shm_data_loader.slots=0: Input should be greater than or equal to 1",
+        ),
         ({"shm_data_loader": {"timeout_s": "soon"}}, "shm_data_loader.timeout_s='soon'"),
-        ({"flash_overlap": {"layers": ["qkv", "fc3"]}}, "flash_overlap.layers.1='fc3': Input should be 'qkv', 'proj', 'fc1' or 'fc2'"),
+        (
+            {"flash_overlap": {"layers": ["qkv", "fc3"]}},
+            "flash_overlap.layers.1='fc3': Input should be 'qkv', 'proj', 'fc1' or 'fc2'",
+        ),
         ({"hierarchical_zero": {"enabled": True}}, "needs zero_optimization.stage 3, got stage 0"),
         ({"hierarchical_zero": {"secondary_level": "rack"}}, "hierarchical_zero.secondary_level='rack'"),
-        ({"flash_overlapp": {"enabled": True}}, "unknown top-level section 'flash_overlapp': did you mean 'flash_overlap'?"),
+        (
+            {"flash_overlapp": {"enabled": True}},
+            "unknown top-level section 'flash_overlapp': did you mean 'flash_overlap'?",
+        ),
         ({"topology": 8}, "topology=8: must be a JSON object"),
     ],
 )
@@ -62,7 +79,9 @@ def test_missing_and_malformed_files_are_named(tmp_path):
 
 def test_world_checks_print_every_factor():
     config = load_plugin_config({"topology": {"ranks_per_node": 8, "ranks_per_package": 3}})
-    with pytest.raises(ConfigError, match=r"ranks_per_node\(8\) is not a multiple of topology.ranks_per_package\(3\)"):
+    with pytest.raises(
+        ConfigError, match=r"ranks_per_node\(8\) is not a multiple of topology.ranks_per_package\(3\)"
+    ):
         validate_against_world(config, world_size=16, data_parallel_size=8)
     config = load_plugin_config({"topology": {"ranks_per_node": 8}})
     with pytest.raises(ConfigError, match=r"world\(12\) is not a whole number of nodes"):
@@ -71,12 +90,28 @@ def test_world_checks_print_every_factor():
 
 def test_flags_override_the_json_and_only_when_given(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "shm_data_loader": {"slots": 6},
-                                "flash_overlap": {"mode": "ring"}}))
+    path.write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3},
+                "shm_data_loader": {"slots": 6},
+                "flash_overlap": {"mode": "ring"},
+            }
+        )
+    )
     parser = extra_args_provider(argparse.ArgumentParser())
     parser.add_argument("--deepspeed-config", dest="deepspeed_config")
-    args = parser.parse_args(["--deepspeed-config", str(path), "--shm-data-loader", "--hierarchical-zero",
-                              "--flash-overlap-layers", "fc1", "fc2"])
+    args = parser.parse_args(
+        [
+            "--deepspeed-config",
+            str(path),
+            "--shm-data-loader",
+            "--hierarchical-zero",
+            "--flash-overlap-layers",
+            "fc1",
+            "fc2",
+        ]
+    )
     config = plugin_config_from_args(args)
     assert config.shm_data_loader.enabled and config.shm_data_loader.slots == 6
     assert config.hierarchical_zero.enabled
@@ -85,10 +120,27 @@ def test_flags_override_the_json_and_only_when_given(tmp_path):
 
 
 def test_flags_do_not_clash_with_megatron_names():
-    megatron_flags = ["--tensor-model-parallel-size", "--sequence-parallel", "--num-layers", "--hidden-size",
-                      "--seq-length", "--micro-batch-size", "--global-batch-size", "--data-path", "--save", "--load",
-                      "--dataloader-type", "--spec", "--lr", "--train-iters", "--deepspeed", "--deepspeed_config",
-                      "--zero-stage", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    megatron_flags = [
+        "--tensor-model-parallel-size",
+        "--sequence-parallel",
+        "--num-layers",
+        "--hidden-size",
+        "--seq-length",
+        "--micro-batch-size",
+        "--global-batch-size",
+        "--data-path",
+        "--save",
+        "--load",
+        "--dataloader-type",
+        "--spec",
+        "--lr",
+        "--train-iters",
+        "--deepspeed",
+        "--deepspeed_config",
+        "--zero-stage",
+        "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
+    ]
     parser = argparse.ArgumentParser()
     for flag in megatron_flags:
         parser.add_argument(flag)

@@ -29,13 +29,23 @@ def test_zeropp_paper_cross_node_volumes():
 def test_hierarchical_hops_send_one_eighth_across_nodes():
     hops = cm.step_hops(MODEL, FRONTIER_384, cm.hierarchical("package"))
     across = (48 - 1) / 48 * M / 8
-    assert cm.bytes_per_link(hops, "forward", "gather") == {"package": M // 2, "node": 3 * M // 8,
-                                                            "inter_node": pytest.approx(across)}
+    assert cm.bytes_per_link(hops, "forward", "gather") == {
+        "package": M // 2,
+        "node": 3 * M // 8,
+        "inter_node": pytest.approx(across),
+    }
     assert cm.bytes_per_link(hops, "backward", "gather") == {"package": M // 2, "node": 0, "inter_node": 0}
-    assert cm.bytes_per_link(hops, "backward", "reduce") == {"package": M // 2, "node": 3 * M // 8,
-                                                             "inter_node": pytest.approx(across)}
+    assert cm.bytes_per_link(hops, "backward", "reduce") == {
+        "package": M // 2,
+        "node": 3 * M // 8,
+        "inter_node": pytest.approx(across),
+    }
     node = cm.step_hops(MODEL, FRONTIER_384, cm.hierarchical("node"))
-    assert cm.bytes_per_link(node, "backward", "gather") == {"package": M // 2, "node": 3 * M // 8, "inter_node": 0}
+    assert cm.bytes_per_link(node, "backward", "gather") == {
+        "package": M // 2,
+        "node": 3 * M // 8,
+        "inter_node": 0,
+    }
 
 
 def test_micro_batches_reuse_the_secondary_copy():
@@ -43,20 +53,30 @@ def test_micro_batches_reuse_the_secondary_copy():
     forward = cm.bytes_per_link(hops, "forward", "gather")
     # One primary gather in hops (47/48 M/8 across nodes, 3/4 M/2 = 3M/8 across packages, M/2 in the
     # package), then three micro-batches gather from the package copy only (M/2 each).
-    assert forward == {"package": M // 2 + 3 * (M // 2), "node": 3 * M // 8, "inter_node": pytest.approx(47 / 48 * M / 8)}
+    assert forward == {
+        "package": M // 2 + 3 * (M // 2),
+        "node": 3 * M // 8,
+        "inter_node": pytest.approx(47 / 48 * M / 8),
+    }
     # Every micro-batch reduces its gradients through all three hops unless synced at the boundary.
     assert cm.bytes_per_link(hops, "backward", "reduce")["inter_node"] == pytest.approx(4 * 47 / 48 * M / 8)
     once = cm.step_hops(MODEL, FRONTIER_384, cm.hierarchical("package", boundary_sync=True), micro_batches=4)
-    assert cm.bytes_per_link(once, "backward", "reduce") == {"package": 4 * M // 2, "node": 4 * 3 * M // 8,
-                                                             "inter_node": pytest.approx(47 / 48 * M / 8)}
+    assert cm.bytes_per_link(once, "backward", "reduce") == {
+        "package": 4 * M // 2,
+        "node": 4 * 3 * M // 8,
+        "inter_node": pytest.approx(47 / 48 * M / 8),
+    }
 
 
 def test_quantized_factors_apply_to_inter_node_hops_only():
     ours = cm.hierarchical("package", weight_factor=0.5, grad_factor=0.25)
     hops = cm.step_hops(MODEL, FRONTIER_384, ours)
     across = 47 / 48 * M / 8  # the cross-node hop's 16-bit volume
-    assert cm.bytes_per_link(hops, "forward", "gather") == {"package": M // 2, "node": 3 * M // 8,
-                                                            "inter_node": pytest.approx(0.5 * across)}
+    assert cm.bytes_per_link(hops, "forward", "gather") == {
+        "package": M // 2,
+        "node": 3 * M // 8,
+        "inter_node": pytest.approx(0.5 * across),
+    }
     assert cm.bytes_per_link(hops, "backward", "reduce")["inter_node"] == pytest.approx(0.25 * across)
     # qwZ quantizes ZeRO++'s flat primary gather wherever it runs: on one node, 7/8 of M at half the bytes.
     one_node = cm.step_hops(MODEL, DPShape(nodes=1, packages_per_node=4, per_package=2), cm.zeropp_paper(8))
@@ -87,12 +107,16 @@ def test_flat_ring_and_cross_node_hop_put_the_same_bytes_through_a_nic():
     # Per node (8 ranks): the flat ring's one boundary edge per ring carries v_flat; the 8 hop groups v_hop each.
     assert 8 * ring["inter_node"] == pytest.approx(v_flat, rel=1e-9)
     assert 8 * hop["inter_node"] == pytest.approx(8 * v_hop, rel=1e-9)
-    assert v_flat / (8 * v_hop) == pytest.approx((383 / 384) / (47 / 48))  # within 2 %: the hop saves no NIC bytes
+    assert v_flat / (8 * v_hop) == pytest.approx(
+        (383 / 384) / (47 / 48)
+    )  # within 2 %: the hop saves no NIC bytes
 
 
 def test_ring_time_shares_nics_among_concurrent_groups_and_channels():
     gb = 1e9
-    frontier = cm.Links()  # 25 GB/s per NIC, 4 NICs and 8 ranks per node, 4 channels, node link 50 GB/s per rank
+    frontier = (
+        cm.Links()
+    )  # 25 GB/s per NIC, 4 NICs and 8 ranks per node, 4 channels, node link 50 GB/s per rank
     flat = cm.Hop("forward", "gather", "inter_node", 384, 100 * 10**9, 1, 1, (48, 4, 2))
     # One group per node, 4 rings over 4 NICs: 100 GB / 100 GB/s = 1 s; the edges between packages
     # carry 100 GB at 50 GB/s = 2 s, so those bound it; latency 383 steps x 10 us.
@@ -104,12 +128,21 @@ def test_ring_time_shares_nics_among_concurrent_groups_and_channels():
     # TP=4: 2 DP members per node, so 4 DP groups per node at once: 40 GB / 100 GB/s = 0.4 s,
     # against 10 GB / 50 GB/s = 0.2 s between packages.
     assert cm.hop_seconds(tp4, frontier) == pytest.approx(0.4 + 95 * 10e-6)
-    gloo = cm.Links(bandwidth_gbps={"package": 8.0, "node": 4.0, "inter_node": 1.0}, latency_us=dict.fromkeys(
-        ("package", "node", "inter_node"), 0.0), ranks_per_nic=2, nics_per_node=2, channels=1)
+    gloo = cm.Links(
+        bandwidth_gbps={"package": 8.0, "node": 4.0, "inter_node": 1.0},
+        latency_us=dict.fromkeys(("package", "node", "inter_node"), 0.0),
+        ranks_per_nic=2,
+        nics_per_node=2,
+        channels=1,
+    )
     # One ring: its single boundary edge uses one NIC of the node: 10 GB / 1 GB/s.
-    assert cm.hop_seconds(cm.Hop("forward", "gather", "inter_node", 8, 10 * gb, 1, 1, (2, 2, 2)), gloo) == pytest.approx(10.0)
+    assert cm.hop_seconds(
+        cm.Hop("forward", "gather", "inter_node", 8, 10 * gb, 1, 1, (2, 2, 2)), gloo
+    ) == pytest.approx(10.0)
     # Inside a node the rank's own link: 10 GB / 4 GB/s.
-    assert cm.hop_seconds(cm.Hop("backward", "gather", "node", 4, 10 * gb, 1, 1, (1, 2, 2)), gloo) == pytest.approx(2.5)
+    assert cm.hop_seconds(
+        cm.Hop("backward", "gather", "node", 4, 10 * gb, 1, 1, (1, 2, 2)), gloo
+    ) == pytest.approx(2.5)
     # gloo's reduce-scatter sends what an all-reduce sends: twice the 10 GB, 5 s.
     doubled = cm.Links(**{**gloo.__dict__, "reduce_scatter_wire": 2.0})
     reduce = cm.Hop("backward", "reduce", "node", 4, 10 * gb, 1, 1, (1, 2, 2))
@@ -134,6 +167,12 @@ def test_planner_picks_fastest_level_within_budget():
     alone = DPShape(nodes=1, packages_per_node=1, per_package=1)  # one rank: nothing to place
     assert choose_secondary_level(big, alone, MODEL, links).level == "global"
     package_is_group = DPShape(nodes=1, packages_per_node=1, per_package=2)
-    assert choose_secondary_level(HierarchicalZeroConfig(enabled=True, secondary_level="package"), package_is_group,
-                                  MODEL, links).level == "global"
-    assert "secondary level package" in describe(choose_secondary_level(big, FRONTIER_384, MODEL, links), FRONTIER_384)
+    assert (
+        choose_secondary_level(
+            HierarchicalZeroConfig(enabled=True, secondary_level="package"), package_is_group, MODEL, links
+        ).level
+        == "global"
+    )
+    assert "secondary level package" in describe(
+        choose_secondary_level(big, FRONTIER_384, MODEL, links), FRONTIER_384
+    )

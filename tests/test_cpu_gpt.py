@@ -19,16 +19,25 @@ def _train_losses(tp: int, sequence_parallel: bool) -> list[float]:
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
     torch.manual_seed(1)
     model_parallel_cuda_manual_seed(1)
-    config = gpt_config(num_layers=2, hidden_size=48, num_attention_heads=4, tensor_model_parallel_size=tp,
-                        sequence_parallel=sequence_parallel)
+    config = gpt_config(
+        num_layers=2,
+        hidden_size=48,
+        num_attention_heads=4,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel,
+    )
     model = build_gpt_model(config, vocab_size=128, seq_length=16)
     allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))
     losses = []
     for _ in range(STEPS):  # one batch, learnt by heart: the loss must fall
-        batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 16),
-                 "position_ids": torch.arange(16).expand(2, 16)}
+        batch = {
+            "tokens": tokens[:, :-1],
+            "labels": tokens[:, 1:],
+            "loss_mask": torch.ones(2, 16),
+            "position_ids": torch.arange(16).expand(2, 16),
+        }
         loss = gpt_loss(model, batch)
         optimizer.zero_grad()
         loss.backward()
@@ -77,8 +86,12 @@ def test_shim_is_undone_by_disable(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cpu, "_undo", [])  # as in a fresh process, whatever earlier tests enabled
-    names = [(torch.cuda, "current_device"), (mp_random, "_get_cuda_rng_state"), (mp_random, "_set_cuda_rng_state"),
-             (mp_random.CudaRNGStatesTracker, "add")]
+    names = [
+        (torch.cuda, "current_device"),
+        (mp_random, "_get_cuda_rng_state"),
+        (mp_random, "_set_cuda_rng_state"),
+        (mp_random.CudaRNGStatesTracker, "add"),
+    ]
     before = [getattr(owner, name) for owner, name in names]
     assert cpu.enable_cpu_support() and torch.cuda.current_device() == "cpu"
     cpu.disable_cpu_support()

@@ -34,7 +34,9 @@ def test_spec_layout_addresses_and_link_classes() -> None:
     spec = frontier()
     assert (spec.world_size, spec.ranks_per_node) == (8, 4)
     assert (spec.package_mbit, spec.node_mbit, spec.inter_node_mbit) == (400.0, 200.0, 50.0)
-    assert [spec.link_class(0, peer) for peer in range(1, 8)] == ["package"] + ["node"] * 2 + ["inter_node"] * 4
+    assert [spec.link_class(0, peer) for peer in range(1, 8)] == ["package"] + ["node"] * 2 + [
+        "inter_node"
+    ] * 4
     assert [spec.sample_pair(link) for link in spec.link_classes()] == [(0, 1), (0, 2), (0, 4)]
     assert len({spec.address(r) for r in range(8)}) == 8
     place = spec.place(6)
@@ -52,8 +54,10 @@ def test_a_package_shares_one_inter_node_link() -> None:
     own = frontier(shared_nic=False)
     assert [own.nic(r) for r in range(8)] == list(range(8)) and own.ranks_per_nic == 1
     # Both ranks of package 0 send to node 1 at once (through one NIC's tx), and receive from it (its rx).
-    assert shared_nic_flows(spec) == [("inter_node tx shared by a package", [[0, 4], [1, 5]]),
-                                      ("inter_node rx shared by a package", [[4, 0], [5, 1]])]
+    assert shared_nic_flows(spec) == [
+        ("inter_node tx shared by a package", [[0, 4], [1, 5]]),
+        ("inter_node rx shared by a package", [[4, 0], [5, 1]]),
+    ]
     assert shared_nic_flows(own) == [] and shared_nic_flows(generic()) == []
 
 

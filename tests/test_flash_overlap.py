@@ -27,8 +27,7 @@ MODES = ("direct", "ring")
 
 # (kind, mode, bias, extra constructor options)
 CASES = [
-    (kind, mode, bias, {})
-    for kind, mode, bias in itertools.product(("column", "row"), MODES, (True, False))
+    (kind, mode, bias, {}) for kind, mode, bias in itertools.product(("column", "row"), MODES, (True, False))
 ] + [
     ("column", "ring", True, {"gather_output": True}),
     ("column", "direct", True, {"stride": 2, "skip_bias_add": True}),
@@ -49,8 +48,12 @@ def _setup(tp: int, sequence_parallel: bool = True):
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
-    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                 params_dtype=torch.float32, sequence_parallel=sequence_parallel)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        sequence_parallel=sequence_parallel,
+    )
     return config, ps.get_tensor_model_parallel_group()
 
 
@@ -76,8 +79,14 @@ def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dic
     rank, n = group.rank(), tp
     stride, skip = extra.get("stride", 1), extra.get("skip_bias_add", False)
     size_in, size_out = (COL_IN, COL_OUT) if kind == "column" else (ROW_IN, ROW_OUT)
-    common = dict(config=config, init_method=partial(torch.nn.init.normal_, std=0.3), bias=bias, stride=stride,
-                  skip_bias_add=skip, tp_comm_buffer_name="fc1" if kind == "column" else "fc2")
+    common = dict(
+        config=config,
+        init_method=partial(torch.nn.init.normal_, std=0.3),
+        bias=bias,
+        stride=stride,
+        skip_bias_add=skip,
+        tp_comm_buffer_name="fc1" if kind == "column" else "fc2",
+    )
     if kind == "column":
         common["gather_output"] = extra.get("gather_output", False)
         ours_cls, ref_cls = FlashOverlapColumnParallelLinear, ColumnParallelLinear
@@ -85,18 +94,29 @@ def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dic
         common["input_is_parallel"] = True
         ours_cls, ref_cls = FlashOverlapRowParallelLinear, RowParallelLinear
     torch.manual_seed(1234)
-    ours = ours_cls(size_in, size_out, keep_master_weight_for_test=True, p2p_mode=mode, backend=backend, **common)
+    ours = ours_cls(
+        size_in, size_out, keep_master_weight_for_test=True, p2p_mode=mode, backend=backend, **common
+    )
     torch.manual_seed(1234)
     ref = ref_cls(size_in, size_out, **common)
-    result = {"backend": "p2p" if ours.fused is None else "symm_mem",
-              "weights_equal": torch.equal(ours.weight, ref.weight),
-              "attrs_equal": all(getattr(p, a, None) == getattr(q, a, None) for p, q in
-                                 zip(ours.parameters(), ref.parameters()) for a in ATTRS)}
+    result = {
+        "backend": "p2p" if ours.fused is None else "symm_mem",
+        "weights_equal": torch.equal(ours.weight, ref.weight),
+        "attrs_equal": all(
+            getattr(p, a, None) == getattr(q, a, None)
+            for p, q in zip(ours.parameters(), ref.parameters())
+            for a in ATTRS
+        ),
+    }
 
     s = S_LOCAL * n
     seq = slice(rank * S_LOCAL, (rank + 1) * S_LOCAL)
     w = ours.master_weight.double()
-    x_full, g_full, b_full = _randn(s, BATCH, size_in, seed=1), _randn(s, BATCH, size_out, seed=2), _randn(size_out, seed=3)
+    x_full, g_full, b_full = (
+        _randn(s, BATCH, size_in, seed=1),
+        _randn(s, BATCH, size_out, seed=2),
+        _randn(size_out, seed=3),
+    )
     idx = _partition(size_out if kind == "column" else size_in, n, stride, rank)
     if bias:
         for layer in (ours, ref):
@@ -179,12 +199,16 @@ def _symm_mem_cases(tp: int) -> list[dict]:
     from megatron_ext.layers import symm_mem
 
     config, group = _setup(tp)
-    with mock.patch.object(symm_mem, "group_problem", return_value=None), \
-            mock.patch.object(symm_mem, "torch_fused_ops", _documented_fused_ops):
+    with (
+        mock.patch.object(symm_mem, "group_problem", return_value=None),
+        mock.patch.object(symm_mem, "torch_fused_ops", _documented_fused_ops),
+    ):
         return [_run_case(tp, config, group, case, backend="symm_mem") for case in CASES]
 
 
-@pytest.fixture(scope="module", params=[(2, "auto"), (4, "auto"), (2, "symm_mem")], ids=["tp2", "tp4", "tp2-symm_mem"])
+@pytest.fixture(
+    scope="module", params=[(2, "auto"), (4, "auto"), (2, "symm_mem")], ids=["tp2", "tp4", "tp2-symm_mem"]
+)
 def case_results(request, run_ranks):
     tp, backend = request.param
     cases = _all_cases if backend == "auto" else _symm_mem_cases
@@ -198,8 +222,12 @@ def test_matches_dense_and_megatron_core(case_results, case):
         result = results[CASES.index(case)]
         # auto picks our P2P schedule on gloo (no symmetric memory)
         assert result.pop("backend") == ("p2p" if backend == "auto" else "symm_mem")
-        assert result.pop("weights_equal"), f"TP={tp} rank {rank}: weights differ from megatron-core's for the same seed"
-        assert result.pop("attrs_equal"), f"TP={tp} rank {rank}: parameter attributes differ from megatron-core's"
+        assert result.pop("weights_equal"), (
+            f"TP={tp} rank {rank}: weights differ from megatron-core's for the same seed"
+        )
+        assert result.pop("attrs_equal"), (
+            f"TP={tp} rank {rank}: parameter attributes differ from megatron-core's"
+        )
         assert len(result) >= 6
         bad = {k: v for k, v in result.items() if v > 1e-5}
         assert not bad, f"TP={tp} rank {rank}: {bad}"
@@ -216,21 +244,33 @@ def _train_gpt(tp: int, steps: int) -> dict[str, list[float]]:
     _setup(tp)
     seq, vocab = 12, padded_vocab_size(100, tp)
     tokens = torch.randint(0, 100, (steps, 2, seq + 1), generator=torch.Generator().manual_seed(7))
-    specs = {"megatron": local_layer_spec(),
-             **{mode: get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, mode=mode)) for mode in MODES}}
+    specs = {
+        "megatron": local_layer_spec(),
+        **{mode: get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, mode=mode)) for mode in MODES},
+    }
     losses: dict[str, list[float]] = {}
     for name, spec in specs.items():
         torch.manual_seed(5)
         model_parallel_cuda_manual_seed(5)
-        config = gpt_config(num_layers=2, hidden_size=24, num_attention_heads=4, ffn_hidden_size=40,
-                            tensor_model_parallel_size=tp, sequence_parallel=True)
+        config = gpt_config(
+            num_layers=2,
+            hidden_size=24,
+            num_attention_heads=4,
+            ffn_hidden_size=40,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=True,
+        )
         model = build_gpt_model(config, vocab, seq, copy.deepcopy(spec))
         allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
         losses[name] = []
         for step in range(steps):
-            batch = {"tokens": tokens[step, :, :-1], "labels": tokens[step, :, 1:],
-                     "loss_mask": torch.ones(2, seq), "position_ids": torch.arange(seq).expand(2, seq)}
+            batch = {
+                "tokens": tokens[step, :, :-1],
+                "labels": tokens[step, :, 1:],
+                "loss_mask": torch.ones(2, seq),
+                "position_ids": torch.arange(seq).expand(2, seq),
+            }
             optimizer.zero_grad()
             loss = gpt_loss(model, batch)
             loss.backward()
@@ -254,8 +294,16 @@ def _bad_inputs() -> dict[str, str]:
 
     config, _ = _setup(2)
     init = partial(torch.nn.init.normal_, std=0.1)
-    row = FlashOverlapRowParallelLinear(8, 6, config=config, init_method=init, bias=True, input_is_parallel=True,
-                                        skip_bias_add=False, tp_comm_buffer_name="proj")
+    row = FlashOverlapRowParallelLinear(
+        8,
+        6,
+        config=config,
+        init_method=init,
+        bias=True,
+        input_is_parallel=True,
+        skip_bias_add=False,
+        tp_comm_buffer_name="proj",
+    )
     col = FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, tp_comm_buffer_name="qkv")
     attempts = {
         "seq": lambda: row(torch.randn(5, 2, 4)),
@@ -263,10 +311,17 @@ def _bad_inputs() -> dict[str, str]:
         "device": lambda: col(torch.randn(3, 2, 6, device="meta")),
         "shape": lambda: col(torch.randn(3, 2, 7)),
         "no_sp": lambda: FlashOverlapColumnParallelLinear(
-            6, 8, config=dataclasses.replace(config, sequence_parallel=False), init_method=init),
-        "expert": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, is_expert=True),
-        "mode": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, p2p_mode="star"),
-        "backend": lambda: FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=init, backend="symm_mem"),
+            6, 8, config=dataclasses.replace(config, sequence_parallel=False), init_method=init
+        ),
+        "expert": lambda: FlashOverlapColumnParallelLinear(
+            6, 8, config=config, init_method=init, is_expert=True
+        ),
+        "mode": lambda: FlashOverlapColumnParallelLinear(
+            6, 8, config=config, init_method=init, p2p_mode="star"
+        ),
+        "backend": lambda: FlashOverlapColumnParallelLinear(
+            6, 8, config=config, init_method=init, backend="symm_mem"
+        ),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -281,14 +336,23 @@ def _bad_inputs() -> dict[str, str]:
 def test_bad_inputs_and_options_give_clear_errors(run_ranks):
     messages = run_ranks(2, _bad_inputs)[0]
     assert "sequence length 5 is not divisible by the tensor-parallel size 2" in messages["seq"]
-    assert messages["dtype"].startswith("TypeError") and "float64" in messages["dtype"] and "'qkv'" in messages["dtype"]
+    assert (
+        messages["dtype"].startswith("TypeError")
+        and "float64" in messages["dtype"]
+        and "'qkv'" in messages["dtype"]
+    )
     assert "meta" in messages["device"]
     assert "[s, b, 6]" in messages["shape"]
     assert "sequence_parallel=True" in messages["no_sp"]
     assert "is_expert=True" in messages["expert"]
     assert "'star'" in messages["mode"]
-    assert messages["backend"].startswith("BackendUnavailableError") and "gloo, not NCCL" in messages["backend"]
-    assert "flash_overlap.backend=p2p" in messages["backend"] and "--flash-overlap-backend p2p" in messages["backend"]
+    assert (
+        messages["backend"].startswith("BackendUnavailableError") and "gloo, not NCCL" in messages["backend"]
+    )
+    assert (
+        "flash_overlap.backend=p2p" in messages["backend"]
+        and "--flash-overlap-backend p2p" in messages["backend"]
+    )
 
 
 def _backend_log_lines() -> list[str]:
@@ -310,8 +374,15 @@ def _backend_log_lines() -> list[str]:
         with mock.patch.object(symm_mem, "_logged", set()):
             for _ in range(2):
                 FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=torch.nn.init.zeros_)
-                FlashOverlapRowParallelLinear(8, 6, config=config, init_method=torch.nn.init.zeros_, bias=False,
-                                              input_is_parallel=True, skip_bias_add=False)
+                FlashOverlapRowParallelLinear(
+                    8,
+                    6,
+                    config=config,
+                    init_method=torch.nn.init.zeros_,
+                    bias=False,
+                    input_is_parallel=True,
+                    skip_bias_add=False,
+                )
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
@@ -320,8 +391,10 @@ def _backend_log_lines() -> list[str]:
 
 def test_auto_backend_picks_p2p_without_symmetric_memory_and_says_why_once(run_ranks):
     for lines in run_ranks(2, _backend_log_lines):
-        assert lines == ["Flash-Overlap backend: p2p (flash_overlap.backend=auto: the tensor-parallel group's "
-                         "backend is gloo, not NCCL)"]
+        assert lines == [
+            "Flash-Overlap backend: p2p (flash_overlap.backend=auto: the tensor-parallel group's "
+            "backend is gloo, not NCCL)"
+        ]
 
 
 def test_symm_mem_needs_cuda_and_is_moot_at_tensor_parallel_size_1():
@@ -329,7 +402,9 @@ def test_symm_mem_needs_cuda_and_is_moot_at_tensor_parallel_size_1():
 
     assert "the layers run on cpu, not CUDA" in platform_problem(torch.device("cpu"))
     assert resolve_backend("symm_mem", None, torch.device("cpu")) == "p2p"
-    with pytest.raises(ValueError, match="flash_overlap.backend='nvshmem' is unknown: use one of auto, p2p, symm_mem"):
+    with pytest.raises(
+        ValueError, match="flash_overlap.backend='nvshmem' is unknown: use one of auto, p2p, symm_mem"
+    ):
         resolve_backend("nvshmem", None, torch.device("cpu"))
 
 
@@ -339,8 +414,9 @@ def _silent_peer() -> None:
 
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear
 
-    layer = FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=torch.nn.init.zeros_,
-                                             tp_comm_buffer_name="fc1", timeout_s=1.0)
+    layer = FlashOverlapColumnParallelLinear(
+        6, 8, config=config, init_method=torch.nn.init.zeros_, tp_comm_buffer_name="fc1", timeout_s=1.0
+    )
     if dist.get_rank() == 0:  # rank 1 never enters the layer
         layer(torch.randn(3, 2, 6))
     else:
@@ -364,9 +440,14 @@ def test_single_rank_layers_need_no_process_group():
     config = ModelParallelConfig(use_cpu_initialization=True, params_dtype=torch.float32)
     init = partial(torch.nn.init.normal_, std=0.2)
     x = torch.randn(7, 3, 10)
-    for ours_cls, ref_cls, extra in ((FlashOverlapColumnParallelLinear, ColumnParallelLinear, {}),
-                                     (FlashOverlapRowParallelLinear, RowParallelLinear,
-                                      {"bias": True, "input_is_parallel": True, "skip_bias_add": False})):
+    for ours_cls, ref_cls, extra in (
+        (FlashOverlapColumnParallelLinear, ColumnParallelLinear, {}),
+        (
+            FlashOverlapRowParallelLinear,
+            RowParallelLinear,
+            {"bias": True, "input_is_parallel": True, "skip_bias_add": False},
+        ),
+    ):
         torch.manual_seed(0)
         ours = ours_cls(10, 9, config=config, init_method=init, **extra)
         torch.manual_seed(0)
@@ -381,12 +462,17 @@ def test_spec_replaces_the_chosen_linears_and_passes_mode_timeout_and_backend():
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
-    spec = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7,
-                                                           backend="p2p"))
+    spec = get_flash_overlap_layer_spec(
+        FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7, backend="p2p")
+    )
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     assert issubclass(attn.linear_qkv, FlashOverlapColumnParallelLinear)
     assert issubclass(mlp.linear_fc2, FlashOverlapRowParallelLinear)
-    assert (attn.linear_qkv.p2p_mode, attn.linear_qkv.p2p_timeout_s, attn.linear_qkv.overlap_backend) == ("ring", 7, "p2p")
+    assert (attn.linear_qkv.p2p_mode, attn.linear_qkv.p2p_timeout_s, attn.linear_qkv.overlap_backend) == (
+        "ring",
+        7,
+        "p2p",
+    )
     base = local_layer_spec()
     assert attn.linear_proj is base.submodules.self_attention.submodules.linear_proj
     assert mlp.linear_fc1 is base.submodules.mlp.submodules.linear_fc1

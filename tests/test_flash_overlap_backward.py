@@ -17,12 +17,26 @@ def _layers(kind: str, config, flash: bool, **extra):
 
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
-    cls = {("column", True): FlashOverlapColumnParallelLinear, ("column", False): ColumnParallelLinear,
-           ("row", True): FlashOverlapRowParallelLinear, ("row", False): RowParallelLinear}[kind, flash]
-    args = {"gather_output": False} if kind == "column" else {"input_is_parallel": True, "skip_bias_add": False}
+    cls = {
+        ("column", True): FlashOverlapColumnParallelLinear,
+        ("column", False): ColumnParallelLinear,
+        ("row", True): FlashOverlapRowParallelLinear,
+        ("row", False): RowParallelLinear,
+    }[kind, flash]
+    args = (
+        {"gather_output": False} if kind == "column" else {"input_is_parallel": True, "skip_bias_add": False}
+    )
     torch.manual_seed(0)
-    return cls(IN, OUT, config=config, init_method=partial(torch.nn.init.normal_, std=0.3), bias=False,
-               keep_master_weight_for_test=True, **args, **extra)
+    return cls(
+        IN,
+        OUT,
+        config=config,
+        init_method=partial(torch.nn.init.normal_, std=0.3),
+        bias=False,
+        keep_master_weight_for_test=True,
+        **args,
+        **extra,
+    )
 
 
 def _inputs(kind: str, tp: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, slice]:
@@ -40,8 +54,11 @@ def _inputs(kind: str, tp: int, rank: int, dtype: torch.dtype) -> tuple[torch.Te
 
 def _dense_wgrad(kind: str, layer, x: torch.Tensor, g: torch.Tensor, group) -> torch.Tensor:
     """float64 dW of this rank's weight shard from the gathered input or output gradient."""
-    parts = [torch.empty_like(x.double()) for _ in range(group.size())] if kind == "column" else \
-        [torch.empty_like(g.double()) for _ in range(group.size())]
+    parts = (
+        [torch.empty_like(x.double()) for _ in range(group.size())]
+        if kind == "column"
+        else [torch.empty_like(g.double()) for _ in range(group.size())]
+    )
     torch.distributed.all_gather(parts, (x if kind == "column" else g).double().contiguous(), group=group)
     full = torch.cat(parts)
     if kind == "column":
@@ -53,8 +70,13 @@ def _wgrad_errors(tp: int) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     config, group = _setup(tp)
-    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                 params_dtype=torch.bfloat16, sequence_parallel=True, bf16=True)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        sequence_parallel=True,
+        bf16=True,
+    )
     errors = {}
     for kind in ("column", "row"):
         x, g, _ = _inputs(kind, tp, group.rank(), torch.bfloat16)
@@ -63,7 +85,9 @@ def _wgrad_errors(tp: int) -> dict:
             y, _ = layer(x.clone().requires_grad_())
             y.backward(g)
             want = _dense_wgrad(kind, layer, x, g, group)
-            errors[kind, name] = ((layer.weight.grad.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()).item()
+            errors[kind, name] = (
+                (layer.weight.grad.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
+            ).item()
     return errors
 
 
@@ -71,16 +95,23 @@ def test_wgrad_error_vs_float64_is_no_worse_than_megatron_cores_in_bf16(run_rank
     for rank, errors in enumerate(run_ranks(4, _wgrad_errors, 4)):
         for kind in ("column", "row"):
             ours, theirs = errors[kind, "ours"], errors[kind, "megatron-core"]
-            assert 0 < ours <= theirs * 1.001, f"rank {rank} {kind}: RMS error {ours:.3e} vs megatron-core {theirs:.3e}"
+            assert 0 < ours <= theirs * 1.001, (
+                f"rank {rank} {kind}: RMS error {ours:.3e} vs megatron-core {theirs:.3e}"
+            )
 
 
 def _fusion(tp: int) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     _, group = _setup(tp)
-    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                 params_dtype=torch.bfloat16, sequence_parallel=True, bf16=True,
-                                 gradient_accumulation_fusion=True)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.bfloat16,
+        sequence_parallel=True,
+        bf16=True,
+        gradient_accumulation_fusion=True,
+    )
     out = {}
     for kind in ("column", "row"):
         x, g, _ = _inputs(kind, tp, group.rank(), torch.bfloat16)
@@ -91,9 +122,11 @@ def _fusion(tp: int) -> dict:
             y, _ = layer(x.clone().requires_grad_())
             y.backward(g)
         want = 2 * _dense_wgrad(kind, layer, x, g, group)
-        out[kind] = {"err": ((layer.weight.main_grad.double() - want).abs().max() / want.abs().max()).item(),
-                     "flag": layer.weight.grad_added_to_main_grad,
-                     "placeholder": tuple(layer.weight.grad.shape) == tuple(layer.weight.shape)}
+        out[kind] = {
+            "err": ((layer.weight.main_grad.double() - want).abs().max() / want.abs().max()).item(),
+            "flag": layer.weight.grad_added_to_main_grad,
+            "placeholder": tuple(layer.weight.grad.shape) == tuple(layer.weight.shape),
+        }
         del layer.weight.main_grad
         try:  # refused in forward, before any transfer is posted
             layer(x.clone().requires_grad_())
@@ -115,8 +148,12 @@ def _autocast(tp: int) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
     _, group = _setup(tp)
-    config = ModelParallelConfig(tensor_model_parallel_size=tp, use_cpu_initialization=True,
-                                 params_dtype=torch.float32, sequence_parallel=True)
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=tp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        sequence_parallel=True,
+    )
     out = {}
     for kind in ("column", "row"):
         x, g, _ = _inputs(kind, tp, group.rank(), torch.float32)
@@ -127,9 +164,11 @@ def _autocast(tp: int) -> dict:
             y_ref, _ = ref(x.clone())  # megatron-core's backward under CPU autocast fails: forward only
         y.float().backward(g)
         want_w = _dense_wgrad(kind, ours, x.bfloat16().float(), g.bfloat16().float(), group)
-        out[kind] = {"dtypes": (y.dtype, y_ref.dtype, xi.grad.dtype, ours.weight.grad.dtype),
-                     "fwd_err": ((y.double() - y_ref.double()).abs().max() / y_ref.double().abs().max()).item(),
-                     "wgrad_err": ((ours.weight.grad.double() - want_w).abs().max() / want_w.abs().max()).item()}
+        out[kind] = {
+            "dtypes": (y.dtype, y_ref.dtype, xi.grad.dtype, ours.weight.grad.dtype),
+            "fwd_err": ((y.double() - y_ref.double()).abs().max() / y_ref.double().abs().max()).item(),
+            "wgrad_err": ((ours.weight.grad.double() - want_w).abs().max() / want_w.abs().max()).item(),
+        }
     return out
 
 
@@ -137,5 +176,9 @@ def test_autocast_runs_both_layers_in_its_dtype_as_megatron_core_does(run_ranks)
     for rank, result in enumerate(run_ranks(2, _autocast, 2)):
         for kind, r in result.items():
             # bf16 output as megatron-core's; gradients in the dtypes of the input and the weight
-            assert r["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32), (rank, kind, r)
+            assert r["dtypes"] == (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32), (
+                rank,
+                kind,
+                r,
+            )
             assert r["fwd_err"] < 1e-2 and r["wgrad_err"] < 2e-2, (rank, kind, r)

@@ -74,6 +74,8 @@ def test_gloo_posting_thread_is_stopped_by_shutdown_posters(monkeypatch):
     assert thread_names(), "gloo transfers are posted from a thread of their own"
     p2p_link.shutdown_posters()
     assert not thread_names() and len(posted_ops) == 1
-    link.exchange(torch.zeros(1), 1, None, 1, step=1).works.result(timeout=10)  # a later step starts a new one
+    link.exchange(torch.zeros(1), 1, None, 1, step=1).works.result(
+        timeout=10
+    )  # a later step starts a new one
     p2p_link.shutdown_posters()
     assert len(posted_ops) == 2 and not thread_names()

@@ -28,8 +28,13 @@ def ds_config(hierarchical: dict | None = None, micro: int = MICRO, **zero) -> d
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": micro,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                              "stage3_prefetch_bucket_size": 0, **zero},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": 0,
+            **zero,
+        },
         "steps_per_print": 10**9,
         "topology": {"ranks_per_node": 4, "ranks_per_package": 2},
     }
@@ -41,15 +46,22 @@ def ds_config(hierarchical: dict | None = None, micro: int = MICRO, **zero) -> d
 def mlp() -> torch.nn.Module:
     """Odd sizes, so that every parameter is padded to the DP size."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(13, 29), torch.nn.Tanh(), torch.nn.Linear(29, 31), torch.nn.Tanh(),
-                               torch.nn.Linear(31, 7))
+    return torch.nn.Sequential(
+        torch.nn.Linear(13, 29),
+        torch.nn.Tanh(),
+        torch.nn.Linear(29, 31),
+        torch.nn.Tanh(),
+        torch.nn.Linear(31, 7),
+    )
 
 
 def mlp_numels() -> tuple[int, ...]:
     return tuple(p.numel() for p in mlp().parameters())
 
 
-def batch(step: int, micro: int, dp_rank: int, width: int = 13, out: int = 7) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(
+    step: int, micro: int, dp_rank: int, width: int = 13, out: int = 7
+) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100_000 * step + 100 * micro + dp_rank)
     return torch.randn(2, width, generator=g), torch.randn(2, out, generator=g)
 
@@ -70,16 +82,26 @@ def make_engine(kind: str, cfg: dict, model: torch.nn.Module, mpu=None, topology
     reset_deepspeed_globals()
     comm.patch_deepspeed_comm()
     if kind == "ours":
-        engine, *_ = zero.initialize(model=model, config=cfg, mpu=mpu, topology=topology,
-                                     model_parameters=model.parameters())
+        engine, *_ = zero.initialize(
+            model=model, config=cfg, mpu=mpu, topology=topology, model_parameters=model.parameters()
+        )
     else:
-        engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=mpu, model_parameters=model.parameters())
+        engine, *_ = deepspeed.initialize(
+            model=model, config=cfg, mpu=mpu, model_parameters=model.parameters()
+        )
     reset_deepspeed_globals()
     return engine
 
 
-def train(engine, steps: range, dp_rank: int, micro: int, topology: Topology = TOPOLOGY, width: int = 13,
-          out: int = 7) -> tuple[list[float], list[dict]]:
+def train(
+    engine,
+    steps: range,
+    dp_rank: int,
+    micro: int,
+    topology: Topology = TOPOLOGY,
+    width: int = 13,
+    out: int = 7,
+) -> tuple[list[float], list[dict]]:
     """Losses (mean over micro-batches) and bytes per step ({phase: {kind: {link: bytes}}})."""
     counter = comm.CommCounter(topology)
     losses, counts = [], []
@@ -119,7 +141,9 @@ def _built_under_init(cfg: dict):
     plan = zero.prepare(cm.ModelSpec(mlp_numels(), weight_bytes=4, grad_bytes=4), cfg, topology=TOPOLOGY)
     with zero.Init(plan.levels, config_dict_or_path=cfg):
         net = mlp()
-    engine, *_ = zero.initialize(model=net, config=cfg, topology=TOPOLOGY, plan=plan, model_parameters=net.parameters())
+    engine, *_ = zero.initialize(
+        model=net, config=cfg, topology=TOPOLOGY, plan=plan, model_parameters=net.parameters()
+    )
     reset_deepspeed_globals()
     return engine
 
@@ -141,8 +165,12 @@ def _variants(ckpt_dir: str) -> dict:
             engine.save_checkpoint(ckpt_dir, tag="mid")
         more, more_counts = train(engine, range(5, STEPS), rank, MICRO)
         level = engine.hierarchical_zero.levels.secondary_level if kind != "stock" else None
-        runs[name] = {"losses": losses + more, "counts": counts + more_counts, "params": full_params(engine),
-                      "level": level}
+        runs[name] = {
+            "losses": losses + more,
+            "counts": counts + more_counts,
+            "params": full_params(engine),
+            "level": level,
+        }
         engine.destroy()
     engine = make_engine("ours", ds_config({"secondary_level": "auto"}), mlp())
     engine.load_checkpoint(ckpt_dir, tag="mid")
@@ -161,7 +189,9 @@ def test_losses_and_parameters_equal_stock_zero3(runs):
     for rank_runs in runs:
         ref = rank_runs["zero3"]
         for name in ("hpz", "package", "node", "resumed"):
-            torch.testing.assert_close(torch.tensor(rank_runs[name]["losses"]), torch.tensor(ref["losses"]), **TOL)
+            torch.testing.assert_close(
+                torch.tensor(rank_runs[name]["losses"]), torch.tensor(ref["losses"]), **TOL
+            )
             for got, want in zip(rank_runs[name]["params"], ref["params"]):
                 torch.testing.assert_close(got, want, **TOL)
     assert len(runs[0]["zero3"]["losses"]) >= 10
@@ -171,7 +201,9 @@ def test_auto_picks_package_and_checkpoint_resume_matches(runs):
     assert runs[0]["package"]["level"] == "package"
     assert runs[0]["node"]["level"] == "node"
     for rank_runs in runs:
-        assert rank_runs["resumed"]["losses"] == pytest.approx(rank_runs["package"]["losses"], rel=1e-6, abs=1e-7)
+        assert rank_runs["resumed"]["losses"] == pytest.approx(
+            rank_runs["package"]["losses"], rel=1e-6, abs=1e-7
+        )
 
 
 def _predicted(variant: cm.Variant) -> list[cm.Hop]:
@@ -179,8 +211,12 @@ def _predicted(variant: cm.Variant) -> list[cm.Hop]:
     return cm.step_hops(model, DPShape(nodes=2, packages_per_node=2, per_package=2), variant, MICRO)
 
 
-VARIANTS = {"zero3": cm.ZERO3, "hpz": cm.hpz(4, "node"), "package": cm.hierarchical("package"),
-            "node": cm.hierarchical("node")}
+VARIANTS = {
+    "zero3": cm.ZERO3,
+    "hpz": cm.hpz(4, "node"),
+    "package": cm.hierarchical("package"),
+    "node": cm.hierarchical("node"),
+}
 
 
 @pytest.mark.parametrize("name", sorted(VARIANTS))
@@ -200,7 +236,13 @@ def test_backward_gathers_stay_in_node_and_inter_node_bytes_at_most_hpz(runs):
         for name in ("package", "node"):
             step = rank_runs[name]["counts"][-1]
             assert step["backward"]["gather"]["inter_node"] == 0
-            ours = sum(kinds.get(k, {}).get("inter_node", 0) for kinds in step.values() for k in ("gather", "reduce"))
+            ours = sum(
+                kinds.get(k, {}).get("inter_node", 0) for kinds in step.values() for k in ("gather", "reduce")
+            )
             hpz_step = rank_runs["hpz"]["counts"][-1]
-            theirs = sum(kinds.get(k, {}).get("inter_node", 0) for kinds in hpz_step.values() for k in ("gather", "reduce"))
+            theirs = sum(
+                kinds.get(k, {}).get("inter_node", 0)
+                for kinds in hpz_step.values()
+                for k in ("gather", "reduce")
+            )
             assert 0 < ours <= theirs, (name, ours, theirs)

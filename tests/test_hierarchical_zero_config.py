@@ -10,8 +10,17 @@ from deepspeed_ext.section import ConfigError
 from deepspeed_ext.topology import Topology
 from deepspeed_ext.zero import check_deepspeed_version, dp_shape
 
-COLLECTIVES = ("new_group", "new_subgroups", "all_gather_object", "all_gather", "all_reduce", "broadcast", "barrier",
-               "all_gather_into_tensor", "reduce_scatter_tensor")
+COLLECTIVES = (
+    "new_group",
+    "new_subgroups",
+    "all_gather_object",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "barrier",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+)
 
 
 class _Mpu:

@@ -40,7 +40,9 @@ def _init_train_destroy_three_times() -> list[list[str]]:
     for _ in range(3):
         model = mlp()
         cfg = ds_config({"secondary_level": "node"}, micro=1)
-        engine, *_ = zero.initialize(model=model, config=cfg, topology=FOUR_RANKS, model_parameters=model.parameters())
+        engine, *_ = zero.initialize(
+            model=model, config=cfg, topology=FOUR_RANKS, model_parameters=model.parameters()
+        )
         assert _process_state()["process groups"] > start["process groups"]
         x, y = batch(0, 0, dist.get_rank())
         engine.backward(torch.nn.functional.mse_loss(engine(x), y))

@@ -20,12 +20,15 @@ class TPMLP(torch.nn.Module):
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
         torch.manual_seed(0)
-        cfg = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True, params_dtype=torch.float32)
+        cfg = ModelParallelConfig(
+            tensor_model_parallel_size=2, use_cpu_initialization=True, params_dtype=torch.float32
+        )
         init = torch.nn.init.xavier_normal_
         super().__init__()
         self.fc1 = ColumnParallelLinear(13, 30, config=cfg, init_method=init, bias=True, gather_output=False)
-        self.fc2 = RowParallelLinear(30, 7, config=cfg, init_method=init, bias=True, input_is_parallel=True,
-                                     skip_bias_add=False)
+        self.fc2 = RowParallelLinear(
+            30, 7, config=cfg, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden, _ = self.fc1(x.unsqueeze(1))  # megatron layers take [sequence, batch, hidden]
@@ -70,7 +73,9 @@ def test_tp2_matches_stock_zero3_and_uses_strided_dp_groups(tp_runs):
         ref = rank_runs["zero3"]
         assert rank_runs["package"]["level"] == "package" and rank_runs["node"]["level"] == "node"
         for name in ("package", "node"):
-            torch.testing.assert_close(torch.tensor(rank_runs[name]["losses"]), torch.tensor(ref["losses"]), **TOL)
+            torch.testing.assert_close(
+                torch.tensor(rank_runs[name]["losses"]), torch.tensor(ref["losses"]), **TOL
+            )
             for got, want in zip(rank_runs[name]["params"], ref["params"]):
                 torch.testing.assert_close(got, want, **TOL)
     # The two TP ranks of one DP rank hold different shards of the same model.
@@ -79,7 +84,9 @@ def test_tp2_matches_stock_zero3_and_uses_strided_dp_groups(tp_runs):
 
 @pytest.mark.parametrize("name", ["zero3", "package", "node"])
 def test_tp2_cost_model_bytes_equal_measured(tp_runs, name):
-    variant = {"zero3": cm.ZERO3, "package": cm.hierarchical("package"), "node": cm.hierarchical("node")}[name]
+    variant = {"zero3": cm.ZERO3, "package": cm.hierarchical("package"), "node": cm.hierarchical("node")}[
+        name
+    ]
     model = cm.ModelSpec(param_numels=tp_numels(), weight_bytes=4, grad_bytes=4)
     hops = cm.step_hops(model, DPShape(nodes=2, packages_per_node=2, per_package=1), variant, MICRO)
     for rank_runs in tp_runs:

@@ -28,11 +28,21 @@ def test_torchrun_gets_local_size_from_local_world_size() -> None:
 
 
 def test_srun_gets_torch_variables_from_slurm_and_keeps_what_is_set() -> None:
-    env = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1", "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
-           "MASTER_ADDR": "n0", "LOCAL_RANK": "0"}  # one GPU visible per task: the user's LOCAL_RANK stays
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_TASKS_PER_NODE": "4(x2)",
+        "MASTER_ADDR": "n0",
+        "LOCAL_RANK": "0",
+    }  # one GPU visible per task: the user's LOCAL_RANK stays
     added = launch.launch_env(env)
     assert {k: added[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "LOCAL_SIZE")} == {
-        "RANK": "5", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4", "LOCAL_SIZE": "4"}
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_WORLD_SIZE": "4",
+        "LOCAL_SIZE": "4",
+    }
     assert "LOCAL_RANK" not in added
 
 
@@ -40,10 +50,13 @@ def test_one_process_needs_no_rendezvous() -> None:
     assert launch.launch_env({})["LOCAL_SIZE"] == "1"
 
 
-@pytest.mark.parametrize(("env", "needle"), [
-    ({"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "n0"}, "LOCAL_SIZE=<ranks per node>"),
-    ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "MASTER_ADDR"),
-])
+@pytest.mark.parametrize(
+    ("env", "needle"),
+    [
+        ({"WORLD_SIZE": "4", "RANK": "0", "MASTER_ADDR": "n0"}, "LOCAL_SIZE=<ranks per node>"),
+        ({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_WORLD_SIZE": "4"}, "MASTER_ADDR"),
+    ],
+)
 def test_missing_rendezvous_facts_are_named(env: dict, needle: str) -> None:
     with pytest.raises(launch.LaunchError, match=needle):
         launch.launch_env(env)
@@ -68,11 +81,18 @@ def test_upstream_tree_is_recognised_by_its_layout(tmp_path: Path) -> None:
 
 
 def test_bad_script_is_one_error_line(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "megatron_ext.launch", str(tmp_path / "missing.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_ext.launch", str(tmp_path / "missing.py")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines() == [f"error: {str(tmp_path / 'missing.py')!r} is not a Python file: "
-                                                "pass the path of the upstream pretrain_gpt.py"]
+    assert done.stderr.strip().splitlines() == [
+        f"error: {str(tmp_path / 'missing.py')!r} is not a Python file: "
+        "pass the path of the upstream pretrain_gpt.py"
+    ]
 
 
 def test_standins_import_but_fail_loudly_when_used_and_go_away() -> None:
@@ -84,7 +104,9 @@ def test_standins_import_but_fail_loudly_when_used_and_go_away() -> None:
         class Subclass(sub.Dataset):  # defining a subclass at import time works, as upstream does
             pass
 
-        with pytest.raises(standins.StandInError, match=f"{name}.sub.Dataset was called.*install the real package"):
+        with pytest.raises(
+            standins.StandInError, match=f"{name}.sub.Dataset was called.*install the real package"
+        ):
             Subclass()
         with pytest.raises(standins.StandInError):
             sub.transform(1)
@@ -117,8 +139,10 @@ def _fake_megatron_lm() -> dict[str, types.SimpleNamespace]:
     def arch() -> int:
         raise AssertionError("the real one asks the GPU")
 
-    modules = {key: types.SimpleNamespace() for key in ("fused_kernels", "training_pkg", "arguments", "initialize",
-                                                         "training", "utils")}
+    modules = {
+        key: types.SimpleNamespace()
+        for key in ("fused_kernels", "training_pkg", "arguments", "initialize", "training", "utils")
+    }
     modules["fused_kernels"].load = lambda args: (_ for _ in ()).throw(AssertionError("nvcc"))
     for key in ("utils", "arguments"):
         modules[key].get_device_arch_version = arch
@@ -140,7 +164,9 @@ def test_cpu_mapping_runs_cuda_calls_on_cpu_and_is_undone(monkeypatch: pytest.Mo
     try:
         assert torch.cuda.device_count() == 1
         assert torch.zeros(2, device="cuda").device.type == "cpu"
-        assert torch.ones(1).cuda().type() == "torch.cuda.FloatTensor"  # upstream's clip_grads asserts this name
+        assert (
+            torch.ones(1).cuda().type() == "torch.cuda.FloatTensor"
+        )  # upstream's clip_grads asserts this name
         assert modules["initialize"].initialize_megatron(x=1) == {"x": 1, "allow_no_cuda": True}
         assert modules["utils"].get_device_arch_version() == 0
         modules["fused_kernels"].load(None)  # loads nothing, compiles nothing

@@ -56,7 +56,9 @@ def test_megatron_deepspeed_order_and_both_json_flags():
     import deepspeed
 
     # Megatron-DeepSpeed calls the provider, then adds DeepSpeed's flags.
-    parser = deepspeed.add_config_arguments(hooks.with_plugin_args()(_upstream_parser("megatron_deepspeed_flags.txt")))
+    parser = deepspeed.add_config_arguments(
+        hooks.with_plugin_args()(_upstream_parser("megatron_deepspeed_flags.txt"))
+    )
     assert parser.parse_args(["--deepspeed_config", "a.json"]).deepspeed_config == "a.json"
     assert parser.parse_args(["--deepspeed-config", "b.json"]).deepspeed_config == "b.json"
 
@@ -69,7 +71,9 @@ def test_base_provider_runs_first():
         parser.add_argument("--modelopt-flag")
         return parser
 
-    args = hooks.with_plugin_args(base)(argparse.ArgumentParser()).parse_args(["--modelopt-flag", "1", "--flash-overlap"])
+    args = hooks.with_plugin_args(base)(argparse.ArgumentParser()).parse_args(
+        ["--modelopt-flag", "1", "--flash-overlap"]
+    )
     assert calls == ["base"] and args.modelopt_flag == "1" and args.flash_overlap is True
 
 
@@ -88,14 +92,21 @@ def test_slurm_presets_parse_upstream(name, preset):
     assert args.deepspeed_config == "cfg.json"
 
 
-@pytest.mark.parametrize(("name", "preset"), [("megatron_lm_flags.txt", "megatron-lm-local.args"),
-                                              ("megatron_deepspeed_flags.txt", "megatron-deepspeed-local.args")])
+@pytest.mark.parametrize(
+    ("name", "preset"),
+    [
+        ("megatron_lm_flags.txt", "megatron-lm-local.args"),
+        ("megatron_deepspeed_flags.txt", "megatron-deepspeed-local.args"),
+    ],
+)
 def test_upstream_slurm_presets_parse_upstream(name, preset):
     import deepspeed
 
     parser = hooks.with_plugin_args()(_upstream_parser(name))
     if name.startswith("megatron_deepspeed"):
-        parser = deepspeed.add_config_arguments(parser)  # Megatron-DeepSpeed adds DeepSpeed's flags (--deepspeed)
+        parser = deepspeed.add_config_arguments(
+            parser
+        )  # Megatron-DeepSpeed adds DeepSpeed's flags (--deepspeed)
     args, unknown = parser.parse_known_args(_preset_tokens(os.path.join(PRESETS, "upstream", preset)))
     assert unknown == [], f"{preset} has flags {name[:-10]} does not know: {unknown}"
 
@@ -109,7 +120,10 @@ CASES = [
     (["--shm-data-loader-dir", "/tmp"], {"shm_data_loader": {"shm_dir": "/tmp"}}),
     (["--hierarchical-zero"], {"hierarchical_zero": {"enabled": True}}),
     (["--hierarchical-zero-secondary-level", "node"], {"hierarchical_zero": {"secondary_level": "node"}}),
-    (["--hierarchical-zero-memory-budget-gb", "4"], {"hierarchical_zero": {"secondary_memory_budget_gb": 4.0}}),
+    (
+        ["--hierarchical-zero-memory-budget-gb", "4"],
+        {"hierarchical_zero": {"secondary_memory_budget_gb": 4.0}},
+    ),
     (["--hierarchical-zero-grad-reduce", "flat"], {"hierarchical_zero": {"grad_reduce": "flat"}}),
     (["--flash-overlap"], {"flash_overlap": {"enabled": True}}),
     (["--flash-overlap-layers", "qkv", "fc2"], {"flash_overlap": {"layers": ["qkv", "fc2"]}}),
@@ -139,16 +153,27 @@ def test_flag_wins_over_json(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"shm_data_loader": {"enabled": True, "slots": 2}}))
     parser = hooks.with_plugin_args()(argparse.ArgumentParser())
-    config = plugin_config_from_args(parser.parse_args(["--deepspeed-config", str(path), "--shm-data-loader-slots", "6"]))
+    config = plugin_config_from_args(
+        parser.parse_args(["--deepspeed-config", str(path), "--shm-data-loader-slots", "6"])
+    )
     assert (config.shm_data_loader.enabled, config.shm_data_loader.slots) == (True, 6)
 
 
 # -- the checks of hooks.plugin_config, on the fields Megatron's validate_args sets ----------
 
+
 def _megatron_lm_args(argv, **fields):
     args = hooks.with_plugin_args()(argparse.ArgumentParser()).parse_args(argv)
-    defaults = dict(world_size=4, data_parallel_size=2, pipeline_model_parallel_size=1, dataloader_type="single",
-                    spec=None, full_validation=False, sft=False, hybrid_context_parallel=False)
+    defaults = dict(
+        world_size=4,
+        data_parallel_size=2,
+        pipeline_model_parallel_size=1,
+        dataloader_type="single",
+        spec=None,
+        full_validation=False,
+        sft=False,
+        hybrid_context_parallel=False,
+    )
     for key, value in {**defaults, **fields}.items():
         setattr(args, key, value)
     return args
@@ -164,24 +189,39 @@ def _megatron_deepspeed_args(argv, ds, **fields):
 
 
 def test_megatron_lm_spec_and_loader_accepted_with_pipeline_parallelism():
-    args = _megatron_lm_args(["--flash-overlap", "--shm-data-loader"], spec=list(hooks.SPEC_FLAG),
-                             dataloader_type="cyclic", world_size=8, pipeline_model_parallel_size=2)
+    args = _megatron_lm_args(
+        ["--flash-overlap", "--shm-data-loader"],
+        spec=list(hooks.SPEC_FLAG),
+        dataloader_type="cyclic",
+        world_size=8,
+        pipeline_model_parallel_size=2,
+    )
     config = hooks.plugin_config(args)
     assert config.flash_overlap.enabled and config.shm_data_loader.enabled
     assert hooks.plugin_config(args) is config  # checked and logged once
 
 
-@pytest.mark.parametrize(("argv", "fields", "needle"), [
-    (["--flash-overlap"], {}, "--spec megatron_ext.upstream.megatron_lm flash_overlap_layer_spec"),
-    (["--flash-overlap"], {"spec": list(hooks.SPEC_FLAG), "tensor_model_parallel_size": 2}, "--sequence-parallel"),
-    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
-     "--num-layers-per-virtual-pipeline-stage"),
-    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2, "mtp_num_layers": 1}, "--mtp-num-layers"),
-    (["--shm-data-loader"], {"dataloader_type": "external"}, "single or cyclic"),
-    (["--shm-data-loader"], {"full_validation": True}, "--full-validation"),
-    (["--hierarchical-zero", "--deepspeed-config", "{stage3}"], {}, "--deepspeed"),
-    (["--ranks-per-node", "3"], {}, "ranks_per_node"),
-])
+@pytest.mark.parametrize(
+    ("argv", "fields", "needle"),
+    [
+        (["--flash-overlap"], {}, "--spec megatron_ext.upstream.megatron_lm flash_overlap_layer_spec"),
+        (
+            ["--flash-overlap"],
+            {"spec": list(hooks.SPEC_FLAG), "tensor_model_parallel_size": 2},
+            "--sequence-parallel",
+        ),
+        (
+            ["--shm-data-loader"],
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            "--num-layers-per-virtual-pipeline-stage",
+        ),
+        (["--shm-data-loader"], {"pipeline_model_parallel_size": 2, "mtp_num_layers": 1}, "--mtp-num-layers"),
+        (["--shm-data-loader"], {"dataloader_type": "external"}, "single or cyclic"),
+        (["--shm-data-loader"], {"full_validation": True}, "--full-validation"),
+        (["--hierarchical-zero", "--deepspeed-config", "{stage3}"], {}, "--deepspeed"),
+        (["--ranks-per-node", "3"], {}, "ranks_per_node"),
+    ],
+)
 def test_megatron_lm_unsupported_settings_fail(tmp_path, argv, fields, needle):
     stage3 = tmp_path / "ds.json"
     stage3.write_text(json.dumps(BASE))
@@ -191,17 +231,24 @@ def test_megatron_lm_unsupported_settings_fail(tmp_path, argv, fields, needle):
 
 
 def test_megatron_deepspeed_reads_the_moved_json():
-    ds = {"zero_optimization": {"stage": 3}, "hierarchical_zero": {"enabled": True}, "shm_data_loader": {"slots": 3}}
+    ds = {
+        "zero_optimization": {"stage": 3},
+        "hierarchical_zero": {"enabled": True},
+        "shm_data_loader": {"slots": 3},
+    }
     config = hooks.plugin_config(_megatron_deepspeed_args(["--shm-data-loader"], ds))
     assert config.hierarchical_zero.enabled and config.zero_stage == 3
     assert (config.shm_data_loader.enabled, config.shm_data_loader.slots) == (True, 3)
 
 
-@pytest.mark.parametrize(("argv", "fields", "needle"), [
-    (["--flash-overlap"], {}, "legacy"),
-    (["--shm-data-loader"], {"no_pipeline_parallel": False}, "--no-pipeline-parallel"),
-    (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
-])
+@pytest.mark.parametrize(
+    ("argv", "fields", "needle"),
+    [
+        (["--flash-overlap"], {}, "legacy"),
+        (["--shm-data-loader"], {"no_pipeline_parallel": False}, "--no-pipeline-parallel"),
+        (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
+    ],
+)
 def test_megatron_deepspeed_unsupported_settings_fail(argv, fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         hooks.plugin_config(_megatron_deepspeed_args(argv, {}, **fields))

@@ -19,9 +19,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(ROOT, "patches")
 # patch -> (files it may touch, env var naming an upstream checkout, pinned commit)
 EXPECTED = {
-    "megatron-lm-core_v0.16.1.patch": ({"pretrain_gpt.py"}, "MEGATRON_LM_DIR", "55ac7082517c3878ae653c07c09c534b8aed49f6"),
-    "megatron-deepspeed-4efb479.patch": ({"pretrain_gpt.py", "megatron/training.py"}, "MEGATRON_DEEPSPEED_DIR",
-                                         "4efb479d5317ce9b86096b9d8e3e8030b0b5263b"),
+    "megatron-lm-core_v0.16.1.patch": (
+        {"pretrain_gpt.py"},
+        "MEGATRON_LM_DIR",
+        "55ac7082517c3878ae653c07c09c534b8aed49f6",
+    ),
+    "megatron-deepspeed-4efb479.patch": (
+        {"pretrain_gpt.py", "megatron/training.py"},
+        "MEGATRON_DEEPSPEED_DIR",
+        "4efb479d5317ce9b86096b9d8e3e8030b0b5263b",
+    ),
 }
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
@@ -37,7 +44,9 @@ def _parse(text):
     for line in lines:
         if line.startswith("diff --git "):
             a, b = line.split()[2:4]
-            assert a[2:] == b[2:] and a.startswith("a/") and b.startswith("b/"), f"renames not expected: {line}"
+            assert a[2:] == b[2:] and a.startswith("a/") and b.startswith("b/"), (
+                f"renames not expected: {line}"
+            )
             current = a[2:]
             hunks = files.setdefault(current, [])
         elif line.startswith("--- "):
@@ -74,8 +83,13 @@ def test_patch_is_well_formed_and_minimal(name):
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_patch_calls_existing_hooks(name):
-    added = "\n".join(row for hunks in _parse(_read(name)).values() for _, _, body in hunks for row in body
-                      if row.startswith("+"))
+    added = "\n".join(
+        row
+        for hunks in _parse(_read(name)).values()
+        for _, _, body in hunks
+        for row in body
+        if row.startswith("+")
+    )
     modules = {"megatron_lm": megatron_lm, "megatron_deepspeed": megatron_deepspeed}
     called = set(re.findall(r"\b(megatron_lm|megatron_deepspeed)\.(\w+)", added))
     assert called, f"{name} calls no hook"
@@ -97,16 +111,26 @@ def test_patch_applies_upstream(name):
         except SetupError as exc:
             if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
                 pytest.fail(f"no upstream tree to check {name} against: {exc}")
-            pytest.skip(f"set {env} to an upstream checkout at commit {commit}, or provide the tarballs: {exc}")
-        checkout = str(trees["megatron-lm" if name.startswith("megatron-lm") else "megatron-deepspeed"].pristine)
-    head = subprocess.run(["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    result = subprocess.run(["git", "apply", "--check", os.path.join(PATCHES, name)], cwd=checkout,
-                            capture_output=True, text=True)
-    assert result.returncode == 0, (f"{name} does not apply in {checkout} (HEAD {head or 'not a git checkout'}, "
-                                    f"pinned {commit}):\n{result.stderr}")
+            pytest.skip(
+                f"set {env} to an upstream checkout at commit {commit}, or provide the tarballs: {exc}"
+            )
+        checkout = str(
+            trees["megatron-lm" if name.startswith("megatron-lm") else "megatron-deepspeed"].pristine
+        )
+    head = subprocess.run(
+        ["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    result = subprocess.run(
+        ["git", "apply", "--check", os.path.join(PATCHES, name)], cwd=checkout, capture_output=True, text=True
+    )
+    assert result.returncode == 0, (
+        f"{name} does not apply in {checkout} (HEAD {head or 'not a git checkout'}, "
+        f"pinned {commit}):\n{result.stderr}"
+    )
 
 
 # -- the model hook (Megatron-LM's --spec) -----------------------------------------------------
+
 
 def test_spec_is_what_megatron_lm_imports():
     from megatron.core.transformer.spec_utils import import_module
@@ -132,10 +156,13 @@ def test_flash_overlap_submodules_follow_the_config():
     assert issubclass(mlp.linear_fc2, FlashOverlapRowParallelLinear)
     assert (attention.linear_qkv.p2p_mode, mlp.linear_fc2.p2p_timeout_s) == ("ring", 7)
     assert attention.linear_proj is RowParallelLinear and mlp.linear_fc1 is ColumnParallelLinear
-    assert base.self_attention.submodules.linear_qkv is ColumnParallelLinear, "the module-level spec was changed"
+    assert base.self_attention.submodules.linear_qkv is ColumnParallelLinear, (
+        "the module-level spec was changed"
+    )
 
 
 # -- Megatron-DeepSpeed's samples --------------------------------------------------------------
+
 
 def test_text_samples_round_trip():
     seq = 6
@@ -177,11 +204,23 @@ def _dataset(prefix, cache):
 def _fake_args(dp, consumed):
     """The fields Megatron-LM's parse_args / validate_args / checkpoint loading set, as a Namespace."""
     args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args(
-        ["--shm-data-loader", "--shm-data-loader-slots", "3", "--shm-data-loader-timeout", "60"])
-    fields = dict(micro_batch_size=MBS, global_batch_size=MBS * dp, iteration=consumed // (MBS * dp),
-                  consumed_train_samples=consumed, consumed_valid_samples=MBS * dp, dataloader_type="cyclic",
-                  data_sharding=True, create_attention_mask_in_dataloader=True, skip_train=False, world_size=2,
-                  data_parallel_size=dp, pipeline_model_parallel_size=1, spec=None)
+        ["--shm-data-loader", "--shm-data-loader-slots", "3", "--shm-data-loader-timeout", "60"]
+    )
+    fields = dict(
+        micro_batch_size=MBS,
+        global_batch_size=MBS * dp,
+        iteration=consumed // (MBS * dp),
+        consumed_train_samples=consumed,
+        consumed_valid_samples=MBS * dp,
+        dataloader_type="cyclic",
+        data_sharding=True,
+        create_attention_mask_in_dataloader=True,
+        skip_train=False,
+        world_size=2,
+        data_parallel_size=dp,
+        pipeline_model_parallel_size=1,
+        spec=None,
+    )
     for key, value in fields.items():
         setattr(args, key, value)
     return args
@@ -219,9 +258,16 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
         for it in built:
             if it is not None:
                 it.close()
-    kwargs = dict(micro_batch_size=MBS, config=ShmDataLoaderConfig(enabled=False), topology=None,
-                  tp_group=ps.get_tensor_model_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
-                  dp_size=ps.get_data_parallel_world_size(), sampler="random", create_attention_mask=True)
+    kwargs = dict(
+        micro_batch_size=MBS,
+        config=ShmDataLoaderConfig(enabled=False),
+        topology=None,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        sampler="random",
+        create_attention_mask=True,
+    )
     stock = build_batch_iterator(dataset, consumed_samples=consumed, **kwargs)
     expected = [next(stock) for _ in range(STEPS + 2)]
     stock_valid = build_batch_iterator(dataset, consumed_samples=args.consumed_valid_samples, **kwargs)
@@ -257,11 +303,20 @@ def _spec_layer_matches_stock(mode):
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args(
-        ["--flash-overlap", "--flash-overlap-layers", "qkv", "fc2", "--flash-overlap-mode", mode])
+        ["--flash-overlap", "--flash-overlap-layers", "qkv", "fc2", "--flash-overlap-mode", mode]
+    )
     args.world_size, args.data_parallel_size, args.spec = 2, 1, list(megatron_lm.SPEC_FLAG)
-    config = gpt_config(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2,
-                        sequence_parallel=True)
-    fake, fake_arguments = types.ModuleType("megatron.training"), types.ModuleType("megatron.training.arguments")
+    config = gpt_config(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+    )
+    fake, fake_arguments = (
+        types.ModuleType("megatron.training"),
+        types.ModuleType("megatron.training.arguments"),
+    )
     fake.get_args = lambda: args
     fake_arguments.core_transformer_config_from_args = lambda _: config
     sys.modules.update({"megatron.training": fake, "megatron.training.arguments": fake_arguments})
@@ -277,7 +332,10 @@ def _spec_layer_matches_stock(mode):
         del sys.modules["megatron.training"], sys.modules["megatron.training.arguments"]
     ours, stock = layers
     attention, mlp = ours.self_attention, ours.mlp
-    assert isinstance(attention.linear_qkv, FlashOverlapColumnParallelLinear) and attention.linear_qkv.p2p_mode == mode
+    assert (
+        isinstance(attention.linear_qkv, FlashOverlapColumnParallelLinear)
+        and attention.linear_qkv.p2p_mode == mode
+    )
     assert isinstance(mlp.linear_fc2, FlashOverlapRowParallelLinear)
     assert type(attention.linear_proj) is type(stock.self_attention.linear_proj)
     x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(dist.get_rank()))  # [s/tp, b, h]
@@ -316,8 +374,16 @@ def _megatron_deepspeed_path(prefix, cache, job):
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     dataset = _dataset(prefix, cache)
     args = _fake_args(1, 0)
-    for key, value in dict(deepspeed=True, no_pipeline_parallel=True, dataloader_type="single", train_samples=None,
-                           eval_interval=10, eval_iters=0, train_iters=STEPS, seq_length=SEQ).items():
+    for key, value in dict(
+        deepspeed=True,
+        no_pipeline_parallel=True,
+        dataloader_type="single",
+        train_samples=None,
+        eval_interval=10,
+        eval_iters=0,
+        train_iters=STEPS,
+        seq_length=SEQ,
+    ).items():
         setattr(args, key, value)
     order = []
 
@@ -331,17 +397,29 @@ def _megatron_deepspeed_path(prefix, cache, job):
     os.environ["SLURM_JOB_ID"] = job
     try:
         assert megatron_lm.shm_loader_enabled()
-        train, valid, test = megatron_deepspeed.data_iterators(lambda sizes: (_LegacyText(dataset), None, None))
+        train, valid, test = megatron_deepspeed.data_iterators(
+            lambda sizes: (_LegacyText(dataset), None, None)
+        )
         rows = [megatron_deepspeed.text_batch(["text"], train, torch.int64)["text"] for _ in range(STEPS)]
         train.close()
     finally:
         del sys.modules["megatron.training"], os.environ["SLURM_JOB_ID"]
     assert (valid, test, args.do_train, args.do_valid) == (None, None, True, False)
-    stock = build_batch_iterator(dataset, micro_batch_size=MBS, consumed_samples=0, config=ShmDataLoaderConfig(),
-                                 topology=None, tp_group=ps.get_tensor_model_parallel_group(), dp_rank=0, dp_size=1)
+    stock = build_batch_iterator(
+        dataset,
+        micro_batch_size=MBS,
+        consumed_samples=0,
+        config=ShmDataLoaderConfig(),
+        topology=None,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=0,
+        dp_size=1,
+    )
     for i, row in enumerate(rows):
         expected = next(stock)
-        assert torch.equal(row, torch.cat([expected["tokens"], expected["labels"][:, -1:]], dim=1)), f"batch {i}"
+        assert torch.equal(row, torch.cat([expected["tokens"], expected["labels"][:, -1:]], dim=1)), (
+            f"batch {i}"
+        )
     dist.barrier()
     return order
 

@@ -10,13 +10,37 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
-SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "32",
-         "--micro-batch-size", "2", "--lr", "3e-3"]
+SMALL = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--lr",
+    "3e-3",
+]
 
 
 def _torchrun(tmp_path, nproc, *flags, timeout=240):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(29500 + os.getpid() % 1000), SCRIPT, *SMALL, "--data-cache-path", str(tmp_path / "data"), *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(29500 + os.getpid() % 1000),
+        SCRIPT,
+        *SMALL,
+        "--data-cache-path",
+        str(tmp_path / "data"),
+        *flags,
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
@@ -31,8 +55,11 @@ def _losses(path):
 
 def _zero3_config(tmp_path):
     path = tmp_path / "ds.json"
-    path.write_text(json.dumps({"zero_optimization": {"stage": 3},
-                                "optimizer": {"type": "Adam", "params": {"torch_adam": True}}}))
+    path.write_text(
+        json.dumps(
+            {"zero_optimization": {"stage": 3}, "optimizer": {"type": "Adam", "params": {"torch_adam": True}}}
+        )
+    )
     return str(path)
 
 
@@ -41,8 +68,17 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
     ds = _zero3_config(tmp_path)
     common = ["--tensor-model-parallel-size", "2", "--train-iters", "6", "--deepspeed-config", ds]
     ckpt = tmp_path / "ckpt"
-    out = _torchrun(tmp_path, 4, *common, "--save", str(ckpt), "--save-interval", "3",
-                    "--log-json", str(tmp_path / "full.jsonl"))
+    out = _torchrun(
+        tmp_path,
+        4,
+        *common,
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "3",
+        "--log-json",
+        str(tmp_path / "full.jsonl"),
+    )
     full = _losses(tmp_path / "full.jsonl")
     assert "iteration 6/6 | loss" in out and "tokens/s" in out
     assert full[6] < full[1] - 0.5, full
@@ -59,7 +95,15 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
 @pytest.fixture
 def pretrain_main(monkeypatch, tmp_path):
     """The main job's ``main(argv)`` in this process, as a lone rank with a clean environment."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_NTASKS", "SLURM_PROCID"):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.chdir(tmp_path)
     sys.path.insert(0, ROOT)
@@ -72,8 +116,11 @@ def pretrain_main(monkeypatch, tmp_path):
     ("flags", "env", "message"),
     [
         (["--data-path", "/nonexistent/corpus"], {}, "error: /nonexistent/corpus.idx does not exist"),
-        (["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3", "RANK": "0"},
-         "error: --tensor-model-parallel-size 2 does not divide the world size 3"),
+        (
+            ["--tensor-model-parallel-size", "2"],
+            {"WORLD_SIZE": "3", "RANK": "0"},
+            "error: --tensor-model-parallel-size 2 does not divide the world size 3",
+        ),
         (["--shm-data-loader-slots", "0"], {}, "error: invalid plugin config: shm_data_loader.slots=0"),
     ],
 )
@@ -88,11 +135,23 @@ def test_bad_input_exits_with_one_clear_line(pretrain_main, monkeypatch, capsys,
 def test_config_typo_stops_the_script_with_one_line(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"shm_data_loader": {"enabeld": True}}))
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    proc = subprocess.run([sys.executable, SCRIPT, "--deepspeed-config", str(cfg)], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=tmp_path)
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
+    }
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--deepspeed-config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: invalid plugin config: unknown key 'shm_data_loader.enabeld'")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: invalid plugin config: unknown key 'shm_data_loader.enabeld'")
+    )
     assert "Traceback" not in proc.stderr
 
 
@@ -122,7 +181,20 @@ def test_data_with_ids_beyond_the_vocabulary_stops_naming_both_numbers(pretrain_
 def test_a_corpus_of_a_larger_vocabulary_trains_with_its_vocab_size(pretrain_main, tmp_path):
     _corpus_of_ids(str(tmp_path / "ids"), 999)
     log = tmp_path / "log.jsonl"
-    assert pretrain_main("--data-path", str(tmp_path / "ids"), "--tokenizer-type", "NullTokenizer",
-                         "--vocab-size", "999", "--train-iters", "2", "--log-json", str(log)) == 0
+    assert (
+        pretrain_main(
+            "--data-path",
+            str(tmp_path / "ids"),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "999",
+            "--train-iters",
+            "2",
+            "--log-json",
+            str(log),
+        )
+        == 0
+    )
     first = json.loads(log.read_text().splitlines()[0])["loss"]
     assert first > 6.5, first  # ~ln(1024): the output layer spans the padded 1000-id vocabulary

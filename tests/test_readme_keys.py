@@ -45,4 +45,6 @@ def test_readme_key_table_is_the_fields_defaults_flags_and_docstrings():
     missing = [row for row in want if row not in have]
     extra = [row for row in have if row not in want]
     assert not missing and not extra, "README key table out of date; rows to have:\n" + "\n".join(want)
-    assert [re.match(r"\| `([^`]*)`", row)[1] for row in have] == [re.match(r"\| `([^`]*)`", row)[1] for row in want]
+    assert [re.match(r"\| `([^`]*)`", row)[1] for row in have] == [
+        re.match(r"\| `([^`]*)`", row)[1] for row in want
+    ]

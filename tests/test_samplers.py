@@ -38,7 +38,9 @@ def test_single_pass_rejects_a_used_up_dataset():
 
 def _epoch_of(total, mbs, dp, sharding, seed=0):
     steps = total // (mbs * dp)
-    return [list(itertools.islice(random_batches(total, 0, mbs, r, dp, sharding, seed), steps)) for r in range(dp)]
+    return [
+        list(itertools.islice(random_batches(total, 0, mbs, r, dp, sharding, seed), steps)) for r in range(dp)
+    ]
 
 
 def test_random_sharded_buckets_follow_the_epoch_seeded_permutation():
@@ -48,7 +50,7 @@ def test_random_sharded_buckets_follow_the_epoch_seeded_permutation():
         perm = torch.randperm(bucket, generator=torch.Generator().manual_seed(epoch)).tolist()
         for r in range(dp):
             got = list(itertools.islice(random_batches(total, epoch * 48, mbs, r, dp), 8))
-            assert got == [[r * bucket + i for i in perm[k:k + mbs]] for k in range(0, bucket, mbs)]
+            assert got == [[r * bucket + i for i in perm[k : k + mbs]] for k in range(0, bucket, mbs)]
 
 
 @pytest.mark.parametrize("sharding", [True, False])
@@ -69,7 +71,9 @@ def test_random_resume_mid_epoch_and_across_epochs(sharding):
 
 
 def test_random_seed_shifts_the_epoch_seed():
-    assert _epoch_of(50, 2, 3, True, seed=1)[0][:8] == list(itertools.islice(random_batches(50, 48, 2, 0, 3), 8))
+    assert _epoch_of(50, 2, 3, True, seed=1)[0][:8] == list(
+        itertools.islice(random_batches(50, 48, 2, 0, 3), 8)
+    )
 
 
 def test_random_rejects_a_resume_inside_a_step():

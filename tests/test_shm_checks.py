@@ -44,13 +44,16 @@ def _ring_variant(path, variant, attacker_uid, victim_file):
             os.chown(ring, attacker_uid, -1)
 
 
-@pytest.mark.parametrize("variant,problem", [
-    ("fifo", "it is a FIFO, not a regular file"),
-    ("symlink", "it is a symlink, not a regular file"),
-    ("mode", "its mode is 0666, not 0600"),
-    ("links", "it has 2 hard links, not 1"),
-    ("owner", "it is owned by uid \\d+ \\(.*\\), not by uid 0"),
-])
+@pytest.mark.parametrize(
+    "variant,problem",
+    [
+        ("fifo", "it is a FIFO, not a regular file"),
+        ("symlink", "it is a symlink, not a regular file"),
+        ("mode", "its mode is 0666, not 0600"),
+        ("links", "it has 2 hard links, not 1"),
+        ("owner", "it is owned by uid \\d+ \\(.*\\), not by uid 0"),
+    ],
+)
 def test_each_ring_check_names_the_file(users, shm_dir, tmp_path, variant, problem):
     victim_file = tmp_path / "precious"
     victim_file.write_bytes(b"x" * 8192)
@@ -63,12 +66,15 @@ def test_each_ring_check_names_the_file(users, shm_dir, tmp_path, variant, probl
     assert victim_file.read_bytes() == b"x" * 8192
 
 
-@pytest.mark.parametrize("variant,problem", [
-    ("symlink", "it is a symlink, not a directory"),
-    ("file", "it is a regular file, not a directory"),
-    ("mode", "its mode is 0755, not 0700"),
-    ("owner", "it is owned by uid \\d+ \\(.*\\), not by uid 0"),
-])
+@pytest.mark.parametrize(
+    "variant,problem",
+    [
+        ("symlink", "it is a symlink, not a directory"),
+        ("file", "it is a regular file, not a directory"),
+        ("mode", "its mode is 0755, not 0700"),
+        ("owner", "it is owned by uid \\d+ \\(.*\\), not by uid 0"),
+    ],
+)
 def test_each_directory_check_names_the_directory(users, shm_dir, variant, problem):
     path = segment_path(shm_dir, "check", 0)
     own = segment_path(shm_dir, "own", 0)

@@ -38,9 +38,16 @@ def path():
 
 
 def _iterator(dataset, path, local, consumers=2, timeout=TIMEOUT_S):
-    return ShmBatchIterator(dataset, SamplerSettings(2, 0, consumers, kind="random"), keys=ALL_KEYS, path=path, local_index=local,
-                            config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=timeout),
-                            node_dp_ranks=list(range(consumers)), rank=local)
+    return ShmBatchIterator(
+        dataset,
+        SamplerSettings(2, 0, consumers, kind="random"),
+        keys=ALL_KEYS,
+        path=path,
+        local_index=local,
+        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=timeout),
+        node_dp_ranks=list(range(consumers)),
+        rank=local,
+    )
 
 
 def _consume(dataset, path, local, queue, batches_then_sleep=None):
@@ -151,7 +158,9 @@ class _Failing:
 
 def test_a_producer_error_reaches_the_ranks_with_its_message(dataset, path):
     leader = _iterator(_Failing(dataset, hang=False), path, 0, consumers=1)
-    with pytest.raises(RingError, match=r"(?s)producer of .* failed: OSError: reading sample \d+: input/output error"):
+    with pytest.raises(
+        RingError, match=r"(?s)producer of .* failed: OSError: reading sample \d+: input/output error"
+    ):
         next(leader)
     leader.close()
 

@@ -41,9 +41,17 @@ def path():
 
 
 def _iterator(dataset, path, local, consumers=3, creator=None):
-    return ShmBatchIterator(dataset, SamplerSettings(2, 0, consumers, kind="random"), keys=ALL_KEYS, path=path, local_index=local,
-                            config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
-                            node_dp_ranks=list(range(consumers)), rank=local, creator=creator)
+    return ShmBatchIterator(
+        dataset,
+        SamplerSettings(2, 0, consumers, kind="random"),
+        keys=ALL_KEYS,
+        path=path,
+        local_index=local,
+        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
+        node_dp_ranks=list(range(consumers)),
+        rank=local,
+        creator=creator,
+    )
 
 
 def _rank(dataset, path, local, queue, creator=None):
@@ -110,7 +118,9 @@ def test_first_rank_killed_before_creating_fails_the_waiting_peer(dataset, path)
     creator = ctx.Process(target=time.sleep, args=(60,))
     creator.start()
     queue = ctx.Queue()
-    peer = ctx.Process(target=_rank, args=(dataset, path, 1, queue, (creator.pid, process_start_time(creator.pid))))
+    peer = ctx.Process(
+        target=_rank, args=(dataset, path, 1, queue, (creator.pid, process_start_time(creator.pid)))
+    )
     peer.start()
     time.sleep(0.5)  # the peer is polling for the name
     killed = _kill(creator)
@@ -134,7 +144,9 @@ def test_stop_is_bounded_when_sigkill_does_not_end_the_producer(monkeypatch):
     # Stands for a process in an uninterruptible read: the signal is sent but does not take effect.
     monkeypatch.setattr(producer_module.os, "kill", lambda pid, sig: None)
     result = []
-    thread = threading.Thread(target=lambda: result.append(stuck.stop(timeout_s=0.2, kill_wait_s=1.0)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: result.append(stuck.stop(timeout_s=0.2, kill_wait_s=1.0)), daemon=True
+    )
     start = time.monotonic()
     with pytest.warns(RuntimeWarning, match=rf"pid {child.pid}\) did not exit within 1 s of SIGKILL"):
         thread.start()
@@ -147,9 +159,16 @@ def test_stop_is_bounded_when_sigkill_does_not_end_the_producer(monkeypatch):
 
 
 def _drop_without_close(dataset, path, queue):
-    it = ShmBatchIterator(dataset, SamplerSettings(2, 0, 1, kind="random"), keys=ALL_KEYS, path=path, local_index=0,
-                          config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
-                          node_dp_ranks=[0], rank=0)
+    it = ShmBatchIterator(
+        dataset,
+        SamplerSettings(2, 0, 1, kind="random"),
+        keys=ALL_KEYS,
+        path=path,
+        local_index=0,
+        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
+        node_dp_ranks=[0],
+        rank=0,
+    )
     next(it)
     queue.put(it.producer.pid)
     del it

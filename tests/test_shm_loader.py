@@ -43,8 +43,9 @@ def _dataset(prefix, cache, documents_apart=False):
     # The dataset creates the attention mask, so the stock path broadcasts Megatron's own mask.
     config = gpt_dataset_config(prefix, SEQ, 1234, cache, create_attention_mask=True)
     if documents_apart:  # masks keep documents apart, and the returned tokens hide the EODs (set to 0)
-        config = dataclasses.replace(config, reset_attention_mask=True, tokenizer=PadIsEodTokenizer(),
-                                     allow_ambiguous_pad_tokens=True)
+        config = dataclasses.replace(
+            config, reset_attention_mask=True, tokenizer=PadIsEodTokenizer(), allow_ambiguous_pad_tokens=True
+        )
     return BlendedMegatronDatasetBuilder(GPTDataset, [10, 0, 0], lambda: True, config).build()[0]
 
 
@@ -65,23 +66,33 @@ def _megatron_pretraining_sampler(total, consumed, mbs, dp_rank, dp):
     for idx in range(consumed, total):
         batch.append(idx)
         if len(batch) == mbs * dp:
-            yield batch[dp_rank * mbs:(dp_rank + 1) * mbs]
+            yield batch[dp_rank * mbs : (dp_rank + 1) * mbs]
             batch = []
 
 
-def _compare(prefix, cache, tp, sampler, consumed, steps, job, topology=None, mask=False, documents_apart=False):
+def _compare(
+    prefix, cache, tp, sampler, consumed, steps, job, topology=None, mask=False, documents_apart=False
+):
     from megatron.core import parallel_state as ps
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
     dataset = _dataset(prefix, cache, documents_apart)
-    kwargs = dict(micro_batch_size=MBS, consumed_samples=consumed, topology=topology,
-                  tp_group=ps.get_tensor_model_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
-                  dp_size=ps.get_data_parallel_world_size(), sampler=sampler, create_attention_mask=mask)
+    kwargs = dict(
+        micro_batch_size=MBS,
+        consumed_samples=consumed,
+        topology=topology,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        sampler=sampler,
+        create_attention_mask=mask,
+    )
     stock = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=False), **kwargs)
     expected = _take(stock, steps)
     stock.close()
-    ours = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=60),
-                                job_id=job, **kwargs)
+    ours = build_batch_iterator(
+        dataset, config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=60), job_id=job, **kwargs
+    )
     dist.barrier()
     attached_left = glob.glob(f"/dev/shm/*{job}*")  # unlinked once the node's ranks attached
     got = _take(ours, steps)
@@ -92,13 +103,19 @@ def _compare(prefix, cache, tp, sampler, consumed, steps, job, topology=None, ma
         for key in a:
             assert torch.equal(a[key], b[key]), f"rank {dist.get_rank()} batch {i} key {key} differs"
     if sampler == "single":  # and both hold the samples Megatron's own sampler picks
-        order = _megatron_pretraining_sampler(len(dataset), consumed, MBS, ps.get_data_parallel_rank(),
-                                              ps.get_data_parallel_world_size())
+        order = _megatron_pretraining_sampler(
+            len(dataset), consumed, MBS, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        )
         for batch, indices in zip(got, order):
             assert torch.equal(batch["tokens"], torch.stack([dataset[j]["tokens"] for j in indices]))
-    return dict(batches=len(got), counters=ours.counters.as_dict(), stock=stock.counters.as_dict(),
-                left=attached_left + glob.glob(f"/dev/shm/*{job}*"),
-                dp=ps.get_data_parallel_rank(), tokens=[b["tokens"].sum().item() for b in got])
+    return dict(
+        batches=len(got),
+        counters=ours.counters.as_dict(),
+        stock=stock.counters.as_dict(),
+        left=attached_left + glob.glob(f"/dev/shm/*{job}*"),
+        dp=ps.get_data_parallel_rank(),
+        tokens=[b["tokens"].sum().item() for b in got],
+    )
 
 
 def _check_reads(results, steps, streams_per_node, leaders):
@@ -112,9 +129,13 @@ def _check_reads(results, steps, streams_per_node, leaders):
 
 
 def test_tp2_dp2_single_with_attention_mask(run_ranks, corpus):
-    results = run_ranks(4, _compare, *corpus, 2, "single", 0, 10, uuid.uuid4().hex[:8], mask=True, timeout=120)
+    results = run_ranks(
+        4, _compare, *corpus, 2, "single", 0, 10, uuid.uuid4().hex[:8], mask=True, timeout=120
+    )
     assert [r["batches"] for r in results] == [10] * 4
-    assert results[0]["tokens"] == results[1]["tokens"] != results[2]["tokens"]  # TP peers share, DP ranks differ
+    assert (
+        results[0]["tokens"] == results[1]["tokens"] != results[2]["tokens"]
+    )  # TP peers share, DP ranks differ
     assert [r["stock"]["samples_read"] for r in results] == [20, 0, 20, 0]  # stock: TP rank 0 of each DP rank
     _check_reads(results, 10, streams_per_node=2, leaders={0})
 
@@ -122,8 +143,19 @@ def test_tp2_dp2_single_with_attention_mask(run_ranks, corpus):
 def test_masks_keep_documents_apart_when_the_dataset_hides_its_eods(run_ranks, corpus):
     """reset_attention_mask with pad id == EOD id: GPTDataset returns its EODs as 0 after building
     its mask, so the loader carries the document ids of the tokens the dataset read."""
-    results = run_ranks(2, _compare, *corpus, 2, "single", 0, 30, uuid.uuid4().hex[:8], mask=True,
-                        documents_apart=True, timeout=120)
+    results = run_ranks(
+        2,
+        _compare,
+        *corpus,
+        2,
+        "single",
+        0,
+        30,
+        uuid.uuid4().hex[:8],
+        mask=True,
+        documents_apart=True,
+        timeout=120,
+    )
     assert [r["batches"] for r in results] == [30] * 2
 
 
@@ -133,10 +165,13 @@ def test_tp1_dp4_random(run_ranks, corpus):
     _check_reads(results, 10, streams_per_node=4, leaders={0})
 
 
-@pytest.mark.parametrize("sampler,consumed,batches", [
-    ("random", 100 * 4, 12),  # 7 steps left in epoch 0, then epoch 1
-    ("single", 428 - 3 * 4 - 1, 3),  # 3 steps left: both paths stop at the same step
-])
+@pytest.mark.parametrize(
+    "sampler,consumed,batches",
+    [
+        ("random", 100 * 4, 12),  # 7 steps left in epoch 0, then epoch 1
+        ("single", 428 - 3 * 4 - 1, 3),  # 3 steps left: both paths stop at the same step
+    ],
+)
 def test_resume_mid_epoch(run_ranks, corpus, sampler, consumed, batches):
     results = run_ranks(4, _compare, *corpus, 2, sampler, consumed, 12, uuid.uuid4().hex[:8], timeout=120)
     assert [r["batches"] for r in results] == [batches] * 4
@@ -144,5 +179,7 @@ def test_resume_mid_epoch(run_ranks, corpus, sampler, consumed, batches):
 
 def test_two_nodes_two_producers(run_ranks, corpus):
     topology = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)
-    results = run_ranks(4, _compare, *corpus, 1, "random", 50 * 8, 8, uuid.uuid4().hex[:8], topology, timeout=120)
+    results = run_ranks(
+        4, _compare, *corpus, 1, "random", 50 * 8, 8, uuid.uuid4().hex[:8], topology, timeout=120
+    )
     _check_reads(results, 8, streams_per_node=2, leaders={0, 2})

@@ -49,19 +49,29 @@ def corpus(tmp_path_factory):
 def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topology=None):
     from megatron.core import parallel_state as ps
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 create_gloo_process_groups=False)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False
+    )
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
     dataset = _dataset(prefix, cache)
-    kwargs = dict(micro_batch_size=MBS, consumed_samples=consumed, topology=topology,
-                  tp_group=ps.get_tensor_model_parallel_group(), dp_rank=ps.get_data_parallel_rank(),
-                  dp_size=ps.get_data_parallel_world_size(), sampler=sampler, create_attention_mask=mask,
-                  first_pipeline_stage=first, last_pipeline_stage=last)
+    kwargs = dict(
+        micro_batch_size=MBS,
+        consumed_samples=consumed,
+        topology=topology,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        sampler=sampler,
+        create_attention_mask=mask,
+        first_pipeline_stage=first,
+        last_pipeline_stage=last,
+    )
     stock = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=False), **kwargs)
     expected = _take(stock, steps)
     stock.close()
-    ours = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=True, slots=3, timeout_s=60),
-                                job_id=job, **kwargs)
+    ours = build_batch_iterator(
+        dataset, config=ShmDataLoaderConfig(enabled=True, slots=3, timeout_s=60), job_id=job, **kwargs
+    )
     got = _take(ours, steps)
     ours.close()
     dist.barrier()
@@ -75,17 +85,36 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
     for i, (a, b) in enumerate(zip(got, expected)):
         for key in want:
             assert torch.equal(a[key], b[key]), f"rank {dist.get_rank()} batch {i} key {key} differs"
-    return dict(batches=len(got), stock_batches=len(expected), first=first, last=last,
-                dp=ps.get_data_parallel_rank(), on_ring=isinstance(ours, ShmBatchIterator),
-                read=ours.counters.samples_read, stock_read=stock.counters.samples_read,
-                tokens=[b["tokens"].sum().item() for b in got if b.get("tokens") is not None],
-                labels=[b["labels"].sum().item() for b in got if b.get("labels") is not None],
-                left=glob.glob(f"/dev/shm/*{job}*"))
+    return dict(
+        batches=len(got),
+        stock_batches=len(expected),
+        first=first,
+        last=last,
+        dp=ps.get_data_parallel_rank(),
+        on_ring=isinstance(ours, ShmBatchIterator),
+        read=ours.counters.samples_read,
+        stock_read=stock.counters.samples_read,
+        tokens=[b["tokens"].sum().item() for b in got if b.get("tokens") is not None],
+        labels=[b["labels"].sum().item() for b in got if b.get("labels") is not None],
+        left=glob.glob(f"/dev/shm/*{job}*"),
+    )
 
 
 def _run(run_ranks, corpus, tp, pp, sampler="random", consumed=0, steps=8, mask=True, topology=None):
-    results = run_ranks(4, _compare, *corpus, tp, pp, sampler, consumed, steps, uuid.uuid4().hex[:8], mask,
-                        topology, timeout=180)
+    results = run_ranks(
+        4,
+        _compare,
+        *corpus,
+        tp,
+        pp,
+        sampler,
+        consumed,
+        steps,
+        uuid.uuid4().hex[:8],
+        mask,
+        topology,
+        timeout=180,
+    )
     for r, res in enumerate(results):
         assert res["left"] == [], f"rank {r} saw leftover segments {res['left']}"
         assert res["batches"] == res["stock_batches"]
@@ -118,4 +147,7 @@ def test_tp1_pp4_middle_stages_read_nothing_and_stop_with_the_others(run_ranks, 
     results = _run(run_ranks, corpus, tp=1, pp=4, sampler="single", consumed=consumed, steps=12)
     assert [r["batches"] for r in results] == [5] * 4
     assert [r["on_ring"] for r in results] == [True, False, False, True]  # middle stages never attach
-    assert [r["read"] for r in results] == [5 * MBS, 0, 0, 0] and [r["stock_read"] for r in results][1:3] == [0, 0]
+    assert [r["read"] for r in results] == [5 * MBS, 0, 0, 0] and [r["stock_read"] for r in results][1:3] == [
+        0,
+        0,
+    ]

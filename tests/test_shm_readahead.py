@@ -28,8 +28,10 @@ def corpora(tmp_path_factory):
 
 
 def _text_from_ranges(ranges, dtype):
-    parts = [np.fromfile(path, dtype=dtype, count=length // np.dtype(dtype).itemsize, offset=offset)
-             for path, offset, length in ranges]
+    parts = [
+        np.fromfile(path, dtype=dtype, count=length // np.dtype(dtype).itemsize, offset=offset)
+        for path, offset, length in ranges
+    ]
     return np.concatenate(parts)
 
 
@@ -41,8 +43,8 @@ def _check_every_sample(dataset, dtype):
         text = _text_from_ranges(ranges, dtype)
         sample = dataset[idx]
         full = torch.cat([sample["tokens"], sample["labels"][-1:]]).numpy()  # seq_length + 1 tokens
-        assert np.array_equal(text, full[:len(text)]), f"sample {idx}"
-        assert len(text) == len(full) or (full[len(text):] == full[-1]).all()  # only padding is not read
+        assert np.array_equal(text, full[: len(text)]), f"sample {idx}"
+        assert len(text) == len(full) or (full[len(text) :] == full[-1]).all()  # only padding is not read
 
 
 def test_ranges_are_the_tokens_each_sample_reads(corpora):
@@ -55,7 +57,9 @@ def _blended_ranges(prefixes, cache):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    config = dataclasses.replace(gpt_dataset_config(prefixes[0], 32, 1234, cache), blend=(prefixes, [0.6, 0.4]))
+    config = dataclasses.replace(
+        gpt_dataset_config(prefixes[0], 32, 1234, cache), blend=(prefixes, [0.6, 0.4])
+    )
     blended = BlendedMegatronDatasetBuilder(GPTDataset, [200, 0, 0], lambda: True, config).build()[0]
     for inner in blended.datasets:
         inner[0]  # map each inner dataset's indices
@@ -65,7 +69,7 @@ def _blended_ranges(prefixes, cache):
 
 def test_ranges_of_a_blended_dataset(run_ranks, corpora):
     # megatron-core builds a blend's indices on rank 0 of a process group: one gloo rank here
-    (sources, samples), = run_ranks(1, _blended_ranges, *corpora, timeout=120)
+    ((sources, samples),) = run_ranks(1, _blended_ranges, *corpora, timeout=120)
     assert sources == [0, 1] and samples >= 200
 
 
@@ -74,12 +78,18 @@ def test_advice_reaches_the_kernel_for_every_range(corpora, monkeypatch):
     dataset = build_train_dataset(prefix, 32, 10, 1234, cache)
     dataset[0]
     calls = []
-    monkeypatch.setattr(readahead.os, "posix_fadvise", lambda fd, off, n, advice: calls.append(
-        (os.readlink(f"/proc/self/fd/{fd}"), off, n, advice)))
+    monkeypatch.setattr(
+        readahead.os,
+        "posix_fadvise",
+        lambda fd, off, n, advice: calls.append((os.readlink(f"/proc/self/fd/{fd}"), off, n, advice)),
+    )
     ahead = ReadAhead(dataset)
     ahead.advise([3, 5, 8])
-    expected = [(os.path.realpath(p), off, n, os.POSIX_FADV_WILLNEED)
-                for i in (3, 5, 8) for p, off, n in sample_ranges(dataset, i)]
+    expected = [
+        (os.path.realpath(p), off, n, os.POSIX_FADV_WILLNEED)
+        for i in (3, 5, 8)
+        for p, off, n in sample_ranges(dataset, i)
+    ]
     assert calls == expected and ahead.advised_bytes == sum(c[2] for c in calls) > 0
     ahead.close()
 
@@ -100,9 +110,16 @@ def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, 
             f.write(f"{offset} {length}\n")
 
     monkeypatch.setattr(readahead.os, "posix_fadvise", record)
-    it = ShmBatchIterator(dataset, SamplerSettings(2, 0, 1, kind="random"), keys=ALL_KEYS, path=segment_path("/dev/shm", "ra", 0),
-                          config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30), local_index=0,
-                          node_dp_ranks=[0], rank=0)
+    it = ShmBatchIterator(
+        dataset,
+        SamplerSettings(2, 0, 1, kind="random"),
+        keys=ALL_KEYS,
+        path=segment_path("/dev/shm", "ra", 0),
+        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
+        local_index=0,
+        node_dp_ranks=[0],
+        rank=0,
+    )
     for _ in range(6):
         next(it)
     it.close()

@@ -183,11 +183,17 @@ def _load(prefix, cache, shm_dir, token=None, steps=3):
         loader_module.new_token = lambda: token
     start = time.monotonic()
     try:
-        it = build_batch_iterator(dataset, micro_batch_size=MBS, consumed_samples=0, topology=None, tp_group=None,
-                                  job_id=JOB,
-                                  config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=TIMEOUT_S,
-                                                             shm_dir=shm_dir),
-                                  dp_rank=rank, dp_size=RANKS)
+        it = build_batch_iterator(
+            dataset,
+            micro_batch_size=MBS,
+            consumed_samples=0,
+            topology=None,
+            tp_group=None,
+            job_id=JOB,
+            config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=TIMEOUT_S, shm_dir=shm_dir),
+            dp_rank=rank,
+            dp_size=RANKS,
+        )
         try:
             got = [next(it) for _ in range(steps)]
         finally:
@@ -211,14 +217,20 @@ def _fails_fast_naming(results, path):
 
 
 # -- the attacks -----------------------------------------------------------------------------------
-def test_planted_leftovers_neither_block_nor_hang_and_stay_untouched(run_ranks, corpus, users, shm_dir, tmp_path):
+def test_planted_leftovers_neither_block_nor_hang_and_stay_untouched(
+    run_ranks, corpus, users, shm_dir, tmp_path
+):
     victim_file = tmp_path / "precious"
     victim_file.write_bytes(b"the victim's own data\n")
-    as_user(users[ATTACKER], _plant_leftovers, shm_dir, [current_user(), VICTIM], str(victim_file), _dead_pid())
+    as_user(
+        users[ATTACKER], _plant_leftovers, shm_dir, [current_user(), VICTIM], str(victim_file), _dead_pid()
+    )
     planted = sorted(os.listdir(shm_dir))
     results = run_ranks(RANKS, _load, *corpus, shm_dir, timeout=60)
     assert [r["error"] for r in results] == [None, None]
-    assert sorted(os.listdir(shm_dir)) == planted  # the job's own directory is gone, the attacker's entries stay
+    assert (
+        sorted(os.listdir(shm_dir)) == planted
+    )  # the job's own directory is gone, the attacker's entries stay
     assert victim_file.read_bytes() == b"the victim's own data\n"
     # the name is new on every run: nothing to plant in advance
     again = run_ranks(RANKS, _load, *corpus, shm_dir, timeout=60)

@@ -70,7 +70,10 @@ def test_name_carries_user_job_and_a_random_token(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29501")
     assert resolve_job_id() != first
     token = "0123456789abcdef" * 2
-    assert segment_path("/dev/shm", "J", 3, token) == f"/dev/shm/mdsp-{shm_segment.current_user()}-J-node3-{token}"
+    assert (
+        segment_path("/dev/shm", "J", 3, token)
+        == f"/dev/shm/mdsp-{shm_segment.current_user()}-J-node3-{token}"
+    )
     # the same settings never give the same name twice: nobody can guess it in advance
     assert segment_path("/dev/shm", "J", 3) != segment_path("/dev/shm", "J", 3)
     with pytest.raises(ValueError, match="not 32 lowercase hex digits"):
@@ -124,8 +127,16 @@ def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
         # the loader's first rank does the same at start-up
         _make(stale, dead, 12345)
         dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
-        it = ShmBatchIterator(dataset, SamplerSettings(2, 0, 1), keys=ALL_KEYS, config=ShmDataLoaderConfig(timeout_s=5),
-                              path=segment_path("/dev/shm", _job(), 0), local_index=0, node_dp_ranks=[0], rank=0)
+        it = ShmBatchIterator(
+            dataset,
+            SamplerSettings(2, 0, 1),
+            keys=ALL_KEYS,
+            config=ShmDataLoaderConfig(timeout_s=5),
+            path=segment_path("/dev/shm", _job(), 0),
+            local_index=0,
+            node_dp_ranks=[0],
+            rank=0,
+        )
         assert not os.path.exists(stale)
         next(it)
         it.close()
@@ -137,7 +148,9 @@ def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
 def test_space_is_checked_before_allocating(monkeypatch):
     monkeypatch.setattr(shm_segment, "free_bytes", lambda _: 1000)
     path = segment_path("/dev/shm", _job(), 0)
-    with pytest.raises(ShmSpaceError, match=rf"needs {LAYOUT.size} bytes in /dev/shm but only 1000 bytes are free.*slots"):
+    with pytest.raises(
+        ShmSpaceError, match=rf"needs {LAYOUT.size} bytes in /dev/shm but only 1000 bytes are free.*slots"
+    ):
         create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid(), 1))
     assert not [p for p in os.listdir("/dev/shm") if os.path.basename(path) in p]
 
@@ -145,14 +158,18 @@ def test_space_is_checked_before_allocating(monkeypatch):
 def test_full_tmpfs_gives_a_clear_error_not_sigbus(tmp_path, monkeypatch):
     mnt = tmp_path / "tiny"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
         # pretend the probe saw room, so that posix_fallocate is the one to find the tmpfs full
         monkeypatch.setattr(shm_segment, "free_bytes", lambda _: 1 << 40)
         path = segment_path(str(mnt), _job(), 0)
         big = RingLayout(slots=4, streams=2, micro_batch_size=4, seq_length=1024, consumers=2)  # ~920 KB
-        with pytest.raises(ShmSpaceError, match=rf"needs {big.size} bytes in {mnt} but only \d+ bytes are free"):
+        with pytest.raises(
+            ShmSpaceError, match=rf"needs {big.size} bytes in {mnt} but only \d+ bytes are free"
+        ):
             create_segment(path, big.size, big.header(os.getpid(), 1))
         assert os.listdir(mnt) == []
     finally:
@@ -165,15 +182,32 @@ def test_weakly_ordered_machines_are_refused(corpus, monkeypatch, machine):
     monkeypatch.setattr(platform, "machine", lambda: machine)
     dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
     path = segment_path("/dev/shm", _job(), 0)
-    with pytest.raises(UnsupportedPlatformError, match=rf"x86-64 only.*'{machine}'.*stale.*shm_data_loader.enabled=false"):
-        ShmBatchIterator(dataset, SamplerSettings(2, 0, 1), keys=ALL_KEYS, config=ShmDataLoaderConfig(timeout_s=5),
-                         path=path, local_index=0, node_dp_ranks=[0], rank=0)
+    with pytest.raises(
+        UnsupportedPlatformError, match=rf"x86-64 only.*'{machine}'.*stale.*shm_data_loader.enabled=false"
+    ):
+        ShmBatchIterator(
+            dataset,
+            SamplerSettings(2, 0, 1),
+            keys=ALL_KEYS,
+            config=ShmDataLoaderConfig(timeout_s=5),
+            path=path,
+            local_index=0,
+            node_dp_ranks=[0],
+            rank=0,
+        )
     assert not os.path.exists(path)
     # the entry point refuses before its collective (no process group exists here: it would fail otherwise)
     with pytest.raises(UnsupportedPlatformError, match=machine):
-        build_batch_iterator(dataset, micro_batch_size=2, consumed_samples=0,
-                             config=ShmDataLoaderConfig(enabled=True), topology=None, tp_group=None,
-                             dp_rank=0, dp_size=1)
+        build_batch_iterator(
+            dataset,
+            micro_batch_size=2,
+            consumed_samples=0,
+            config=ShmDataLoaderConfig(enabled=True),
+            topology=None,
+            tp_group=None,
+            dp_rank=0,
+            dp_size=1,
+        )
 
 
 @pytest.mark.parametrize("machine", ["x86_64", "AMD64"])
@@ -194,6 +228,13 @@ def test_corrupt_dataset_named_at_the_entry_point(corpus, tmp_path, damage, culp
         with open(prefix + ".idx", "r+b") as f:
             f.write(b"garbage!!")
     with pytest.raises(DatasetFileError, match=prefix + culprit):
-        build_batch_iterator(dataset, micro_batch_size=2, consumed_samples=0,
-                             config=ShmDataLoaderConfig(enabled=True), topology=None, tp_group=None,
-                             dp_rank=0, dp_size=1)
+        build_batch_iterator(
+            dataset,
+            micro_batch_size=2,
+            consumed_samples=0,
+            config=ShmDataLoaderConfig(enabled=True),
+            topology=None,
+            tp_group=None,
+            dp_rank=0,
+            dp_size=1,
+        )

@@ -36,8 +36,22 @@ TERMINAL_STATES = {
     "SPECIAL_EXIT",
 }
 LAUNCHER_PARAMS = {
-    "NODES", "TASKS_PER_NODE", "MODEL", "CONFIG", "DATA_PATH", "CHECKPOINT_DIR", "EXTRA_ARGS", "DRY_RUN",
-    "MASTER_ADDR", "MASTER_PORT", "SRUN_ARGS", "TRAIN_SCRIPT", "TRAIN_PYTHON", "ENV_SCRIPT", "REPO_DIR", "UPSTREAM_DIR",
+    "NODES",
+    "TASKS_PER_NODE",
+    "MODEL",
+    "CONFIG",
+    "DATA_PATH",
+    "CHECKPOINT_DIR",
+    "EXTRA_ARGS",
+    "DRY_RUN",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SRUN_ARGS",
+    "TRAIN_SCRIPT",
+    "TRAIN_PYTHON",
+    "ENV_SCRIPT",
+    "REPO_DIR",
+    "UPSTREAM_DIR",
 }
 ITERATION_RE = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|\s*loss\s+([0-9.eE+-]+|nan|inf)")
 
@@ -62,7 +76,9 @@ def slurm() -> None:
     if shutil.which("sbatch") is None:
         pytest.skip("sbatch not on PATH (start a test cluster with: .ci/slurm_cluster.sh start)")
     if not _responding_nodes():
-        pytest.skip("sinfo shows no responding Slurm node (start a test cluster with: .ci/slurm_cluster.sh start)")
+        pytest.skip(
+            "sinfo shows no responding Slurm node (start a test cluster with: .ci/slurm_cluster.sh start)"
+        )
 
 
 def _job_state(job_id: str) -> tuple[str, str, str]:
@@ -98,9 +114,13 @@ def _wait(job_id: str, timeout: float, pending_timeout: float) -> tuple[str, str
             return state, code, "neither scontrol nor sacct knows the job any more"
         if pending_since is not None and now - pending_since > pending_timeout:
             _run(["scancel", job_id])
-            return state, code, (
-                f"still PENDING after {pending_timeout:.0f}s (Reason={reason}), cancelled; check `sinfo` and "
-                "`scontrol show node` (a drained or too small node?)"
+            return (
+                state,
+                code,
+                (
+                    f"still PENDING after {pending_timeout:.0f}s (Reason={reason}), cancelled; check `sinfo` and "
+                    "`scontrol show node` (a drained or too small node?)"
+                ),
             )
         time.sleep(2)
     _run(["scancel", job_id])
@@ -162,4 +182,6 @@ def test_local_sbatch_trains(slurm: None, tmp_path: Path) -> None:
     losses = _losses(log)
     assert len(losses) >= 2, f"fewer than 2 'iteration N/M | loss X' lines in {log_file}:\n{tail}"
     (first_it, first), (last_it, last) = losses[0], losses[-1]
-    assert last < first, f"loss did not fall: iteration {first_it} loss {first}, iteration {last_it} loss {last}"
+    assert last < first, (
+        f"loss did not fall: iteration {first_it} loss {first}, iteration {last_it} loss {last}"
+    )

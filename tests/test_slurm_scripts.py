@@ -21,33 +21,78 @@ PRESETS = ROOT / "scripts" / "presets"
 PLATFORMS = ("frontier", "nvidia", "local")
 # Launcher parameters: cleared from the caller's environment so each test starts clean.
 PARAMS = (
-    "NODES", "TASKS_PER_NODE", "MODEL", "CONFIG", "DATA_PATH", "CHECKPOINT_DIR", "EXTRA_ARGS", "DRY_RUN",
-    "MASTER_ADDR", "MASTER_PORT", "MODULES", "AWS_OFI_RCCL_DIR", "GPUS_PER_NODE", "GPU_BINDING", "SRUN_ARGS",
-    "TRAIN_PYTHON", "TRAIN_SCRIPT", "ENV_SCRIPT", "REPO_DIR", "LD_LIBRARY_PATH", "OMP_NUM_THREADS",
-    "CUDA_VISIBLE_DEVICES", "LAUNCH_LOCAL_RANK", "UPSTREAM_DIR", "PYTHONPATH",
+    "NODES",
+    "TASKS_PER_NODE",
+    "MODEL",
+    "CONFIG",
+    "DATA_PATH",
+    "CHECKPOINT_DIR",
+    "EXTRA_ARGS",
+    "DRY_RUN",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MODULES",
+    "AWS_OFI_RCCL_DIR",
+    "GPUS_PER_NODE",
+    "GPU_BINDING",
+    "SRUN_ARGS",
+    "TRAIN_PYTHON",
+    "TRAIN_SCRIPT",
+    "ENV_SCRIPT",
+    "REPO_DIR",
+    "LD_LIBRARY_PATH",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "LAUNCH_LOCAL_RANK",
+    "UPSTREAM_DIR",
+    "PYTHONPATH",
 )
 # Flags the main job takes (scripts/pretrain_gpt.py's documented interface).
 JOB_FLAGS = {
-    "--tensor-model-parallel-size", "--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
-    "--max-position-embeddings", "--micro-batch-size", "--global-batch-size", "--train-iters", "--lr",
-    "--data-path", "--save", "--load", "--save-interval", "--deepspeed-config", "--bf16", "--log-interval",
-    "--shm-data-loader", "--hierarchical-zero", "--flash-overlap",
+    "--tensor-model-parallel-size",
+    "--num-layers",
+    "--hidden-size",
+    "--num-attention-heads",
+    "--seq-length",
+    "--max-position-embeddings",
+    "--micro-batch-size",
+    "--global-batch-size",
+    "--train-iters",
+    "--lr",
+    "--data-path",
+    "--save",
+    "--load",
+    "--save-interval",
+    "--deepspeed-config",
+    "--bf16",
+    "--log-interval",
+    "--shm-data-loader",
+    "--hierarchical-zero",
+    "--flash-overlap",
 }
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "NCCL_", "FI_", "MIOPEN_", "GLOO_")) and k not in PARAMS
     }
     env.update(extra)
     return env
 
 
-def run(platform: str, *args: str, env: dict[str, str] | None = None, **kw: str) -> subprocess.CompletedProcess[str]:
+def run(
+    platform: str, *args: str, env: dict[str, str] | None = None, **kw: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["bash", str(SLURM_DIR / f"{platform}.sbatch"), *args],
-        capture_output=True, text=True, timeout=60, check=False, cwd=ROOT, env=env or clean_env(**kw),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=ROOT,
+        env=env or clean_env(**kw),
     )
 
 
@@ -61,7 +106,7 @@ class Plan:
         self.srun: list[str] = []
         for line in out.splitlines():
             if line.startswith("export "):
-                name, _, value = line[len("export "):].partition("=")
+                name, _, value = line[len("export ") :].partition("=")
                 self.env[name] = shlex.split(value)[0] if value else ""
             elif line.startswith("module load "):
                 self.modules.append(line.split()[2])
@@ -69,8 +114,8 @@ class Plan:
                 self.srun = shlex.split(line)
         assert self.srun, f"no srun line in:\n{out}"
         self.launcher = self.srun.index(str(SLURM_DIR / "rank_env.sh"))
-        self.srun_flags = self.srun[1:self.launcher]
-        self.job = self.srun[self.launcher + 1:]
+        self.srun_flags = self.srun[1 : self.launcher]
+        self.job = self.srun[self.launcher + 1 :]
 
     def job_flag(self, name: str) -> str:
         """Value of the last occurrence of a training flag (argparse semantics)."""
@@ -136,7 +181,11 @@ def test_frontier_preset_and_config() -> None:
 
 def test_frontier_respects_caller_settings() -> None:
     plan = dry(
-        "frontier", NODES="1", NCCL_SOCKET_IFNAME="hsn0,hsn1", MASTER_PORT="4000", MASTER_ADDR="10.0.0.1",
+        "frontier",
+        NODES="1",
+        NCCL_SOCKET_IFNAME="hsn0,hsn1",
+        MASTER_PORT="4000",
+        MASTER_ADDR="10.0.0.1",
         MODULES="PrgEnv-cray rocm/6.2.4",
     )
     assert plan.env["NCCL_SOCKET_IFNAME"] == "hsn0,hsn1"
@@ -154,11 +203,17 @@ def test_frontier_inside_allocation(tmp_path: Path) -> None:
     fake = tmp_path / "bin"
     fake.mkdir()
     scontrol = fake / "scontrol"
-    scontrol.write_text('#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "frontier00042\\nfrontier00043\\n"\n')
+    scontrol.write_text(
+        '#!/bin/sh\n[ "$1 $2" = "show hostnames" ] && printf "frontier00042\\nfrontier00043\\n"\n'
+    )
     scontrol.chmod(0o755)
     env = clean_env(
-        DRY_RUN="1", PATH=f"{fake}:{os.environ['PATH']}", SLURM_JOB_ID="1234", SLURM_JOB_NUM_NODES="2",
-        SLURM_JOB_NODELIST="frontier[00042-00043]", USER="alice",
+        DRY_RUN="1",
+        PATH=f"{fake}:{os.environ['PATH']}",
+        SLURM_JOB_ID="1234",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_JOB_NODELIST="frontier[00042-00043]",
+        USER="alice",
     )
     res = run("frontier", env=env)
     assert res.returncode == 0, res.stderr
@@ -218,19 +273,26 @@ def test_local_defaults() -> None:
 
 def _fake_upstream(root: Path, kind: str) -> Path:
     """A directory with the layout of an upstream checkout (what the launcher looks at)."""
-    marker = {"megatron-lm": "megatron/training/initialize.py", "megatron-deepspeed": "megatron/training.py"}[kind]
+    marker = {"megatron-lm": "megatron/training/initialize.py", "megatron-deepspeed": "megatron/training.py"}[
+        kind
+    ]
     (root / marker).parent.mkdir(parents=True, exist_ok=True)
     (root / marker).touch()
     (root / "pretrain_gpt.py").touch()
     return root
 
 
-@pytest.mark.parametrize(("kind", "config_flag"), [("megatron-lm", None), ("megatron-deepspeed", "--deepspeed_config")])
+@pytest.mark.parametrize(
+    ("kind", "config_flag"), [("megatron-lm", None), ("megatron-deepspeed", "--deepspeed_config")]
+)
 def test_local_upstream_runs_through_the_launcher(tmp_path: Path, kind: str, config_flag: str | None) -> None:
     tree = _fake_upstream(tmp_path / kind, kind)
     plan = dry("local", UPSTREAM_DIR=str(tree), DATA_PATH="corpus")
-    assert plan.job[plan.job.index("-m"):plan.job.index("-m") + 3] == ["-m", "megatron_ext.launch",
-                                                                       str(tree / "pretrain_gpt.py")]
+    assert plan.job[plan.job.index("-m") : plan.job.index("-m") + 3] == [
+        "-m",
+        "megatron_ext.launch",
+        str(tree / "pretrain_gpt.py"),
+    ]
     assert plan.env["PYTHONPATH"].split(":")[0] == str(ROOT)
     assert plan.job_flag("--data-path") == "corpus"
     preset = PRESETS / "upstream" / f"{kind}-local"
@@ -241,11 +303,14 @@ def test_local_upstream_runs_through_the_launcher(tmp_path: Path, kind: str, con
         assert plan.job_flag(config_flag) == f"{preset}.json"
 
 
-@pytest.mark.parametrize(("upstream", "env", "needle"), [
-    ("none", {"DATA_PATH": "corpus"}, "holds no pretrain_gpt.py"),
-    ("bare", {"DATA_PATH": "corpus"}, "is neither Megatron-LM"),
-    ("megatron-lm", {}, "set DATA_PATH"),
-])
+@pytest.mark.parametrize(
+    ("upstream", "env", "needle"),
+    [
+        ("none", {"DATA_PATH": "corpus"}, "holds no pretrain_gpt.py"),
+        ("bare", {"DATA_PATH": "corpus"}, "is neither Megatron-LM"),
+        ("megatron-lm", {}, "set DATA_PATH"),
+    ],
+)
 def test_local_upstream_bad_input(tmp_path: Path, upstream: str, env: dict, needle: str) -> None:
     tree = tmp_path / "tree"
     tree.mkdir()
@@ -266,9 +331,17 @@ def test_parameters_reach_the_job(tmp_path: Path) -> None:
     cfg = tmp_path / "my.json"
     cfg.write_text("{}")
     plan = dry(
-        "local", "--train-iters", "7", "--", "--log-interval", "3",
-        MODEL="gpt-1.3b", CONFIG=str(cfg), DATA_PATH=str(tmp_path / "corpus"),
-        CHECKPOINT_DIR=str(tmp_path / "ckpt"), EXTRA_ARGS="--lr 5e-4 --seq-length 128",
+        "local",
+        "--train-iters",
+        "7",
+        "--",
+        "--log-interval",
+        "3",
+        MODEL="gpt-1.3b",
+        CONFIG=str(cfg),
+        DATA_PATH=str(tmp_path / "corpus"),
+        CHECKPOINT_DIR=str(tmp_path / "ckpt"),
+        EXTRA_ARGS="--lr 5e-4 --seq-length 128",
     )
     assert plan.job_flag("--hidden-size") == "2048"  # the gpt-1.3b preset
     assert plan.job_flag("--deepspeed-config") == str(cfg)
@@ -340,7 +413,11 @@ def test_real_launch_needs_an_allocation() -> None:
 
 def rank_env(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(SLURM_DIR / "rank_env.sh"), "env"], capture_output=True, text=True, timeout=30, check=False,
+        [str(SLURM_DIR / "rank_env.sh"), "env"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
         env=clean_env(**env),
     )
 
@@ -349,8 +426,14 @@ def rank_env(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
 def test_rank_env(tmp_path: Path, mode: str, local_rank: str) -> None:
     miopen = tmp_path / "miopen"
     res = rank_env(
-        tmp_path, SLURM_PROCID="13", SLURM_NTASKS="16", SLURM_LOCALID="5", SLURM_NODEID="1",
-        SLURM_NTASKS_PER_NODE="8", LAUNCH_LOCAL_RANK=mode, MIOPEN_USER_DB_PATH=str(miopen),
+        tmp_path,
+        SLURM_PROCID="13",
+        SLURM_NTASKS="16",
+        SLURM_LOCALID="5",
+        SLURM_NODEID="1",
+        SLURM_NTASKS_PER_NODE="8",
+        LAUNCH_LOCAL_RANK=mode,
+        MIOPEN_USER_DB_PATH=str(miopen),
     )
     assert res.returncode == 0, res.stderr
     env = dict(line.split("=", 1) for line in res.stdout.splitlines() if "=" in line)
@@ -403,7 +486,11 @@ def test_preset_flags_are_job_flags(preset: str) -> None:
 
 def test_frontier_20b_shape() -> None:
     flags = as_dict(read_args(PRESETS / "gpt-20b-frontier.args"))
-    assert (flags["--num-layers"], flags["--hidden-size"], flags["--num-attention-heads"]) == ("44", "6144", "64")
+    assert (flags["--num-layers"], flags["--hidden-size"], flags["--num-attention-heads"]) == (
+        "44",
+        "6144",
+        "64",
+    )
     assert flags["--seq-length"] == "2048" and "--bf16" in flags
 
 
@@ -432,14 +519,19 @@ def test_config_plugin_sections_validate(config: str) -> None:
     from plugin_config import load_plugin_config
 
     plugins = load_plugin_config(str(PRESETS / config))
-    assert plugins.hierarchical_zero.enabled and plugins.flash_overlap.enabled and plugins.shm_data_loader.enabled
+    assert (
+        plugins.hierarchical_zero.enabled
+        and plugins.flash_overlap.enabled
+        and plugins.shm_data_loader.enabled
+    )
 
 
 # ------------------------------------------------------------------ hygiene
 
 
 @pytest.mark.parametrize(
-    "script", [*sorted(SLURM_DIR.glob("*.sbatch")), *sorted(SLURM_DIR.glob("*.sh")), ROOT / ".ci" / "slurm_cluster.sh"],
+    "script",
+    [*sorted(SLURM_DIR.glob("*.sbatch")), *sorted(SLURM_DIR.glob("*.sh")), ROOT / ".ci" / "slurm_cluster.sh"],
     ids=lambda p: p.name,
 )
 def test_shell_syntax_and_strict_mode(script: Path) -> None:
@@ -451,7 +543,10 @@ def test_shell_syntax_and_strict_mode(script: Path) -> None:
 
 def test_cluster_script_usage() -> None:
     res = subprocess.run(
-        ["bash", str(ROOT / ".ci" / "slurm_cluster.sh"), "bogus"], capture_output=True, text=True, timeout=30,
+        ["bash", str(ROOT / ".ci" / "slurm_cluster.sh"), "bogus"],
+        capture_output=True,
+        text=True,
+        timeout=30,
         check=False,
     )
     assert res.returncode == 2 and "start|stop|status" in res.stderr

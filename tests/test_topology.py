@@ -15,8 +15,15 @@ from deepspeed_ext.topology import (
 
 
 def test_slurm_variables_on_frontier_give_gcd_pairs():
-    env = {"SLURM_CLUSTER_NAME": "frontier", "SLURM_NTASKS": "16", "SLURM_PROCID": "11", "SLURM_LOCALID": "3",
-           "SLURM_NODEID": "1", "SLURM_NTASKS_PER_NODE": "8", "LOCAL_RANK": "0"}  # one visible GCD per task
+    env = {
+        "SLURM_CLUSTER_NAME": "frontier",
+        "SLURM_NTASKS": "16",
+        "SLURM_PROCID": "11",
+        "SLURM_LOCALID": "3",
+        "SLURM_NODEID": "1",
+        "SLURM_NTASKS_PER_NODE": "8",
+        "LOCAL_RANK": "0",
+    }  # one visible GCD per task
     topo = detect_topology(env=env)
     assert (topo.world_size, topo.ranks_per_node, topo.ranks_per_package) == (16, 8, 2)
     assert (topo.node(11), topo.local_index(11), topo.package(11)) == (1, 3, 5)
@@ -36,8 +43,13 @@ def test_config_section_wins_over_the_environment():
 
 
 def test_non_block_rank_order_is_rejected():
-    env = {"SLURM_NTASKS": "16", "SLURM_PROCID": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "1",
-           "SLURM_NTASKS_PER_NODE": "8"}  # cyclic distribution: rank 1 on node 1
+    env = {
+        "SLURM_NTASKS": "16",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_NTASKS_PER_NODE": "8",
+    }  # cyclic distribution: rank 1 on node 1
     with pytest.raises(ConfigError, match="block distribution"):
         detect_topology(env=env)
 
@@ -99,7 +111,9 @@ def _level_sums() -> dict:
     topo = Topology(8, 4, 2)  # 2 nodes x 2 packages x 2
     rank = dist.get_rank()
     out = {}
-    mine = all_level_groups(topo, [list(range(first, 8, 2)) for first in range(2)])  # TP=2: DP {0,2,4,6}, {1,3,5,7}
+    mine = all_level_groups(
+        topo, [list(range(first, 8, 2)) for first in range(2)]
+    )  # TP=2: DP {0,2,4,6}, {1,3,5,7}
     for kind, group in mine.groups.items():
         t = torch.tensor([float(rank)])
         dist.all_reduce(t, group=group)
@@ -109,5 +123,17 @@ def _level_sums() -> dict:
 
 def test_level_groups_reduce_over_the_right_ranks_on_gloo(run_ranks):
     results = run_ranks(8, _level_sums)
-    assert results[0] == {"package": 0.0, "node": 2.0, "global": 12.0, "cross_package": 2.0, "cross_node": 4.0}
-    assert results[5] == {"package": 5.0, "node": 12.0, "global": 16.0, "cross_package": 12.0, "cross_node": 6.0}
+    assert results[0] == {
+        "package": 0.0,
+        "node": 2.0,
+        "global": 12.0,
+        "cross_package": 2.0,
+        "cross_node": 4.0,
+    }
+    assert results[5] == {
+        "package": 5.0,
+        "node": 12.0,
+        "global": 16.0,
+        "cross_package": 12.0,
+        "cross_node": 6.0,
+    }

@@ -32,28 +32,94 @@ ITERS = 4
 RUN_TIMEOUT_S = 300
 LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
 PLUGIN_CONFIG = re.compile(r"plugin config: (\{.*\})")
-COMMON = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-          "--seq-length", "64", "--max-position-embeddings", "64", "--train-iters", str(ITERS), "--lr", "1e-3",
-          "--min-lr", "1e-4", "--lr-decay-style", "constant", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--tokenizer-type", "NullTokenizer",
-          "--vocab-size", "256", "--split", "100,0,0", "--no-gradient-accumulation-fusion", "--num-workers", "0"]
+COMMON = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "64",
+    "--max-position-embeddings",
+    "64",
+    "--train-iters",
+    str(ITERS),
+    "--lr",
+    "1e-3",
+    "--min-lr",
+    "1e-4",
+    "--lr-decay-style",
+    "constant",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--log-interval",
+    "1",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "1000",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "256",
+    "--split",
+    "100,0,0",
+    "--no-gradient-accumulation-fusion",
+    "--num-workers",
+    "0",
+]
 TP2 = ["--tensor-model-parallel-size", "2"]
 # Megatron-LM without Apex or Transformer Engine: torch layers, no fused CUDA kernels.
-MEGATRON_LM = ["--micro-batch-size", "2", "--global-batch-size", "8", "--distributed-backend", "gloo",
-               "--use-cpu-initialization", "--transformer-impl", "local", "--no-persist-layer-norm",
-               "--no-bias-dropout-fusion", "--no-bias-gelu-fusion", "--no-masked-softmax-fusion"]
+MEGATRON_LM = [
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--distributed-backend",
+    "gloo",
+    "--use-cpu-initialization",
+    "--transformer-impl",
+    "local",
+    "--no-persist-layer-norm",
+    "--no-bias-dropout-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-masked-softmax-fusion",
+]
 # Sequence parallelism through our block (upstream's own local spec refuses it without Apex/TE).
 LOCAL_SPEC = ["--spec", "megatron_ext.upstream.megatron_lm", "local_layer_spec", "--sequence-parallel"]
-FLASH = ["--spec", "megatron_ext.upstream.megatron_lm", "flash_overlap_layer_spec", "--sequence-parallel",
-         "--flash-overlap"]
+FLASH = [
+    "--spec",
+    "megatron_ext.upstream.megatron_lm",
+    "flash_overlap_layer_spec",
+    "--sequence-parallel",
+    "--flash-overlap",
+]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 # Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1;
 # its ZeRO-3 drops weight decay for parameters partitioned under zero.Init, which hierarchical ZeRO
 # builds unpartitioned: weight decay 0 keeps the runs comparable.
-DEEPSPEED = ["--micro-batch-size", "1", "--global-batch-size", "4", "--weight-decay", "0", "--deepspeed",
-             "--zero-stage", "3", "--no-pipeline-parallel"]
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": 4, "gradient_accumulation_steps": 2,
-             "zero_optimization": {"stage": 3}, "steps_per_print": 1000}
+DEEPSPEED = [
+    "--micro-batch-size",
+    "1",
+    "--global-batch-size",
+    "4",
+    "--weight-decay",
+    "0",
+    "--deepspeed",
+    "--zero-stage",
+    "3",
+    "--no-pipeline-parallel",
+]
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": 1,
+    "train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "zero_optimization": {"stage": 3},
+    "steps_per_print": 1000,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,18 +139,23 @@ VARIANTS = {
     ("megatron-lm", "upstream-spec"): Variant(False, tuple(TP2)),
     ("megatron-lm", "local-spec"): Variant(False, (*TP2, *LOCAL_SPEC[:3])),
     ("megatron-lm", "patched-off"): Variant(True, (*TP2, *LOCAL_SPEC)),
-    ("megatron-lm", "both"): Variant(True, (*TP2, *FLASH, "--shm-data-loader"), ("flash_overlap", "shm_data_loader")),
+    ("megatron-lm", "both"): Variant(
+        True, (*TP2, *FLASH, "--shm-data-loader"), ("flash_overlap", "shm_data_loader")
+    ),
     # pipeline parallelism: TP=2 x PP=2, and TP=1 x PP=2 x DP=2
     ("megatron-lm", "tp2-pp2-unpatched"): Variant(False, (*TP2, *PP2, *LOCAL_SPEC)),
-    ("megatron-lm", "tp2-pp2-shm-data-loader"): Variant(True, (*TP2, *PP2, *LOCAL_SPEC, "--shm-data-loader"),
-                                                        ("shm_data_loader",), "tp2-pp2-unpatched"),
+    ("megatron-lm", "tp2-pp2-shm-data-loader"): Variant(
+        True, (*TP2, *PP2, *LOCAL_SPEC, "--shm-data-loader"), ("shm_data_loader",), "tp2-pp2-unpatched"
+    ),
     ("megatron-lm", "pp2-dp2-unpatched"): Variant(False, tuple(PP2)),
-    ("megatron-lm", "pp2-dp2-shm-data-loader"): Variant(True, (*PP2, "--shm-data-loader"), ("shm_data_loader",),
-                                                        "pp2-dp2-unpatched"),
+    ("megatron-lm", "pp2-dp2-shm-data-loader"): Variant(
+        True, (*PP2, "--shm-data-loader"), ("shm_data_loader",), "pp2-dp2-unpatched"
+    ),
     # TP=2 x DP=2, ZeRO-3
     ("megatron-deepspeed", "unpatched"): Variant(False, tuple(TP2)),
-    ("megatron-deepspeed", "both"): Variant(True, (*TP2, "--shm-data-loader", "--hierarchical-zero"),
-                                            ("shm_data_loader", "hierarchical_zero")),
+    ("megatron-deepspeed", "both"): Variant(
+        True, (*TP2, "--shm-data-loader", "--hierarchical-zero"), ("shm_data_loader", "hierarchical_zero")
+    ),
 }
 _runs: dict[tuple[str, str], tuple[list[tuple[int, str]], str]] = {}
 
@@ -108,10 +179,25 @@ def _free_port() -> int:
 
 
 def _command(tree: Tree, kind: str, patched: bool, flags: list[str], work: Path, port: int) -> list[str]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr", "127.0.0.1",
-           "--master-port", str(port), "-m", "megatron_ext.launch",
-           str((tree.patched if patched else tree.pristine) / "pretrain_gpt.py"), *COMMON,
-           "--data-path", tree.data, "--data-cache-path", str(work / f"index-{kind}")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "-m",
+        "megatron_ext.launch",
+        str((tree.patched if patched else tree.pristine) / "pretrain_gpt.py"),
+        *COMMON,
+        "--data-path",
+        tree.data,
+        "--data-cache-path",
+        str(work / f"index-{kind}"),
+    ]
     if kind == "megatron-lm":
         return cmd + MEGATRON_LM + flags
     config = work / "ds_config.json"
@@ -126,8 +212,14 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
     work, port = upstream["work"], _free_port()
     env = {**tool_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     try:
-        done = subprocess.run(_command(upstream[kind], kind, how.patched, list(how.flags), work, port), cwd=work,
-                              env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        done = subprocess.run(
+            _command(upstream[kind], kind, how.patched, list(how.flags), work, port),
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired as exc:
         out = (exc.stdout or b"")[-4000:]
         pytest.fail(f"{kind} {variant} did not finish in {RUN_TIMEOUT_S}s; output ends:\n{out!r}")
@@ -143,11 +235,19 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
     return losses, log
 
 
-@pytest.mark.parametrize(("kind", "variant"), [key for key, how in VARIANTS.items() if not how.patched
-                                               and key[1] not in ("upstream-spec", "local-spec")])
+@pytest.mark.parametrize(
+    ("kind", "variant"),
+    [
+        key
+        for key, how in VARIANTS.items()
+        if not how.patched and key[1] not in ("upstream-spec", "local-spec")
+    ],
+)
 def test_unpatched_upstream_trains_on_cpu(upstream: dict, kind: str, variant: str) -> None:
     losses, log = _train(upstream, kind, variant)
-    assert [it for it, _ in losses] == list(range(1, ITERS + 1)), f"no lm loss for every iteration:\n{log[-4000:]}"
+    assert [it for it, _ in losses] == list(range(1, ITERS + 1)), (
+        f"no lm loss for every iteration:\n{log[-4000:]}"
+    )
     assert float(losses[-1][1]) < float(losses[0][1]), f"loss did not fall: {losses}"
 
 
@@ -168,7 +268,9 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
     for config in configs:
         for plugin in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
             assert config[plugin]["enabled"] == (plugin in how.plugins), (plugin, config)
-    assert len(baseline) == ITERS and losses == baseline, f"{kind} {variant}: {losses} != {how.baseline} {baseline}"
+    assert len(baseline) == ITERS and losses == baseline, (
+        f"{kind} {variant}: {losses} != {how.baseline} {baseline}"
+    )
 
 
 @pytest.mark.slurm
@@ -178,23 +280,49 @@ def test_local_sbatch_runs_upstream_megatron_lm(upstream: dict, tmp_path: Path) 
     through the launcher, and they print the losses torchrun's ranks printed with the same flags."""
     expected, _ = _train(upstream, "megatron-lm", "both")
     tree, work = upstream["megatron-lm"], upstream["work"]
-    flags = [*COMMON, *MEGATRON_LM, *VARIANTS[("megatron-lm", "both")].flags,
-             "--data-cache-path", str(work / "index-megatron-lm")]
+    flags = [
+        *COMMON,
+        *MEGATRON_LM,
+        *VARIANTS[("megatron-lm", "both")].flags,
+        "--data-cache-path",
+        str(work / "index-megatron-lm"),
+    ]
     model = tmp_path / "flags.args"
     model.write_text("\n".join(flags) + "\n")
     log_file = tmp_path / "job.out"
     env = {k: v for k, v in tool_env().items() if k not in LAUNCHER_PARAMS}
-    env.update(UPSTREAM_DIR=str(tree.patched), MODEL=str(model), DATA_PATH=tree.data, DRY_RUN="0",
-               TRAIN_PYTHON=sys.executable)
-    sub = subprocess.run(["sbatch", "--parsable", "--ntasks=4", "--nodes=1", f"--output={log_file}",
-                          f"--chdir={tmp_path}", "--job-name=test-upstream-local", f"--time={RUN_TIMEOUT_S // 60 + 2}",
-                          str(LOCAL_SBATCH)], capture_output=True, text=True, timeout=60, env=env, check=False)
+    env.update(
+        UPSTREAM_DIR=str(tree.patched),
+        MODEL=str(model),
+        DATA_PATH=tree.data,
+        DRY_RUN="0",
+        TRAIN_PYTHON=sys.executable,
+    )
+    sub = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--ntasks=4",
+            "--nodes=1",
+            f"--output={log_file}",
+            f"--chdir={tmp_path}",
+            "--job-name=test-upstream-local",
+            f"--time={RUN_TIMEOUT_S // 60 + 2}",
+            str(LOCAL_SBATCH),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
     assert sub.returncode == 0, f"sbatch failed ({sub.returncode}): {sub.stderr.strip()}"
     job_id = sub.stdout.strip().split(";")[0]
     state, code, problem = _wait(job_id, RUN_TIMEOUT_S, 300)
     log = log_file.read_text(errors="replace") if log_file.exists() else "<no log file>"
     assert not problem and state == "COMPLETED" and code.startswith("0:"), (
-        f"job {job_id}: {problem or state} exit {code}; log ends:\n{log[-4000:]}")
+        f"job {job_id}: {problem or state} exit {code}; log ends:\n{log[-4000:]}"
+    )
     assert "-m megatron_ext.launch" in log, "the plan printed by the script names the launcher"
     losses = sorted({int(it): loss for it, _, loss in LOSS.findall(log)}.items())
     assert losses == expected, f"srun {losses} != torchrun {expected}"

@@ -26,11 +26,23 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 UPSTREAM = ROOT.parent / "shared" / "upstream"
-TARBALLS = {"megatron-lm": "Megatron-LM-core_v0.16.1.tar.gz", "megatron-deepspeed": "Megatron-DeepSpeed-4efb479.tar.gz"}
-PATCHES = {"megatron-lm": "megatron-lm-core_v0.16.1.patch", "megatron-deepspeed": "megatron-deepspeed-4efb479.patch"}
+TARBALLS = {
+    "megatron-lm": "Megatron-LM-core_v0.16.1.tar.gz",
+    "megatron-deepspeed": "Megatron-DeepSpeed-4efb479.tar.gz",
+}
+PATCHES = {
+    "megatron-lm": "megatron-lm-core_v0.16.1.patch",
+    "megatron-deepspeed": "megatron-deepspeed-4efb479.patch",
+}
 # What upstream needs beyond the suite (module -> package), and the tools that build its dataset helper.
-MODULES = {"transformers": "transformers", "yaml": "pyyaml", "triton": "triton", "pybind11": "pybind11",
-           "nltk": "nltk", "six": "six"}
+MODULES = {
+    "transformers": "transformers",
+    "yaml": "pyyaml",
+    "triton": "triton",
+    "pybind11": "pybind11",
+    "nltk": "nltk",
+    "six": "six",
+}
 TOOLS = ("g++", "make", "git")
 LOCK_TIMEOUT_S = 600.0
 STEP_TIMEOUT_S = 300.0
@@ -51,11 +63,21 @@ def missing_prerequisites() -> list[str]:
     """What the upstream runs need and this machine lacks, each with the fix."""
     import importlib.util
 
-    problems = [f"{UPSTREAM / name} is missing (the upstream tarballs beside the project)"
-                for name in TARBALLS.values() if not (UPSTREAM / name).is_file()]
-    problems += [f"python module {mod} is missing: bash scripts/setup_env.sh installs {pkg}"
-                 for mod, pkg in MODULES.items() if importlib.util.find_spec(mod) is None]
-    problems += [f"{tool} is not on PATH: .ci/run installs it (apt-get)" for tool in TOOLS if shutil.which(tool) is None]
+    problems = [
+        f"{UPSTREAM / name} is missing (the upstream tarballs beside the project)"
+        for name in TARBALLS.values()
+        if not (UPSTREAM / name).is_file()
+    ]
+    problems += [
+        f"python module {mod} is missing: bash scripts/setup_env.sh installs {pkg}"
+        for mod, pkg in MODULES.items()
+        if importlib.util.find_spec(mod) is None
+    ]
+    problems += [
+        f"{tool} is not on PATH: .ci/run installs it (apt-get)"
+        for tool in TOOLS
+        if shutil.which(tool) is None
+    ]
     return problems
 
 
@@ -78,11 +100,15 @@ def tool_env() -> dict[str, str]:
 
 def _run(cmd: list[str], cwd: Path) -> None:
     try:
-        done = subprocess.run(cmd, cwd=cwd, env=tool_env(), capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
+        done = subprocess.run(
+            cmd, cwd=cwd, env=tool_env(), capture_output=True, text=True, timeout=STEP_TIMEOUT_S
+        )
     except subprocess.TimeoutExpired:
         raise SetupError(f"{' '.join(cmd)} (in {cwd}) did not finish in {STEP_TIMEOUT_S:.0f}s") from None
     if done.returncode != 0:
-        raise SetupError(f"{' '.join(cmd)} (in {cwd}) failed with {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        raise SetupError(
+            f"{' '.join(cmd)} (in {cwd}) failed with {done.returncode}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+        )
 
 
 def write_corpus(path: Path, documents: int = 400, seed: int = 0) -> None:
@@ -114,8 +140,24 @@ def _build(entry: Path) -> dict[str, Tree]:
         shutil.copytree(pristine, patched, copy_function=shutil.copy2)
         _run(["git", "apply", str(ROOT / "patches" / PATCHES[kind])], patched)
         prefix = entry / "data" / kind
-        _run([sys.executable, "tools/preprocess_data.py", "--input", str(corpus), "--output-prefix", str(prefix),
-              "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--append-eod", "--workers", "1"], pristine)
+        _run(
+            [
+                sys.executable,
+                "tools/preprocess_data.py",
+                "--input",
+                str(corpus),
+                "--output-prefix",
+                str(prefix),
+                "--tokenizer-type",
+                "NullTokenizer",
+                "--vocab-size",
+                "256",
+                "--append-eod",
+                "--workers",
+                "1",
+            ],
+            pristine,
+        )
         trees[kind] = Tree(pristine, patched, f"{prefix}_text_document")
     return trees
 
@@ -125,7 +167,9 @@ def prepare() -> dict[str, Tree]:
     problems = missing_prerequisites()
     if problems:
         raise SetupError("; ".join(problems))
-    cache = Path(os.environ.get("MEGATRON_EXT_UPSTREAM_CACHE", Path.home() / ".cache" / "megatron-ext" / "upstream"))
+    cache = Path(
+        os.environ.get("MEGATRON_EXT_UPSTREAM_CACHE", Path.home() / ".cache" / "megatron-ext" / "upstream")
+    )
     cache.mkdir(parents=True, exist_ok=True)
     entry = cache / _digest()
     with open(cache / ".lock", "w") as lock:
@@ -136,7 +180,9 @@ def prepare() -> dict[str, Tree]:
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SetupError(f"{cache / '.lock'} held for over {LOCK_TIMEOUT_S:.0f}s by another session") from None
+                    raise SetupError(
+                        f"{cache / '.lock'} held for over {LOCK_TIMEOUT_S:.0f}s by another session"
+                    ) from None
                 time.sleep(1)
         if not entry.is_dir():
             partial = cache / f"{entry.name}.partial-{os.getpid()}"
@@ -146,5 +192,7 @@ def prepare() -> dict[str, Tree]:
                 partial.rename(entry)
             finally:
                 shutil.rmtree(partial, ignore_errors=True)
-    return {kind: Tree(entry / kind, entry / f"{kind}-patched", str(entry / "data" / kind) + "_text_document")
-            for kind in TARBALLS}
+    return {
+        kind: Tree(entry / kind, entry / f"{kind}-patched", str(entry / "data" / kind) + "_text_document")
+        for kind in TARBALLS
+    }

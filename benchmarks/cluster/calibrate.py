@@ -1,7 +1,7 @@
 """Measure point-to-point bandwidth of each link class of an emulated cluster against its configured rate.
 
-    python -m benchmarks.cluster.calibrate --profile frontier
-    python -m benchmarks.cluster.calibrate --profile generic --nodes 3 --inter-node-mbit 80
+python -m benchmarks.cluster.calibrate --profile frontier
+python -m benchmarks.cluster.calibrate --profile generic --nodes 3 --inter-node-mbit 80
 """
 
 from __future__ import annotations
@@ -61,7 +61,9 @@ def calibrate(
             "--mbytes", str(mbytes), "--repeats", str(repeats), "--timeout", str(timeout)]  # fmt: skip
     with EmulatedCluster(spec, prefix=prefix) as cluster:
         if echo:
-            print(f"built {len(cluster.namespaces)} namespaces, launching {spec.world_size} ranks", flush=True)
+            print(
+                f"built {len(cluster.namespaces)} namespaces, launching {spec.world_size} ranks", flush=True
+            )
         results = cluster.launch(argv, timeout=timeout, echo=echo)
     records = [rec for per_rank in results for rec in per_rank]
     out = []
@@ -81,9 +83,17 @@ def calibrate(
         per_flow = [r["bytes"] * 8 / r["seconds"] / 1e6 for r in records if r["link"] == label]
         # Several flows share one link: its measured rate is their sum.
         total = statistics.median(per_flow) * len(flows)
-        out.append(LinkMeasurement(link=label, ranks=tuple(flows[0]), configured_mbit=spec.inter_node_mbit,
-                                   measured_mbit=total, forward_mbit=min(per_flow), backward_mbit=max(per_flow),
-                                   samples=len(per_flow)))
+        out.append(
+            LinkMeasurement(
+                link=label,
+                ranks=tuple(flows[0]),
+                configured_mbit=spec.inter_node_mbit,
+                measured_mbit=total,
+                forward_mbit=min(per_flow),
+                backward_mbit=max(per_flow),
+                samples=len(per_flow),
+            )
+        )
     return out
 
 
@@ -93,8 +103,10 @@ def shared_nic_flows(spec: ClusterSpec) -> list[tuple[str, list[list[int]]]]:
     if not (spec.shared_nic and spec.nodes > 1 and spec.ranks_per_package > 1):
         return []
     k, node = spec.ranks_per_package, spec.ranks_per_node
-    return [("inter_node tx shared by a package", [[i, node + i] for i in range(k)]),
-            ("inter_node rx shared by a package", [[node + i, i] for i in range(k)])]
+    return [
+        ("inter_node tx shared by a package", [[i, node + i] for i in range(k)]),
+        ("inter_node rx shared by a package", [[node + i, i] for i in range(k)]),
+    ]
 
 
 def format_table(rows: list[LinkMeasurement]) -> str:
@@ -116,7 +128,14 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
     base = profile(args.profile)
     overrides = {
         field: getattr(args, field)
-        for field in ("nodes", "packages_per_node", "ranks_per_package", "package_mbit", "node_mbit", "inter_node_mbit")
+        for field in (
+            "nodes",
+            "packages_per_node",
+            "ranks_per_package",
+            "package_mbit",
+            "node_mbit",
+            "inter_node_mbit",
+        )
         if getattr(args, field) is not None
     }
     name = base.name if not overrides else f"{base.name}+custom"
@@ -126,7 +145,10 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.cluster.calibrate", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="python -m benchmarks.cluster.calibrate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--profile", choices=sorted(PROFILES), default="frontier")
     parser.add_argument("--nodes", type=int)
     parser.add_argument("--packages-per-node", type=int)
@@ -136,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--inter-node-mbit", type=float)
     parser.add_argument("--mbytes", type=float, default=4.0, help="payload per transfer in MB (default 4)")
     parser.add_argument("--repeats", type=int, default=5, help="timed transfers per direction (default 5)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds for the whole run (default 600)"
+    )
     parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="name prefix of namespaces and links")
     parser.add_argument("--json", metavar="PATH", help="also write the report to this file")
     args = parser.parse_args(argv)

@@ -54,7 +54,9 @@ def _raise_exit(signum: int, _frame: FrameType | None) -> None:
 class EmulatedCluster:
     """Context manager owning the namespaces of one cluster; launch() runs commands on its ranks."""
 
-    def __init__(self, spec: ClusterSpec, prefix: str = netns.DEFAULT_PREFIX, lock_timeout: float = 120.0) -> None:
+    def __init__(
+        self, spec: ClusterSpec, prefix: str = netns.DEFAULT_PREFIX, lock_timeout: float = 120.0
+    ) -> None:
         netns.check_prefix(prefix)
         self.spec = spec
         self.prefix = prefix
@@ -183,7 +185,9 @@ class EmulatedCluster:
                 f.close()
 
     @staticmethod
-    def _wait(procs: list[subprocess.Popen], outs: list[Any], errs: list[Any], timeout: float, echo: bool) -> None:
+    def _wait(
+        procs: list[subprocess.Popen], outs: list[Any], errs: list[Any], timeout: float, echo: bool
+    ) -> None:
         deadline = time.monotonic() + timeout
         printed = [0] * len(procs)
         while True:
@@ -199,12 +203,16 @@ class EmulatedCluster:
             codes = [p.poll() for p in procs]
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                raise RankFailure(f"ranks {failed} failed with exit codes {[codes[r] for r in failed]}\n" + _tails(errs))
+                raise RankFailure(
+                    f"ranks {failed} failed with exit codes {[codes[r] for r in failed]}\n" + _tails(errs)
+                )
             if all(c == 0 for c in codes):
                 return
             if time.monotonic() > deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
-                raise RankFailure(f"timeout after {timeout:g} s, ranks {running} still running\n" + _tails(errs))
+                raise RankFailure(
+                    f"timeout after {timeout:g} s, ranks {running} still running\n" + _tails(errs)
+                )
             time.sleep(0.1)
 
 

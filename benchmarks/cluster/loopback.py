@@ -16,8 +16,13 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch_loopback(argv: list[str], world_size: int, timeout: float, env: dict[str, str] | None = None,
-                    ranks_per_node: int | None = None) -> list[Any]:
+def launch_loopback(
+    argv: list[str],
+    world_size: int,
+    timeout: float,
+    env: dict[str, str] | None = None,
+    ranks_per_node: int | None = None,
+) -> list[Any]:
     """Start ``python argv`` once per rank with torch.distributed's variables set; every rank gets
     ``timeout`` seconds, then all are killed and the call raises."""
     per_node = ranks_per_node or world_size
@@ -25,12 +30,28 @@ def launch_loopback(argv: list[str], world_size: int, timeout: float, env: dict[
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = str(s.getsockname()[1])
-        base = {**os.environ, **(env or {}), "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(per_node),
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH"))))}
-        procs = [subprocess.Popen([sys.executable, *argv], env={**base, "RANK": str(r), "LOCAL_RANK": str(r % per_node),
-                                                                 "EMU_RESULT_FILE": f"{tmp}/{r}.json"})
-                 for r in range(world_size)]
+        base = {
+            **os.environ,
+            **(env or {}),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(per_node),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
+        }
+        procs = [
+            subprocess.Popen(
+                [sys.executable, *argv],
+                env={
+                    **base,
+                    "RANK": str(r),
+                    "LOCAL_RANK": str(r % per_node),
+                    "EMU_RESULT_FILE": f"{tmp}/{r}.json",
+                },
+            )
+            for r in range(world_size)
+        ]
         try:
             codes = [p.wait(timeout=timeout) for p in procs]
         finally:

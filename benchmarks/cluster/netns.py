@@ -49,7 +49,9 @@ def check_prerequisites() -> None:
     """Raise ClusterUnavailable naming every missing requirement and how to fix it."""
     missing = []
     if os.geteuid() != 0:
-        missing.append("root privileges (network namespaces need CAP_NET_ADMIN): run as root, e.g. with sudo -E")
+        missing.append(
+            "root privileges (network namespaces need CAP_NET_ADMIN): run as root, e.g. with sudo -E"
+        )
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             missing.append(f"the '{tool}' command: install iproute2 (apt-get install -y iproute2)")
@@ -117,7 +119,9 @@ def _class_nets(spec: ClusterSpec, rank: int) -> dict[LinkClass, str]:
     return {"package": spec.package_net(rank), "node": spec.node_net(rank), "inter_node": f"{SUBNET}.0.0/16"}
 
 
-def _shape(ns: str, dev: str, spec: ClusterSpec, rank: int, match: str, skip_filter: str | None = None) -> None:
+def _shape(
+    ns: str, dev: str, spec: ClusterSpec, rank: int, match: str, skip_filter: str | None = None
+) -> None:
     """Give dev an htb root with one class per link class, chosen by the peer's address (`match` src
     or dst); the filter of class ``skip_filter`` is left to the caller."""
     tc = ("tc", "-n", ns)
@@ -187,7 +191,9 @@ def _verify_shaping(ns: str, dev: str, spec: ClusterSpec) -> None:
         want = spec.rate_mbit(link)
         got = found.get(idx)
         if got is None or any(abs(v - want) > 0.01 * want for v in got):
-            raise RuntimeError(f"shaping on {ns}/{dev} is not as configured: {link} class {got}, expected {want} Mbit/s")
+            raise RuntimeError(
+                f"shaping on {ns}/{dev} is not as configured: {link} class {got}, expected {want} Mbit/s"
+            )
 
 
 def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:

@@ -50,9 +50,11 @@ def timed_together(pairs: list[list[int]], payload: torch.Tensor) -> float | Non
 def main() -> None:
     """Measure every pair in --pairs in both directions, --repeats times after one warm-up."""
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--pairs", required=True, help='JSON list of [link, rank_a, rank_b]')
+    parser.add_argument("--pairs", required=True, help="JSON list of [link, rank_a, rank_b]")
     parser.add_argument("--mbytes", type=float, default=4.0, help="payload per transfer in MB (1e6 bytes)")
-    parser.add_argument("--concurrent", default="[]", help='JSON list of [label, [[src, dst], ...]] timed together')
+    parser.add_argument(
+        "--concurrent", default="[]", help="JSON list of [label, [[src, dst], ...]] timed together"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=300.0, help="gloo operation timeout in seconds")
     args = parser.parse_args()
@@ -71,16 +73,23 @@ def main() -> None:
                 seconds = timed_send(src, dst, payload, ack)
                 if seconds is not None:
                     nbytes = payload.numel() * payload.element_size()
-                    records.append({"link": link, "src": src, "dst": dst, "seconds": seconds, "bytes": nbytes})
+                    records.append(
+                        {"link": link, "src": src, "dst": dst, "seconds": seconds, "bytes": nbytes}
+                    )
                     mbit = nbytes * 8 / seconds / 1e6
-                    print(f"{link:>10} {src}->{dst} repeat {i + 1}/{args.repeats}: {mbit:7.1f} Mbit/s", flush=True)
+                    print(
+                        f"{link:>10} {src}->{dst} repeat {i + 1}/{args.repeats}: {mbit:7.1f} Mbit/s",
+                        flush=True,
+                    )
     nbytes = payload.numel() * payload.element_size()
     for label, pairs in json.loads(args.concurrent):
         timed_together(pairs, payload)  # warm-up
         for _ in range(args.repeats):
             seconds = timed_together(pairs, payload)
             if seconds is not None:
-                records.append({"link": label, "src": -1, "dst": dist.get_rank(), "seconds": seconds, "bytes": nbytes})
+                records.append(
+                    {"link": label, "src": -1, "dst": dist.get_rank(), "seconds": seconds, "bytes": nbytes}
+                )
     dist.barrier()
     dist.destroy_process_group()
     write_result(records)

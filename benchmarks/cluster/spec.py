@@ -89,7 +89,11 @@ class ClusterSpec:
         out = []
         for field in ("package_mbit", "node_mbit", "inter_node_mbit"):
             value = getattr(self, field)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= MAX_RATE_MBIT:
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not 0 < value <= MAX_RATE_MBIT
+            ):
                 out.append(f"{field}={value!r} must be a rate in Mbit/s in (0, {MAX_RATE_MBIT:g}]")
         return out
 
@@ -146,8 +150,11 @@ class ClusterSpec:
 
     def rate_mbit(self, link: LinkClass) -> float:
         """Configured rate of a link class."""
-        return {LinkClass.PACKAGE: self.package_mbit, LinkClass.NODE: self.node_mbit,
-                LinkClass.INTER_NODE: self.inter_node_mbit}[link]
+        return {
+            LinkClass.PACKAGE: self.package_mbit,
+            LinkClass.NODE: self.node_mbit,
+            LinkClass.INTER_NODE: self.inter_node_mbit,
+        }[link]
 
     def nic(self, rank: int) -> int:
         """Index of the NIC a rank's inter-node traffic goes through (its package's, or its own)."""
@@ -185,10 +192,14 @@ class ClusterSpec:
 def frontier(nodes: int = 2, packages_per_node: int = 2, shared_nic: bool = True) -> ClusterSpec:
     """Frontier ratios (GCD-GCD 200 GB/s : MI250X-MI250X 100 GB/s : NIC 25 GB/s) scaled to 400:200:50
     Mbit/s, one NIC per package (MI250X) shared by its two ranks."""
-    return ClusterSpec(nodes, packages_per_node, 2, 400.0, 200.0, 50.0, name="frontier", shared_nic=shared_nic)
+    return ClusterSpec(
+        nodes, packages_per_node, 2, 400.0, 200.0, 50.0, name="frontier", shared_nic=shared_nic
+    )
 
 
-def generic(nodes: int = 2, ranks_per_node: int = 2, node_mbit: float = 400.0, inter_node_mbit: float = 100.0) -> ClusterSpec:
+def generic(
+    nodes: int = 2, ranks_per_node: int = 2, node_mbit: float = 400.0, inter_node_mbit: float = 100.0
+) -> ClusterSpec:
     """Two-level cluster: one rank per package, node-local links vs inter-node links."""
     # package_mbit is never used with one rank per package; it only has to be valid.
     return ClusterSpec(nodes, ranks_per_node, 1, node_mbit, node_mbit, inter_node_mbit, name="generic")

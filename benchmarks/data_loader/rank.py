@@ -84,8 +84,9 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{args.rendezvous}", rank=rank, world_size=world)
-    ps.initialize_model_parallel(tensor_model_parallel_size=args.tp, context_parallel_size=args.cp,
-                                 create_gloo_process_groups=False)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=args.tp, context_parallel_size=args.cp, create_gloo_process_groups=False
+    )
     dp = ps.get_data_parallel_world_size()
     # megatron-core's builder builds on rank 0 first, then (after its own barrier) on the others.
     dataset = build_dataset(args.prefix, args.seq_length, args.steps * args.mbs * dp * 2, args.cache)
@@ -95,11 +96,16 @@ def main() -> None:
     io0, cpu0 = proc_io(), cpu_s(resource.RUSAGE_SELF) + cpu_s(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     iterator = build_batch_iterator(
-        dataset, micro_batch_size=args.mbs, consumed_samples=0,
+        dataset,
+        micro_batch_size=args.mbs,
+        consumed_samples=0,
         config=ShmDataLoaderConfig(enabled=args.scheme == "shm", slots=args.slots, timeout_s=300),
         topology=Topology(world_size=world, ranks_per_node=world, ranks_per_package=1),
-        tp_group=ps.get_tensor_model_parallel_group(), dp_rank=ps.get_data_parallel_rank(), dp_size=dp,
-        sampler="random", num_workers=args.num_workers,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=dp,
+        sampler="random",
+        num_workers=args.num_workers,
     )
     setup_s = time.perf_counter() - start
     waits, steps = [], []
@@ -114,14 +120,25 @@ def main() -> None:
     iterator.close()  # reaps the producer / DataLoader workers: their counters join ours
     dist.barrier()
     io1 = proc_io()
-    print(json.dumps({
-        "rank": rank, "scheme": args.scheme, "setup_s": setup_s, "wait_s": waits, "step_s": steps,
-        "samples_read": counters["samples_read"], "repeats": repeats,
-        "read_bytes": io1["read_bytes"] - io0["read_bytes"], "rchar": io1["rchar"] - io0["rchar"],
-        "cpu_s": cpu_s(resource.RUSAGE_SELF) + cpu_s(resource.RUSAGE_CHILDREN) - cpu0,
-        "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "children_max_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "scheme": args.scheme,
+                "setup_s": setup_s,
+                "wait_s": waits,
+                "step_s": steps,
+                "samples_read": counters["samples_read"],
+                "repeats": repeats,
+                "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+                "rchar": io1["rchar"] - io0["rchar"],
+                "cpu_s": cpu_s(resource.RUSAGE_SELF) + cpu_s(resource.RUSAGE_CHILDREN) - cpu0,
+                "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                "children_max_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+            }
+        ),
+        flush=True,
+    )
     ps.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -62,18 +62,58 @@ def drop_cache(prefix: str) -> None:
             os.close(fd)
 
 
-def launch(scheme: str, workers: int, tp: int, cp: int, prefix: str, extra: list[str], cpus: set[int],
-           timeout_s: float) -> list[dict]:
+def launch(
+    scheme: str,
+    workers: int,
+    tp: int,
+    cp: int,
+    prefix: str,
+    extra: list[str],
+    cpus: set[int],
+    timeout_s: float,
+) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="dl-bench-") as tmp:
         procs = []
         for rank in range(WORLD):
-            env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank),
-                       LOCAL_WORLD_SIZE=str(WORLD), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-            cmd = [sys.executable, "-m", "benchmarks.data_loader.rank", "--scheme", scheme, "--tp", str(tp),
-                   "--cp", str(cp), "--num-workers", str(workers), "--prefix", prefix,
-                   "--cache", os.path.join(RAW, "cache"), "--rendezvous", os.path.join(tmp, "rdv"), *extra]
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
-                                          preexec_fn=lambda: os.sched_setaffinity(0, cpus)))
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                WORLD_SIZE=str(WORLD),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(WORLD),
+                OMP_NUM_THREADS="1",
+                PYTHONWARNINGS="ignore",
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "benchmarks.data_loader.rank",
+                "--scheme",
+                scheme,
+                "--tp",
+                str(tp),
+                "--cp",
+                str(cp),
+                "--num-workers",
+                str(workers),
+                "--prefix",
+                prefix,
+                "--cache",
+                os.path.join(RAW, "cache"),
+                "--rendezvous",
+                os.path.join(tmp, "rdv"),
+                *extra,
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=lambda: os.sched_setaffinity(0, cpus),
+                )
+            )
         outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError(f"{scheme} TP={tp} CP={cp}: ranks exited with {[p.returncode for p in procs]}")
@@ -90,13 +130,20 @@ def measure(ranks: list[dict]) -> dict[str, float]:
         "step_ms": statistics.median(statistics.median(r["step_s"][WARMUP:]) for r in ranks) * 1e3,
         "wait_ms": statistics.median(statistics.median(r["wait_s"][WARMUP:]) for r in ranks) * 1e3,
         "wait_p99_ms": max(float(np.percentile(r["wait_s"][WARMUP:], 99)) for r in ranks) * 1e3,
-        "rss_mib": (max(r["max_rss_kb"] for r in ranks) + max(r["children_max_rss_kb"] for r in ranks)) / 1024,
+        "rss_mib": (max(r["max_rss_kb"] for r in ranks) + max(r["children_max_rss_kb"] for r in ranks))
+        / 1024,
     }
 
 
-FIGURES = (("rchar_mib", "filesystem MiB (rchar)", 1), ("read_bytes_mib", "device MiB (read_bytes)", 1),
-           ("cpu_s", "CPU s", 1), ("step_ms", "step ms", 1), ("wait_ms", "data wait ms", 2),
-           ("wait_p99_ms", "wait p99 ms (worst rank)", 1), ("rss_mib", "peak RSS MiB rank+child", 0))
+FIGURES = (
+    ("rchar_mib", "filesystem MiB (rchar)", 1),
+    ("read_bytes_mib", "device MiB (read_bytes)", 1),
+    ("cpu_s", "CPU s", 1),
+    ("step_ms", "step ms", 1),
+    ("wait_ms", "data wait ms", 2),
+    ("wait_p99_ms", "wait p99 ms (worst rank)", 1),
+    ("rss_mib", "peak RSS MiB rank+child", 0),
+)
 
 
 def spread(values: list[float], digits: int) -> str:
@@ -104,24 +151,33 @@ def spread(values: list[float], digits: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| TP x CP x DP | scheme | " + " | ".join(name for _, name, _ in FIGURES) + " |",
-             "|---" * (len(FIGURES) + 2) + "|"]
+    lines = [
+        "| TP x CP x DP | scheme | " + " | ".join(name for _, name, _ in FIGURES) + " |",
+        "|---" * (len(FIGURES) + 2) + "|",
+    ]
     for row in rows:
         runs = row["runs"]
         cells = [spread([r[key] for r in runs], d) for key, _, d in FIGURES]
-        lines.append(f"| {row['tp']} x {row['cp']} x {WORLD // (row['tp'] * row['cp'])} | {row['label']} | "
-                     + " | ".join(cells) + " |")
+        lines.append(
+            f"| {row['tp']} x {row['cp']} x {WORLD // (row['tp'] * row['cp'])} | {row['label']} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=16_000_000, help="corpus size (2 bytes each)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--mbs", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=2048)
-    parser.add_argument("--step-ms", type=float, default=40.0, help="CPU work standing in for a training step")
+    parser.add_argument(
+        "--step-ms", type=float, default=40.0, help="CPU work standing in for a training step"
+    )
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--cpus", type=int, nargs="+", default=sorted(os.sched_getaffinity(0)))
     parser.add_argument("--timeout-s", type=float, default=600)
@@ -129,31 +185,58 @@ def main() -> None:
 
     prefix = os.path.join(RAW, f"random{args.tokens}")
     make_corpus(prefix, args.tokens)
-    extra = ["--steps", str(args.steps), "--mbs", str(args.mbs), "--seq-length", str(args.seq_length),
-             "--step-ms", str(args.step_ms), "--slots", str(args.slots)]
+    extra = [
+        "--steps",
+        str(args.steps),
+        "--mbs",
+        str(args.mbs),
+        "--seq-length",
+        str(args.seq_length),
+        "--step-ms",
+        str(args.step_ms),
+        "--slots",
+        str(args.slots),
+    ]
     cpus = set(args.cpus)
-    rows = [{"tp": tp, "cp": cp, "scheme": scheme, "workers": workers,
-             "label": f"Megatron, {workers} workers" if scheme == "megatron" else "node loader", "runs": [],
-             "load_average": []}
-            for tp, cp in LAYOUTS for scheme, workers in SCHEMES]
+    rows = [
+        {
+            "tp": tp,
+            "cp": cp,
+            "scheme": scheme,
+            "workers": workers,
+            "label": f"Megatron, {workers} workers" if scheme == "megatron" else "node loader",
+            "runs": [],
+            "load_average": [],
+        }
+        for tp, cp in LAYOUTS
+        for scheme, workers in SCHEMES
+    ]
     for rep in range(args.repeats):
         for layout in range(len(LAYOUTS)):
-            group = rows[layout * len(SCHEMES):(layout + 1) * len(SCHEMES)]
-            for row in group[rep % len(group):] + group[:rep % len(group)]:  # order rotated per repetition
+            group = rows[layout * len(SCHEMES) : (layout + 1) * len(SCHEMES)]
+            for row in group[rep % len(group) :] + group[: rep % len(group)]:  # order rotated per repetition
                 drop_cache(prefix)
                 before = os.getloadavg()[0]
-                ranks = launch(row["scheme"], row["workers"], row["tp"], row["cp"], prefix, extra, cpus,
-                               args.timeout_s)
+                ranks = launch(
+                    row["scheme"], row["workers"], row["tp"], row["cp"], prefix, extra, cpus, args.timeout_s
+                )
                 row["runs"].append(measure(ranks))
                 row["load_average"].append([before, os.getloadavg()[0]])
                 print(f"rep {rep} {table([{**row, 'runs': row['runs'][-1:]}]).splitlines()[-1]}", flush=True)
     loads = [x for row in rows for pair in row["load_average"] for x in pair]
-    meta = {"world": WORLD, "corpus_bytes": os.path.getsize(prefix + ".bin"), "cpus": sorted(cpus),
-            "load_average_min_max": [min(loads), max(loads)], **{k: v for k, v in vars(args).items() if k != "cpus"}}
+    meta = {
+        "world": WORLD,
+        "corpus_bytes": os.path.getsize(prefix + ".bin"),
+        "cpus": sorted(cpus),
+        "load_average_min_max": [min(loads), max(loads)],
+        **{k: v for k, v in vars(args).items() if k != "cpus"},
+    }
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "results.json"), "w") as f:
         json.dump({"settings": meta, "rows": rows}, f, indent=1)
-    text = (f"Settings: {json.dumps(meta)}\n\nmedian (min-max) over {args.repeats} repetitions\n\n{table(rows)}\n")
+    text = (
+        f"Settings: {json.dumps(meta)}\n\nmedian (min-max) over {args.repeats} repetitions\n\n{table(rows)}\n"
+    )
     with open(os.path.join(OUT, "results.md"), "w") as f:
         f.write(text)
     print(text)

@@ -34,7 +34,9 @@ def _measure(mode: str, samples: int, streams: int, mbs: int, sharding: bool, qu
     start = time.perf_counter()
     if mode == "arrays":
         shared = EpochPermutations()
-        iters = [random_batches(samples, 0, mbs, r, streams, sharding, permutations=shared) for r in range(streams)]
+        iters = [
+            random_batches(samples, 0, mbs, r, streams, sharding, permutations=shared) for r in range(streams)
+        ]
         first = [next(s) for s in iters]
     else:  # the former producer: a Python list per stream, built one after another
         lists = []
@@ -49,8 +51,17 @@ def _measure(mode: str, samples: int, streams: int, mbs: int, sharding: bool, qu
         first = [lst[:mbs] for lst in lists]
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    queue.put(dict(mode=mode, samples=samples, streams=streams, data_sharding=sharding, seconds=round(seconds, 2),
-                   peak_rss_growth_mib=round((peak - base) / 1024), first=first[0]))
+    queue.put(
+        dict(
+            mode=mode,
+            samples=samples,
+            streams=streams,
+            data_sharding=sharding,
+            seconds=round(seconds, 2),
+            peak_rss_growth_mib=round((peak - base) / 1024),
+            first=first[0],
+        )
+    )
 
 
 def main() -> None:
@@ -61,10 +72,14 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=4)
     args = p.parse_args()
     ctx = mp.get_context("spawn")  # a fresh process per case: its peak RSS is that case's alone
-    cases = [("arrays", args.streams, s) for s in (True, False)] + [("lists", args.list_streams, s) for s in (True, False)]
+    cases = [("arrays", args.streams, s) for s in (True, False)] + [
+        ("lists", args.list_streams, s) for s in (True, False)
+    ]
     for mode, streams, sharding in cases:
         queue = ctx.Queue()
-        proc = ctx.Process(target=_measure, args=(mode, args.samples, streams, args.micro_batch_size, sharding, queue))
+        proc = ctx.Process(
+            target=_measure, args=(mode, args.samples, streams, args.micro_batch_size, sharding, queue)
+        )
         proc.start()
         print(json.dumps(queue.get()), flush=True)
         proc.join()

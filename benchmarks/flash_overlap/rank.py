@@ -26,7 +26,9 @@ REGIMES = ("hideable", "balanced")
 _PROBE_COLUMNS = 256
 
 
-def _steps(mlp: MLP, x: torch.Tensor, fns: dict[str, Schedule], warmup: int, steps: int) -> dict[str, list[dict]]:
+def _steps(
+    mlp: MLP, x: torch.Tensor, fns: dict[str, Schedule], warmup: int, steps: int
+) -> dict[str, list[dict]]:
     """Run every schedule warmup + steps times, interleaved step by step (load drifts on a shared
     host hit all alike), each run after a barrier; keep the timed steps' records."""
     out: dict[str, list[dict]] = {name: [] for name in fns}
@@ -40,12 +42,20 @@ def _steps(mlp: MLP, x: torch.Tensor, fns: dict[str, Schedule], warmup: int, ste
             step = time.perf_counter() - rec.t0
             gc.enable()
             if i >= warmup:
-                out[name].append({"step": step, "compute": rec.total("compute"), "wait": rec.total("wait"),
-                                  "events": [(k, label, round(a, 6), round(b, 6)) for k, label, a, b in rec.events]})
+                out[name].append(
+                    {
+                        "step": step,
+                        "compute": rec.total("compute"),
+                        "wait": rec.total("wait"),
+                        "events": [(k, label, round(a, 6), round(b, 6)) for k, label, a, b in rec.events],
+                    }
+                )
     return out
 
 
-def _tune_ffn(regime: str, hidden: int, x: torch.Tensor, group: dist.ProcessGroup, warmup: int) -> tuple[int, dict]:
+def _tune_ffn(
+    regime: str, hidden: int, x: torch.Tensor, group: dist.ProcessGroup, warmup: int
+) -> tuple[int, dict]:
     """Pick ffn so that the measured slice compute c and slice transfer p match the regime (rank 0 decides)."""
     n = group.size()
     probe = MLP(hidden, _PROBE_COLUMNS * n, group, "direct")
@@ -66,18 +76,26 @@ def _tune_ffn(regime: str, hidden: int, x: torch.Tensor, group: dist.ProcessGrou
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seq-per-rank", type=int, default=96, help="sequence slice per rank (multiple of 4)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--seq-per-rank", type=int, default=96, help="sequence slice per rank (multiple of 4)"
+    )
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
     parser.add_argument("--ffn", type=int, default=None, help="fixed MLP width instead of tuning per regime")
-    parser.add_argument("--mode", choices=("direct", "ring"), default="direct", help="P2P pattern of flash_overlap")
+    parser.add_argument(
+        "--mode", choices=("direct", "ring"), default="direct", help="P2P pattern of flash_overlap"
+    )
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
     if args.seq_per_rank % 4:
-        parser.error(f"--seq-per-rank {args.seq_per_rank} must be a multiple of 4 (the chunked baseline cuts it in 4)")
+        parser.error(
+            f"--seq-per-rank {args.seq_per_rank} must be a multiple of 4 (the chunked baseline cuts it in 4)"
+        )
 
     warnings.filterwarnings("ignore")  # gloo's tensor collectives warn on every call in torch 2.13
     torch.set_num_threads(1)

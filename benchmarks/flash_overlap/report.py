@@ -24,7 +24,10 @@ _COLLECTIVE = {"fc1": "all-gather", "fc2": "reduce-scatter"}
 
 def _slowest(per_rank_runs: list[list[dict]]) -> list[tuple[int, dict]]:
     steps = len(per_rank_runs[0])
-    return [max(((r, runs[i]) for r, runs in enumerate(per_rank_runs)), key=lambda rs: rs[1]["step"]) for i in range(steps)]
+    return [
+        max(((r, runs[i]) for r, runs in enumerate(per_rank_runs)), key=lambda rs: rs[1]["step"])
+        for i in range(steps)
+    ]
 
 
 def _median_event_time(per_rank_runs: list[list[dict]], kind: str, prefix: str) -> float:
@@ -38,7 +41,10 @@ def _median_event_time(per_rank_runs: list[list[dict]], kind: str, prefix: str) 
 def summarize(per_rank: list[dict[str, Any]], regime: str) -> dict[str, Any]:
     """Summary of one regime: sizes, T_comp, T_comm, c/p per GEMM, and every method's figures."""
     n = per_rank[0]["world_size"]
-    runs = {name: [r["regimes"][regime]["runs"][name] for r in per_rank] for name in per_rank[0]["regimes"][regime]["runs"]}
+    runs = {
+        name: [r["regimes"][regime]["runs"][name] for r in per_rank]
+        for name in per_rank[0]["regimes"][regime]["runs"]
+    }
     t_comp = statistics.median(run["step"] for _, run in _slowest(runs["compute_only"]))
     t_comm = statistics.median(run["step"] for _, run in _slowest(runs["comm_only"]))
     gelu = _median_event_time(runs["compute_only"], "compute", "gelu")
@@ -47,7 +53,8 @@ def summarize(per_rank: list[dict[str, Any]], regime: str) -> dict[str, Any]:
     k = CHUNKS
     bounds = {
         "flash_overlap": gelu + sum(c[g] + (n - 1) * max(c[g], p[g]) for g in GEMMS),
-        f"chunked_{k}": gelu + sum((n * c[g] + (n - 1) * p[g]) / k + (k - 1) * max(n * c[g], (n - 1) * p[g]) / k for g in GEMMS),
+        f"chunked_{k}": gelu
+        + sum((n * c[g] + (n - 1) * p[g]) / k + (k - 1) * max(n * c[g], (n - 1) * p[g]) / k for g in GEMMS),
         "p2p_sequential": t_comp + t_comm,
         "gloo_collectives": t_comp + t_comm,
     }
@@ -59,25 +66,42 @@ def summarize(per_rank: list[dict[str, Any]], regime: str) -> dict[str, Any]:
         median_index = sorted(range(len(steps)), key=steps.__getitem__)[len(steps) // 2]
         step = statistics.median(steps)
         methods[name] = {
-            "step_s": step, "step_min_s": min(steps), "step_max_s": max(steps),
+            "step_s": step,
+            "step_min_s": min(steps),
+            "step_max_s": max(steps),
             "compute_in_step_s": statistics.median(run["compute"] for _, run in picked),
             "exposed_comm_s": statistics.median(exposed),
             "exposed_pct_of_t_comm": 100 * statistics.median(exposed) / t_comm,
             "step_over_max_comp_comm": step / max(t_comp, t_comm),
-            "bound_s": bound, "step_over_bound": step / bound,
+            "bound_s": bound,
+            "step_over_bound": step / bound,
             "timeline": [per_rank_run[median_index]["events"] for per_rank_run in runs[name]],
         }
     info = per_rank[0]["regimes"][regime]
-    return {"regime": regime, "tp": n, "ffn": info["ffn"], "t_comp_s": t_comp, "t_comm_s": t_comm, "gelu_s": gelu,
-            "c_s": c, "p_s": p, "methods": methods, "probe": {k: v for k, v in info.items() if k.startswith("probe")}}
+    return {
+        "regime": regime,
+        "tp": n,
+        "ffn": info["ffn"],
+        "t_comp_s": t_comp,
+        "t_comm_s": t_comm,
+        "gelu_s": gelu,
+        "c_s": c,
+        "p_s": p,
+        "methods": methods,
+        "probe": {k: v for k, v in info.items() if k.startswith("probe")},
+    }
 
 
 def markdown(title: str, summaries: list[dict[str, Any]], args: dict[str, Any]) -> str:
     """One table per regime."""
     ms = 1e3
-    lines = [f"### {title}", "",
-             f"Sizes: sequence {args['seq_per_rank']} per rank, batch {args['batch']}, hidden {args['hidden']}; "
-             f"{args['steps']} timed steps after {args['warmup']} warm-up, median (min-max) of the slowest rank per step.", ""]
+    lines = [
+        f"### {title}",
+        "",
+        f"Sizes: sequence {args['seq_per_rank']} per rank, batch {args['batch']}, hidden {args['hidden']}; "
+        f"{args['steps']} timed steps after {args['warmup']} warm-up, median (min-max) of the slowest rank per step.",
+        "",
+    ]
     for s in summaries:
         c, p = s["c_s"], s["p_s"]
         lines += [
@@ -115,7 +139,15 @@ def timeline_png(path: Path, title: str, timeline: list[list[tuple]]) -> None:
                 colour = "#d62728"
             else:
                 colour = next(v for key, v in colours.items() if label.startswith(key))
-            ax.barh(rank, (end - start) * 1e3, left=start * 1e3, height=0.6, color=colour, edgecolor="black", linewidth=0.3)
+            ax.barh(
+                rank,
+                (end - start) * 1e3,
+                left=start * 1e3,
+                height=0.6,
+                color=colour,
+                edgecolor="black",
+                linewidth=0.3,
+            )
     ax.set_yticks(range(len(timeline)), [f"rank {r}" for r in range(len(timeline))])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's start (after a barrier)")

@@ -38,7 +38,9 @@ def run_cluster(tp: int, mbit: float, rank_args: list[str], timeout: float) -> l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--network", choices=("loopback", "cluster"), default="loopback")
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--mbit", type=float, default=400.0, help="link rate on the emulated cluster")
@@ -62,13 +64,19 @@ def main() -> None:
         table = markdown(f"{title} ({load})", summaries, per_rank[0]["args"])
         print(table, flush=True)
         (args.out / f"{label}.md").write_text(table + "\n")
-        (args.out / f"{label}.json").write_text(json.dumps({"title": title, "load": load, "args": per_rank[0]["args"],
-                                                            "summaries": summaries}, indent=1))
+        (args.out / f"{label}.json").write_text(
+            json.dumps(
+                {"title": title, "load": load, "args": per_rank[0]["args"], "summaries": summaries}, indent=1
+            )
+        )
         for s in summaries:
             for name, m in s["methods"].items():
-                timeline_png(args.out / f"{label}_{s['regime']}_{name}.png",
-                             f"{title}, {s['regime']}: {name}, median step {m['step_s'] * 1e3:.1f} ms "
-                             f"(exposed comm {m['exposed_comm_s'] * 1e3:.1f} ms)", m["timeline"])
+                timeline_png(
+                    args.out / f"{label}_{s['regime']}_{name}.png",
+                    f"{title}, {s['regime']}: {name}, median step {m['step_s'] * 1e3:.1f} ms "
+                    f"(exposed comm {m['exposed_comm_s'] * 1e3:.1f} ms)",
+                    m["timeline"],
+                )
 
 
 if __name__ == "__main__":

@@ -53,14 +53,35 @@ class MLP:
         from megatron.core.model_parallel_config import ModelParallelConfig
 
         n = group.size()
-        config = ModelParallelConfig(tensor_model_parallel_size=n, sequence_parallel=True,
-                                     use_cpu_initialization=True, params_dtype=torch.float32)
+        config = ModelParallelConfig(
+            tensor_model_parallel_size=n,
+            sequence_parallel=True,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+        )
         init = torch.nn.init.xavier_normal_
-        self.fc1 = FlashOverlapColumnParallelLinear(hidden, ffn, config=config, init_method=init, bias=False,
-                                                    tp_group=group, p2p_mode=mode, tp_comm_buffer_name="fc1")
-        self.fc2 = FlashOverlapRowParallelLinear(ffn, hidden, config=config, init_method=init, bias=False,
-                                                 input_is_parallel=True, skip_bias_add=False, tp_group=group,
-                                                 p2p_mode=mode, tp_comm_buffer_name="fc2")
+        self.fc1 = FlashOverlapColumnParallelLinear(
+            hidden,
+            ffn,
+            config=config,
+            init_method=init,
+            bias=False,
+            tp_group=group,
+            p2p_mode=mode,
+            tp_comm_buffer_name="fc1",
+        )
+        self.fc2 = FlashOverlapRowParallelLinear(
+            ffn,
+            hidden,
+            config=config,
+            init_method=init,
+            bias=False,
+            input_is_parallel=True,
+            skip_bias_add=False,
+            tp_group=group,
+            p2p_mode=mode,
+            tp_comm_buffer_name="fc2",
+        )
         self.group, self.n, self.rank = group, n, group.rank()
         self.w1, self.w2 = self.fc1.weight.detach(), self.fc2.weight.detach()
 
@@ -121,7 +142,10 @@ def chunked(mlp: MLP, x: torch.Tensor, rec: Recorder) -> torch.Tensor:
     q = x.shape[0] // k
     chunks = x.split(q)
     gathered = [x.new_empty((q * n, *x.shape[1:])) for _ in range(k)]
-    works = [dist.all_gather_into_tensor(g, c.contiguous(), group=mlp.group, async_op=True) for g, c in zip(gathered, chunks)]
+    works = [
+        dist.all_gather_into_tensor(g, c.contiguous(), group=mlp.group, async_op=True)
+        for g, c in zip(gathered, chunks)
+    ]
     # Chunk-major layout: chunk i of every rank is one contiguous block, for fc1's output and fc2's input.
     y = x.new_empty((k, n * q, *x.shape[1:-1], mlp.w1.shape[0]))
     for i in range(k):

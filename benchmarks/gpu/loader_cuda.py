@@ -64,8 +64,10 @@ def build_dataset(prefix: str, cache: str, seq: int, samples: int, mask: str) ->
 
     from megatron_ext.data.gpt_dataset import gpt_dataset_config
 
-    config = dataclasses.replace(gpt_dataset_config(prefix, seq, 1234, cache, create_attention_mask=mask != "none"),
-                                 reset_attention_mask=mask == "reset")
+    config = dataclasses.replace(
+        gpt_dataset_config(prefix, seq, 1234, cache, create_attention_mask=mask != "none"),
+        reset_attention_mask=mask == "reset",
+    )
     return BlendedMegatronDatasetBuilder(GPTDataset, [samples, 0, 0], lambda: True, config).build()[0]
 
 
@@ -84,18 +86,35 @@ def _sync_calls(fn: Any) -> int:
     return _count_syncs(prof)
 
 
-def measure(dataset: Any, scheme: str, workers: int, mask: bool, mbs: int, steps: int, profile_steps: int,
-            device: torch.device) -> dict[str, Any]:
+def measure(
+    dataset: Any,
+    scheme: str,
+    workers: int,
+    mask: bool,
+    mbs: int,
+    steps: int,
+    profile_steps: int,
+    device: torch.device,
+) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.loader import build_batch_iterator
 
     it = build_batch_iterator(
-        dataset, micro_batch_size=mbs, consumed_samples=0,
-        config=ShmDataLoaderConfig(enabled=scheme == "shm", timeout_s=600), topology=None,
-        tp_group=ps.get_tensor_model_parallel_group(), dp_rank=0, dp_size=1, create_attention_mask=mask,
-        name=f"bench-{scheme}-{workers}-{mask}-{os.getpid()}", device=device, num_workers=workers)
+        dataset,
+        micro_batch_size=mbs,
+        consumed_samples=0,
+        config=ShmDataLoaderConfig(enabled=scheme == "shm", timeout_s=600),
+        topology=None,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=0,
+        dp_size=1,
+        create_attention_mask=mask,
+        name=f"bench-{scheme}-{workers}-{mask}-{os.getpid()}",
+        device=device,
+        num_workers=workers,
+    )
     try:
         for _ in range(3):
             batch = next(it)
@@ -110,7 +129,10 @@ def measure(dataset: Any, scheme: str, workers: int, mask: bool, mbs: int, steps
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
         baseline = _sync_calls(lambda: None)  # what the profiler's own start and stop add
-        with warnings.catch_warnings(record=True) as caught, torch.profiler.profile(activities=_ACTIVITIES) as prof:
+        with (
+            warnings.catch_warnings(record=True) as caught,
+            torch.profiler.profile(activities=_ACTIVITIES) as prof,
+        ):
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
             try:
@@ -123,21 +145,40 @@ def measure(dataset: Any, scheme: str, workers: int, mask: bool, mbs: int, steps
         sync_warnings = sum("synchronizing" in str(w.message) for w in caught)
     finally:
         it.close()
-    return {"scheme": scheme, "workers": workers, "mask": mask, "batch_MB": nbytes / 1e6,
-            "next_ms_min": min(calls), "next_ms_median": statistics.median(calls), "next_ms_max": max(calls),
-            "batches_per_s": steps / wall, "GB_per_s": steps * nbytes / wall / 1e9,
-            "sync_calls_per_step": syncs / profile_steps, "sync_warnings_per_step": sync_warnings / profile_steps}
+    return {
+        "scheme": scheme,
+        "workers": workers,
+        "mask": mask,
+        "batch_MB": nbytes / 1e6,
+        "next_ms_min": min(calls),
+        "next_ms_median": statistics.median(calls),
+        "next_ms_max": max(calls),
+        "batches_per_s": steps / wall,
+        "GB_per_s": steps * nbytes / wall / 1e9,
+        "sync_calls_per_step": syncs / profile_steps,
+        "sync_warnings_per_step": sync_warnings / profile_steps,
+    }
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ["mask", "scheme", "batch MB", "next() ms min/med/max", "batches/s", "GB/s to GPU",
-            "sync runtime calls / step", "sync-debug warnings / step"]
+    head = [
+        "mask",
+        "scheme",
+        "batch MB",
+        "next() ms min/med/max",
+        "batches/s",
+        "GB/s to GPU",
+        "sync runtime calls / step",
+        "sync-debug warnings / step",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         name = "shm loader" if r["scheme"] == "shm" else f"megatron, {r['workers']} workers"
-        lines.append(f"| {r['mask_setting']} | {name} | {r['batch_MB']:.1f} | {r['next_ms_min']:.2f}/"
-                     f"{r['next_ms_median']:.2f}/{r['next_ms_max']:.2f} | {r['batches_per_s']:.1f} | "
-                     f"{r['GB_per_s']:.2f} | {r['sync_calls_per_step']:.2f} | {r['sync_warnings_per_step']:.2f} |")
+        lines.append(
+            f"| {r['mask_setting']} | {name} | {r['batch_MB']:.1f} | {r['next_ms_min']:.2f}/"
+            f"{r['next_ms_median']:.2f}/{r['next_ms_max']:.2f} | {r['batches_per_s']:.1f} | "
+            f"{r['GB_per_s']:.2f} | {r['sync_calls_per_step']:.2f} | {r['sync_warnings_per_step']:.2f} |"
+        )
     return "\n".join(lines)
 
 
@@ -149,7 +190,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=100, help="timed next() calls without a mask")
     p.add_argument("--mask-steps", type=int, default=15, help="timed next() calls with a mask")
     p.add_argument("--profile-steps", type=int, default=5)
-    p.add_argument("--workers", type=int, nargs="+", default=[0, 2], help="DataLoader workers of Megatron's path")
+    p.add_argument(
+        "--workers", type=int, nargs="+", default=[0, 2], help="DataLoader workers of Megatron's path"
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("error: loader_cuda needs a CUDA (or ROCm) GPU")
@@ -168,16 +211,27 @@ def main() -> int:
         dataset = build_dataset(prefix, os.path.join(work, "cache"), args.seq_length, samples, mask)
         steps = args.steps if mask == "none" else args.mask_steps
         for scheme, workers in [("megatron", w) for w in args.workers] + [("shm", 0)]:
-            row = measure(dataset, scheme, workers, mask != "none", args.mbs, steps, args.profile_steps, device)
-            row["mask_setting"] = {"none": "none", "causal": "causal (default)", "reset": "reset at EOD"}[mask]
+            row = measure(
+                dataset, scheme, workers, mask != "none", args.mbs, steps, args.profile_steps, device
+            )
+            row["mask_setting"] = {"none": "none", "causal": "causal (default)", "reset": "reset at EOD"}[
+                mask
+            ]
             rows.append(row)
             print(json.dumps(row), flush=True)
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    meta = {"device": torch.cuda.get_device_name(), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
-            "mbs": args.mbs, "seq_length": args.seq_length}
-    text = (f"Device: {meta['device']}, {meta['cpus']} CPUs, load average {meta['load_avg'][0]:.2f}; micro batch "
-            f"{args.mbs} x sequence {args.seq_length}, TP=1.\n\n{table(rows)}\n")
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "cpus": os.cpu_count(),
+        "load_avg": os.getloadavg(),
+        "mbs": args.mbs,
+        "seq_length": args.seq_length,
+    }
+    text = (
+        f"Device: {meta['device']}, {meta['cpus']} CPUs, load average {meta['load_avg'][0]:.2f}; micro batch "
+        f"{args.mbs} x sequence {args.seq_length}, TP=1.\n\n{table(rows)}\n"
+    )
     write_report(args.out, "loader_cuda", {"meta": meta, "rows": rows}, text)
     return 0
 

@@ -72,8 +72,12 @@ class Row:
 
 def layer_gemms(hidden: int, ffn: int, tp: int) -> dict[str, tuple[int, int]]:
     """(input features, output features) of each per-rank GEMM of a GPT layer at TP = ``tp``."""
-    return {"qkv": (hidden, 3 * hidden // tp), "proj": (hidden // tp, hidden),
-            "fc1": (hidden, ffn // tp), "fc2": (ffn // tp, hidden)}
+    return {
+        "qkv": (hidden, 3 * hidden // tp),
+        "proj": (hidden // tp, hidden),
+        "fc1": (hidden, ffn // tp),
+        "fc2": (ffn // tp, hidden),
+    }
 
 
 def time_ms(fn: Callable[[], None], inner: int, reps: int) -> list[float]:
@@ -113,7 +117,8 @@ def forward_call(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slices: in
 
     def call() -> None:
         for j in range(slices):
-            torch.matmul(x[j * rows:(j + 1) * rows], w.t(), out=out[j * rows:(j + 1) * rows])
+            torch.matmul(x[j * rows : (j + 1) * rows], w.t(), out=out[j * rows : (j + 1) * rows])
+
     return call
 
 
@@ -124,7 +129,8 @@ def wgrad_call(g: torch.Tensor, x: torch.Tensor, acc: torch.Tensor, slices: int)
     def call() -> None:
         torch.mm(g[:rows].t(), x[:rows], out=acc)
         for j in range(1, slices):
-            acc.addmm_(g[j * rows:(j + 1) * rows].t(), x[j * rows:(j + 1) * rows])
+            acc.addmm_(g[j * rows : (j + 1) * rows].t(), x[j * rows : (j + 1) * rows])
+
     return call
 
 
@@ -148,8 +154,23 @@ def measure(models: list[str], tps: list[int], slices: list[int], inner: int, re
                         graph = [t / inner for t in time_ms(graphed(fn, inner), 1, reps)]
                         for mode, t in (("eager", eager), ("graph", graph)):
                             med = statistics.median(t)
-                            rows.append(Row(model, tp, gemm, kind, mode, m, n, k, s, min(t), med, max(t),
-                                            flops / med / 1e9))
+                            rows.append(
+                                Row(
+                                    model,
+                                    tp,
+                                    gemm,
+                                    kind,
+                                    mode,
+                                    m,
+                                    n,
+                                    k,
+                                    s,
+                                    min(t),
+                                    med,
+                                    max(t),
+                                    flops / med / 1e9,
+                                )
+                            )
                 del x, w, y, g, dw
     return rows
 
@@ -160,15 +181,32 @@ def table(rows: list[Row]) -> str:
     base = {(r.model, r.tp, r.gemm, r.kind): r for r in rows if r.slices == 1 and r.mode == "graph"}
     one = {(r.model, r.tp, r.gemm, r.kind, r.mode): r for r in rows if r.slices == 1}
     counts = sorted({r.slices for r in rows if r.slices > 1})
-    head = ["model", "TP", "GEMM", "kind", "M x N x K", "1 GEMM ms, graph (min/med/max)", "TFLOP/s",
-            *[f"{s} slices: eff. eager / graph" for s in counts]]
+    head = [
+        "model",
+        "TP",
+        "GEMM",
+        "kind",
+        "M x N x K",
+        "1 GEMM ms, graph (min/med/max)",
+        "TFLOP/s",
+        *[f"{s} slices: eff. eager / graph" for s in counts],
+    ]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     by_key = {(r.model, r.tp, r.gemm, r.kind, r.mode, r.slices): r for r in rows}
     for key, g in base.items():
-        cells = [g.model, str(g.tp), g.gemm, g.kind, f"{g.m} x {g.n} x {g.k}",
-                 f"{g.ms_min:.3f}/{g.ms_median:.3f}/{g.ms_max:.3f}", f"{g.tflops:.0f}"]
+        cells = [
+            g.model,
+            str(g.tp),
+            g.gemm,
+            g.kind,
+            f"{g.m} x {g.n} x {g.k}",
+            f"{g.ms_min:.3f}/{g.ms_median:.3f}/{g.ms_max:.3f}",
+            f"{g.tflops:.0f}",
+        ]
         for s in counts:
-            eff = [one[(*key, mode)].ms_median / by_key[(*key, mode, s)].ms_median for mode in ("eager", "graph")]
+            eff = [
+                one[(*key, mode)].ms_median / by_key[(*key, mode, s)].ms_median for mode in ("eager", "graph")
+            ]
             cells.append(f"{eff[0]:.2f} / {eff[1]:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -189,8 +227,10 @@ def main() -> int:
         args.slices = [1, *args.slices]
     rows = measure(args.models, args.tp, args.slices, args.inner, args.reps)
     device = {"name": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    text = (f"Device: {device['name']}, torch {device['torch']} (CUDA {device['cuda']}); bf16; "
-            f"{args.reps} repetitions of {args.inner} calls.\n\n{table(rows)}\n")
+    text = (
+        f"Device: {device['name']}, torch {device['torch']} (CUDA {device['cuda']}); bf16; "
+        f"{args.reps} repetitions of {args.inner} calls.\n\n{table(rows)}\n"
+    )
     write_report(args.out, "sliced_gemm", {"device": device, "rows": [asdict(r) for r in rows]}, text)
     return 0
 

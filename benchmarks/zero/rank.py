@@ -42,11 +42,20 @@ def ds_config(args: argparse.Namespace, topology: Topology, level: str = "packag
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.micro,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                              "stage3_prefetch_bucket_size": args.prefetch_bucket, "overlap_comm": True,
-                              "stage3_max_live_parameters": args.max_live, **zero},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_max_reuse_distance": 0,
+            "stage3_prefetch_bucket_size": args.prefetch_bucket,
+            "overlap_comm": True,
+            "stage3_max_live_parameters": args.max_live,
+            **zero,
+        },
         "steps_per_print": 10**9,
-        "topology": {"ranks_per_node": topology.ranks_per_node, "ranks_per_package": topology.ranks_per_package},
+        "topology": {
+            "ranks_per_node": topology.ranks_per_node,
+            "ranks_per_package": topology.ranks_per_package,
+        },
         "hierarchical_zero": {"enabled": False, "secondary_level": level, "secondary_memory_budget_gb": 1.0},
     }
 
@@ -61,10 +70,14 @@ def build(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace) ->
     net = model(args.hidden, args.layers)
     if kind == "ours":
         cfg["hierarchical_zero"]["enabled"] = True
-        engine, *_ = zero.initialize(model=net, config=cfg, topology=topology, model_parameters=net.parameters())
+        engine, *_ = zero.initialize(
+            model=net, config=cfg, topology=topology, model_parameters=net.parameters()
+        )
     else:
         engine, *_ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None  # hpZ leaves its group global; the next engine must not see it
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = (
+        None  # hpZ leaves its group global; the next engine must not see it
+    )
     return engine
 
 
@@ -72,8 +85,13 @@ def engine_bytes(engine: Any) -> dict[str, int]:
     """Bytes of the storages the engine's state lives in, each storage counted once."""
     opt = engine.optimizer
     parts = {
-        "weights_16bit": [p.ds_tensor for p in engine.module.parameters()] + list(opt.fp16_partitioned_groups_flat),
-        "secondary": [t for p in engine.module.parameters() if (t := getattr(p, "ds_secondary_tensor", None)) is not None],
+        "weights_16bit": [p.ds_tensor for p in engine.module.parameters()]
+        + list(opt.fp16_partitioned_groups_flat),
+        "secondary": [
+            t
+            for p in engine.module.parameters()
+            if (t := getattr(p, "ds_secondary_tensor", None)) is not None
+        ],
         "fp32_and_adam": list(opt.fp32_partitioned_groups_flat)
         + [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)],
         "gradients": [t for t in (getattr(opt, "grad_partitions_flat_buffer", None),) if t is not None],
@@ -91,7 +109,9 @@ def engine_bytes(engine: Any) -> dict[str, int]:
     return out
 
 
-def one_step(engine: Any, counter: comm.CommCounter, step: int, args: argparse.Namespace) -> tuple[float, dict[str, int]]:
+def one_step(
+    engine: Any, counter: comm.CommCounter, step: int, args: argparse.Namespace
+) -> tuple[float, dict[str, int]]:
     dist.barrier()
     start = time.perf_counter()
     held: dict[str, int] = {}
@@ -122,10 +142,18 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prefetch-bucket", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
     parser.add_argument("--max-live", type=int, default=300_000, help="stage3_max_live_parameters")
-    parser.add_argument("--ours-variant", action="append", default=[], metavar="NAME=JSON",
-                        help="one more engine of ours with these hierarchical_zero keys")
-    parser.add_argument("--quantized-hops", metavar="JSON",
-                        help="one more engine of ours with quantized inter-node hops: the hierarchical_zero keys that turn them on")
+    parser.add_argument(
+        "--ours-variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="one more engine of ours with these hierarchical_zero keys",
+    )
+    parser.add_argument(
+        "--quantized-hops",
+        metavar="JSON",
+        help="one more engine of ours with quantized inter-node hops: the hierarchical_zero keys that turn them on",
+    )
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -169,9 +197,16 @@ def main() -> None:
                 counts[name] = counters[name].snapshot()
     from benchmarks.cluster import write_result
 
-    write_result({"record": record, "counts": counts, "params": sum(p.numel() for p in model(args.hidden, args.layers).parameters()),
-                  "args": vars(args), "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package],
-                  "loadavg": os.getloadavg()})
+    write_result(
+        {
+            "record": record,
+            "counts": counts,
+            "params": sum(p.numel() for p in model(args.hidden, args.layers).parameters()),
+            "args": vars(args),
+            "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package],
+            "loadavg": os.getloadavg(),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -37,8 +37,13 @@ OUT = REPO_ROOT / "benchmarks" / "results" / "zero"
 
 def loopback(rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
     """8 local ranks over 127.0.0.1 laid out as 2 nodes x 2 packages x 2."""
-    return launch_loopback([*RANK_MODULE, *rank_args], world_size=8, timeout=timeout,
-                           env={"BENCH_RANKS_PER_PACKAGE": "2"}, ranks_per_node=4)
+    return launch_loopback(
+        [*RANK_MODULE, *rank_args],
+        world_size=8,
+        timeout=timeout,
+        env={"BENCH_RANKS_PER_PACKAGE": "2"},
+        ranks_per_node=4,
+    )
 
 
 def run_all(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, list], dict | None]:
@@ -48,13 +53,18 @@ def run_all(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, l
     def launch(key: str, start: Callable[[], list]) -> None:
         load = os.getloadavg()
         result = start()
-        runs.setdefault(key, []).append({"loadavg_before": load, "loadavg_after": os.getloadavg(), "ranks": result})
+        runs.setdefault(key, []).append(
+            {"loadavg_before": load, "loadavg_after": os.getloadavg(), "ranks": result}
+        )
         print(f"{key}: launch done, load average {load[0]:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
 
     if args.network == "loopback":
         for _ in range(args.launches):
             for micro in args.micro:
-                launch(f"loopback micro {micro}", lambda m=micro: loopback([*rank_args, "--micro", str(m)], args.timeout))
+                launch(
+                    f"loopback micro {micro}",
+                    lambda m=micro: loopback([*rank_args, "--micro", str(m)], args.timeout),
+                )
         return runs, None
     from benchmarks.cluster import EmulatedCluster, frontier
 
@@ -82,13 +92,19 @@ def check_keys(rank_args: list[str]) -> None:
 
 def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str, cm.Variant]]:
     world, per_node, per_package = first["topology"]
-    shape = cm.DPShape(nodes=world // per_node, packages_per_node=per_node // per_package, per_package=per_package)
+    shape = cm.DPShape(
+        nodes=world // per_node, packages_per_node=per_node // per_package, per_package=per_package
+    )
     a = first["args"]
     numels = tuple([a["hidden"] * a["hidden"], a["hidden"]] * a["layers"])
     model = cm.ModelSpec(param_numels=numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
-    variants = {"zero3": cm.ZERO3, f"zero++ hpZ({per_package})": cm.hpz(per_package, "package"),
-                "ours (package)": cm.hierarchical("package"), f"zero++ hpZ({per_node})": cm.hpz(per_node, "node"),
-                "ours (node)": cm.hierarchical("node")}
+    variants = {
+        "zero3": cm.ZERO3,
+        f"zero++ hpZ({per_package})": cm.hpz(per_package, "package"),
+        "ours (package)": cm.hierarchical("package"),
+        f"zero++ hpZ({per_node})": cm.hpz(per_node, "node"),
+        "ours (node)": cm.hierarchical("node"),
+    }
     return shape, model, variants
 
 
@@ -109,36 +125,70 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
     shape, model, variants = model_for(first)
     links = None
     if spec:
-        rates = {"package": spec["package_mbit"], "node": spec["node_mbit"], "inter_node": spec["inter_node_mbit"]}
+        rates = {
+            "package": spec["package_mbit"],
+            "node": spec["node_mbit"],
+            "inter_node": spec["inter_node_mbit"],
+        }
         per_node = spec["packages_per_node"] * spec["ranks_per_package"]
         # gloo: one ring per collective, and its reduce-scatter sends what an all-reduce sends
         # (measured: 7.03 MB per rank for a 4 MB reduce-scatter over the 8 ranks, 3.51 MB for the all-gather).
-        links = cm.Links(bandwidth_gbps={k: v / 8 / 1000 for k, v in rates.items()}, latency_us=dict.fromkeys(LINK_CLASSES, 0.0),
-                         ranks_per_nic=spec["ranks_per_nic"], nics_per_node=per_node // spec["ranks_per_nic"], channels=1,
-                         reduce_scatter_wire=2.0)
+        links = cm.Links(
+            bandwidth_gbps={k: v / 8 / 1000 for k, v in rates.items()},
+            latency_us=dict.fromkeys(LINK_CLASSES, 0.0),
+            ranks_per_nic=spec["ranks_per_nic"],
+            nics_per_node=per_node // spec["ranks_per_nic"],
+            channels=1,
+            reduce_scatter_wire=2.0,
+        )
     rows = {}
     for name in first["record"]:
         row: dict[str, Any] = {}
         for key, launches in (("shaped", shaped), ("unshaped", base)):
             if launches:
                 steps, medians = _steps(launches, name)
-                row[key] = {"median": statistics.median(steps), "min": min(steps), "max": max(steps), "launch_medians": medians}
+                row[key] = {
+                    "median": statistics.median(steps),
+                    "min": min(steps),
+                    "max": max(steps),
+                    "launch_medians": medians,
+                }
         ranks = (shaped or base)[0]["ranks"]
         row["held_bytes"] = max((r["record"][name]["held"][-1] for r in ranks), key=lambda h: sum(h.values()))
-        row["counter_bytes"] = {link: sum(kinds.get(link, 0) for phase in first["counts"][name].values()
-                                          for kind, kinds in phase.items() if kind != "other") for link in LINK_CLASSES}
+        row["counter_bytes"] = {
+            link: sum(
+                kinds.get(link, 0)
+                for phase in first["counts"][name].values()
+                for kind, kinds in phase.items()
+                if kind != "other"
+            )
+            for link in LINK_CLASSES
+        }
         if shaped:
-            row["wire_bytes"] = {k: statistics.mean(statistics.median(s[k] for s in r["record"][name]["wire"])
-                                                    for launch in shaped for r in launch["ranks"])
-                                 for k in (*LINK_CLASSES, "total")}
+            row["wire_bytes"] = {
+                k: statistics.mean(
+                    statistics.median(s[k] for s in r["record"][name]["wire"])
+                    for launch in shaped
+                    for r in launch["ranks"]
+                )
+                for k in (*LINK_CLASSES, "total")
+            }
         if name in variants:
             hops = cm.step_hops(model, shape, variants[name], micro)
-            row["computed"] = {"counter_bytes": cm.bytes_per_link(hops), "ring_wire_bytes": cm.ring_wire_bytes(hops, links),
-                               "comm_s": cm.comm_time(hops, links) if links else None}
+            row["computed"] = {
+                "counter_bytes": cm.bytes_per_link(hops),
+                "ring_wire_bytes": cm.ring_wire_bytes(hops, links),
+                "comm_s": cm.comm_time(hops, links) if links else None,
+            }
         rows[name] = row
-    return {"rows": rows, "params": first["params"], "args": first["args"], "micro": micro,
-            "loadavg": [launch["loadavg_before"][0] for launch in (shaped or []) + base],
-            "launches": len(shaped or base)}
+    return {
+        "rows": rows,
+        "params": first["params"],
+        "args": first["args"],
+        "micro": micro,
+        "loadavg": [launch["loadavg_before"][0] for launch in (shaped or []) + base],
+        "launches": len(shaped or base),
+    }
 
 
 def _peer(name: str, rows: dict[str, Any]) -> str | None:
@@ -152,12 +202,16 @@ def _peer(name: str, rows: dict[str, Any]) -> str | None:
 def markdown(summary: dict[str, Any], title: str) -> str:
     rows, mb = summary["rows"], 1e6
     loads = ", ".join(f"{x:.1f}" for x in summary["loadavg"])
-    lines = [f"### {title}, gradient accumulation {summary['micro']}", "",
-             f"{summary['params']:,} fp32 parameters, {summary['launches']} launch(es) x {summary['args']['steps']} timed "
-             f"steps, prefetch bucket {summary['args']['prefetch_bucket']:,}; load average before each launch: {loads}", "",
-             "| variant | step s, shaped: median (min-max) | launch medians | unshaped median | shaped - unshaped (measured) "
-             "| comm s (computed) | computed / measured | vs hpZ at equal memory |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"### {title}, gradient accumulation {summary['micro']}",
+        "",
+        f"{summary['params']:,} fp32 parameters, {summary['launches']} launch(es) x {summary['args']['steps']} timed "
+        f"steps, prefetch bucket {summary['args']['prefetch_bucket']:,}; load average before each launch: {loads}",
+        "",
+        "| variant | step s, shaped: median (min-max) | launch medians | unshaped median | shaped - unshaped (measured) "
+        "| comm s (computed) | computed / measured | vs hpZ at equal memory |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
+    ]
     for name, r in rows.items():
         s, u = r.get("shaped"), r["unshaped"]
         exposed = s["median"] - u["median"] if s else None
@@ -166,37 +220,63 @@ def markdown(summary: dict[str, Any], title: str) -> str:
         ref = rows[peer].get("shaped", rows[peer]["unshaped"])["median"] if peer else None
         own = (s or u)["median"]
         lines.append(
-            f"| {name} | " + (f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" if s else "-") + " | "
+            f"| {name} | "
+            + (f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" if s else "-")
+            + " | "
             + (", ".join(f"{t:.2f}" for t in s["launch_medians"]) if s else "-")
-            + f" | {u['median']:.2f} | " + (f"{exposed:.2f}" if exposed is not None else "-") + " | "
-            + (f"{comm:.2f}" if comm is not None else "-") + " | "
-            + (f"{comm / exposed:.2f}" if comm is not None and exposed else "-") + " | "
-            + (f"{ref / own:.2f}x {peer}" if ref else "-") + " |")
-    lines += ["", "| variant | wire MB measured: package / node / inter-node (all) | ring wire MB computed | "
-              "counter MB computed: package / node / inter-node | engine MB: secondary / all |", "|---|---|---|---|---:|"]
+            + f" | {u['median']:.2f} | "
+            + (f"{exposed:.2f}" if exposed is not None else "-")
+            + " | "
+            + (f"{comm:.2f}" if comm is not None else "-")
+            + " | "
+            + (f"{comm / exposed:.2f}" if comm is not None and exposed else "-")
+            + " | "
+            + (f"{ref / own:.2f}x {peer}" if ref else "-")
+            + " |"
+        )
+    lines += [
+        "",
+        "| variant | wire MB measured: package / node / inter-node (all) | ring wire MB computed | "
+        "counter MB computed: package / node / inter-node | engine MB: secondary / all |",
+        "|---|---|---|---|---:|",
+    ]
     for name, r in rows.items():
         w, c = r.get("wire_bytes"), r["counter_bytes"]
         ring = (r.get("computed") or {}).get("ring_wire_bytes")
         held = r["held_bytes"]
         lines.append(
-            f"| {name} | " + (f"{w['package'] / mb:.2f} / {w['node'] / mb:.2f} / {w['inter_node'] / mb:.2f} ({w['total'] / mb:.2f})"
-                              if w else "-") + " | "
-            + (" / ".join(f"{ring[k] / mb:.2f}" for k in LINK_CLASSES) if ring else "-") + " | "
-            + " / ".join(f"{c[k] / mb:.2f}" for k in LINK_CLASSES) + " | "
-            + f"{held['secondary'] / mb:.2f} / {sum(held.values()) / mb:.2f} |")
+            f"| {name} | "
+            + (
+                f"{w['package'] / mb:.2f} / {w['node'] / mb:.2f} / {w['inter_node'] / mb:.2f} ({w['total'] / mb:.2f})"
+                if w
+                else "-"
+            )
+            + " | "
+            + (" / ".join(f"{ring[k] / mb:.2f}" for k in LINK_CLASSES) if ring else "-")
+            + " | "
+            + " / ".join(f"{c[k] / mb:.2f}" for k in LINK_CLASSES)
+            + " | "
+            + f"{held['secondary'] / mb:.2f} / {sum(held.values()) / mb:.2f} |"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--network", choices=("loopback", "cluster"), default="cluster")
     parser.add_argument("--micro", type=int, nargs="+", default=[1, 4], help="gradient accumulation values")
-    parser.add_argument("--own-nic", action="store_true", help="every rank its own inter-node link (not shared)")
+    parser.add_argument(
+        "--own-nic", action="store_true", help="every rank its own inter-node link (not shared)"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--name", help="file name stem (default: the network)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     parser.add_argument("--launches", type=int, default=1, help="rounds of launches, pooled")
-    parser.add_argument("--from-json", type=Path, help="rebuild the tables from the runs of an earlier result file")
+    parser.add_argument(
+        "--from-json", type=Path, help="rebuild the tables from the runs of an earlier result file"
+    )
     args, rank_args = parser.parse_known_args()
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -206,18 +286,24 @@ def main() -> None:
         check_keys(rank_args)
         runs, spec = run_all(args, rank_args)
     if spec:
-        title = ("Emulated cluster 2 nodes x 2 packages x 2, links 400 / 200 Mbit/s per rank, 50 Mbit/s inter-node per "
-                 + ("rank" if args.own_nic else "package (NIC shared by its 2 ranks)"))
+        title = (
+            "Emulated cluster 2 nodes x 2 packages x 2, links 400 / 200 Mbit/s per rank, 50 Mbit/s inter-node per "
+            + ("rank" if args.own_nic else "package (NIC shared by its 2 ranks)")
+        )
     else:
         title = "Loopback (127.0.0.1, unshaped), 8 ranks as 2 nodes x 2 packages x 2"
     summaries = {str(m): summarize(runs, spec, m) for m in args.micro}
     text = "\n\n".join(markdown(s, title) for s in summaries.values())
-    text += ("\n\nBytes are per rank and step. Wire bytes: what the ranks' interfaces sent per tc class (measured, "
-             "mean over ranks of each rank's median step); ring wire and counter bytes: computed.\n")
+    text += (
+        "\n\nBytes are per rank and step. Wire bytes: what the ranks' interfaces sent per tc class (measured, "
+        "mean over ranks of each rank's median step); ring wire and counter bytes: computed.\n"
+    )
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.name or args.network
-    (args.out / f"{name}.json").write_text(json.dumps({"summary": summaries, "spec": spec, "runs": runs}, indent=1))
+    (args.out / f"{name}.json").write_text(
+        json.dumps({"summary": summaries, "spec": spec, "runs": runs}, indent=1)
+    )
     (args.out / f"{name}.md").write_text(text)
 
 

@@ -63,8 +63,10 @@ def validate_deepspeed_config(ds: dict) -> None:
     """Reject DeepSpeed settings that cannot work with the variant (no collective runs here)."""
     zero = ds.get("zero_optimization") or {}
     if zero.get("stage", 0) != 3:
-        raise ConfigError(f"hierarchical_zero needs zero_optimization.stage 3, got {zero.get('stage', 0)}: "
-                          'set "zero_optimization": {"stage": 3} or disable hierarchical_zero')
+        raise ConfigError(
+            f"hierarchical_zero needs zero_optimization.stage 3, got {zero.get('stage', 0)}: "
+            'set "zero_optimization": {"stage": 3} or disable hierarchical_zero'
+        )
     if (zero.get("zero_hpz_partition_size") or 1) > 1:
         raise ConfigError(
             f"zero_optimization.zero_hpz_partition_size={zero['zero_hpz_partition_size']} conflicts with hierarchical_zero, "
@@ -72,18 +74,26 @@ def validate_deepspeed_config(ds: dict) -> None:
         )
     for key, name in _CONFLICTS.items():
         if zero.get(key):
-            raise ConfigError(f"zero_optimization.{key}=true ({name}) cannot be combined with hierarchical_zero: "
-                              f"set it to false or disable hierarchical_zero")
+            raise ConfigError(
+                f"zero_optimization.{key}=true ({name}) cannot be combined with hierarchical_zero: "
+                f"set it to false or disable hierarchical_zero"
+            )
     if zero.get("reduce_scatter") is False:
-        raise ConfigError("zero_optimization.reduce_scatter=false makes ZeRO-3 all-reduce gradients, which bypasses "
-                          "the hierarchical reduce-scatter: remove it or disable hierarchical_zero")
+        raise ConfigError(
+            "zero_optimization.reduce_scatter=false makes ZeRO-3 all-reduce gradients, which bypasses "
+            "the hierarchical reduce-scatter: remove it or disable hierarchical_zero"
+        )
     if zero.get("stage3_use_all_reduce_for_fetch_params") or zero.get("use_all_reduce_for_fetch_params"):
-        raise ConfigError("zero_optimization.stage3_use_all_reduce_for_fetch_params=true replaces the parameter "
-                          "all-gather that hierarchical_zero splits into hops: remove it or disable hierarchical_zero")
+        raise ConfigError(
+            "zero_optimization.stage3_use_all_reduce_for_fetch_params=true replaces the parameter "
+            "all-gather that hierarchical_zero splits into hops: remove it or disable hierarchical_zero"
+        )
     offload = zero.get("offload_param") or {}
     if zero.get("cpu_offload_param") or offload.get("device", "none") != "none":
-        raise ConfigError("zero_optimization.offload_param is not supported with hierarchical_zero "
-                          "(the secondary copy would be offloaded too): remove it or disable hierarchical_zero")
+        raise ConfigError(
+            "zero_optimization.offload_param is not supported with hierarchical_zero "
+            "(the secondary copy would be offloaded too): remove it or disable hierarchical_zero"
+        )
 
 
 def model_spec(model: torch.nn.Module, ds: dict) -> ModelSpec:
@@ -99,8 +109,13 @@ def model_spec(model: torch.nn.Module, ds: dict) -> ModelSpec:
     return ModelSpec(param_numels=numels, weight_bytes=weight, grad_bytes=grad, gathers_per_pass=owners)
 
 
-def prepare(model: torch.nn.Module | ModelSpec, config: Union[str, os.PathLike, dict],
-            plugin_config: PluginConfig | None = None, mpu: Any = None, topology: Topology | None = None) -> HierarchicalPlan:
+def prepare(
+    model: torch.nn.Module | ModelSpec,
+    config: Union[str, os.PathLike, dict],
+    plugin_config: PluginConfig | None = None,
+    mpu: Any = None,
+    topology: Topology | None = None,
+) -> HierarchicalPlan:
     """Check everything, choose the secondary level, then create the level groups (the first
     collective). Pass the result to :func:`initialize` and to :class:`~.inject.Init`; before a model
     exists (to build it under ``Init``) pass a :class:`ModelSpec` of its parameters instead."""
@@ -127,7 +142,9 @@ def prepare(model: torch.nn.Module | ModelSpec, config: Union[str, os.PathLike, 
     return HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
 
 
-def _config_source(config: Union[str, os.PathLike, dict, None], kwargs: dict) -> Union[str, os.PathLike, dict]:
+def _config_source(
+    config: Union[str, os.PathLike, dict, None], kwargs: dict
+) -> Union[str, os.PathLike, dict]:
     """The DeepSpeed config wherever ``deepspeed.initialize`` would find it (config, config_params,
     args.deepspeed_config)."""
     source = config if config is not None else kwargs.get("config_params")
@@ -137,9 +154,15 @@ def _config_source(config: Union[str, os.PathLike, dict, None], kwargs: dict) ->
     return source
 
 
-def initialize(model: torch.nn.Module, config: Union[str, os.PathLike, dict, None] = None,
-               plugin_config: PluginConfig | None = None, mpu: Any = None, topology: Topology | None = None,
-               plan: HierarchicalPlan | None = None, **kwargs: Any) -> tuple:
+def initialize(
+    model: torch.nn.Module,
+    config: Union[str, os.PathLike, dict, None] = None,
+    plugin_config: PluginConfig | None = None,
+    mpu: Any = None,
+    topology: Topology | None = None,
+    plan: HierarchicalPlan | None = None,
+    **kwargs: Any,
+) -> tuple:
     """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``
     (else exactly ``deepspeed.initialize``). ``kwargs`` go to ``deepspeed.initialize`` unchanged.
     Returns what it returns; the engine carries the plan as ``engine.hierarchical_zero``."""
@@ -150,10 +173,16 @@ def initialize(model: torch.nn.Module, config: Union[str, os.PathLike, dict, Non
     check_deepspeed_version()
     plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
     levels = plan.levels
-    foreign = [p for p in model.parameters() if hasattr(p, "ds_process_group") and p.ds_process_group is not levels.dp_group]
+    foreign = [
+        p
+        for p in model.parameters()
+        if hasattr(p, "ds_process_group") and p.ds_process_group is not levels.dp_group
+    ]
     if foreign:
-        raise ConfigError("the model was partitioned by another zero.Init: build it under "
-                          "deepspeed_ext.zero.Init(plan.levels) with the same plan, or without zero.Init")
+        raise ConfigError(
+            "the model was partitioned by another zero.Init: build it under "
+            "deepspeed_ext.zero.Init(plan.levels) with the same plan, or without zero.Init"
+        )
     previous_mpu = ds_groups.mpu
     patched_comm = comm.patch_deepspeed_comm()
     inject.register(levels)

@@ -121,18 +121,38 @@ def hpz(size: int, link: LinkClass = NODE) -> Variant:
 
 def zeropp_paper(size: int, link: LinkClass = NODE) -> Variant:
     """ZeRO++ with hpZ, qwZ and qgZ as the paper describes them (their kernels need a GPU)."""
-    return Variant(f"zero++ hpZ({size})+qwZ+qgZ", secondary="hpz", hpz_size=size, hpz_link=link,
-                   weight_factor=QWZ_BYTES_FACTOR, grad_factor=QGZ_BYTES_FACTOR)
+    return Variant(
+        f"zero++ hpZ({size})+qwZ+qgZ",
+        secondary="hpz",
+        hpz_size=size,
+        hpz_link=link,
+        weight_factor=QWZ_BYTES_FACTOR,
+        grad_factor=QGZ_BYTES_FACTOR,
+    )
 
 
-def hierarchical(secondary: Level, grad_reduce: str = "hierarchical", boundary_sync: bool = False,
-                 weight_factor: float = 1.0, grad_factor: float = 1.0) -> Variant:
+def hierarchical(
+    secondary: Level,
+    grad_reduce: str = "hierarchical",
+    boundary_sync: bool = False,
+    weight_factor: float = 1.0,
+    grad_factor: float = 1.0,
+) -> Variant:
     """Our variant; the factors model quantized inter-node hops (int8 weights 0.5, int4 gradients 0.25)."""
-    tags = [secondary] + (["boundary sync"] if boundary_sync else []) + (
-        [f"w x{weight_factor:g} g x{grad_factor:g}"] if (weight_factor, grad_factor) != (1.0, 1.0) else [])
-    return Variant(f"hierarchical({', '.join(tags)})", secondary=secondary, hierarchical_gather=True,
-                   hierarchical_reduce=grad_reduce == "hierarchical", boundary_sync=boundary_sync,
-                   weight_factor=weight_factor, grad_factor=grad_factor)
+    tags = (
+        [secondary]
+        + (["boundary sync"] if boundary_sync else [])
+        + ([f"w x{weight_factor:g} g x{grad_factor:g}"] if (weight_factor, grad_factor) != (1.0, 1.0) else [])
+    )
+    return Variant(
+        f"hierarchical({', '.join(tags)})",
+        secondary=secondary,
+        hierarchical_gather=True,
+        hierarchical_reduce=grad_reduce == "hierarchical",
+        boundary_sync=boundary_sync,
+        weight_factor=weight_factor,
+        grad_factor=grad_factor,
+    )
 
 
 Layout = tuple[int, int, int]
@@ -166,11 +186,16 @@ def _link(layout: Layout) -> LinkClass:
     return INTER_NODE if n > 1 else (NODE if q > 1 else PACKAGE)
 
 
-def _gather_hops(shape: DPShape, level: Level, nbytes: int, hierarchical_hops: bool) -> list[tuple[Layout, int]]:
+def _gather_hops(
+    shape: DPShape, level: Level, nbytes: int, hierarchical_hops: bool
+) -> list[tuple[Layout, int]]:
     """(group layout, bytes sent) of gathering ``nbytes`` of full weights over ``level``'s group."""
     n, q, k = shape.nodes, shape.packages_per_node, shape.per_package
-    stages: list[Layout] = {Level.PACKAGE: [(1, 1, k)], Level.NODE: [(1, q, 1), (1, 1, k)],
-                            Level.GLOBAL: [(n, 1, 1), (1, q, 1), (1, 1, k)]}[level]
+    stages: list[Layout] = {
+        Level.PACKAGE: [(1, 1, k)],
+        Level.NODE: [(1, q, 1), (1, 1, k)],
+        Level.GLOBAL: [(n, 1, 1), (1, q, 1), (1, 1, k)],
+    }[level]
     members = math.prod(math.prod(s) for s in stages)
     if not hierarchical_hops:
         flat = {Level.PACKAGE: (1, 1, k), Level.NODE: (1, q, k), Level.GLOBAL: (n, q, k)}[level]
@@ -205,8 +230,10 @@ def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches:
         return int(nbytes * factor) if whole or _link(layout) == INTER_NODE else nbytes
 
     # qwZ quantizes a flat primary gather wherever it runs; our hops only where they cross nodes.
-    primary = [(lay, quantized(lay, b, variant.weight_factor, whole=not variant.hierarchical_gather))
-               for lay, b in _gather_hops(shape, Level.GLOBAL, w, variant.hierarchical_gather)]
+    primary = [
+        (lay, quantized(lay, b, variant.weight_factor, whole=not variant.hierarchical_gather))
+        for lay, b in _gather_hops(shape, Level.GLOBAL, w, variant.hierarchical_gather)
+    ]
     if variant.secondary == Level.GLOBAL:
         secondary = primary
     elif variant.secondary == "hpz":
@@ -220,17 +247,50 @@ def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches:
         hops.append(Hop("forward", "gather", _link(lay), math.prod(lay), b, model.gathers_per_pass, 1, lay))
     for lay, b in secondary:
         if micro_batches > 1:
-            hops.append(Hop("forward", "gather", _link(lay), math.prod(lay), b, model.gathers_per_pass,
-                            micro_batches - 1, lay))
-        hops.append(Hop("backward", "gather", _link(lay), math.prod(lay), b, model.gathers_per_pass, micro_batches, lay))
+            hops.append(
+                Hop(
+                    "forward",
+                    "gather",
+                    _link(lay),
+                    math.prod(lay),
+                    b,
+                    model.gathers_per_pass,
+                    micro_batches - 1,
+                    lay,
+                )
+            )
+        hops.append(
+            Hop(
+                "backward",
+                "gather",
+                _link(lay),
+                math.prod(lay),
+                b,
+                model.gathers_per_pass,
+                micro_batches,
+                lay,
+            )
+        )
     for lay, b in _reduce_hops(shape, g, variant.hierarchical_reduce):
         once = variant.boundary_sync and variant.hierarchical_reduce and lay[0] > 1
-        hops.append(Hop("backward", "reduce", _link(lay), math.prod(lay), quantized(lay, b, variant.grad_factor),
-                        model.reduce_launches, 1 if once else micro_batches, lay))
+        hops.append(
+            Hop(
+                "backward",
+                "reduce",
+                _link(lay),
+                math.prod(lay),
+                quantized(lay, b, variant.grad_factor),
+                model.reduce_launches,
+                1 if once else micro_batches,
+                lay,
+            )
+        )
     return [h for h in hops if h.members > 1]
 
 
-def bytes_per_link(hops: Sequence[Hop], phase: str | None = None, kind: str | None = None) -> dict[LinkClass, int]:
+def bytes_per_link(
+    hops: Sequence[Hop], phase: str | None = None, kind: str | None = None
+) -> dict[LinkClass, int]:
     """Computed bytes per link class in comm.py's accounting (comparable to CommCounter.per_link)."""
     out = dict.fromkeys(LINK_CLASSES, 0)
     for h in hops:

@@ -79,7 +79,7 @@ def reduce_scatter_coalesced(plan: HopPlan, tensors: Sequence[torch.Tensor]) -> 
     for t, c in zip(tensors, chunks):
         flat = t.reshape(-1)
         padded = torch.nn.functional.pad(flat, (0, c * p - flat.numel())) if c * p != flat.numel() else flat
-        blocks[:, offset:offset + c] = padded.view(p, c)
+        blocks[:, offset : offset + c] = padded.view(p, c)
         offset += c
     blocks.div_(p)
     mine = reduce_scatter(plan, blocks.view(-1))

@@ -27,8 +27,11 @@ from deepspeed_ext.topology import (
 )
 
 # The link each hop group's ring runs on.
-HOP_LINKS = {GroupKind.PACKAGE: LinkClass.PACKAGE, GroupKind.CROSS_PACKAGE: LinkClass.NODE,
-             GroupKind.CROSS_NODE: LinkClass.INTER_NODE}
+HOP_LINKS = {
+    GroupKind.PACKAGE: LinkClass.PACKAGE,
+    GroupKind.CROSS_PACKAGE: LinkClass.NODE,
+    GroupKind.CROSS_NODE: LinkClass.INTER_NODE,
+}
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,9 @@ def dp_shape(topology: Topology, dp_ranks: Sequence[int]) -> DPShape:
             f"level sizes do not divide the data-parallel size {len(ranks)}: {per_package} per package, "
             f"{per_node} per node; fix topology.ranks_per_node / ranks_per_package or the TP size"
         )
-    return DPShape(nodes=len(ranks) // per_node, packages_per_node=per_node // per_package, per_package=per_package)
+    return DPShape(
+        nodes=len(ranks) // per_node, packages_per_node=per_node // per_package, per_package=per_package
+    )
 
 
 @dataclass(frozen=True)
@@ -117,30 +122,45 @@ class ZeroLevels:
 
     @property
     def secondary_group(self) -> dist.ProcessGroup | None:
-        return None if self.secondary_level == Level.GLOBAL else self.groups.groups[GroupKind(self.secondary_level)]
+        return (
+            None
+            if self.secondary_level == Level.GLOBAL
+            else self.groups.groups[GroupKind(self.secondary_level)]
+        )
 
     def _plan(self, kinds: Sequence[GroupKind], parent: GroupKind) -> HopPlan:
         sizes = tuple(len(self.groups.members[k]) for k in kinds)
-        return HopPlan(parent=tuple(self.groups.members[parent]), sizes=sizes,
-                       groups=tuple(self.groups.groups[k] for k in kinds), links=tuple(HOP_LINKS[k] for k in kinds))
+        return HopPlan(
+            parent=tuple(self.groups.members[parent]),
+            sizes=sizes,
+            groups=tuple(self.groups.groups[k] for k in kinds),
+            links=tuple(HOP_LINKS[k] for k in kinds),
+        )
 
     def dp_plan(self) -> HopPlan:
         """Hops over the whole data-parallel group."""
-        return self._plan((GroupKind.PACKAGE, GroupKind.CROSS_PACKAGE, GroupKind.CROSS_NODE), GroupKind.GLOBAL)
+        return self._plan(
+            (GroupKind.PACKAGE, GroupKind.CROSS_PACKAGE, GroupKind.CROSS_NODE), GroupKind.GLOBAL
+        )
 
     def secondary_plan(self) -> HopPlan | None:
         """Hops of a secondary (backward) gather; None when there is no secondary copy."""
         if self.secondary_level == Level.GLOBAL:
             return None
-        kinds = [GroupKind.PACKAGE] + ([GroupKind.CROSS_PACKAGE] if self.secondary_level == Level.NODE else [])
+        kinds = [GroupKind.PACKAGE] + (
+            [GroupKind.CROSS_PACKAGE] if self.secondary_level == Level.NODE else []
+        )
         return self._plan(kinds, GroupKind(self.secondary_level))
 
 
-def build_levels(topology: Topology, dp_group: dist.ProcessGroup | None, secondary_level: Level,
-                 grad_reduce: str) -> ZeroLevels:
+def build_levels(
+    topology: Topology, dp_group: dist.ProcessGroup | None, secondary_level: Level, grad_reduce: str
+) -> ZeroLevels:
     """Create the level groups of every data-parallel group of the job. Collective over the whole job
     (each rank learns the others' DP groups, then all create the same groups in the same order)."""
-    mine = sorted(dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size()))
+    mine = sorted(
+        dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size())
+    )
     shape = dp_shape(topology, mine)
     everyone: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
@@ -151,5 +171,11 @@ def build_levels(topology: Topology, dp_group: dist.ProcessGroup | None, seconda
         if dist.get_rank() in parent:
             groups = made
     self_group, _ = dist.new_subgroups(group_size=1)
-    return ZeroLevels(topology=topology, shape=shape, groups=groups, secondary_level=Level(secondary_level),
-                      grad_reduce=grad_reduce, self_group=self_group)
+    return ZeroLevels(
+        topology=topology,
+        shape=shape,
+        groups=groups,
+        secondary_level=Level(secondary_level),
+        grad_reduce=grad_reduce,
+        self_group=self_group,
+    )

@@ -52,18 +52,24 @@ def candidate_sizes(shape: DPShape) -> dict[Level, int]:
     return sizes
 
 
-def choose_secondary_level(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec, links: Links,
-                           micro_batches: int = 1) -> SecondaryChoice:
+def choose_secondary_level(
+    config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec, links: Links, micro_batches: int = 1
+) -> SecondaryChoice:
     """Fastest level whose extra memory fits the budget (auto), or the configured level."""
     full = model.padded(shape.size) * model.weight_bytes
     extra = {level: full // size for level, size in candidate_sizes(shape).items()}
-    seconds = {level: comm_time(step_hops(model, shape, hierarchical(level), micro_batches), links)
-               for level in (*extra, Level.GLOBAL)}
+    seconds = {
+        level: comm_time(step_hops(model, shape, hierarchical(level), micro_batches), links)
+        for level in (*extra, Level.GLOBAL)
+    }
     budget = int(config.secondary_memory_budget_gb * 1e9)
     requested = config.secondary_level
     if requested != "auto":
         if requested not in extra:
-            level, reason = Level.GLOBAL, f"{requested} level spans the whole data-parallel group: no secondary copy"
+            level, reason = (
+                Level.GLOBAL,
+                f"{requested} level spans the whole data-parallel group: no secondary copy",
+            )
         else:
             level, reason = Level(requested), "configured"
             if extra[level] > budget:
@@ -74,8 +80,13 @@ def choose_secondary_level(config: HierarchicalZeroConfig, shape: DPShape, model
             level = min(fitting, key=lambda lvl: seconds[lvl])
             reason = "fastest level within the memory budget"
         else:
-            level, reason = Level.GLOBAL, "no level fits the memory budget: backward gathers use the primary partition"
-    return SecondaryChoice(level=level, extra_bytes=extra, step_seconds=seconds, budget_bytes=budget, reason=reason)
+            level, reason = (
+                Level.GLOBAL,
+                "no level fits the memory budget: backward gathers use the primary partition",
+            )
+    return SecondaryChoice(
+        level=level, extra_bytes=extra, step_seconds=seconds, budget_bytes=budget, reason=reason
+    )
 
 
 def _size(nbytes: int) -> str:
@@ -88,6 +99,8 @@ def describe(choice: SecondaryChoice, shape: DPShape) -> str:
         f"{lvl}: +{_size(choice.extra_bytes.get(lvl, 0))}, {choice.step_seconds[lvl] * 1e3:.2f} ms/step"
         for lvl in choice.step_seconds
     )
-    return (f"hierarchical ZeRO: DP group {shape.size} = {shape.nodes} node(s) x {shape.packages_per_node} "
-            f"package(s) x {shape.per_package}; secondary level {choice.level} ({choice.reason}; budget "
-            f"{_size(choice.budget_bytes)}); modelled: {figures}")
+    return (
+        f"hierarchical ZeRO: DP group {shape.size} = {shape.nodes} node(s) x {shape.packages_per_node} "
+        f"package(s) x {shape.per_package}; secondary level {choice.level} ({choice.reason}; budget "
+        f"{_size(choice.budget_bytes)}); modelled: {figures}"
+    )

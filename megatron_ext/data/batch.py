@@ -21,7 +21,10 @@ import torch
 # (key, dtype) in the order Megatron broadcasts them; the attention mask goes between loss_mask
 # and position_ids in that order and is built, never stored.
 STORED_KEYS: tuple[tuple[str, torch.dtype], ...] = (
-    ("tokens", torch.int64), ("labels", torch.int64), ("loss_mask", torch.float32), ("position_ids", torch.int64),
+    ("tokens", torch.int64),
+    ("labels", torch.int64),
+    ("loss_mask", torch.float32),
+    ("position_ids", torch.int64),
 )
 BROADCAST_ORDER = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 # get_batch_on_this_tp_rank's broadcasts per pipeline stage when PP > 1, in its order.
@@ -94,7 +97,9 @@ def sequence_length(dataset: Any) -> int:
     """Tokens per sample of a megatron-core ``GPTDataset`` (or anything with its ``config``)."""
     config = getattr(dataset, "config", None)
     if config is None or not hasattr(config, "sequence_length"):
-        raise TypeError(f"{type(dataset).__name__} has no config.sequence_length: pass a megatron-core GPTDataset")
+        raise TypeError(
+            f"{type(dataset).__name__} has no config.sequence_length: pass a megatron-core GPTDataset"
+        )
     return int(config.sequence_length)
 
 

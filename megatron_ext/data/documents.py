@@ -42,8 +42,9 @@ def document_ids(tokens: np.ndarray | torch.Tensor, eod: int) -> np.ndarray | to
     return (np.cumsum(is_eod, axis=-1) - is_eod).astype(np.int32)
 
 
-def attention_mask(micro_batch_size: int, seq_length: int, device: torch.device,
-                   documents: torch.Tensor | None = None) -> torch.Tensor:
+def attention_mask(
+    micro_batch_size: int, seq_length: int, device: torch.device, documents: torch.Tensor | None = None
+) -> torch.Tensor:
     """The [mbs, 1, s, s] bool mask GPTDataset builds (True = masked): causal, and across
     documents too when ``documents`` ([mbs, s] ids) is given. Built on ``device``: on a GPU it
     never crosses PCIe and the training thread does no per-element work."""
@@ -75,6 +76,7 @@ class RawTokens:
             # Now: __getitem__ then rewrites the padding in ``text`` in place (its tokens are a view).
             self._last = document_ids(text[:seq_length], self.eod)
             return text, documents
+
         return query_and_keep
 
     def documents(self, sample: dict[str, torch.Tensor]) -> np.ndarray:
@@ -82,6 +84,8 @@ class RawTokens:
         if not self._wrapped:
             return document_ids(sample["tokens"].numpy(), self.eod)
         if self._last is None:
-            raise RuntimeError("the dataset returned a sample without reading its tokens: cannot tell its documents")
+            raise RuntimeError(
+                "the dataset returned a sample without reading its tokens: cannot tell its documents"
+            )
         documents, self._last = self._last, None
         return documents

@@ -40,7 +40,15 @@ class ByteTokenizer:
 
 _SUBJECTS = ["the model", "a rank", "the node", "every worker", "the loader", "our cluster", "the optimizer"]
 _VERBS = ["reads", "writes", "gathers", "scatters", "reduces", "copies", "trains on", "waits for"]
-_OBJECTS = ["the batch", "its shard", "a slot", "the gradients", "the weights", "the next sample", "shared memory"]
+_OBJECTS = [
+    "the batch",
+    "its shard",
+    "a slot",
+    "the gradients",
+    "the weights",
+    "the next sample",
+    "shared memory",
+]
 
 
 def synthetic_documents(num_documents: int, seed: int = 1234) -> list[str]:
@@ -85,7 +93,9 @@ def check_indexed_dataset(prefix: str) -> None:
         raise DatasetFileError(f"{idx} has an unknown token dtype code {dtype_code}")
     expected_idx = 34 + n_seq * (4 + 8) + n_doc * 8
     if os.path.getsize(idx) != expected_idx:
-        raise DatasetFileError(f"{idx} is truncated or corrupt: {os.path.getsize(idx)} bytes, expected {expected_idx}")
+        raise DatasetFileError(
+            f"{idx} is truncated or corrupt: {os.path.getsize(idx)} bytes, expected {expected_idx}"
+        )
     lengths = np.fromfile(idx, dtype=np.int32, count=n_seq, offset=34)
     expected_bin = int(lengths.astype(np.int64).sum()) * _DTYPE_SIZES[dtype_code]
     # A larger .bin is valid: Megatron-DeepSpeed's tools/preprocess_data.py --append-eod writes each EOD
@@ -97,7 +107,11 @@ def check_indexed_dataset(prefix: str) -> None:
 
 
 def gpt_dataset_config(
-    prefix: str, seq_length: int, seed: int, cache_dir: str, create_attention_mask: bool = False,
+    prefix: str,
+    seq_length: int,
+    seed: int,
+    cache_dir: str,
+    create_attention_mask: bool = False,
     tokenizer: Any = None,
 ) -> GPTDatasetConfig:
     return GPTDatasetConfig(
@@ -115,14 +129,21 @@ def gpt_dataset_config(
 
 
 def build_train_dataset(
-    prefix: str, seq_length: int, num_samples: int, seed: int, cache_dir: str, is_built_on_rank: bool = True,
+    prefix: str,
+    seq_length: int,
+    num_samples: int,
+    seed: int,
+    cache_dir: str,
+    is_built_on_rank: bool = True,
     tokenizer: Any = None,
 ) -> GPTDataset:
     """The training split of a ``GPTDataset`` with at least ``num_samples`` samples. Index caches
     go to ``cache_dir``; build on one rank first when several share it."""
     check_indexed_dataset(prefix)
     config = gpt_dataset_config(prefix, seq_length, seed, cache_dir, tokenizer=tokenizer)
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, 0, 0], lambda: is_built_on_rank, config).build()
+    train, _, _ = BlendedMegatronDatasetBuilder(
+        GPTDataset, [num_samples, 0, 0], lambda: is_built_on_rank, config
+    ).build()
     return train
 
 

@@ -35,12 +35,25 @@ def indexed_prefixes(dataset: Any) -> list[str]:
 
 
 def build_batch_iterator(
-    dataset: Any, *, micro_batch_size: int, consumed_samples: int, config: ShmDataLoaderConfig,
-    topology: Topology | None, tp_group: dist.ProcessGroup | None, dp_rank: int, dp_size: int,
-    sampler: SamplerKind = "single", seed: int = 0, data_sharding: bool = True,
-    create_attention_mask: bool = False, job_id: str | None = None, name: str = "train",
-    device: torch.device | str | None = None, num_workers: int = 0,
-    first_pipeline_stage: bool = True, last_pipeline_stage: bool = True,
+    dataset: Any,
+    *,
+    micro_batch_size: int,
+    consumed_samples: int,
+    config: ShmDataLoaderConfig,
+    topology: Topology | None,
+    tp_group: dist.ProcessGroup | None,
+    dp_rank: int,
+    dp_size: int,
+    sampler: SamplerKind = "single",
+    seed: int = 0,
+    data_sharding: bool = True,
+    create_attention_mask: bool = False,
+    job_id: str | None = None,
+    name: str = "train",
+    device: torch.device | str | None = None,
+    num_workers: int = 0,
+    first_pipeline_stage: bool = True,
+    last_pipeline_stage: bool = True,
 ) -> BatchIterator:
     """This rank's micro-batches in Megatron's sampler order from ``consumed_samples`` on.
 
@@ -67,8 +80,15 @@ def build_batch_iterator(
     keys = StageKeys.of(first_pipeline_stage, last_pipeline_stage, create_attention_mask)
     settings = SamplerSettings(micro_batch_size, consumed_samples, dp_size, sampler, data_sharding, seed)
     if not config.enabled:
-        return StockBatchIterator(dataset, settings, tp_group=tp_group, dp_rank=dp_rank, keys=keys, device=device,
-                                  num_workers=num_workers)
+        return StockBatchIterator(
+            dataset,
+            settings,
+            tp_group=tp_group,
+            dp_rank=dp_rank,
+            keys=keys,
+            device=device,
+            num_workers=num_workers,
+        )
     check_platform()  # every rank, before the collective: none is left waiting in it
     rank, world = dist.get_rank(), dist.get_world_size()
     topology = topology or detect_topology(world_size=world)
@@ -78,7 +98,9 @@ def build_batch_iterator(
     # the name appears nowhere another user can read before that rank creates it. Each rank also
     # says whether its stage reads batches, and who it is, so that peers can tell its death.
     pid = os.getpid()
-    dist.all_gather_object(gathered, (dp_rank, new_token(), bool(keys.returned), pid, process_start_time(pid)))
+    dist.all_gather_object(
+        gathered, (dp_rank, new_token(), bool(keys.returned), pid, process_start_time(pid))
+    )
     if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
         return StockBatchIterator(dataset, settings, tp_group=None, dp_rank=dp_rank, keys=keys, device=device)
     node = topology.node(rank)
@@ -86,7 +108,18 @@ def build_batch_iterator(
     first = gathered[local[0]]
     path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node, token=first[1])
     if not os.path.isdir(config.shm_dir):
-        raise FileNotFoundError(f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs")
-    return ShmBatchIterator(dataset, settings, config=config, path=path, local_index=local.index(rank),
-                            node_dp_ranks=[gathered[r][0] for r in local], rank=rank, keys=keys, device=device,
-                            creator=(first[3], first[4]))
+        raise FileNotFoundError(
+            f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs"
+        )
+    return ShmBatchIterator(
+        dataset,
+        settings,
+        config=config,
+        path=path,
+        local_index=local.index(rank),
+        node_dp_ranks=[gathered[r][0] for r in local],
+        rank=rank,
+        keys=keys,
+        device=device,
+        creator=(first[3], first[4]),
+    )

@@ -39,8 +39,9 @@ KILL_WAIT_S = 5.0  # SIGKILL takes effect at once unless the process sits in an 
 class ProducerProcess:
     """The forked producer, seen from the rank that started it."""
 
-    def __init__(self, ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: SamplerSettings,
-                 label: str) -> None:
+    def __init__(
+        self, ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: SamplerSettings, label: str
+    ) -> None:
         """Fork and run; ``dp_ranks[k]`` is the DP rank whose samples go to stream k."""
         self.exitcode: int | None = None
         self.pid = os.fork()
@@ -80,9 +81,12 @@ class ProducerProcess:
             while self.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.01)
             if self.exitcode is None:
-                warnings.warn(f"the shared-memory producer (pid {self.pid}) did not exit within {kill_wait_s:.0f} s "
-                              "of SIGKILL (stuck in an uninterruptible read?): leaving it", RuntimeWarning,
-                              stacklevel=2)
+                warnings.warn(
+                    f"the shared-memory producer (pid {self.pid}) did not exit within {kill_wait_s:.0f} s "
+                    "of SIGKILL (stuck in an uninterruptible read?): leaving it",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         return self.exitcode
 
 
@@ -96,7 +100,9 @@ def _skip_dataset_masks(dataset: Any) -> None:
             config.create_attention_mask = False
 
 
-def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: SamplerSettings, label: str) -> None:
+def _produce(
+    ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: SamplerSettings, label: str
+) -> None:
     lay = ring.layout
     shared = EpochPermutations()  # every DP rank shuffles alike: one permutation per epoch for the node
     streams = [settings.batches(len(dataset), r, shared) for r in dp_ranks]
@@ -111,8 +117,10 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: Sample
             raise _Stop
         for c, (pid, start) in enumerate(consumers):
             if not ring.has_left(c) and not is_alive(pid, start):
-                raise RingError(f"{label}: local rank {c} of the node (pid {pid}) died without closing the loader; "
-                                "its error is in that rank's log")
+                raise RingError(
+                    f"{label}: local rank {c} of the node (pid {pid}) died without closing the loader; "
+                    "its error is in that rank's log"
+                )
 
     # The index streams run READ_AHEAD_STEPS ahead of the step being filled; each step's samples are
     # handed to the kernel as soon as they are drawn, so their reads overlap the steps before them.
@@ -129,7 +137,11 @@ def _produce(ring: Ring, dataset: Any, dp_ranks: Sequence[int], settings: Sample
             slot = step % lay.slots
             done = step - lay.slots + 1  # every rank must have released this many steps
             wait_until(
-                lambda done=done: ring.released_by_all(done), check, None, f"{label} waited for the node's ranks to release slot {slot}", max_sleep_s=5e-3,
+                lambda done=done: ring.released_by_all(done),
+                check,
+                None,
+                f"{label} waited for the node's ranks to release slot {slot}",
+                max_sleep_s=5e-3,
             )
             if all(ring.has_left(c) for c in range(lay.consumers)):
                 return

@@ -45,7 +45,9 @@ def sample_ranges(dataset: Any, idx: int) -> list[tuple[str, int, int]]:
         doc = int(dataset.document_index[j])
         start = int(first_offset) if j == first else 0
         stop = int(last_offset) + extra if j == last else int(index.sequence_lengths[doc])
-        ranges.append((prefix + ".bin", int(index.sequence_pointers[doc]) + start * itemsize, (stop - start) * itemsize))
+        ranges.append(
+            (prefix + ".bin", int(index.sequence_pointers[doc]) + start * itemsize, (stop - start) * itemsize)
+        )
     return ranges
 
 

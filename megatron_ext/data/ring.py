@@ -61,10 +61,16 @@ class State(enum.IntEnum):
     CLOSING = 3
     """The first rank closed the loader; the producer leaves."""
 
+
 # (key, numpy dtype): int64 arrays first so every array stays aligned. "documents" holds the
 # document ids masks are built from (documents.py), written only with reset_attention_mask.
-STREAM_ARRAYS = (("tokens", np.int64), ("labels", np.int64), ("position_ids", np.int64), ("loss_mask", np.float32),
-                 ("documents", np.int32))
+STREAM_ARRAYS = (
+    ("tokens", np.int64),
+    ("labels", np.int64),
+    ("position_ids", np.int64),
+    ("loss_mask", np.float32),
+    ("documents", np.int32),
+)
 
 
 class RingError(RuntimeError):
@@ -118,8 +124,13 @@ class RingLayout:
     def header(self, owner_pid: int, owner_start: int) -> bytes:
         """Everything before the slots' data, as the creator writes it."""
         buf = bytearray(self.data_offset)
-        words = {_MAGIC: MAGIC, _OWNER_PID: owner_pid, _OWNER_START: owner_start, _VERSION: VERSION,
-                 **dict(zip(_GEOMETRY, dataclasses.astuple(self)))}
+        words = {
+            _MAGIC: MAGIC,
+            _OWNER_PID: owner_pid,
+            _OWNER_START: owner_start,
+            _VERSION: VERSION,
+            **dict(zip(_GEOMETRY, dataclasses.astuple(self))),
+        }
         for word, value in words.items():
             _WORD.pack_into(buf, 8 * word, value)
         for slot in range(self.slots):
@@ -168,11 +179,15 @@ class Ring:
 
     def fail(self, message: str) -> None:
         data = message.encode("utf-8", errors="replace")[: _ERROR_BYTES - 1]
-        self.mm[_ERROR_OFFSET: _ERROR_OFFSET + _ERROR_BYTES] = data.ljust(_ERROR_BYTES, b"\0")
+        self.mm[_ERROR_OFFSET : _ERROR_OFFSET + _ERROR_BYTES] = data.ljust(_ERROR_BYTES, b"\0")
         self._set(_STATE, State.FAILED)  # after the message: a reader that sees FAILED finds the text
 
     def error(self) -> str:
-        return bytes(self.mm[_ERROR_OFFSET: _ERROR_OFFSET + _ERROR_BYTES]).rstrip(b"\0").decode("utf-8", "replace")
+        return (
+            bytes(self.mm[_ERROR_OFFSET : _ERROR_OFFSET + _ERROR_BYTES])
+            .rstrip(b"\0")
+            .decode("utf-8", "replace")
+        )
 
     def owner(self) -> tuple[int, int]:
         """Pid and start time of the rank that created the segment."""
@@ -217,8 +232,10 @@ class Ring:
 
     def released_by_all(self, steps: int) -> bool:
         """Every consumer has released ``steps`` steps or left."""
-        return all(self.has_left(c) or self._get(self._consumer(c, _RELEASED)) >= steps
-                   for c in range(self.layout.consumers))
+        return all(
+            self.has_left(c) or self._get(self._consumer(c, _RELEASED)) >= steps
+            for c in range(self.layout.consumers)
+        )
 
     # -- slots ----------------------------------------------------------------------------------
     def publish(self, slot: int, step: int, end: bool = False) -> None:
@@ -241,13 +258,20 @@ class Ring:
         shape = (lay.micro_batch_size, lay.seq_length)
         views = {}
         for key, dtype in STREAM_ARRAYS:
-            views[key] = np.frombuffer(self.mm, dtype=dtype, count=shape[0] * shape[1], offset=offset).reshape(shape)
+            views[key] = np.frombuffer(
+                self.mm, dtype=dtype, count=shape[0] * shape[1], offset=offset
+            ).reshape(shape)
             offset += views[key].nbytes
         return views
 
 
-def wait_until(ready: Callable[[], bool], check: Callable[[], None], timeout_s: float | None, what: str,
-               max_sleep_s: float) -> float:
+def wait_until(
+    ready: Callable[[], bool],
+    check: Callable[[], None],
+    timeout_s: float | None,
+    what: str,
+    max_sleep_s: float,
+) -> float:
     """Poll ``ready`` until true; ``check`` (which raises on a dead or failed peer) runs every
     ~50 ms. Returns the seconds waited; raises :class:`RingError` after ``timeout_s``. None: no
     clock limit, for a wait that ``check`` bounds by the life of the processes it waits for."""

@@ -43,7 +43,11 @@ def _check(total_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int
 
 
 def single_pass_batches(
-    total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
+    total_samples: int,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
     drop_last: bool = True,
 ) -> Iterator[list[int]]:
     """Micro-batches of sample indices of DP rank ``dp_rank`` in ``MegatronPretrainingSampler`` order."""
@@ -61,7 +65,9 @@ def single_pass_batches(
         start += chunk
     # Megatron slices the incomplete chunk the same way, so a rank past its end gets an empty batch.
     if not drop_last and start < total_samples:
-        yield list(range(min(start + first, total_samples), min(start + first + micro_batch_size, total_samples)))
+        yield list(
+            range(min(start + first, total_samples), min(start + first + micro_batch_size, total_samples))
+        )
 
 
 class EpochPermutations:
@@ -92,8 +98,14 @@ class EpochPermutations:
 
 
 def random_batches(
-    total_samples: int, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int,
-    data_sharding: bool = True, seed: int = 0, permutations: EpochPermutations | None = None,
+    total_samples: int,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    data_sharding: bool = True,
+    seed: int = 0,
+    permutations: EpochPermutations | None = None,
 ) -> Iterator[list[int]]:
     """Micro-batches of DP rank ``dp_rank`` in ``MegatronPretrainingRandomSampler`` order, epoch after epoch.
     ``permutations``: a cache shared with the other streams of the process (None: a private one)."""
@@ -114,14 +126,14 @@ def random_batches(
             )
         if data_sharding:
             bucket = (total_samples // chunk) * micro_batch_size
-            mine, base = permutations.get(seed + epoch, bucket)[in_epoch // dp_size:], dp_rank * bucket
+            mine, base = permutations.get(seed + epoch, bucket)[in_epoch // dp_size :], dp_rank * bucket
         else:
             whole = (total_samples // micro_batch_size) * micro_batch_size
             mine, base = permutations.get(seed + epoch, whole)[in_epoch:][dp_rank::dp_size], 0
         for i in range(0, len(mine) - micro_batch_size + 1, micro_batch_size):
             # Megatron advances its sample counter by a whole step per micro-batch, on every rank.
             consumed += chunk
-            yield [base + j for j in mine[i:i + micro_batch_size].tolist()]
+            yield [base + j for j in mine[i : i + micro_batch_size].tolist()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,18 +155,30 @@ class SamplerSettings:
 
     def __post_init__(self) -> None:
         if self.kind not in ("single", "random"):
-            raise ValueError(f"sampler={self.kind!r}: expected 'single' (Megatron's default) or 'random' "
-                             "(its cyclic loader)")
+            raise ValueError(
+                f"sampler={self.kind!r}: expected 'single' (Megatron's default) or 'random' "
+                "(its cyclic loader)"
+            )
 
-    def batches(self, total_samples: int, dp_rank: int,
-                permutations: EpochPermutations | None = None) -> Iterator[list[int]]:
+    def batches(
+        self, total_samples: int, dp_rank: int, permutations: EpochPermutations | None = None
+    ) -> Iterator[list[int]]:
         """The index stream of DP rank ``dp_rank`` over a dataset of ``total_samples``.
         ``permutations``: shared by the streams of one process, so a node shuffles once per epoch."""
         if self.kind == "single":
-            return single_pass_batches(total_samples, self.consumed_samples, self.micro_batch_size, dp_rank,
-                                       self.dp_size)
-        return random_batches(total_samples, self.consumed_samples, self.micro_batch_size, dp_rank, self.dp_size,
-                              data_sharding=self.data_sharding, seed=self.seed, permutations=permutations)
+            return single_pass_batches(
+                total_samples, self.consumed_samples, self.micro_batch_size, dp_rank, self.dp_size
+            )
+        return random_batches(
+            total_samples,
+            self.consumed_samples,
+            self.micro_batch_size,
+            dp_rank,
+            self.dp_size,
+            data_sharding=self.data_sharding,
+            seed=self.seed,
+            permutations=permutations,
+        )
 
 
 class BatchSampler:

@@ -90,9 +90,18 @@ class ShmBatchIterator:
     time of the node's first consumer, which creates the ring (None: judged by the ring's header only)."""
 
     def __init__(
-        self, dataset: Any, settings: SamplerSettings, *, config: ShmDataLoaderConfig, path: str,
-        local_index: int, node_dp_ranks: Sequence[int], rank: int, keys: StageKeys,
-        device: torch.device | str | None = None, creator: tuple[int, int] | None = None,
+        self,
+        dataset: Any,
+        settings: SamplerSettings,
+        *,
+        config: ShmDataLoaderConfig,
+        path: str,
+        local_index: int,
+        node_dp_ranks: Sequence[int],
+        rank: int,
+        keys: StageKeys,
+        device: torch.device | str | None = None,
+        creator: tuple[int, int] | None = None,
     ) -> None:
         check_platform()  # before anything is created: the ring's ordering holds on x86-64 only
         self.counters = LoaderCounters()
@@ -110,8 +119,13 @@ class ShmBatchIterator:
         self._device = torch.device("cpu" if device is None else device)
         streams = sorted(set(node_dp_ranks))
         self._stream = streams.index(node_dp_ranks[local_index])
-        self._layout = RingLayout(config.slots, len(streams), settings.micro_batch_size, sequence_length(dataset),
-                                  len(node_dp_ranks))
+        self._layout = RingLayout(
+            config.slots,
+            len(streams),
+            settings.micro_batch_size,
+            sequence_length(dataset),
+            len(node_dp_ranks),
+        )
         self._step = 0
         self._ended = False
         self.producer: ProducerProcess | None = None
@@ -121,8 +135,10 @@ class ShmBatchIterator:
         else:
             self._attach()
         copied = set(self._keys.returned) | ({"documents"} if self._documents else set())
-        self._views = [{k: v for k, v in self._ring.arrays(slot, self._stream).items() if k in copied}
-                       for slot in range(config.slots)]
+        self._views = [
+            {k: v for k, v in self._ring.arrays(slot, self._stream).items() if k in copied}
+            for slot in range(config.slots)
+        ]
 
     # -- set-up ---------------------------------------------------------------------------------
     def _register(self) -> None:
@@ -142,11 +158,17 @@ class ShmBatchIterator:
                     if pid and not is_alive(pid, start):
                         raise RingError(f"local rank {c} (pid {pid}) attached to {self.path} and died")
 
-            wait_until(lambda: all(ring.consumer(c)[0] for c in range(lay.consumers)), check, self._timeout,
-                       f"rank {self._rank} waited for the {lay.consumers} ranks of its node to attach to {self.path}",
-                       max_sleep_s=10e-3)
+            wait_until(
+                lambda: all(ring.consumer(c)[0] for c in range(lay.consumers)),
+                check,
+                self._timeout,
+                f"rank {self._rank} waited for the {lay.consumers} ranks of its node to attach to {self.path}",
+                max_sleep_s=10e-3,
+            )
             remove_segment(self.path)
-            label = f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
+            label = (
+                f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
+            )
             self.producer = ProducerProcess(ring, dataset, streams, settings, label)
             self._handle.producer = self.producer
             ring.start_producer(self.producer.pid, process_start_time(self.producer.pid) or -1)
@@ -182,21 +204,32 @@ class ShmBatchIterator:
             if self._creator is not None and not is_alive(*self._creator):
                 self._creator_died(self._creator[0])
 
-        wait_until(try_open, creator_alive, self._timeout,
-                   f"rank {self._rank} waited for {self.path}, which the first rank of its node creates: did that "
-                   "rank fail, or use another job id or shm_dir?", max_sleep_s=20e-3)
+        wait_until(
+            try_open,
+            creator_alive,
+            self._timeout,
+            f"rank {self._rank} waited for {self.path}, which the first rank of its node creates: did that "
+            "rank fail, or use another job id or shm_dir?",
+            max_sleep_s=20e-3,
+        )
         theirs = dataclasses.astuple(self._ring.layout)
         if theirs != dataclasses.astuple(self._layout):
             self.close()
-            raise ValueError(f"rank {self._rank} expects ring geometry {self._layout} but {self.path} has "
-                             f"(slots, streams, mbs, seq_length, ranks) = {theirs}: every rank must pass the same settings")
+            raise ValueError(
+                f"rank {self._rank} expects ring geometry {self._layout} but {self.path} has "
+                f"(slots, streams, mbs, seq_length, ranks) = {theirs}: every rank must pass the same settings"
+            )
 
     def _creator_died(self, pid: int) -> None:
         """The node's first rank died before its producer took over: nobody else would remove its
         segment while the job lives, so this rank does (the checks refuse anything not this user's)."""
-        remove_segment(self.path)  # the map stays open: a poll may still read it; close() or the finalizer ends it
-        raise RingError(f"rank {self._rank}: the first rank of its node (pid {pid}), which creates {self.path}, "
-                        "died while the node's ranks attached (its own log has the cause); its segment is removed")
+        remove_segment(
+            self.path
+        )  # the map stays open: a poll may still read it; close() or the finalizer ends it
+        raise RingError(
+            f"rank {self._rank}: the first rank of its node (pid {pid}), which creates {self.path}, "
+            "died while the node's ranks attached (its own log has the cause); its segment is removed"
+        )
 
     # -- iteration ------------------------------------------------------------------------------
     def _check_producer(self) -> None:
@@ -205,16 +238,20 @@ class ShmBatchIterator:
         if state == State.FAILED:
             raise RingError(ring.error())
         if state == State.CLOSING:
-            raise RingError(f"the first rank of this node closed the loader of {self.path} while rank {self._rank} "
-                            "still reads from it")
+            raise RingError(
+                f"the first rank of this node closed the loader of {self.path} while rank {self._rank} "
+                "still reads from it"
+            )
         pid, start = ring.producer()
         if not pid:  # not started yet: its parent must be alive
             pid, start = ring.owner()
             if not is_alive(pid, start):
                 self._creator_died(pid)
         if not is_alive(pid, start):
-            raise RingError(f"the shared-memory producer of {self.path} (pid {pid}) died without a message: "
-                            "killed (out of memory? check dmesg) or its parent rank exited")
+            raise RingError(
+                f"the shared-memory producer of {self.path} (pid {pid}) died without a message: "
+                "killed (out of memory? check dmesg) or its parent rank exited"
+            )
 
     def __iter__(self) -> ShmBatchIterator:
         return self
@@ -224,9 +261,13 @@ class ShmBatchIterator:
             raise StopIteration
         ring, step = self._ring, self._step
         slot = step % self._layout.slots
-        waited = wait_until(lambda: ring.holds(slot, step), self._check_producer, self._timeout,
-                            f"rank {self._rank} waited for step {step} (slot {slot}) of {self.path}",
-                            max_sleep_s=1e-3)
+        waited = wait_until(
+            lambda: ring.holds(slot, step),
+            self._check_producer,
+            self._timeout,
+            f"rank {self._rank} waited for step {step} (slot {slot}) of {self.path}",
+            max_sleep_s=1e-3,
+        )
         start = time.perf_counter()
         if ring.is_end(slot):
             self._ended = True
@@ -236,8 +277,9 @@ class ShmBatchIterator:
         self._step += 1
         if self._mask:
             documents = batch.pop("documents", None)
-            batch["attention_mask"] = attention_mask(self._layout.micro_batch_size, self._layout.seq_length,
-                                                     self._device, documents)  # on the device
+            batch["attention_mask"] = attention_mask(
+                self._layout.micro_batch_size, self._layout.seq_length, self._device, documents
+            )  # on the device
         self.counters.batches += 1
         self.counters.wait_s += waited + time.perf_counter() - start
         if self._local == 0:

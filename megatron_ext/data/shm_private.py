@@ -34,9 +34,15 @@ def current_user() -> str:
     return user_name(os.geteuid())
 
 
-_KINDS = ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symlink"),
-          (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISREG, "a regular file"),
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISLNK, "a symlink"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def _kind(mode: int) -> str:
@@ -49,8 +55,10 @@ def problem_with(st: os.stat_result, directory: bool) -> str | None:
     if _kind(st.st_mode) != want_kind:
         return f"it is {_kind(st.st_mode)}, not {want_kind}"
     if st.st_uid != os.geteuid():
-        return (f"it is owned by uid {st.st_uid} ({user_name(st.st_uid)}), not by uid {os.geteuid()} "
-                f"({current_user()}) that runs this job")
+        return (
+            f"it is owned by uid {st.st_uid} ({user_name(st.st_uid)}), not by uid {os.geteuid()} "
+            f"({current_user()}) that runs this job"
+        )
     if stat.S_IMODE(st.st_mode) != want_mode:
         return f"its mode is {stat.S_IMODE(st.st_mode):04o}, not {want_mode:04o}"
     if not directory and st.st_nlink != 1:
@@ -78,7 +86,9 @@ def open_checked(path: str, flags: int, directory: bool, dir_fd: int | None = No
             raise
         try:  # say what it is instead of the bare errno
             kind = _kind(os.lstat(path, dir_fd=dir_fd).st_mode)
-            raise refusal(shown, f"it is {kind}, not {'a directory' if directory else 'a regular file'}") from None
+            raise refusal(
+                shown, f"it is {kind}, not {'a directory' if directory else 'a regular file'}"
+            ) from None
         except FileNotFoundError:
             return None
     problem = problem_with(os.fstat(fd), directory)
@@ -93,7 +103,9 @@ def check_shm_dir(shm_dir: str) -> None:
     they could rename our directory away and slip theirs in."""
     st = os.stat(shm_dir)
     if not stat.S_ISDIR(st.st_mode):
-        raise FileNotFoundError(f"shm_data_loader.shm_dir={shm_dir!r} is not a directory: point it at a tmpfs")
+        raise FileNotFoundError(
+            f"shm_data_loader.shm_dir={shm_dir!r} is not a directory: point it at a tmpfs"
+        )
     shared = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     if st.st_uid not in (0, os.geteuid()) or (shared and not st.st_mode & stat.S_ISVTX):
         raise ShmSecurityError(

@@ -88,7 +88,9 @@ def process_start_time(pid: int) -> int | None:
             stat_line = f.read()
     except OSError:
         return None
-    fields = stat_line[stat_line.rindex(b")") + 2:].split()  # the command name may hold spaces and parentheses
+    fields = stat_line[
+        stat_line.rindex(b")") + 2 :
+    ].split()  # the command name may hold spaces and parentheses
     if fields[0] in (b"Z", b"X"):
         return None
     return int(fields[19])
@@ -166,7 +168,9 @@ def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
-        raise refusal(path, "it existed before this job's first rank created it (its name is random)") from None
+        raise refusal(
+            path, "it existed before this job's first rank created it (its name is random)"
+        ) from None
     try:
         dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
         try:

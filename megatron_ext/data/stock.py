@@ -33,8 +33,15 @@ class StockBatchIterator:
     """Micro-batches of this rank, read on TP rank 0 and broadcast over ``tp_group``."""
 
     def __init__(
-        self, dataset: Any, settings: SamplerSettings, *, tp_group: dist.ProcessGroup | None, dp_rank: int,
-        keys: StageKeys, device: torch.device | str | None = None, num_workers: int = 0,
+        self,
+        dataset: Any,
+        settings: SamplerSettings,
+        *,
+        tp_group: dist.ProcessGroup | None,
+        dp_rank: int,
+        keys: StageKeys,
+        device: torch.device | str | None = None,
+        num_workers: int = 0,
     ) -> None:
         self.counters = LoaderCounters()
         self._keys = keys
@@ -49,9 +56,17 @@ class StockBatchIterator:
         batches = BatchSampler(settings, len(dataset), dp_rank)
         self._steps = iter(batches)
         self._loader = (
-            iter(DataLoader(dataset, batch_sampler=batches, num_workers=num_workers,
-                            persistent_workers=num_workers > 0, pin_memory=self._device.type == "cuda"))
-            if self._is_src and self._keys.returned else None  # a middle stage reads nothing
+            iter(
+                DataLoader(
+                    dataset,
+                    batch_sampler=batches,
+                    num_workers=num_workers,
+                    persistent_workers=num_workers > 0,
+                    pin_memory=self._device.type == "cuda",
+                )
+            )
+            if self._is_src and self._keys.returned
+            else None  # a middle stage reads nothing
         )
 
     def __iter__(self) -> StockBatchIterator:
@@ -69,13 +84,17 @@ class StockBatchIterator:
                 if "attention_mask" not in data:  # Megatron's get_batch would fail with a KeyError
                     raise ValueError(
                         "an attention mask was asked for but the dataset built none: set create_attention_mask=True "
-                        "in its GPTDatasetConfig (Megatron builds it from --create-attention-mask-in-dataloader)")
+                        "in its GPTDatasetConfig (Megatron builds it from --create-attention-mask-in-dataloader)"
+                    )
                 batch["attention_mask"] = data["attention_mask"].to(self._device, non_blocking=True)
             self.counters.samples_read += self._shape[0]
             self.counters.bytes_read += self._shape[0] * self._sample_bytes
         else:
-            batch = {key: torch.empty(self._shape, dtype=dtype, device=self._device)
-                     for key, dtype in STORED_KEYS if key in self._keys.returned}
+            batch = {
+                key: torch.empty(self._shape, dtype=dtype, device=self._device)
+                for key, dtype in STORED_KEYS
+                if key in self._keys.returned
+            }
             if self._mask:
                 mbs, s = self._shape
                 batch["attention_mask"] = torch.empty((mbs, 1, s, s), dtype=torch.bool, device=self._device)

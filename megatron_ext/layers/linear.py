@@ -56,7 +56,9 @@ class _AllGatherLinear(torch.autograd.Function):
     wgrad [o/n, s*b] x [s*b, h]."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool
+    ) -> torch.Tensor:
         n, precision = og.size, GemmPrecision.of(x)
         xc, wc = precision.cast(x), precision.cast(weight)
         out = xc.new_empty((x.shape[0] * n, *x.shape[1:-1], weight.shape[0]))
@@ -68,7 +70,9 @@ class _AllGatherLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         og, precision = ctx.og, ctx.precision
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -76,7 +80,11 @@ class _AllGatherLinear(torch.autograd.Function):
         with precision.exact():
             gathered = None
             if want_w:  # at TP=1 the saved input is the whole sequence already
-                gathered = start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:]))) if og.size > 1 else lambda: x
+                gathered = (
+                    start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:])))
+                    if og.size > 1
+                    else lambda: x
+                )
             scattered = start_reduce_scatter(torch.matmul(g, precision.cast(weight)), og) if want_x else None
             grad_w = weight_gradient(g, gathered(), weight, ctx.fuse_wgrad) if want_w else None
             grad_x = scattered() if want_x else None
@@ -90,7 +98,9 @@ class _LinearReduceScatter(torch.autograd.Function):
     n x [s/n*b, i/n] x [i/n, o]; bwd dgrad n x [s/n*b, o] x [o, i/n], wgrad [o, s*b] x [s*b, i/n]."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool
+    ) -> torch.Tensor:
         n, precision = og.size, GemmPrecision.of(x)
         xc, wc = precision.cast(x), precision.cast(weight)
         with precision.exact():
@@ -100,7 +110,9 @@ class _LinearReduceScatter(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         og, precision = ctx.og, ctx.precision
         n = og.size
@@ -146,8 +158,14 @@ class _FlashOverlapMixin:
     overlap_backend: ClassVar[Requested] = "auto"
     """Backend requested when the constructor gets none: auto, p2p or symm_mem."""
 
-    def _setup_overlap(self, mode: Mode | None, timeout_s: float | None, backend: Requested | None,
-                       name: str | None, sequence_parallel: bool) -> None:
+    def _setup_overlap(
+        self,
+        mode: Mode | None,
+        timeout_s: float | None,
+        backend: Requested | None,
+        name: str | None,
+        sequence_parallel: bool,
+    ) -> None:
         kind = type(self).__name__
         cfg = self.config
         tp = 1 if self.tp_group is None else self.tp_group.size()
@@ -158,7 +176,9 @@ class _FlashOverlapMixin:
         }
         for option, present in unsupported.items():
             if present:
-                raise ValueError(f"{kind} does not support {option}: disable it, or use megatron-core's {kind.removeprefix('FlashOverlap')}")
+                raise ValueError(
+                    f"{kind} does not support {option}: disable it, or use megatron-core's {kind.removeprefix('FlashOverlap')}"
+                )
         if tp > 1 and not sequence_parallel:
             raise ValueError(
                 f"{kind} overlaps the sequence-parallel all-gather/reduce-scatter and needs "
@@ -172,10 +192,14 @@ class _FlashOverlapMixin:
             name=name or kind,
         )
         # All ranks of the TP group construct their layers together, so the backend is agreed here.
-        chosen = symm_mem.resolve_backend(backend or self.overlap_backend, self.overlap.group, self._run_device())
+        chosen = symm_mem.resolve_backend(
+            backend or self.overlap_backend, self.overlap.group, self._run_device()
+        )
         self.fused = None
         if chosen == "symm_mem":
-            self.fused = FusedGroup(self.tp_group.group_name, tp, symm_mem.torch_fused_ops(), self.overlap.name)
+            self.fused = FusedGroup(
+                self.tp_group.group_name, tp, symm_mem.torch_fused_ops(), self.overlap.name
+            )
 
     def _run_device(self) -> torch.device:
         """Where the GEMMs will run: the weight's accelerator, or the current CUDA device for weights
@@ -183,19 +207,27 @@ class _FlashOverlapMixin:
         weight = getattr(self, "weight", None)
         if weight is not None and weight.device.type != "cpu":
             return weight.device
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
 
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor, features: int) -> None:
         name = self.overlap.name
         if x.dim() < 2 or x.shape[-1] != features:
-            raise ValueError(f"layer {name!r}: input of shape {tuple(x.shape)} must be [s, b, {features}] (sequence first)")
+            raise ValueError(
+                f"layer {name!r}: input of shape {tuple(x.shape)} must be [s, b, {features}] (sequence first)"
+            )
         if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
             raise TypeError(
                 f"layer {name!r}: input dtype {x.dtype} differs from the weight dtype {weight.dtype}: cast the "
                 "input, run under torch.autocast, or build the model with config.params_dtype matching the activations"
             )
         if x.device != weight.device:
-            raise ValueError(f"layer {name!r}: input is on {x.device} but the weight on {weight.device}: move one of them")
+            raise ValueError(
+                f"layer {name!r}: input is on {x.device} but the weight on {weight.device}: move one of them"
+            )
         if self.config.gradient_accumulation_fusion and weight.requires_grad and torch.is_grad_enabled():
             require_main_grad(weight, name)
 
@@ -206,8 +238,16 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
     "ring"), ``timeout_s`` and ``backend`` ("auto", "p2p" or "symm_mem"); ``tp_comm_buffer_name``
     names the layer in error messages."""
 
-    def __init__(self, input_size: int, output_size: int, *, p2p_mode: Mode | None = None,
-                 timeout_s: float | None = None, backend: Requested | None = None, **megatron_kwargs: Any) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        p2p_mode: Mode | None = None,
+        timeout_s: float | None = None,
+        backend: Requested | None = None,
+        **megatron_kwargs: Any,
+    ) -> None:
         config = megatron_kwargs["config"]
         if config.gradient_accumulation_fusion:
             # megatron-core's constructor refuses this option without Apex's fused wgrad kernel;
@@ -217,11 +257,16 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
             megatron_kwargs = {**megatron_kwargs, "config": without}
         super().__init__(input_size, output_size, **megatron_kwargs)
         self.config, self.gradient_accumulation_fusion = config, config.gradient_accumulation_fusion
-        self._setup_overlap(p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"),
-                            self.sequence_parallel)
+        self._setup_overlap(
+            p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"), self.sequence_parallel
+        )
 
-    def forward(self, input_: torch.Tensor, weight: torch.Tensor | None = None,
-                runtime_gather_output: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if weight is None:
             if self.weight is None:
                 raise RuntimeError(
@@ -251,11 +296,20 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
     """megatron-core's RowParallelLinear (same arguments, same ``(output, bias)`` return) whose
     sequence reduce-scatter is fused with the GEMM. Extra keyword arguments as for the column layer."""
 
-    def __init__(self, input_size: int, output_size: int, *, p2p_mode: Mode | None = None,
-                 timeout_s: float | None = None, backend: Requested | None = None, **megatron_kwargs: Any) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        p2p_mode: Mode | None = None,
+        timeout_s: float | None = None,
+        backend: Requested | None = None,
+        **megatron_kwargs: Any,
+    ) -> None:
         super().__init__(input_size, output_size, **megatron_kwargs)
-        self._setup_overlap(p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"),
-                            self.sequence_parallel)
+        self._setup_overlap(
+            p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"), self.sequence_parallel
+        )
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check_input(input_, self.weight, self.input_size_per_partition)

@@ -15,13 +15,17 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 class SequenceParallelNorm:
     """Builds ``torch.nn.LayerNorm`` or ``torch.nn.RMSNorm`` per ``config.normalization``."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: object) -> torch.nn.Module:
+    def __new__(
+        cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: object
+    ) -> torch.nn.Module:
         if config.normalization == "LayerNorm":
             norm: torch.nn.Module = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         elif config.normalization == "RMSNorm":
             norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
         else:
-            raise ValueError(f"normalization={config.normalization!r} is not supported: use LayerNorm or RMSNorm")
+            raise ValueError(
+                f"normalization={config.normalization!r} is not supported: use LayerNorm or RMSNorm"
+            )
         if config.layernorm_zero_centered_gamma:
             raise ValueError("layernorm_zero_centered_gamma is not supported by the torch norm: disable it")
         for param in norm.parameters():

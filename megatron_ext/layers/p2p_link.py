@@ -124,7 +124,9 @@ class Link:
     def _global(self, group_rank: int) -> int:
         return dist.get_global_rank(self.og.group, group_rank)
 
-    def exchange(self, recv_buf: torch.Tensor | None, src: int, send_buf: torch.Tensor | None, dst: int, step: int) -> Posted:
+    def exchange(
+        self, recv_buf: torch.Tensor | None, src: int, send_buf: torch.Tensor | None, dst: int, step: int
+    ) -> Posted:
         """Post the receive (first) and the send of one step."""
         ops = []
         if recv_buf is not None:
@@ -162,7 +164,9 @@ class Link:
                 else:
                     work.wait(timeout=timeout)
         except FutureTimeout as e:
-            raise PeerTransferError(f"{context}: posting the transfer took over {self.og.timeout_s:g} s") from e
+            raise PeerTransferError(
+                f"{context}: posting the transfer took over {self.og.timeout_s:g} s"
+            ) from e
         except RuntimeError as e:
             if "timed out" in str(e).lower() or "timeout" in str(e).lower():
                 raise PeerTimeoutError(

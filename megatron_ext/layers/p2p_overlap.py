@@ -45,8 +45,12 @@ def _timed(og: OverlapGroup, label: str, fn: Callable[[], torch.Tensor | None]) 
     return result
 
 
-def all_gather_compute(shard: torch.Tensor, compute: Callable[[int, torch.Tensor], None], og: OverlapGroup,
-                       out: torch.Tensor | None = None) -> None:
+def all_gather_compute(
+    shard: torch.Tensor,
+    compute: Callable[[int, torch.Tensor], None],
+    og: OverlapGroup,
+    out: torch.Tensor | None = None,
+) -> None:
     """All-gather ``shard`` over ``og.group`` fused with ``compute(owner_rank, slice)``.
 
     ``compute`` is called once per rank's slice: this rank's own first (no wait), then the others
@@ -68,7 +72,9 @@ def all_gather_compute(shard: torch.Tensor, compute: Callable[[int, torch.Tensor
             return (r - step) % n, (r + step) % n, (r - step) % n
         return (r - 1) % n, (r + 1) % n, (r - step) % n
 
-    buffers = [torch.empty_like(shard) if out is None else rows(out, peers(step)[2], n) for step in range(1, n)]
+    buffers = [
+        torch.empty_like(shard) if out is None else rows(out, peers(step)[2], n) for step in range(1, n)
+    ]
     src, dst, _ = peers(1)
     pending = link.exchange(buffers[0], src, shard, dst, step=1)
     _timed(og, f"slice {r}", lambda: compute(r, shard))
@@ -140,14 +146,20 @@ def start_all_gather(shard: torch.Tensor, og: OverlapGroup, out: torch.Tensor) -
     if n == 1:
         return lambda: out
     link = Link(og, shard.device, "all-gather")
-    posted = [(link.exchange(rows(out, (r - k) % n, n), (r - k) % n, shard, (r + k) % n, _GATHER_TAG + k),
-               (r - k) % n) for k in range(1, n)]
+    posted = [
+        (
+            link.exchange(rows(out, (r - k) % n, n), (r - k) % n, shard, (r + k) % n, _GATHER_TAG + k),
+            (r - k) % n,
+        )
+        for k in range(1, n)
+    ]
 
     def wait() -> torch.Tensor:
         for p, src in posted:
             link.wait(p, True, src, f"receive of slice {src} from rank {src}")
         link.finish()
         return out
+
     return wait
 
 
@@ -172,4 +184,5 @@ def start_reduce_scatter(full: torch.Tensor, og: OverlapGroup) -> Callable[[], t
             own.add_(buf)
         link.finish()
         return own
+
     return wait

@@ -55,7 +55,9 @@ def torch_fused_ops() -> FusedOps:
     """torch's symmetric-memory ops (importing the module registers ``torch.ops.symm_mem``)."""
     import torch.distributed._symmetric_memory
 
-    return FusedOps(torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter)
+    return FusedOps(
+        torch.ops.symm_mem.fused_all_gather_matmul, torch.ops.symm_mem.fused_matmul_reduce_scatter
+    )
 
 
 @dataclass(frozen=True)
@@ -74,12 +76,15 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
     bwd dgrad n x [s/n*b, o/n] x [o/n, h], wgrad [o/n, s*b] x [s*b, h]."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool
+    ) -> torch.Tensor:
         precision = GemmPrecision.of(x)
         keep = weight.requires_grad  # frozen weights need no wgrad, hence no gathered input
         with precision.exact():
-            gathered, (out,) = fg.ops.all_gather_matmul(precision.cast(x).contiguous(), [precision.cast(weight).t()],
-                                                        0, fg.group_name, return_A=keep)
+            gathered, (out,) = fg.ops.all_gather_matmul(
+                precision.cast(x).contiguous(), [precision.cast(weight).t()], 0, fg.group_name, return_A=keep
+            )
         # The gathered input costs n times the shard's memory until backward; the P2P path keeps the
         # shard and gathers again under the dgrad GEMM, which torch's forward-only ops cannot do.
         ctx.save_for_backward(gathered if keep else None, weight)
@@ -87,13 +92,19 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         gathered, weight = ctx.saved_tensors
         fg, precision = ctx.fg, ctx.precision
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = precision.cast(grad_out).contiguous()
         with precision.exact():
-            grad_x = fg.ops.matmul_reduce_scatter(g, precision.cast(weight), "sum", 0, fg.group_name) if want_x else None
+            grad_x = (
+                fg.ops.matmul_reduce_scatter(g, precision.cast(weight), "sum", 0, fg.group_name)
+                if want_x
+                else None
+            )
             grad_w = weight_gradient(g, gathered, weight, ctx.fuse_wgrad) if want_w else None
         return grad_x, grad_w, None, None
 
@@ -104,7 +115,9 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
     n x [s/n*b, i/n] x [i/n, o]; bwd dgrad n x [s/n*b, o] x [o, i/n], wgrad [o, s*b] x [s*b, i/n]."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool
+    ) -> torch.Tensor:
         precision = GemmPrecision.of(x)
         xc = precision.cast(x).contiguous()
         with precision.exact():
@@ -114,7 +127,9 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(
+        ctx: Any, grad_out: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         fg, precision = ctx.fg, ctx.precision
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -123,8 +138,9 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
         g = precision.cast(grad_out).contiguous()
         with precision.exact():
             # One fused op gathers the gradient for both: its dgrad is dropped when only wgrad is wanted.
-            gathered, (grad_x,) = fg.ops.all_gather_matmul(g, [precision.cast(weight)], 0, fg.group_name,
-                                                           return_A=want_w)
+            gathered, (grad_x,) = fg.ops.all_gather_matmul(
+                g, [precision.cast(weight)], 0, fg.group_name, return_A=want_w
+            )
             grad_w = weight_gradient(gathered, x, weight, ctx.fuse_wgrad) if want_w else None
         return (grad_x if want_x else None), grad_w, None, None
 
@@ -179,7 +195,9 @@ def _agree(group: dist.ProcessGroup, problem: str | None) -> str | None:
 
 # Probed once per live group and device (weak keys: a destroyed group's entry goes with it, and a
 # later group reusing its name is probed afresh).
-_group_problems: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, str | None]] = weakref.WeakKeyDictionary()
+_group_problems: weakref.WeakKeyDictionary[dist.ProcessGroup, dict[str, str | None]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def group_problem(group: dist.ProcessGroup, device: torch.device) -> str | None:
@@ -223,7 +241,10 @@ def resolve_backend(requested: str, group: dist.ProcessGroup | None, device: tor
     else:
         problem = group_problem(group, device)
         if problem is None:
-            choice, reason = "symm_mem", f"torch's fused ops run over the {group.size()}-rank NCCL group on {device}"
+            choice, reason = (
+                "symm_mem",
+                f"torch's fused ops run over the {group.size()}-rank NCCL group on {device}",
+            )
         elif requested == "symm_mem":
             raise BackendUnavailableError(
                 f"flash_overlap.backend=symm_mem cannot run here: {problem}; set flash_overlap.backend=p2p "

@@ -59,8 +59,9 @@ def require_main_grad(weight: torch.Tensor, layer: str) -> None:
         )
 
 
-def weight_gradient(grad_out: torch.Tensor, total_input: torch.Tensor, weight: torch.Tensor,
-                    fuse: bool) -> torch.Tensor | None:
+def weight_gradient(
+    grad_out: torch.Tensor, total_input: torch.Tensor, weight: torch.Tensor, fuse: bool
+) -> torch.Tensor | None:
     """dW = G^T X over all tokens ([out, s*b] x [s*b, in]), or, with ``fuse``, accumulated into
     ``weight.main_grad``; then the return is a placeholder (zeros when ``weight.zero_out_wgrad``)
     where megatron-core's DDP marks ``grad_added_to_main_grad``, else None."""

@@ -135,8 +135,14 @@ def _megatron_lm_modules() -> dict[str, Any]:
     import megatron.training.training as training
     import megatron.training.utils as utils
 
-    return {"fused_kernels": fused_kernels, "training_pkg": training_pkg, "arguments": arguments,
-            "initialize": initialize, "training": training, "utils": utils}
+    return {
+        "fused_kernels": fused_kernels,
+        "training_pkg": training_pkg,
+        "arguments": arguments,
+        "initialize": initialize,
+        "training": training,
+        "utils": utils,
+    }
 
 
 def enable() -> bool:

@@ -27,7 +27,9 @@ SPEC_MODULE = "megatron_ext.upstream.megatron_lm"
 SPEC_ATTRIBUTE = "flash_overlap_layer_spec"
 SPEC_FLAG = [SPEC_MODULE, SPEC_ATTRIBUTE]
 """The value of Megatron-LM's ``args.spec`` that selects the Flash-Overlap block."""
-LOCAL_SPEC_ATTRIBUTE = "local_layer_spec"  # the same block without the plugin: the baseline at SP without Apex/TE
+LOCAL_SPEC_ATTRIBUTE = (
+    "local_layer_spec"  # the same block without the plugin: the baseline at SP without Apex/TE
+)
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 # Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
@@ -39,6 +41,7 @@ _effective: tuple[argparse.Namespace, PluginConfig] | None = None
 
 # -- flags and the effective configuration ------------------------------------------------------
 
+
 def with_plugin_args(base: ArgsProvider | None = None) -> ArgsProvider:
     """An ``extra_args_provider`` for ``pretrain()``: ``base``'s flags (Megatron-LM passes its
     ModelOpt flags there), the suite's flags, and ``--deepspeed-config PATH`` (the JSON with the
@@ -49,8 +52,12 @@ def with_plugin_args(base: ArgsProvider | None = None) -> ArgsProvider:
             parser = base(parser)
         parser = extra_args_provider(parser)
         try:
-            parser.add_argument("--deepspeed-config", dest="deepspeed_config", default=None,
-                                help="DeepSpeed JSON whose top-level plugin sections configure the suite")
+            parser.add_argument(
+                "--deepspeed-config",
+                dest="deepspeed_config",
+                default=None,
+                help="DeepSpeed JSON whose top-level plugin sections configure the suite",
+            )
         except argparse.ArgumentError:
             pass  # the script defines it already
         return parser
@@ -84,7 +91,9 @@ def plugin_config(args: argparse.Namespace | None = None) -> PluginConfig:
     if _effective is None or _effective[0] is not args:
         # Megatron-DeepSpeed moves the JSON into args.deepspeed_config_dict and clears the path.
         ds_dict = getattr(args, "deepspeed_config_dict", None)
-        config = load_plugin_config(ds_dict, **flag_overrides(args)) if ds_dict else plugin_config_from_args(args)
+        config = (
+            load_plugin_config(ds_dict, **flag_overrides(args)) if ds_dict else plugin_config_from_args(args)
+        )
         validate_against_world(config, args.world_size, args.data_parallel_size)
         _check_supported(args, config)
         log_effective_config(config, dist.get_rank() if dist.is_initialized() else 0)
@@ -98,41 +107,69 @@ def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
     if config.shm_data_loader.enabled:
         if getattr(args, "pipeline_model_parallel_size", 1) > 1:
             if mds:
-                raise ConfigError("shm_data_loader with Megatron-DeepSpeed supports --pipeline-model-parallel-size 1 "
-                                  "only: disable shm_data_loader or pipeline parallelism")
+                raise ConfigError(
+                    "shm_data_loader with Megatron-DeepSpeed supports --pipeline-model-parallel-size 1 "
+                    "only: disable shm_data_loader or pipeline parallelism"
+                )
             if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
-                raise ConfigError("shm_data_loader does not feed virtual pipeline stages (one iterator per model "
-                                  "chunk): drop --num-layers-per-virtual-pipeline-stage or disable shm_data_loader")
+                raise ConfigError(
+                    "shm_data_loader does not feed virtual pipeline stages (one iterator per model "
+                    "chunk): drop --num-layers-per-virtual-pipeline-stage or disable shm_data_loader"
+                )
             if getattr(args, "mtp_num_layers", None):
-                raise ConfigError("shm_data_loader with pipeline parallelism gives the last stage labels and loss "
-                                  "mask only, multi-token prediction needs its tokens too: drop --mtp-num-layers "
-                                  "or disable shm_data_loader")
-        for flag in ("full_validation", "sft", "hybrid_context_parallel", "data_efficiency_curriculum_learning"):
+                raise ConfigError(
+                    "shm_data_loader with pipeline parallelism gives the last stage labels and loss "
+                    "mask only, multi-token prediction needs its tokens too: drop --mtp-num-layers "
+                    "or disable shm_data_loader"
+                )
+        for flag in (
+            "full_validation",
+            "sft",
+            "hybrid_context_parallel",
+            "data_efficiency_curriculum_learning",
+        ):
             if getattr(args, flag, False):
-                raise ConfigError(f"shm_data_loader cannot be combined with --{flag.replace('_', '-')}: "
-                                  "drop one of them")
+                raise ConfigError(
+                    f"shm_data_loader cannot be combined with --{flag.replace('_', '-')}: drop one of them"
+                )
         if getattr(args, "dataloader_type", "single") not in _SAMPLERS:
-            raise ConfigError(f"--dataloader-type {args.dataloader_type} with shm_data_loader: the plugin loader "
-                              "replaces the data loader; choose its order with --dataloader-type single or cyclic")
+            raise ConfigError(
+                f"--dataloader-type {args.dataloader_type} with shm_data_loader: the plugin loader "
+                "replaces the data loader; choose its order with --dataloader-type single or cyclic"
+            )
         if getattr(args, "ds_sequence_parallel_size", 1) > 1:
-            raise ConfigError("shm_data_loader does not support --ds-sequence-parallel-size > 1: disable one of them")
+            raise ConfigError(
+                "shm_data_loader does not support --ds-sequence-parallel-size > 1: disable one of them"
+            )
         if mds and getattr(args, "deepspeed", False) and not getattr(args, "no_pipeline_parallel", False):
-            raise ConfigError("shm_data_loader feeds get_batch, which DeepSpeed's pipeline engine bypasses: "
-                              "pass --no-pipeline-parallel")
+            raise ConfigError(
+                "shm_data_loader feeds get_batch, which DeepSpeed's pipeline engine bypasses: "
+                "pass --no-pipeline-parallel"
+            )
     if config.hierarchical_zero.enabled and not getattr(args, "deepspeed", False):
-        raise ConfigError("hierarchical_zero is a DeepSpeed ZeRO-3 variant: pass --deepspeed (Megatron-DeepSpeed); "
-                          "Megatron-LM trains without DeepSpeed, so disable hierarchical_zero there")
+        raise ConfigError(
+            "hierarchical_zero is a DeepSpeed ZeRO-3 variant: pass --deepspeed (Megatron-DeepSpeed); "
+            "Megatron-LM trains without DeepSpeed, so disable hierarchical_zero there"
+        )
     if config.flash_overlap.enabled:
         if mds:
-            raise ConfigError("flash_overlap needs megatron-core layer specs; Megatron-DeepSpeed's GPT model is "
-                              "the legacy one: disable flash_overlap")
+            raise ConfigError(
+                "flash_overlap needs megatron-core layer specs; Megatron-DeepSpeed's GPT model is "
+                "the legacy one: disable flash_overlap"
+            )
         spec = getattr(args, "spec", None)
         if list(spec or []) != SPEC_FLAG:
-            raise ConfigError(f"flash_overlap is enabled but --spec is {spec}: pass "
-                              f"--spec {' '.join(SPEC_FLAG)} so that Megatron-LM builds the Flash-Overlap layers")
+            raise ConfigError(
+                f"flash_overlap is enabled but --spec is {spec}: pass "
+                f"--spec {' '.join(SPEC_FLAG)} so that Megatron-LM builds the Flash-Overlap layers"
+            )
         # The layers refuse these too; here the message names Megatron-LM's flag.
-        if getattr(args, "tensor_model_parallel_size", 1) > 1 and not getattr(args, "sequence_parallel", False):
-            raise ConfigError("flash_overlap overlaps the sequence-parallel collectives: pass --sequence-parallel")
+        if getattr(args, "tensor_model_parallel_size", 1) > 1 and not getattr(
+            args, "sequence_parallel", False
+        ):
+            raise ConfigError(
+                "flash_overlap overlaps the sequence-parallel collectives: pass --sequence-parallel"
+            )
 
 
 def shm_loader_enabled() -> bool:
@@ -142,6 +179,7 @@ def shm_loader_enabled() -> bool:
 
 
 # -- data ---------------------------------------------------------------------------------------
+
 
 def _consumed_train_samples(args: argparse.Namespace) -> int:
     """Where training resumes in the training set (Megatron-LM counts from the last phase transition)."""
@@ -153,7 +191,9 @@ def _consumed_train_samples(args: argparse.Namespace) -> int:
 
 
 def external_data_iterators(
-    datasets: Sequence[Any], args: argparse.Namespace, config: PluginConfig | None = None,
+    datasets: Sequence[Any],
+    args: argparse.Namespace,
+    config: PluginConfig | None = None,
 ) -> tuple[Iterator[dict[str, torch.Tensor]] | None, ...]:
     """This rank's train, valid and test iterators over ``datasets`` (None where a dataset is None),
     built with :func:`megatron_ext.data.loader.build_batch_iterator` from Megatron's ``args``: micro
@@ -170,10 +210,15 @@ def external_data_iterators(
     loader = config.shm_data_loader
     sampler = _SAMPLERS.get(args.dataloader_type)
     if sampler is None:
-        raise ConfigError(f"--dataloader-type {args.dataloader_type}: the plugin loader takes single or cyclic")
+        raise ConfigError(
+            f"--dataloader-type {args.dataloader_type}: the plugin loader takes single or cyclic"
+        )
     topology = detect_topology(config.topology, world_size=dist.get_world_size()) if loader.enabled else None
-    consumed = (0 if getattr(args, "skip_train", False) else _consumed_train_samples(args),
-                args.consumed_valid_samples, 0)
+    consumed = (
+        0 if getattr(args, "skip_train", False) else _consumed_train_samples(args),
+        args.consumed_valid_samples,
+        0,
+    )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     iterators: list[Any] = []
     for name, dataset, start in zip(("train", "valid", "test"), datasets, consumed):
@@ -181,11 +226,21 @@ def external_data_iterators(
             iterators.append(None)
             continue
         iterator = build_batch_iterator(
-            dataset, micro_batch_size=args.micro_batch_size, consumed_samples=start, config=loader,
-            topology=topology, tp_group=mpu.get_tensor_model_parallel_group(), dp_rank=mpu.get_data_parallel_rank(),
-            dp_size=mpu.get_data_parallel_world_size(), sampler=sampler, data_sharding=getattr(args, "data_sharding", True),
-            create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False), name=name, device=device,
-            num_workers=getattr(args, "num_workers", 0), first_pipeline_stage=mpu.is_pipeline_first_stage(),
+            dataset,
+            micro_batch_size=args.micro_batch_size,
+            consumed_samples=start,
+            config=loader,
+            topology=topology,
+            tp_group=mpu.get_tensor_model_parallel_group(),
+            dp_rank=mpu.get_data_parallel_rank(),
+            dp_size=mpu.get_data_parallel_world_size(),
+            sampler=sampler,
+            data_sharding=getattr(args, "data_sharding", True),
+            create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False),
+            name=name,
+            device=device,
+            num_workers=getattr(args, "num_workers", 0),
+            first_pipeline_stage=mpu.is_pipeline_first_stage(),
             last_pipeline_stage=mpu.is_pipeline_last_stage(),
         )
         _iterators.add(iterator)
@@ -196,5 +251,3 @@ def external_data_iterators(
 def is_plugin_iterator(data_iterator: Any) -> bool:
     """Whether ``data_iterator`` (or what Megatron-LM's RerunDataIterator wraps) was built here."""
     return getattr(data_iterator, "iterable", data_iterator) in _iterators
-
-

@@ -24,8 +24,15 @@ from megatron_ext.upstream.hooks import (
     with_plugin_args,
 )
 
-__all__ = ["TextSamples", "data_iterators", "deepspeed_initialize", "shm_loader_enabled", "text_batch",
-           "with_plugin_args", "zero_init"]  # what the patch names
+__all__ = [
+    "TextSamples",
+    "data_iterators",
+    "deepspeed_initialize",
+    "shm_loader_enabled",
+    "text_batch",
+    "with_plugin_args",
+    "zero_init",
+]  # what the patch names
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +62,16 @@ class TextSamples:
         text = torch.as_tensor(self.samples[idx]["text"], dtype=torch.int64)
         seq = self.config.sequence_length
         if text.shape != (seq + 1,):
-            raise ValueError(f"sample {idx} has {tuple(text.shape)} tokens, expected ({seq + 1},) for --seq-length "
-                             f"{seq}: rebuild the dataset index for this sequence length")
-        return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.ones(seq, dtype=torch.float32),
-                "position_ids": torch.arange(seq)}
+            raise ValueError(
+                f"sample {idx} has {tuple(text.shape)} tokens, expected ({seq + 1},) for --seq-length "
+                f"{seq}: rebuild the dataset index for this sequence length"
+            )
+        return {
+            "tokens": text[:-1],
+            "labels": text[1:],
+            "loss_mask": torch.ones(seq, dtype=torch.float32),
+            "position_ids": torch.arange(seq),
+        }
 
 
 def data_iterators(provider: Callable[..., Any]) -> tuple[Any, ...]:
@@ -71,7 +84,9 @@ def data_iterators(provider: Callable[..., Any]) -> tuple[Any, ...]:
     if args.iteration > 0 and args.consumed_train_samples == 0:  # checkpoints that predate the counter
         args.consumed_train_samples = args.iteration * args.global_batch_size
     if args.iteration > 0 and args.consumed_valid_samples == 0 and args.train_samples is None:
-        args.consumed_valid_samples = (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+        args.consumed_valid_samples = (
+            (args.iteration // args.eval_interval) * args.eval_iters * args.global_batch_size
+        )
     # Upstream builds on TP rank 0 only, and its index maps are written by rank 0 and awaited within the
     # data-parallel group: those ranks go first, the others then find the maps written.
     first = mpu.get_tensor_model_parallel_rank() == 0
@@ -120,10 +135,10 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
     if not config.hierarchical_zero.enabled:
         return deepspeed.initialize(**kwargs)
     if kwargs.get("mpu") is None:
-        raise ConfigError("hierarchical_zero needs Megatron's process groups: pass --no-pipeline-parallel "
-                          "(ZeRO-3 runs without DeepSpeed's pipeline engine)")
+        raise ConfigError(
+            "hierarchical_zero needs Megatron's process groups: pass --no-pipeline-parallel "
+            "(ZeRO-3 runs without DeepSpeed's pipeline engine)"
+        )
     from deepspeed_ext.zero import initialize
 
     return initialize(plugin_config=config, **kwargs)
-
-

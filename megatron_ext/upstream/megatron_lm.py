@@ -28,8 +28,14 @@ from megatron_ext.upstream.hooks import (
     with_plugin_args,
 )
 
-__all__ = ["DatasetsProvider", "get_batch_on_this_tp_rank", "shm_loader_enabled", "with_plugin_args",
-           "flash_overlap_layer_spec", "local_layer_spec"]  # what the patch and --spec name
+__all__ = [
+    "DatasetsProvider",
+    "get_batch_on_this_tp_rank",
+    "shm_loader_enabled",
+    "with_plugin_args",
+    "flash_overlap_layer_spec",
+    "local_layer_spec",
+]  # what the patch and --spec name
 
 _BATCH_KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 _PACKED_KEYS = ("cu_seqlens", "max_seqlen", "local_cp_size")  # packed sequences: never produced by our loader
@@ -77,6 +83,7 @@ def get_batch_on_this_tp_rank(data_iterator: Any, mtp_on_this_rank: bool = False
 
 # -- model (Megatron-LM --spec) -------------------------------------------------------------------
 
+
 def _spec(name: str) -> Any:
     """The block behind ``--spec megatron_ext.upstream.megatron_lm <name>``, built from the parsed flags."""
     from megatron_ext.upstream.spec import block_spec
@@ -86,8 +93,10 @@ def _spec(name: str) -> Any:
     if name == SPEC_ATTRIBUTE:
         overlap = plugin_config(args).flash_overlap
         if not overlap.enabled:
-            raise ConfigError(f"--spec {' '.join(SPEC_FLAG)} needs flash_overlap enabled: add --flash-overlap "
-                              'or "flash_overlap": {"enabled": true} to the --deepspeed-config JSON')
+            raise ConfigError(
+                f"--spec {' '.join(SPEC_FLAG)} needs flash_overlap enabled: add --flash-overlap "
+                'or "flash_overlap": {"enabled": true} to the --deepspeed-config JSON'
+            )
     return block_spec(args, name, overlap)
 
 

@@ -31,20 +31,40 @@ _REFUSED = (
     ("qk_layernorm", bool, "query/key norms", "drop --qk-layernorm"),
     ("qk_l2_norm", bool, "query/key L2 norms", "drop --qk-l2-norm"),
     ("multi_latent_attention", bool, "multi-latent attention", "drop --multi-latent-attention"),
-    ("experimental_attention_variant", lambda v: v is not None, "experimental attention variants",
-     "drop --experimental-attention-variant"),
-    ("heterogeneous_layers_config_path", lambda v: v is not None, "heterogeneous layers",
-     "drop --heterogeneous-layers-config-path"),
+    (
+        "experimental_attention_variant",
+        lambda v: v is not None,
+        "experimental attention variants",
+        "drop --experimental-attention-variant",
+    ),
+    (
+        "heterogeneous_layers_config_path",
+        lambda v: v is not None,
+        "heterogeneous layers",
+        "drop --heterogeneous-layers-config-path",
+    ),
     ("mtp_num_layers", lambda v: v is not None, "multi-token prediction layers", "drop --mtp-num-layers"),
     ("kitchen_config_file", lambda v: v is not None, "kitchen layers", "drop --kitchen-config-file"),
     ("kitchen_recipe_number", lambda v: v is not None, "kitchen layers", "drop --kitchen-recipe-number"),
     ("use_legacy_models", bool, "legacy models (upstream ignores --spec there)", "drop --use-legacy-models"),
-    ("yaml_cfg", lambda v: v is not None, "a model configured from YAML (the block counts layers from the flags)",
-     "drop --yaml-cfg"),
-    ("num_layers_per_virtual_pipeline_stage", lambda v: v is not None, "virtual pipeline stages",
-     "drop --num-layers-per-virtual-pipeline-stage"),
-    ("num_virtual_stages_per_pipeline_rank", lambda v: v is not None, "virtual pipeline stages",
-     "drop --num-virtual-stages-per-pipeline-rank"),
+    (
+        "yaml_cfg",
+        lambda v: v is not None,
+        "a model configured from YAML (the block counts layers from the flags)",
+        "drop --yaml-cfg",
+    ),
+    (
+        "num_layers_per_virtual_pipeline_stage",
+        lambda v: v is not None,
+        "virtual pipeline stages",
+        "drop --num-layers-per-virtual-pipeline-stage",
+    ),
+    (
+        "num_virtual_stages_per_pipeline_rank",
+        lambda v: v is not None,
+        "virtual pipeline stages",
+        "drop --num-virtual-stages-per-pipeline-rank",
+    ),
 )
 
 
@@ -55,17 +75,22 @@ def check_layer_options(args: argparse.Namespace, spec_name: str) -> None:
     flag = f"--spec {SPEC_MODULE} {spec_name}"
     impl = getattr(args, "transformer_impl", "local")
     if impl != "local":
-        raise ConfigError(f"{flag} builds megatron-core's local (torch) layer, not --transformer-impl {impl}: "
-                          "pass --transformer-impl local, or drop --spec to use upstream's own layers")
+        raise ConfigError(
+            f"{flag} builds megatron-core's local (torch) layer, not --transformer-impl {impl}: "
+            "pass --transformer-impl local, or drop --spec to use upstream's own layers"
+        )
     for name, is_set, what, fix in _REFUSED:
         if is_set(getattr(args, name, None)):
-            raise ConfigError(f"{flag} does not build {what} (--{name.replace('_', '-')} is set): {fix}, "
-                              "or drop --spec to use upstream's own spec builder")
+            raise ConfigError(
+                f"{flag} does not build {what} (--{name.replace('_', '-')} is set): {fix}, "
+                "or drop --spec to use upstream's own spec builder"
+            )
     if getattr(args, "normalization", "LayerNorm") not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"{flag} supports --normalization LayerNorm or RMSNorm, not {args.normalization}")
     if getattr(args, "apply_layernorm_1p", False) or getattr(args, "layernorm_zero_centered_gamma", False):
-        raise ConfigError(f"{flag}: zero-centred gamma (--apply-layernorm-1p) is not supported by the torch norms: "
-                          "drop it")
+        raise ConfigError(
+            f"{flag}: zero-centred gamma (--apply-layernorm-1p) is not supported by the torch norms: drop it"
+        )
 
 
 def flash_overlap_submodules(submodules: Any, overlap: FlashOverlapConfig) -> Any:
@@ -76,7 +101,9 @@ def flash_overlap_submodules(submodules: Any, overlap: FlashOverlapConfig) -> An
 
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
-    return get_flash_overlap_layer_spec(overlap, base=ModuleSpec(module=TransformerLayer, submodules=submodules)).submodules
+    return get_flash_overlap_layer_spec(
+        overlap, base=ModuleSpec(module=TransformerLayer, submodules=submodules)
+    ).submodules
 
 
 def layer_spec(overlap: FlashOverlapConfig | None = None) -> Any:

@@ -21,7 +21,7 @@ from typing import Any
 STANDINS = {
     "torchvision": "imported by Megatron-DeepSpeed's vision code, which GPT training does not run",
     "deepspeed.compression.compress": "imported by Megatron-DeepSpeed for --compression-training, "
-                                      "which DeepSpeed 0.19 no longer provides",
+    "which DeepSpeed 0.19 no longer provides",
 }
 
 
@@ -30,8 +30,10 @@ class StandInError(RuntimeError):
 
 
 def _unavailable(module: str, name: str, why: str) -> type:
-    message = (f"{module}.{name} was called, but {module} is a stand-in (not installed; {why}): install the "
-               f"real package, or avoid the option that needs it")
+    message = (
+        f"{module}.{name} was called, but {module} is a stand-in (not installed; {why}): install the "
+        f"real package, or avoid the option that needs it"
+    )
 
     def fail(*args: Any, **kwargs: Any) -> Any:
         raise StandInError(message)
@@ -65,7 +67,9 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 return why
         return None
 
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if self._why(fullname) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=True)

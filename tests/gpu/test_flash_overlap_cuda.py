@@ -21,11 +21,16 @@ def _pair(config, flash: bool):
 
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
-    column, row = (FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear) if flash else \
-        (ColumnParallelLinear, RowParallelLinear)
+    column, row = (
+        (FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear)
+        if flash
+        else (ColumnParallelLinear, RowParallelLinear)
+    )
     init = torch.nn.init.xavier_normal_
-    return (column(H, F, config=config, init_method=init, bias=True, gather_output=False),
-            row(F, H, config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False))
+    return (
+        column(H, F, config=config, init_method=init, bias=True, gather_output=False),
+        row(F, H, config=config, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False),
+    )
 
 
 def _mlp(pair, x):
@@ -55,8 +60,11 @@ def test_layers_match_megatron_core_at_tp1_in_bf16(cuda_rank):
         out = _mlp(pair, xi)
         out.backward(grad.to(out.dtype))
         outputs[name] = out.detach()
-        errors[name] = {"out": _max_err(out, want), "dgrad": _max_err(xi.grad, xd.grad),
-                        "wgrad": max(_max_err(layer.weight.grad, w.grad) for layer, (w, _) in zip(pair, dense))}
+        errors[name] = {
+            "out": _max_err(out, want),
+            "dgrad": _max_err(xi.grad, xd.grad),
+            "wgrad": max(_max_err(layer.weight.grad, w.grad) for layer, (w, _) in zip(pair, dense)),
+        }
     print(json.dumps(errors))
     for key in ("out", "dgrad", "wgrad"):  # the same GEMMs: no larger error than megatron-core's
         assert errors["flash-overlap"][key] <= errors["megatron-core"][key] * 1.001 + 1e-9, errors
@@ -79,7 +87,9 @@ def test_gradient_accumulation_fusion_sums_bf16_wgrads_in_fp32_main_grad(cuda_ra
     want = sum(g.double().flatten(0, 1).t() @ hidden.double().flatten(0, 1) for g in grads)
     err = ((pair[1].weight.main_grad.double() - want).abs().max() / want.abs().max()).item()
     assert err < 1e-3, err  # bf16 products summed in fp32
-    assert pair[0].weight.main_grad.abs().sum() > 0 and all(layer.weight.grad_added_to_main_grad for layer in pair)
+    assert pair[0].weight.main_grad.abs().sum() > 0 and all(
+        layer.weight.grad_added_to_main_grad for layer in pair
+    )
 
 
 def test_a_cuda_graph_captures_the_layers_at_tp1(cuda_rank):
@@ -105,8 +115,14 @@ def test_a_cuda_graph_captures_the_layers_at_tp1(cuda_rank):
 def test_tp2_schedules_are_stream_ordered_and_capturable(cuda_rank, tmp_path):
     """Runs in a child process: a fake process group of 2 cannot share this process with NCCL."""
     out = tmp_path / "child.json"
-    proc = subprocess.run([sys.executable, __file__, str(out)], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT, env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])))
+    proc = subprocess.run(
+        [sys.executable, __file__, str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     report = json.loads(out.read_text())
     assert report["timed_waits"] == 0 and report["untimed_waits"] > 0, report
@@ -161,18 +177,22 @@ def _child(path: str) -> None:
     out = torch.empty(256, 4, 512, device=dev, dtype=torch.bfloat16)
 
     def layer(group: OverlapGroup) -> torch.Tensor:
-        all_gather_compute(x, lambda j, xj: torch.matmul(xj, w.t(), out=out[j * 128:(j + 1) * 128]), group)
-        return compute_reduce_scatter(lambda j: torch.matmul(out[j * 128:(j + 1) * 128], w), group)
+        all_gather_compute(x, lambda j, xj: torch.matmul(xj, w.t(), out=out[j * 128 : (j + 1) * 128]), group)
+        return compute_reduce_scatter(lambda j: torch.matmul(out[j * 128 : (j + 1) * 128], w), group)
 
     torch.cuda.set_sync_debug_mode("error")
     result = layer(og)
     torch.cuda.set_sync_debug_mode("default")
     full = torch.cat([x, x]).float() @ w.t().float()  # both ranks hold x: the gathered input is [x; x]
     want = 2 * (full[:128] @ w.float())  # rank 0's slice, summed over the two ranks
-    report = {"timed_waits": waits["timed"], "untimed_waits": waits["untimed"],
-              "gather_order": order[:2], "reduce_order": order[2:],
-              "gather_rel_err": ((out.float() - full).norm() / full.norm()).item(),
-              "reduce_rel_err": ((result.float() - want).norm() / want.norm()).item()}
+    report = {
+        "timed_waits": waits["timed"],
+        "untimed_waits": waits["untimed"],
+        "gather_order": order[:2],
+        "reduce_order": order[2:],
+        "gather_rel_err": ((out.float() - full).norm() / full.norm()).item(),
+        "reduce_rel_err": ((result.float() - want).norm() / want.norm()).item(),
+    }
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -24,16 +24,27 @@ def dataset(tmp_path_factory):
     prefix = str(root / "corpus")
     write_indexed_dataset(prefix, synthetic_documents(400))
     # Documents are shorter than a sample, so masks with reset_attention_mask differ from causal ones.
-    config = dataclasses.replace(gpt_dataset_config(prefix, SEQ, 1234, str(root / "cache"), create_attention_mask=True),
-                                 reset_attention_mask=True)
+    config = dataclasses.replace(
+        gpt_dataset_config(prefix, SEQ, 1234, str(root / "cache"), create_attention_mask=True),
+        reset_attention_mask=True,
+    )
     return BlendedMegatronDatasetBuilder(GPTDataset, [STEPS * MBS, 0, 0], lambda: True, config).build()[0]
 
 
 def _iterator(dataset, device, enabled, mask):
     return build_batch_iterator(
-        dataset, micro_batch_size=MBS, consumed_samples=0, config=ShmDataLoaderConfig(enabled=enabled, timeout_s=60),
-        topology=None, tp_group=ps.get_tensor_model_parallel_group(), dp_rank=0, dp_size=1,
-        create_attention_mask=mask, name=f"gpu-{enabled}-{mask}", device=device)
+        dataset,
+        micro_batch_size=MBS,
+        consumed_samples=0,
+        config=ShmDataLoaderConfig(enabled=enabled, timeout_s=60),
+        topology=None,
+        tp_group=ps.get_tensor_model_parallel_group(),
+        dp_rank=0,
+        dp_size=1,
+        create_attention_mask=mask,
+        name=f"gpu-{enabled}-{mask}",
+        device=device,
+    )
 
 
 @pytest.mark.parametrize("mask", [False, True])
