@@ -228,7 +228,6 @@ def _counted(
             _active.record(kind, collective, nbytes, arguments.get("group"))
         return method(*args, **kwargs)
 
-    wrapper.__counted__ = True  # type: ignore[attr-defined]
     return wrapper
 
 
@@ -266,15 +265,15 @@ def patch_deepspeed_comm() -> bool:
     cdb = ds_comm.cdb
     if _patched.get("cdb") is cdb:
         return False
-    names = ("all_gather_function", "reduce_scatter_function", *_DS_METHODS)
-    _patched.update(cdb=cdb, before={name: cdb.__dict__.get(name, _ABSENT) for name in names})
+    replaced = ("all_gather_function", "reduce_scatter_function", *_DS_METHODS)
+    _patched.update(cdb=cdb, before={name: cdb.__dict__.get(name, _ABSENT) for name in replaced})
     if cdb.has_all_gather_into_tensor():
         cdb.all_gather_function = _ag_single
     if cdb.has_reduce_scatter_tensor():
         cdb.reduce_scatter_function = _rs_single
     for name, (kind, collective, sized, names) in _DS_METHODS.items():
         method = getattr(cdb, name, None)
-        if method is None or getattr(method, "__counted__", False):
+        if method is None:
             continue
         setattr(cdb, name, _counted(method, kind, collective, sized, names))
     return True

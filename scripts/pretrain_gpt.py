@@ -164,6 +164,8 @@ def train(args: argparse.Namespace) -> None:
     finally:
         data.close()
         shutdown_posters()
+        engine.destroy()  # a hierarchical engine also drops its groups, dispatchers and patches
+        deepspeed_comm.unpatch_deepspeed_comm()  # the byte counter's patch (comm_counter)
         if log_file:
             log_file.close()
     dist.barrier()
