@@ -6,6 +6,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 bash scripts/setup_env.sh
+# DeepSpeed's CPU op builds go where the set-up script built them (see there), not to ~/.cache.
+export TORCH_EXTENSIONS_DIR="$root/.venv/torch_extensions"
 nproc=${NPROC:-4}
 # The preset holds one Megatron flag set; comments start with '#'.
 mapfile -t preset < <(sed -e 's/#.*//' scripts/presets/tiny-cpu.args | tr -s ' \t' '\n' | sed '/^$/d')

@@ -4,6 +4,8 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 bash scripts/setup_env.sh
+# DeepSpeed's CPU op builds go where the set-up script built them (see there), not to ~/.cache.
+export TORCH_EXTENSIONS_DIR="$root/.venv/torch_extensions"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
