@@ -1,12 +1,12 @@
-"""One rank of the Flash-Overlap benchmark: tune the MLP width to each regime, then time every schedule.
+"""One rank of the Flash-Overlap benchmark: forward + backward of the MLP and of a whole transformer
+layer under each method, side by side, with the compute-only and transfer-only runs of the same shapes.
 
 Started by ``benchmarks.flash_overlap.run`` (loopback) or by the emulated cluster's launcher, with
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set; the rank's result goes through ``write_result``.
 
-Regimes (c: compute of one sequence slice of one GEMM, p: transfer of one slice between two ranks,
-both measured here before the run; the width ffn sets c):
-  hideable: c = 2p, communication can be hidden entirely (p <= c);
-  balanced: T_comp = T_comm per GEMM, i.e. N*c = (N-1)*p.
+Regimes set the MLP width f from a probe made here (c: one sequence slice of fc1's forward GEMM,
+p: one slice's P2P transfer): ``hideable`` c = 2p (the transfers can hide entirely), ``balanced``
+N c = (N-1) p (T_comp = T_comm per GEMM). The layer's attention GEMMs follow from the hidden size.
 """
 
 from __future__ import annotations
@@ -20,59 +20,117 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.cluster import write_result
-from benchmarks.flash_overlap.schedules import METHODS, MLP, Recorder, Schedule, comm_only, compute_only
+from benchmarks.flash_overlap import probes
+from benchmarks.flash_overlap.blocks import BLOCKS, METHODS, Block, Shapes
 
 REGIMES = ("hideable", "balanced")
-_PROBE_COLUMNS = 256
+COMPUTE_OPS = {
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::baddbmm",
+    "aten::gelu",
+    "aten::gelu_backward",
+    "aten::native_layer_norm",
+    "aten::native_layer_norm_backward",
+    "aten::_softmax",
+    "aten::_softmax_backward_data",
+}
+"""The profiled ops counted as compute for the in-step figure and the timelines (outermost only)."""
 
 
-def _steps(
-    mlp: MLP, x: torch.Tensor, fns: dict[str, Schedule], warmup: int, steps: int
-) -> dict[str, list[dict]]:
-    """Run every schedule warmup + steps times, interleaved step by step (load drifts on a shared
-    host hit all alike), each run after a barrier; keep the timed steps' records."""
-    out: dict[str, list[dict]] = {name: [] for name in fns}
+def _timed(fns: dict, warmup: int, steps: int) -> dict[str, list[float]]:
+    """Every function warmup + steps times, interleaved step by step (load drifts on a shared host hit
+    all alike), each after a barrier and without garbage collection inside; the timed steps' seconds."""
+    out: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + steps):
         for name, fn in fns.items():
-            gc.collect()  # a collection inside a step would pause it by milliseconds: never during one
+            gc.collect()
             gc.disable()
             dist.barrier()
-            rec = Recorder()
-            fn(mlp, x, rec)
-            step = time.perf_counter() - rec.t0
+            start = time.perf_counter()
+            fn()
+            elapsed = time.perf_counter() - start
             gc.enable()
             if i >= warmup:
-                out[name].append(
-                    {
-                        "step": step,
-                        "compute": rec.total("compute"),
-                        "wait": rec.total("wait"),
-                        "events": [(k, label, round(a, 6), round(b, 6)) for k, label, a, b in rec.events],
-                    }
-                )
+                out[name].append(elapsed)
     return out
 
 
-def _tune_ffn(
-    regime: str, hidden: int, x: torch.Tensor, group: dist.ProcessGroup, warmup: int
-) -> tuple[int, dict]:
-    """Pick ffn so that the measured slice compute c and slice transfer p match the regime (rank 0 decides)."""
-    n = group.size()
-    probe = MLP(hidden, _PROBE_COLUMNS * n, group, "direct")
-    # Minima, not medians: other work on the host only ever adds time, the minimum is the machine's own speed.
-    comm = _steps(probe, x, {"comm_only": comm_only}, warmup, 7)["comm_only"]
-    p = min(s["wait"] for s in comm) / (2 * (n - 1))
-    w = torch.randn(hidden, _PROBE_COLUMNS)
-    times = []
-    for _ in range(7):
+def _profiled(fn) -> dict:
+    """One more step under torch.profiler: its time and its outermost compute ops (ms from its start)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
         start = time.perf_counter()
-        x @ w
-        times.append(time.perf_counter() - start)
-    per_column = min(times) / _PROBE_COLUMNS
+        fn()
+        elapsed = time.perf_counter() - start
+    events = [e for e in prof.events() if e.name in COMPUTE_OPS]
+    origin = min((e.time_range.start for e in prof.events()), default=0)
+
+    def nested(e) -> bool:
+        parent = e.cpu_parent
+        while parent is not None:
+            if parent.name in COMPUTE_OPS:
+                return True
+            parent = parent.cpu_parent
+        return False
+
+    spans = sorted(
+        (
+            e.name.removeprefix("aten::"),
+            (e.time_range.start - origin) / 1e3,
+            (e.time_range.end - origin) / 1e3,
+        )
+        for e in events
+        if not nested(e)
+    )
+    return {"step_s": elapsed, "compute_s": sum(b - a for _, a, b in spans) / 1e3, "spans": spans}
+
+
+def _tune_ffn(regime: str, shapes: Shapes, group: dist.ProcessGroup, warmup: int) -> tuple[int, dict]:
+    """The MLP width that puts fc1's per-slice compute c at the regime's multiple of the slice transfer p
+    (minima of short probes; rank 0 decides for all)."""
+    n = group.size()
+    shard = torch.randn(shapes.seq // n, shapes.batch, shapes.hidden)
+    full = shard.new_empty((shapes.seq, shapes.batch, shapes.hidden))
+    gather = _timed({"p": lambda: probes.p2p_exchange("all_gather", shard, full, group)}, warmup, 7)["p"]
+    p = min(gather) / (n - 1)
+    columns = 256
+    per_column = probes.gemm_times(
+        probes.Linear("probe", True, shapes.hidden, columns), shard.numel() // shapes.hidden
+    )
+    per_column = per_column["fwd"] / columns  # one slice: s/N rows
     c = 2 * p if regime == "hideable" else (n - 1) * p / n
     decided = torch.tensor([max(1, round(c / per_column)) * n], dtype=torch.int64)
     dist.broadcast(decided, src=0, group=group)
-    return int(decided.item()), {"probe_p_s": p, "probe_c_target_s": c, "probe_s_per_column": per_column}
+    return int(decided.item()), {"probe_p_s": p, "probe_c_target_s": c}
+
+
+def _run_block(block: str, shapes: Shapes, tp_group, solo, args) -> dict:
+    n, rank = tp_group.size(), tp_group.rank()
+    torch.manual_seed(0)
+    x = torch.randn(shapes.seq, shapes.batch, shapes.hidden)
+    shard, grad_full = x.chunk(n)[rank].contiguous(), torch.ones_like(x)
+    grad_shard = grad_full.chunk(n)[rank].contiguous()
+    steps = {}
+    for method in METHODS:
+        module = Block(block, method, shapes, tp_group, n)
+        steps[method] = lambda m=module: m.step(shard, grad_shard)
+    compute = Block(block, "compute_only", shapes, solo, n)
+    steps["compute_only"] = lambda: compute.step(x, grad_full)
+    pairs = 1 if block == "mlp" else 2
+    for transport in probes.TRANSPORTS:
+        steps[f"comm_only_{transport}"] = lambda t=transport: probes.comm_only(t, pairs, shard, tp_group)
+    times = _timed(steps, args.warmup, args.steps)
+    profiled = {name: _profiled(steps[name]) for name in (*METHODS, "compute_only")}
+    tokens = shapes.seq * shapes.batch
+    gemms = {
+        lin.name: {"column": lin.column, **probes.gemm_times(lin, tokens)}
+        for lin in probes.linears(block, shapes, n)
+    }
+    return {"times": times, "profiled": profiled, "gemms": gemms, "pairs": pairs}
 
 
 def main() -> None:
@@ -84,33 +142,43 @@ def main() -> None:
     )
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--heads", type=int, default=12, help="attention heads of the layer (multiple of TP)")
+    parser.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
     parser.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
     parser.add_argument("--ffn", type=int, default=None, help="fixed MLP width instead of tuning per regime")
-    parser.add_argument(
-        "--mode", choices=("direct", "ring"), default="direct", help="P2P pattern of flash_overlap"
-    )
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args()
     if args.seq_per_rank % 4:
-        parser.error(
-            f"--seq-per-rank {args.seq_per_rank} must be a multiple of 4 (the chunked baseline cuts it in 4)"
-        )
+        parser.error(f"--seq-per-rank {args.seq_per_rank} must be a multiple of 4 (chunked_4 cuts it in 4)")
 
     warnings.filterwarnings("ignore")  # gloo's tensor collectives warn on every call in torch 2.13
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
-    group = dist.group.WORLD
-    torch.manual_seed(0)
-    x = torch.randn(args.seq_per_rank, args.batch, args.hidden)
-    result: dict = {"world_size": group.size(), "args": vars(args), "regimes": {}}
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_ext.cpu import enable_cpu_support
+
+    enable_cpu_support()
+    n = dist.get_world_size()
+    if args.heads % n:
+        parser.error(f"--heads {args.heads} must be a multiple of the TP size {n}")
+    ps.initialize_model_parallel(tensor_model_parallel_size=n, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(0)
+    tp_group = ps.get_tensor_model_parallel_group()
+    solo = None
+    for r in range(n):  # every rank creates every group, in the same order
+        made = dist.new_group([r])
+        solo = made if r == dist.get_rank() else solo
+    result: dict = {"world_size": n, "args": vars(args), "regimes": {}}
     for regime in args.regimes:
-        ffn, probe = (args.ffn, {}) if args.ffn else _tune_ffn(regime, args.hidden, x, group, args.warmup)
-        mlp = MLP(args.hidden, ffn, group, args.mode)
-        fns = {"compute_only": compute_only, "comm_only": comm_only, **METHODS}
-        runs = _steps(mlp, x, fns, args.warmup, args.steps)
-        result["regimes"][regime] = {"ffn": ffn, **probe, "runs": runs}
-        if group.rank() == 0:
+        base = Shapes(args.seq_per_rank * n, args.batch, args.hidden, args.heads, args.ffn or n)
+        ffn, probe = (args.ffn, {}) if args.ffn else _tune_ffn(regime, base, tp_group, args.warmup)
+        shapes = Shapes(base.seq, base.batch, base.hidden, base.heads, ffn)
+        blocks = {block: _run_block(block, shapes, tp_group, solo, args) for block in args.blocks}
+        result["regimes"][regime] = {"ffn": ffn, **probe, "blocks": blocks}
+        if dist.get_rank() == 0:
             print(f"regime {regime}: ffn={ffn} done", flush=True)
     dist.barrier()
     write_result(result)

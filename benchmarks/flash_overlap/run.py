@@ -1,11 +1,11 @@
-"""Flash-Overlap benchmark: the MLP block (fc1, gelu, fc2) under four schedules, side by side.
+"""Flash-Overlap benchmark: forward + backward of the MLP and of a whole transformer layer, with
+megatron-core's linears, their 4-chunk slicing and the Flash-Overlap linears side by side.
 
   python -m benchmarks.flash_overlap.run --network loopback --tp 2 4
   python -m benchmarks.flash_overlap.run --network cluster --mbit 400 --tp 2 4     (root: namespaces + tc)
 
-Schedules: p2p_sequential (no overlap), gloo_collectives, chunked_4 (data slicing), flash_overlap
-(the layers). Writes <network>_tp<N>.json / .md and one timeline PNG per regime and method under
---out, and prints the tables. Remaining arguments go to ``benchmarks.flash_overlap.rank``.
+Writes <network>_tp<N>.json / .md and one timeline PNG per block, regime and method under --out, and
+prints the tables. Remaining arguments go to ``benchmarks.flash_overlap.rank``.
 """
 
 from __future__ import annotations
@@ -60,7 +60,11 @@ def main() -> None:
             title = f"Emulated cluster, links shaped to {args.mbit:g} Mbit/s, TP={tp}"
         # The host's load decides how much CPU the ranks and gloo's threads get: report it with the figures.
         load = f"host load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after"
-        summaries = [summarize(per_rank, regime) for regime in per_rank[0]["regimes"]]
+        summaries = [
+            summarize(per_rank, regime, block)
+            for regime in per_rank[0]["regimes"]
+            for block in per_rank[0]["regimes"][regime]["blocks"]
+        ]
         table = markdown(f"{title} ({load})", summaries, per_rank[0]["args"])
         print(table, flush=True)
         (args.out / f"{label}.md").write_text(table + "\n")
@@ -72,9 +76,9 @@ def main() -> None:
         for s in summaries:
             for name, m in s["methods"].items():
                 timeline_png(
-                    args.out / f"{label}_{s['regime']}_{name}.png",
-                    f"{title}, {s['regime']}: {name}, median step {m['step_s'] * 1e3:.1f} ms "
-                    f"(exposed comm {m['exposed_comm_s'] * 1e3:.1f} ms)",
+                    args.out / f"{label}_{s['block']}_{s['regime']}_{name}.png",
+                    f"{title}, {s['block']} fwd+bwd, {s['regime']}: {name}, profiled step "
+                    f"{m['profiled_step_s'] * 1e3:.1f} ms (timed median {m['step_s']['median'] * 1e3:.1f} ms)",
                     m["timeline"],
                 )
 

@@ -1,0 +1,111 @@
+"""The blocks the benchmark times, built from megatron-core's GPT layer spec with one linear class pair
+swapped per method, and a compute-only twin of the same per-rank GEMM shapes.
+
+Blocks: ``mlp`` (fc1, gelu, fc2: megatron-core's MLP) and ``layer`` (a whole TransformerLayer:
+norms, qkv, core attention, proj, fc1, gelu, fc2). Methods:
+  megatron_core  megatron-core's own linears (what users run today, with their backward overlap);
+  chunked_4      the same with each collective cut in 4 (``chunked.py``);
+  flash_overlap  the Flash-Overlap linears (P2P backend);
+  compute_only   the block at TP=1 with this rank's shard shapes (heads/N, ffn/N) on the whole
+                 sequence: the GEMMs, attention and elementwise work of one rank, no communication.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from benchmarks.flash_overlap.chunked import ChunkedColumnParallelLinear, ChunkedRowParallelLinear
+from megatron_ext.gpt import causal_mask, local_layer_spec
+from megatron_ext.layers.config import FlashOverlapConfig
+from megatron_ext.layers.spec import get_flash_overlap_layer_spec
+
+BLOCKS = ("mlp", "layer")
+METHODS = ("megatron_core", "chunked_4", "flash_overlap")
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Sizes of the timed block."""
+
+    seq: int
+    """Whole sequence length s (each rank holds s/N under sequence parallelism)."""
+    batch: int
+    """Micro-batch size b."""
+    hidden: int
+    """Hidden size h."""
+    heads: int
+    """Attention heads (a multiple of the TP size)."""
+    ffn: int
+    """MLP width f (a multiple of the TP size)."""
+
+
+def _config(shapes: Shapes, tp: int, compute_only: bool) -> TransformerConfig:
+    n = tp if compute_only else 1  # compute-only: TP=1 with the shard shapes of TP=tp
+    return TransformerConfig(
+        num_layers=1,
+        hidden_size=shapes.hidden,
+        num_attention_heads=shapes.heads // n,
+        kv_channels=shapes.hidden // shapes.heads,
+        ffn_hidden_size=shapes.ffn // n,
+        tensor_model_parallel_size=1 if compute_only else tp,
+        sequence_parallel=not compute_only and tp > 1,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        add_bias_linear=False,
+    )
+
+
+def _layer_spec(method: str) -> ModuleSpec:
+    if method == "flash_overlap":
+        return get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, backend="p2p"))
+    spec = local_layer_spec()
+    if method == "chunked_4":
+        spec.submodules.self_attention.submodules.linear_qkv = ChunkedColumnParallelLinear
+        spec.submodules.self_attention.submodules.linear_proj = ChunkedRowParallelLinear
+        spec.submodules.mlp.submodules.linear_fc1 = ChunkedColumnParallelLinear
+        spec.submodules.mlp.submodules.linear_fc2 = ChunkedRowParallelLinear
+    return spec
+
+
+class Block(torch.nn.Module):
+    """One method's block; ``step(x)`` runs forward and backward and returns the output."""
+
+    def __init__(self, block: str, method: str, shapes: Shapes, group: dist.ProcessGroup, tp: int) -> None:
+        """``group``: the TP group of size ``tp``, or for compute_only a group of this rank alone."""
+        super().__init__()
+        compute_only = method == "compute_only"
+        config = _config(shapes, tp, compute_only)
+        spec = copy.deepcopy(_layer_spec("megatron_core" if compute_only else method))
+        if block == "mlp":
+            self.module = build_module(spec.submodules.mlp, config=config, tp_group=group)
+            self.mask = None
+        else:
+            self.module = build_module(spec, config=config, layer_number=1, pg_collection=_pgs(group))
+            self.mask = causal_mask(shapes.seq, "cpu")
+        self.block = block
+
+    def step(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_()
+        if self.block == "mlp":
+            out, _ = self.module(x)
+        else:
+            out, _ = self.module(x, attention_mask=self.mask)
+        out.backward(grad)
+        return out
+
+
+def _pgs(tp: dist.ProcessGroup):
+    """megatron-core's process-group collection with ``tp`` as the tensor-parallel group."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    pgs.tp = tp
+    return pgs
