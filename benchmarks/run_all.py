@@ -54,7 +54,7 @@ def steps(network: str, quick: bool) -> list[Step]:
             RESULTS / "zero" / f"{network}.md",
         ),
         Step(
-            f"Flash-Overlap MLP vs no overlap and 4-chunk slicing ({network})",
+            f"Flash-Overlap MLP and layer, forward + backward, vs megatron-core and 4-chunk slicing ({network})",
             ["-m", "benchmarks.flash_overlap.run", "--network", network, *flash_tp],
             RESULTS
             / "flash_overlap"
