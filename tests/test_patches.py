@@ -350,6 +350,59 @@ def test_spec_layer_equals_megatron_core_layer(run_ranks):
     assert run_ranks(2, _spec_layer_matches_stock, "ring", timeout=180) == [True, True]
 
 
+def _local_block_matches_upstreams_default():
+    """Two layers and the final norm as upstream Megatron-LM builds them under
+    ``--spec megatron_ext.upstream.megatron_lm local_layer_spec`` and with no --spec (its
+    ``_get_transformer_layer_spec``: megatron-core's local layer spec, dense, LayerNorm)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.gpt import causal_mask, gpt_config
+
+    enable_cpu_support()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    args = megatron_lm.with_plugin_args()(argparse.ArgumentParser()).parse_args([])
+    args.world_size, args.data_parallel_size = 2, 1
+    args.spec = [megatron_lm.SPEC_FLAG[0], "local_layer_spec"]
+    config = gpt_config(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)
+    fake, fake_arguments = (
+        types.ModuleType("megatron.training"),
+        types.ModuleType("megatron.training.arguments"),
+    )
+    fake.get_args = lambda: args
+    fake_arguments.core_transformer_config_from_args = lambda _: config
+    sys.modules.update({"megatron.training": fake, "megatron.training.arguments": fake_arguments})
+    x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
+    results = []
+    try:
+        for spec in (import_module(args.spec), get_gpt_layer_local_spec(normalization="LayerNorm")):
+            torch.manual_seed(3)
+            model_parallel_cuda_manual_seed(3)
+            block = TransformerBlock(config, spec)
+            inp = x.clone().requires_grad_()
+            out = block(inp, attention_mask=causal_mask(16, "cpu"))
+            out.sum().backward()
+            results.append([out.detach(), inp.grad, *(p.grad for p in block.parameters())])
+    finally:
+        del sys.modules["megatron.training"], sys.modules["megatron.training.arguments"]
+    ours, upstream = results
+    assert len(ours) == len(upstream)
+    for a, b in zip(ours, upstream):
+        torch.testing.assert_close(a, b)
+    return True
+
+
+def test_local_layer_spec_builds_upstreams_default_model(run_ranks):
+    """Our baseline block is upstream's model: same output and gradients as what Megatron-LM builds
+    without --spec, at TP=2 (the training runs in test_upstream_training use it as their baseline)."""
+    assert run_ranks(2, _local_block_matches_upstreams_default, timeout=180) == [True, True]
+
+
 class _LegacyText:
     """Megatron-DeepSpeed's dataset items ({"text": seq + 1 tokens}), made from a GPTDataset."""
 
