@@ -2,6 +2,7 @@
 when a checkout is given) and the hooks they call, run with a fake Megatron ``args``."""
 
 import argparse
+import contextlib
 import os
 import re
 import subprocess
@@ -289,6 +290,23 @@ def test_hooks_give_the_loader_batches(run_ranks, corpus, tp, consumed):
     assert dp_ranks == ([0, 0] if tp == 2 else [0, 1])
 
 
+@contextlib.contextmanager
+def _megatron_training(args, config):
+    """Stand-ins for the two ``megatron.training`` functions the spec reads (upstream's args and its
+    TransformerConfig), installed for the block, removed after."""
+    fake, fake_arguments = (
+        types.ModuleType("megatron.training"),
+        types.ModuleType("megatron.training.arguments"),
+    )
+    fake.get_args = lambda: args
+    fake_arguments.core_transformer_config_from_args = lambda _: config
+    sys.modules.update({"megatron.training": fake, "megatron.training.arguments": fake_arguments})
+    try:
+        yield
+    finally:
+        del sys.modules["megatron.training"], sys.modules["megatron.training.arguments"]
+
+
 def _spec_layer_matches_stock(mode):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -313,23 +331,14 @@ def _spec_layer_matches_stock(mode):
         tensor_model_parallel_size=2,
         sequence_parallel=True,
     )
-    fake, fake_arguments = (
-        types.ModuleType("megatron.training"),
-        types.ModuleType("megatron.training.arguments"),
-    )
-    fake.get_args = lambda: args
-    fake_arguments.core_transformer_config_from_args = lambda _: config
-    sys.modules.update({"megatron.training": fake, "megatron.training.arguments": fake_arguments})
     layers = []
-    try:
+    with _megatron_training(args, config):
         block = import_module(list(args.spec))  # what gpt_builder does with --spec
         assert len(block.layer_specs) == 1 and block.layer_norm is SequenceParallelNorm
         for spec in (block.layer_specs[0], local_layer_spec()):
             torch.manual_seed(3)
             model_parallel_cuda_manual_seed(3)
             layers.append(build_module(spec, config=config, layer_number=1))
-    finally:
-        del sys.modules["megatron.training"], sys.modules["megatron.training.arguments"]
     ours, stock = layers
     attention, mlp = ours.self_attention, ours.mlp
     assert (
@@ -370,16 +379,9 @@ def _local_block_matches_upstreams_default():
     args.world_size, args.data_parallel_size = 2, 1
     args.spec = [megatron_lm.SPEC_FLAG[0], "local_layer_spec"]
     config = gpt_config(num_layers=2, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=2)
-    fake, fake_arguments = (
-        types.ModuleType("megatron.training"),
-        types.ModuleType("megatron.training.arguments"),
-    )
-    fake.get_args = lambda: args
-    fake_arguments.core_transformer_config_from_args = lambda _: config
-    sys.modules.update({"megatron.training": fake, "megatron.training.arguments": fake_arguments})
     x = torch.randn(16, 2, 32, generator=torch.Generator().manual_seed(dist.get_rank()))
     results = []
-    try:
+    with _megatron_training(args, config):
         for spec in (import_module(args.spec), get_gpt_layer_local_spec(normalization="LayerNorm")):
             torch.manual_seed(3)
             model_parallel_cuda_manual_seed(3)
@@ -388,8 +390,6 @@ def _local_block_matches_upstreams_default():
             out = block(inp, attention_mask=causal_mask(16, "cpu"))
             out.sum().backward()
             results.append([out.detach(), inp.grad, *(p.grad for p in block.parameters())])
-    finally:
-        del sys.modules["megatron.training"], sys.modules["megatron.training.arguments"]
     ours, upstream = results
     assert len(ours) == len(upstream)
     for a, b in zip(ours, upstream):
