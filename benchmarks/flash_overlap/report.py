@@ -40,23 +40,17 @@ def _extra(method: str, gemms: dict[str, dict], P: float, n: int) -> float:
     """What the method's schedule leaves exposed beyond T_comp, from its model (module docstring)."""
     p, k, total = P / (n - 1), CHUNKS, 0.0
     for g in gemms.values():
+        # Every method hides the column layer's backward transfers behind its two unsliced GEMMs.
+        column_bwd = max(0.0, P - g["dgrad"]) + max(0.0, P - g["wgrad"])
         if method == "flash_overlap":
             fwd = (n - 1) * max(0.0, p - g["fwd"] / n)
-            bwd = (
-                max(0.0, P - g["dgrad"]) + max(0.0, P - g["wgrad"])
-                if g["column"]
-                else (n - 1) * max(0.0, p - g["dgrad"] / n)
-            )
+            bwd = column_bwd if g["column"] else (n - 1) * max(0.0, p - g["dgrad"] / n)
         elif method == "megatron_core":
             fwd = P
-            bwd = max(0.0, P - g["dgrad"]) + max(0.0, P - g["wgrad"]) if g["column"] else P
+            bwd = column_bwd if g["column"] else P
         else:
             fwd = P / k + (k - 1) * max(0.0, (P - g["fwd"]) / k)
-            bwd = (
-                max(0.0, P - g["dgrad"]) + max(0.0, P - g["wgrad"])
-                if g["column"]
-                else P / k + (k - 1) * max(0.0, (P - g["dgrad"]) / k)
-            )
+            bwd = column_bwd if g["column"] else P / k + (k - 1) * max(0.0, (P - g["dgrad"]) / k)
         total += fwd + bwd
     return total
 
