@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -72,7 +73,8 @@ class CommCounter:
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
-        self.current_phase = "other"
+        self._phase = threading.local()  # per thread: hops run on a worker thread for the caller's phase
+        self._lock = threading.Lock()
         self.bytes: dict[tuple[str, str, str], int] = defaultdict(int)
         self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
         self._classes: dict[int, tuple[Any, str]] = {}
@@ -88,18 +90,24 @@ class CommCounter:
         size = dist.get_world_size(group)
         if size <= 1:
             return
-        key = (self.current_phase, kind, self.link_class(group))
-        self.bytes[key] += volume(collective, nbytes, size)
-        self.calls[key] += 1
+        with self._lock:
+            key = (self.current_phase, kind, self.link_class(group))
+            self.bytes[key] += volume(collective, nbytes, size)
+            self.calls[key] += 1
+
+    @property
+    def current_phase(self) -> str:
+        """The phase this thread's collectives are attributed to."""
+        return getattr(self._phase, "name", "other")
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Attribute what runs inside to ``name`` (forward, backward, step, ...)."""
-        previous, self.current_phase = self.current_phase, name
+        previous, self._phase.name = self.current_phase, name
         try:
             yield
         finally:
-            self.current_phase = previous
+            self._phase.name = previous
 
     def per_link(self, phase: str | None = None, kind: str | None = None) -> dict[str, int]:
         """Bytes per link class, summed over the phases and kinds that match (None matches all)."""
@@ -166,6 +174,14 @@ def reduce_scatter_tensor(
     """``output`` = this member's block of the element-wise reduction of every member's ``input``."""
     _record("reduce", "reduce_scatter", _nbytes(input), group)
     return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, kind: str = "reduce"
+) -> Any:
+    """``output`` row ``i`` = member ``i``'s input row for this member (equal splits)."""
+    _record(kind, "all_to_all", _nbytes(input), group)
+    return dist.all_to_all_single(output, input, group=group)
 
 
 def all_reduce(

@@ -51,6 +51,18 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "hierarchical_zero.grad_reduce",
         {"choices": ["hierarchical", "flat"], "help": "gradient reduce-scatter in hops or flat"},
     ),
+    "--hierarchical-zero-grad-sync": (
+        "hierarchical_zero.grad_sync",
+        {"choices": ["every_micro_batch", "accumulation_boundary"], "help": "when gradients cross nodes"},
+    ),
+    "--hierarchical-zero-quantized-weights": (
+        "hierarchical_zero.quantized_weights",
+        {"action": "store_const", "const": True, "help": "int8 weight all-gather across nodes"},
+    ),
+    "--hierarchical-zero-quantized-gradients": (
+        "hierarchical_zero.quantized_gradients",
+        {"choices": ["none", "int8", "int4"], "help": "gradient reduction across nodes, with error feedback"},
+    ),
     "--flash-overlap": (
         "flash_overlap.enabled",
         {"action": "store_const", "const": True, "help": "P2P-overlapped TP/SP linears (Flash-Overlap)"},

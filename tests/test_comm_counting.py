@@ -18,6 +18,7 @@ def _flat_vs_hops() -> dict:
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced as ds_rs
 
     from deepspeed_ext.zero import hops
+    from deepspeed_ext.zero.config import HierarchicalZeroConfig
     from deepspeed_ext.zero.levels import build_levels
 
     comm.patch_deepspeed_comm()  # also brings up DeepSpeed's communication backend
@@ -28,7 +29,7 @@ def _flat_vs_hops() -> dict:
         for parent in parents:  # every rank creates every group, in the same order
             made = dist.new_group(parent)
             dp = made if rank in parent else dp
-        levels = build_levels(TOPOLOGY, dp, "node", "hierarchical")
+        levels = build_levels(TOPOLOGY, dp, "node", HierarchicalZeroConfig())
         package = package or levels.groups.groups["package"]  # TP=1: two ranks per package
         plan, p = levels.dp_plan(), len(levels.dp_ranks)
         g = torch.Generator().manual_seed(rank)

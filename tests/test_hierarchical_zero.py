@@ -157,6 +157,7 @@ def _variants(ckpt_dir: str) -> dict:
         ("zero3", "stock", ds_config()),
         ("hpz", "stock", ds_config(zero_hpz_partition_size=4)),
         ("package", "ours", ds_config({"secondary_level": "auto"})),
+        ("boundary", "ours", ds_config({"secondary_level": "package", "grad_sync": "accumulation_boundary"})),
         ("node", "init", ds_config({"secondary_level": "node"})),
     ):
         engine = _built_under_init(cfg) if kind == "init" else make_engine(kind, cfg, mlp())
@@ -165,11 +166,15 @@ def _variants(ckpt_dir: str) -> dict:
             engine.save_checkpoint(ckpt_dir, tag="mid")
         more, more_counts = train(engine, range(5, STEPS), rank, MICRO)
         level = engine.hierarchical_zero.levels.secondary_level if kind != "stock" else None
+        counter = comm.CommCounter(TOPOLOGY)
+        with comm.counting(counter):
+            params = full_params(engine)
         runs[name] = {
             "losses": losses + more,
             "counts": counts + more_counts,
-            "params": full_params(engine),
+            "params": params,
             "level": level,
+            "gathered_parameters": counter.per_link(kind="gather"),
         }
         engine.destroy()
     engine = make_engine("ours", ds_config({"secondary_level": "auto"}), mlp())
@@ -188,7 +193,7 @@ def runs(run_ranks, tmp_path_factory):
 def test_losses_and_parameters_equal_stock_zero3(runs):
     for rank_runs in runs:
         ref = rank_runs["zero3"]
-        for name in ("hpz", "package", "node", "resumed"):
+        for name in ("hpz", "package", "boundary", "node", "resumed"):
             torch.testing.assert_close(
                 torch.tensor(rank_runs[name]["losses"]), torch.tensor(ref["losses"]), **TOL
             )
@@ -215,6 +220,7 @@ VARIANTS = {
     "zero3": cm.ZERO3,
     "hpz": cm.hpz(4, "node"),
     "package": cm.hierarchical("package"),
+    "boundary": cm.hierarchical("package", boundary_sync=True),
     "node": cm.hierarchical("node"),
 }
 
@@ -246,3 +252,24 @@ def test_backward_gathers_stay_in_node_and_inter_node_bytes_at_most_hpz(runs):
                 for k in ("gather", "reduce")
             )
             assert 0 < ours <= theirs, (name, ours, theirs)
+
+
+def test_gradients_cross_nodes_once_per_step_with_boundary_sync(runs):
+    for rank_runs in runs:
+        every = rank_runs["package"]["counts"][-1]["backward"]["reduce"]
+        once = rank_runs["boundary"]["counts"][-1]["backward"]["reduce"]
+        assert once["inter_node"] * MICRO == every["inter_node"] > 0
+        assert (once["package"], once["node"]) == (every["package"], every["node"])
+
+
+def test_gathered_parameters_run_in_hops_not_one_flat_collective(runs):
+    """What a flat all-gather over the 8 DP ranks would send (all of it charged to inter_node)
+    against what GatheredParameters sends per link class: the cross-node hop gathers a quarter of
+    the model over 2 nodes, 1/8 of it per rank where the flat collective charges 7/8."""
+    flat = 4 * sum(-(-n // 8) * 8 for n in mlp_numels()) * 7 // 8  # fp32, padded to the DP size
+    for rank_runs in runs:
+        for name in ("package", "node"):
+            sent = rank_runs[name]["gathered_parameters"]
+            assert sent["package"] > 0 and sent["node"] > 0, (name, sent)
+            assert sent["inter_node"] == pytest.approx(flat / 7, rel=0.02), (name, sent, flat)
+        assert rank_runs["zero3"]["gathered_parameters"]["inter_node"] == pytest.approx(flat, rel=0.01)

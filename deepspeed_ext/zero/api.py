@@ -138,7 +138,7 @@ def prepare(
     choice = choose_secondary_level(hz, shape, spec, links, micro_batches=micro)
     if dist.get_rank() == 0:
         logger.info(describe(choice, shape))
-    levels = build_levels(topology, dp_group, choice.level, hz.grad_reduce)
+    levels = build_levels(topology, dp_group, choice.level, hz)
     return HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
 
 
@@ -185,9 +185,9 @@ def initialize(
         )
     previous_mpu = ds_groups.mpu
     patched_comm = comm.patch_deepspeed_comm()
-    inject.register(levels)
+    reducer = inject.register(levels)
     level_mpu = inject.LevelMPU(levels, base=mpu, single=levels.self_group)
-    with inject.hierarchical_stage3(levels):
+    with inject.hierarchical_stage3(levels, reducer):
         result = deepspeed.initialize(model=model, config=config, mpu=level_mpu, **kwargs)
     engine = result[0]
     engine.hierarchical_zero = plan

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from deepspeed_ext.section import Section
+from deepspeed_ext.section import ConfigError, Section
 
 
 class HierarchicalZeroConfig(Section):
@@ -20,3 +20,26 @@ class HierarchicalZeroConfig(Section):
     """Gradient reduce-scatter in hops package -> node -> global, or one flat reduce-scatter."""
     link_bandwidth_gbps: dict[Literal["package", "node", "inter_node"], float] | None = None
     """GB/s per link class (package, node, inter_node) for the cost model; null uses Frontier's 200 / 50 / 25."""
+    grad_sync: Literal["every_micro_batch", "accumulation_boundary"] = "every_micro_batch"
+    """When gradients cross nodes: every micro-batch (as ZeRO-3) or once per step, summed per node in fp32 until then."""
+    quantized_weights: bool = False
+    """All-gather weights across nodes as blockwise int8 (forward gathers of the primary partition)."""
+    quantized_gradients: Literal["none", "int8", "int4"] = "none"
+    """Reduce gradients across nodes as blockwise int8 or int4, with error feedback."""
+    quantization_block: int = Field(default=256, ge=2, multiple_of=2)
+    """Elements per quantization scale (one fp32 scale each) in the quantized hops."""
+
+    @property
+    def grad_bits(self) -> int | None:
+        """Bits of the quantized gradient hop (None: not quantized)."""
+        return {"int8": 8, "int4": 4}.get(self.quantized_gradients)
+
+    @model_validator(mode="after")
+    def _hops_across_nodes(self) -> HierarchicalZeroConfig:
+        if self.grad_reduce == "flat" and (self.grad_sync != "every_micro_batch" or self.grad_bits):
+            raise ConfigError(
+                f"hierarchical_zero.grad_sync={self.grad_sync} / quantized_gradients={self.quantized_gradients} "
+                "change the cross-node gradient hop, which grad_reduce=flat does not have: set grad_reduce "
+                "to hierarchical or leave both at their defaults"
+            )
+        return self

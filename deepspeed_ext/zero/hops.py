@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext import comm
+from deepspeed_ext.topology import LinkClass
+from deepspeed_ext.zero import quantize
 from deepspeed_ext.zero.levels import HopPlan
 
 
@@ -33,59 +35,82 @@ def _inner_major(blocks: torch.Tensor, plan: HopPlan) -> torch.Tensor:
     return view.permute(order).reshape(blocks.shape)
 
 
-def reduce_scatter(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
-    """Sum of ``flat`` over the parent group, this member's ``1/p`` block (like reduce_scatter_tensor)."""
+def hop_order(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
+    """A reduce-scatter's input ([p * block], parent order) in the order its hops split it."""
     p = math.prod(plan.sizes)
     if flat.numel() % p:
         raise ValueError(f"buffer of {flat.numel()} elements does not split into {p} equal blocks")
-    held = _inner_major(flat.view(p, -1), plan).reshape(-1)
-    for size, group in zip(plan.sizes, plan.groups):
-        if size == 1:
+    return _inner_major(flat.view(p, -1), plan).reshape(-1)
+
+
+def reduce_scatter_hops(plan: HopPlan, held: torch.Tensor, hops: range) -> torch.Tensor:
+    """Run reduce-scatter hops ``hops`` (indices into the plan, innermost first) on ``held``."""
+    for i in hops:
+        if plan.sizes[i] == 1:
             continue
-        out = torch.empty(held.numel() // size, dtype=held.dtype, device=held.device)
-        comm.reduce_scatter_tensor(out, held, group=group)
+        out = torch.empty(held.numel() // plan.sizes[i], dtype=held.dtype, device=held.device)
+        comm.reduce_scatter_tensor(out, held, group=plan.groups[i])
         held = out
     return held
 
 
-def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor) -> None:
-    """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order."""
+def reduce_scatter(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
+    """Sum of ``flat`` over the parent group, this member's ``1/p`` block (like reduce_scatter_tensor)."""
+    return reduce_scatter_hops(plan, hop_order(plan, flat), range(len(plan.sizes)))
+
+
+def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None) -> None:
+    """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order; with
+    ``int8_block``, hops across nodes send blockwise int8 with that many elements per scale."""
     p = math.prod(plan.sizes)
     if out.numel() != p * block.numel():
         raise ValueError(f"output of {out.numel()} elements is not {p} blocks of {block.numel()}")
     held = block.reshape(-1).clone()  # ``block`` may be a view into ``out``, which the last copy overwrites
-    for size, group in zip(reversed(plan.sizes), reversed(plan.groups)):
+    for size, group, link in zip(reversed(plan.sizes), reversed(plan.groups), reversed(plan.links)):
         if size == 1:
             continue
         gathered = torch.empty(held.numel() * size, dtype=held.dtype, device=held.device)
-        comm.all_gather_into_tensor(gathered, held, group=group)
+        if int8_block is not None and link == LinkClass.INTER_NODE:
+            quantize.all_gather_int8(gathered, held, group, int8_block)
+        else:
+            comm.all_gather_into_tensor(gathered, held, group=group)
         held = gathered
     digits = list(plan.sizes)  # innermost first = how ``held`` is laid out now, outermost varying fastest
     order = list(reversed(range(len(digits)))) + [len(digits)]
     out.view(-1).copy_(held.view(*digits, -1).permute(order).reshape(-1))
 
 
-def reduce_scatter_coalesced(plan: HopPlan, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Average-reduce-scatter of several tensors at once, with the contract of DeepSpeed's
-    ``reduce_scatter_coalesced``: tensor ``t`` is cut into ``p`` chunks of ``ceil(numel/p)`` and this
-    member gets its (averaged) chunk of each, the last chunks shorter or empty where ``numel`` is not
-    a multiple of ``p``."""
-    p = math.prod(plan.sizes)
-    me = plan.parent.index(dist.get_rank())
+def pack(tensors: Sequence[torch.Tensor], p: int) -> tuple[torch.Tensor, list[int]]:
+    """Several tensors as one [p, block] buffer averaged over ``p``, with the chunking of DeepSpeed's
+    ``reduce_scatter_coalesced``: tensor ``t`` cut into ``p`` chunks of ``ceil(numel/p)`` (zero-padded),
+    member ``i``'s chunks side by side in row ``i``. Returns (buffer, chunk length per tensor)."""
     chunks = [math.ceil(t.numel() / p) for t in tensors]
-    block = sum(chunks)
-    blocks = torch.zeros(p, block, dtype=tensors[0].dtype, device=tensors[0].device)
+    blocks = torch.zeros(p, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
     offset = 0
     for t, c in zip(tensors, chunks):
         flat = t.reshape(-1)
         padded = torch.nn.functional.pad(flat, (0, c * p - flat.numel())) if c * p != flat.numel() else flat
         blocks[:, offset : offset + c] = padded.view(p, c)
         offset += c
-    blocks.div_(p)
-    mine = reduce_scatter(plan, blocks.view(-1))
+    return blocks.div_(p), chunks
+
+
+def unpack(
+    mine: torch.Tensor, tensors: Sequence[torch.Tensor], chunks: Sequence[int], me: int
+) -> list[torch.Tensor]:
+    """Member ``me``'s row of :func:`pack`'s buffer (reduced) as one chunk per tensor, the last
+    chunks shorter or empty where ``numel`` is not a multiple of ``p``."""
     out, offset = [], 0
     for t, c in zip(tensors, chunks):
         length = max(0, min(c, t.numel() - me * c))
         out.append(mine.narrow(0, offset, length))
         offset += c
     return out
+
+
+def reduce_scatter_coalesced(plan: HopPlan, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Average-reduce-scatter of several tensors at once, with the contract of DeepSpeed's
+    ``reduce_scatter_coalesced`` (see :func:`pack`)."""
+    p = math.prod(plan.sizes)
+    blocks, chunks = pack(tensors, p)
+    return unpack(reduce_scatter(plan, blocks.view(-1)), tensors, chunks, plan.parent.index(dist.get_rank()))

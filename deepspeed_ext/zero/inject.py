@@ -1,24 +1,30 @@
-"""How the hierarchical variant enters DeepSpeed 0.19: subclasses and two collective dispatchers.
+"""How the hierarchical variant enters DeepSpeed 0.19: subclasses and three collective dispatchers.
 
-* ``partition_parameters._dist_allgather_fn`` (every ZeRO-3 parameter all-gather) and
-  ``stage3.reduce_scatter_coalesced`` (every gradient reduce-scatter) are replaced by dispatchers
-  that run a :class:`~.levels.HopPlan` when the group is one of OUR groups, and call DeepSpeed's
-  own function otherwise. Our groups are fresh objects made for this engine (never megatron's or
-  DeepSpeed's), so a stock engine in the same process is untouched; with no plan registered the
-  dispatchers only add a dict lookup.
+* ``partition_parameters._dist_allgather_fn`` (ZeRO-3's parameter fetches in forward and backward),
+  ``deepspeed.comm.all_gather_into_tensor`` (every other gather: ``GatheredParameters``, persistent
+  parameters, checkpoints) and ``stage3.reduce_scatter_coalesced`` (every gradient reduce-scatter)
+  are replaced by dispatchers that run a :class:`~.levels.HopPlan` when the group is one of OUR
+  groups, and call DeepSpeed's own function otherwise. Our groups are fresh objects made for this
+  engine (never megatron's or DeepSpeed's), so a stock engine in the same process is untouched; with
+  no route registered the dispatchers only add a dict lookup. Hops run on the engine's
+  :class:`~.hop_worker.HopWorker`, so a gather returns a handle that completes when its hops do.
 * The stage-3 optimizer subclass sets DeepSpeed's hpZ group global to our secondary group while it
   is constructed (DeepSpeed reads the secondary group's size and rank from that global, not from the
-  group it is passed) and restores it after, so nothing leaks into a later engine.
+  group it is passed) and restores it after, so nothing leaks into a later engine; it tells the
+  gradient reducer where micro-batches start and whether one ends the step.
 * :class:`LevelMPU` hands DeepSpeed our data-parallel group object and delegates the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import deepspeed
+import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.zero import partition_parameters as ds_partition
@@ -26,85 +32,129 @@ from deepspeed.runtime.zero import stage3 as ds_stage3
 from deepspeed.utils import groups as ds_groups
 
 from deepspeed_ext.zero import hops
+from deepspeed_ext.zero.grad_sync import GradientReducer
+from deepspeed_ext.zero.hop_worker import HopWorker
 from deepspeed_ext.zero.levels import HopPlan, ZeroLevels
 
-_gather_plans: dict[int, tuple[dist.ProcessGroup, HopPlan]] = {}
-_reduce_plans: dict[int, tuple[dist.ProcessGroup, HopPlan]] = {}
+
+@dataclass
+class _Route:
+    """How one of our groups' collectives run."""
+
+    group: dist.ProcessGroup
+    """Our group object (dispatch is by identity)."""
+    plan: HopPlan
+    """Its hops."""
+    worker: HopWorker
+    """The engine's owner of hop collectives."""
+    int8_block: int | None = None
+    """Fetch gathers of this group send blockwise int8 across nodes (quantized_weights)."""
+    reducer: GradientReducer | None = None
+    """Gradient reduce-scatter of this group (hierarchical grad_reduce)."""
+
+
+_routes: dict[int, _Route] = {}
 _originals: dict[str, Any] = {}
 
 
-class _Completed:
-    """Work handle of a collective that already ran (the hops are synchronous)."""
-
-    def wait(self, *args: Any, **kwargs: Any) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
+def _route(group: Any) -> _Route | None:
+    route = _routes.get(id(group))
+    return route if route is not None and route.group is group else None
 
 
-def _lookup(table: dict[int, tuple[dist.ProcessGroup, HopPlan]], group: Any) -> HopPlan | None:
-    entry = table.get(id(group))
-    return entry[1] if entry is not None and entry[0] is group else None
+def _fetch_gather_dispatch(input_tensor: torch.Tensor, output_tensor: torch.Tensor, group: Any = None) -> Any:
+    """``_dist_allgather_fn``: ZeRO-3's forward/backward parameter fetches (quantizable)."""
+    route = _route(group)
+    if route is None:
+        return _originals["fetch_gather"](input_tensor, output_tensor, group=group)
+    return route.worker.submit(
+        output_tensor.device,
+        functools.partial(hops.all_gather, route.plan, input_tensor, output_tensor, route.int8_block),
+    )
 
 
-def _allgather_dispatch(input_tensor: torch.Tensor, output_tensor: torch.Tensor, group: Any = None) -> Any:
-    plan = _lookup(_gather_plans, group)
-    if plan is None:
-        return _originals["allgather"](input_tensor, output_tensor, group=group)
-    with torch.no_grad():
-        hops.all_gather(plan, input_tensor, output_tensor)
-    return _Completed()
+def _gather_dispatch(
+    output_tensor: torch.Tensor,
+    tensor: torch.Tensor,
+    group: Any = None,
+    async_op: bool = False,
+    **kwargs: Any,
+) -> Any:
+    """``deepspeed.comm.all_gather_into_tensor``: every other gather on our groups
+    (``GatheredParameters``, persistent parameters, checkpoints), in hops, never quantized."""
+    route = _route(group)
+    if route is None:
+        return _originals["gather"](output_tensor, tensor, group=group, async_op=async_op, **kwargs)
+    handle = route.worker.submit(
+        output_tensor.device, functools.partial(hops.all_gather, route.plan, tensor, output_tensor)
+    )
+    if async_op:
+        return handle
+    handle.wait()
+    return None
 
 
 def _reduce_scatter_dispatch(tensors: Sequence[torch.Tensor], group: Any = None) -> list[torch.Tensor]:
-    plan = _lookup(_reduce_plans, group)
-    if plan is None:
+    route = _route(group)
+    if route is None or route.reducer is None:
         return _originals["reduce_scatter"](tensors, group)
-    with torch.no_grad():
-        return hops.reduce_scatter_coalesced(plan, tensors)
+    return route.worker.run(tensors[0].device, functools.partial(route.reducer, tensors))
 
 
 def install_dispatchers() -> None:
     """Put the dispatchers in place (idempotent)."""
-    if "allgather" not in _originals:
-        _originals["allgather"] = ds_partition._dist_allgather_fn
+    if not _originals:
+        _originals["fetch_gather"] = ds_partition._dist_allgather_fn
+        _originals["gather"] = ds_comm.all_gather_into_tensor
         _originals["reduce_scatter"] = ds_stage3.reduce_scatter_coalesced
-    ds_partition._dist_allgather_fn = _allgather_dispatch
+    ds_partition._dist_allgather_fn = _fetch_gather_dispatch
+    ds_comm.all_gather_into_tensor = _gather_dispatch
     ds_stage3.reduce_scatter_coalesced = _reduce_scatter_dispatch
 
 
 def uninstall_dispatchers() -> None:
-    """Restore DeepSpeed's functions and forget every plan."""
-    if "allgather" in _originals:
-        ds_partition._dist_allgather_fn = _originals.pop("allgather")
+    """Restore DeepSpeed's functions and forget every route."""
+    if _originals:
+        ds_partition._dist_allgather_fn = _originals.pop("fetch_gather")
+        ds_comm.all_gather_into_tensor = _originals.pop("gather")
         ds_stage3.reduce_scatter_coalesced = _originals.pop("reduce_scatter")
-    _gather_plans.clear()
-    _reduce_plans.clear()
+    for route in _routes.values():
+        route.worker.shutdown()
+    _routes.clear()
 
 
 def unregister(levels: ZeroLevels) -> None:
-    """Forget the plans of ``levels``; with no plan left, DeepSpeed's functions are restored."""
-    for table in (_gather_plans, _reduce_plans):
-        for group in (levels.dp_group, levels.secondary_group):
-            if _lookup(table, group) is not None:
-                del table[id(group)]
-    if not _gather_plans and not _reduce_plans:
+    """Forget the routes of ``levels`` and stop their worker; with no route left, DeepSpeed's
+    functions are restored."""
+    for group in (levels.dp_group, levels.secondary_group):
+        route = _route(group)
+        if route is not None:
+            route.worker.shutdown()
+            del _routes[id(group)]
+    if not _routes:
         uninstall_dispatchers()
 
 
-def register(levels: ZeroLevels) -> None:
-    """Route this engine's collectives: primary and node-level gathers and (hierarchical) gradient
-    reduce-scatters in hops; a package-level gather is one hop, so DeepSpeed's own call does it."""
+def register(levels: ZeroLevels) -> GradientReducer | None:
+    """Route this engine's collectives: gathers over the DP group and the secondary group in hops
+    (one worker runs them all, so the groups see one order), gradient reduce-scatters through a
+    :class:`GradientReducer` when ``grad_reduce`` is hierarchical. Returns that reducer."""
     install_dispatchers()
+    config, worker = levels.config, HopWorker()
+    reducer = None
     dp = levels.dp_plan()
-    if not dp.is_trivial:
-        _gather_plans[id(levels.dp_group)] = (levels.dp_group, dp)
+    across_nodes = config.quantized_weights or config.grad_bits or config.grad_sync == "accumulation_boundary"
+    if not dp.is_trivial or across_nodes:
         if levels.grad_reduce == "hierarchical":
-            _reduce_plans[id(levels.dp_group)] = (levels.dp_group, dp)
+            reducer = GradientReducer(
+                dp, config.grad_sync == "accumulation_boundary", config.grad_bits, config.quantization_block
+            )
+        int8 = config.quantization_block if config.quantized_weights else None
+        _routes[id(levels.dp_group)] = _Route(levels.dp_group, dp, worker, int8, reducer)
     secondary = levels.secondary_plan()
-    if secondary is not None and not secondary.is_trivial:
-        _gather_plans[id(levels.secondary_group)] = (levels.secondary_group, secondary)
+    if secondary is not None:  # also when it is one hop: its package group is a hop group of the DP plan
+        _routes[id(levels.secondary_group)] = _Route(levels.secondary_group, secondary, worker)
+    return reducer
 
 
 @contextlib.contextmanager
@@ -119,17 +169,30 @@ def secondary_group_global(group: dist.ProcessGroup | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def hierarchical_stage3(levels: ZeroLevels) -> Iterator[type]:
+def hierarchical_stage3(levels: ZeroLevels, reducer: GradientReducer | None) -> Iterator[type]:
     """While active, the engine builds our stage-3 optimizer (it looks the class up in ``stage3``)."""
     base = ds_stage3.DeepSpeedZeroOptimizer_Stage3
 
     class HierarchicalZeroOptimizer(base):  # type: ignore[misc, valid-type]
-        """ZeRO-3 whose secondary weight copy lives on ``levels.secondary_group``."""
+        """ZeRO-3 whose secondary weight copy lives on ``levels.secondary_group`` and whose gradient
+        reducer learns from it where micro-batches start and steps end."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             with secondary_group_global(levels.secondary_group):
                 super().__init__(*args, **kwargs)
             self.hierarchical_levels = levels
+            if reducer is not None:
+                reducer.bind(self.is_gradient_accumulation_boundary)
+
+        def clear_backward_seen_flag(self) -> None:  # the engine calls it at every forward
+            super().clear_backward_seen_flag()
+            if reducer is not None:
+                reducer.start_micro_batch()
+
+        def step(self, *args: Any, **kwargs: Any) -> Any:
+            if reducer is not None:
+                reducer.check_flushed()
+            return super().step(*args, **kwargs)
 
     ds_stage3.DeepSpeedZeroOptimizer_Stage3 = HierarchicalZeroOptimizer
     try:

@@ -25,6 +25,7 @@ from deepspeed_ext.topology import (
     level_members,
     new_level_groups,
 )
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
 
 # The link each hop group's ring runs on.
 HOP_LINKS = {
@@ -98,8 +99,8 @@ class ZeroLevels:
     """Process groups of each level and cross group, our own objects (not megatron's)."""
     secondary_level: Level
     """Level of the secondary 16-bit weight partition (global: none)."""
-    grad_reduce: str
-    """hierarchical or flat gradient reduce-scatter."""
+    config: HierarchicalZeroConfig
+    """How the hops run (gradient reduce, cross-node sync, quantization)."""
     self_group: dist.ProcessGroup
     """A group of this rank alone: the model-parallel group when the model has no mpu."""
 
@@ -110,6 +111,10 @@ class ZeroLevels:
         for group in made.values():
             dist.destroy_process_group(group)
         self.groups = LevelGroups(members={}, groups={})
+
+    @property
+    def grad_reduce(self) -> str:
+        return self.config.grad_reduce
 
     @property
     def dp_ranks(self) -> tuple[int, ...]:
@@ -154,7 +159,10 @@ class ZeroLevels:
 
 
 def build_levels(
-    topology: Topology, dp_group: dist.ProcessGroup | None, secondary_level: Level, grad_reduce: str
+    topology: Topology,
+    dp_group: dist.ProcessGroup | None,
+    secondary_level: Level,
+    config: HierarchicalZeroConfig,
 ) -> ZeroLevels:
     """Create the level groups of every data-parallel group of the job. Collective over the whole job
     (each rank learns the others' DP groups, then all create the same groups in the same order)."""
@@ -176,6 +184,6 @@ def build_levels(
         shape=shape,
         groups=groups,
         secondary_level=Level(secondary_level),
-        grad_reduce=grad_reduce,
+        config=config,
         self_group=self_group,
     )

@@ -1,0 +1,132 @@
+"""The gradient reduce-scatter of one hierarchical engine, with DeepSpeed's contract.
+
+Hops run inside the node every micro-batch. The hop across nodes runs every micro-batch (as
+ZeRO-3), or, with ``grad_sync: accumulation_boundary``, once per optimizer step: each rank holds its
+node-level block (fp32, summed over the step's micro-batches) and hands DeepSpeed zeros until the
+boundary micro-batch, which sends the sum. DeepSpeed adds the partitions of every micro-batch, so
+the step sees the same total (MiCS and FSDP's hybrid sharding do the same). The hop across nodes
+may be quantized (int8 / int4 with error feedback, :mod:`.quantize`).
+
+Held blocks and error-feedback residuals belong to a bucket: the k-th reduce-scatter call since
+the engine's last forward. DeepSpeed fills its buckets in backward order, so the k-th call holds
+the same tensors every micro-batch; the layout is checked at every call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.topology import LinkClass
+from deepspeed_ext.zero import hops, quantize
+from deepspeed_ext.zero.levels import HopPlan
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Bucket:
+    chunks: tuple[int, ...]
+    """Chunk length per tensor: the layout the held state belongs to."""
+    held: torch.Tensor | None = None
+    """fp32 node-level block summed over this step's micro-batches (boundary sync)."""
+    residual: torch.Tensor | None = None
+    """fp32 quantization error of what this rank last sent across nodes (error feedback)."""
+
+
+class GradientReducer:
+    """``reduce_scatter_coalesced`` over a data-parallel group, in the hops of ``plan``."""
+
+    def __init__(self, plan: HopPlan, at_boundary: bool, grad_bits: int | None, block: int) -> None:
+        self.plan = plan
+        crossing = [
+            i
+            for i, (s, link) in enumerate(zip(plan.sizes, plan.links))
+            if s > 1 and link == LinkClass.INTER_NODE
+        ]
+        self._cross = crossing[0] if crossing else None
+        self.at_boundary = at_boundary and self._cross is not None
+        self.grad_bits = grad_bits if self._cross is not None else None
+        self.block = block
+        self._buckets: list[_Bucket] = []
+        self._cursor = 0
+        self._is_boundary: Callable[[], bool] = lambda: True
+        self._warned = False
+
+    def bind(self, is_boundary: Callable[[], bool]) -> None:
+        """Where to read whether the running micro-batch ends the step (the ZeRO optimizer)."""
+        self._is_boundary = is_boundary
+
+    def start_micro_batch(self) -> None:
+        """A forward began: the next call is bucket 0 again."""
+        self._cursor = 0
+
+    def check_flushed(self) -> None:
+        """Before the optimizer step: no gradient may still wait for its cross-node hop."""
+        waiting = [i for i, b in enumerate(self._buckets) if b.held is not None]
+        if waiting:
+            raise RuntimeError(
+                f"hierarchical_zero: gradient buckets {waiting} were held for the accumulation boundary but "
+                "the boundary micro-batch did not reduce them (a parameter got no gradient there): set "
+                "hierarchical_zero.grad_sync to every_micro_batch for this model"
+            )
+
+    def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        plan = self.plan
+        p = math.prod(plan.sizes)
+        blocks, chunks = hops.pack(tensors, p)
+        me = plan.parent.index(dist.get_rank())
+        held = hops.hop_order(plan, blocks.view(-1))
+        if self._cross is None or not (self.at_boundary or self.grad_bits):
+            return hops.unpack(
+                hops.reduce_scatter_hops(plan, held, range(len(plan.sizes))), tensors, chunks, me
+            )
+        node_block = hops.reduce_scatter_hops(plan, held, range(self._cross))
+        bucket = self._bucket(tuple(chunks))
+        if self.at_boundary and not self._is_boundary():
+            if bucket.held is None:
+                bucket.held = node_block.float()
+            else:
+                bucket.held.add_(node_block)
+            zeros = node_block.new_zeros(node_block.numel() // plan.sizes[self._cross])
+            return hops.unpack(zeros, tensors, chunks, me)
+        if bucket.held is not None:
+            node_block = bucket.held.add_(node_block).to(node_block.dtype)
+            bucket.held = None
+        if self.grad_bits:
+            mine, bucket.residual = quantize.reduce_scatter_quantized(
+                node_block, plan.groups[self._cross], self.grad_bits, self.block, bucket.residual
+            )
+        else:
+            mine = hops.reduce_scatter_hops(plan, node_block, range(self._cross, len(plan.sizes)))
+        return hops.unpack(mine, tensors, chunks, me)
+
+    def _bucket(self, chunks: tuple[int, ...]) -> _Bucket:
+        index = self._cursor
+        self._cursor += 1
+        if index == len(self._buckets):
+            self._buckets.append(_Bucket(chunks))
+        bucket = self._buckets[index]
+        if bucket.chunks == chunks:
+            return bucket
+        if bucket.held is not None:
+            raise RuntimeError(
+                f"hierarchical_zero: gradient bucket {index} of this micro-batch has {len(chunks)} tensors "
+                f"(chunks {chunks[:4]}...), the one held from the previous micro-batch {len(bucket.chunks)} "
+                f"(chunks {bucket.chunks[:4]}...): grad_sync accumulation_boundary needs the same buckets "
+                "every micro-batch; set hierarchical_zero.grad_sync to every_micro_batch for this model"
+            )
+        if not self._warned:
+            logger.warning(
+                "hierarchical_zero: gradient bucket %d changed layout; its quantization error feedback "
+                "starts again (logged once)",
+                index,
+            )
+            self._warned = True
+        self._buckets[index] = _Bucket(chunks)
+        return self._buckets[index]
