@@ -158,7 +158,7 @@ def test_planner_picks_fastest_level_within_budget():
     assert choose_secondary_level(big, FRONTIER_384, MODEL, links).level == "package"
     middle = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=M / 8 / 1e9)
     choice = choose_secondary_level(middle, FRONTIER_384, MODEL, links)
-    assert choice.level == "node" and choice.extra_bytes == {"package": M // 2, "node": M // 8}
+    assert choice.level == "node" and choice.extra_bytes == {"package": M // 2, "node": M // 8, "global": 0}
     tiny = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=1e-3)
     assert choose_secondary_level(tiny, FRONTIER_384, MODEL, links).level == "global"
     one_node = DPShape(nodes=1, packages_per_node=4, per_package=2)
@@ -176,3 +176,20 @@ def test_planner_picks_fastest_level_within_budget():
     assert "secondary level package" in describe(
         choose_secondary_level(big, FRONTIER_384, MODEL, links), FRONTIER_384
     )
+
+
+def test_planner_counts_gradients_held_for_the_cross_node_hop_in_the_budget():
+    """Boundary sync holds the node-level gradient block (1/8 of the padded model at 8 DP members per
+    node) in fp32, int4 gradients a residual of the same size: 2 x 4 bytes x elements / 8 per rank,
+    on top of the secondary copy; a budget that fits the node copy alone then fits nothing."""
+    elements = M // MODEL.weight_bytes  # M: the padded 16-bit model in bytes
+    held = 2 * 4 * elements // 8
+    both = HierarchicalZeroConfig(
+        enabled=True,
+        secondary_memory_budget_gb=M / 8 / 1e9,
+        grad_sync="accumulation_boundary",
+        quantized_gradients="int4",
+    )
+    choice = choose_secondary_level(both, FRONTIER_384, MODEL, cm.Links())
+    assert choice.extra_bytes == {"package": M // 2 + held, "node": M // 8 + held, "global": held}
+    assert choice.level == "global"

@@ -43,6 +43,16 @@ def _startup_errors() -> dict[str, str]:
         "node_size": ({**ds_config({}), "topology": {"ranks_per_node": 3}}, None, None),
         "dp_size": (ds_config({}), _Mpu(uneven) if dist.get_rank() < 3 else None, Topology(4, 2, 1)),
         "level": (ds_config({"secondary_level": "rack"}), None, Topology(4, 2, 1)),
+        "flat_boundary": (
+            ds_config({"grad_reduce": "flat", "grad_sync": "accumulation_boundary"}),
+            None,
+            Topology(4, 2, 1),
+        ),
+        "unmanaged": (
+            {**ds_config({"grad_sync": "accumulation_boundary"}), "managed_gradient_accumulation": False},
+            None,
+            Topology(4, 2, 1),
+        ),
     }
     saved = {name: getattr(dist, name) for name in COLLECTIVES}
 
@@ -78,6 +88,8 @@ def test_impossible_combinations_fail_before_any_collective(run_ranks):
         "node_size": "ranks_per_node(3)",
         "dp_size": "data-parallel size 3 does not divide world(4)",
         "level": "hierarchical_zero.secondary_level='rack'",
+        "flat_boundary": "which grad_reduce=flat does not have: set grad_reduce to hierarchical",
+        "unmanaged": "managed_gradient_accumulation=false hides: remove that key",
     }
     for case, text in expect.items():
         assert text in messages[case], (case, messages[case])

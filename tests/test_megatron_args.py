@@ -125,6 +125,15 @@ CASES = [
         {"hierarchical_zero": {"secondary_memory_budget_gb": 4.0}},
     ),
     (["--hierarchical-zero-grad-reduce", "flat"], {"hierarchical_zero": {"grad_reduce": "flat"}}),
+    (
+        ["--hierarchical-zero-grad-sync", "accumulation_boundary"],
+        {"hierarchical_zero": {"grad_sync": "accumulation_boundary"}},
+    ),
+    (["--hierarchical-zero-quantized-weights"], {"hierarchical_zero": {"quantized_weights": True}}),
+    (
+        ["--hierarchical-zero-quantized-gradients", "int4"],
+        {"hierarchical_zero": {"quantized_gradients": "int4"}},
+    ),
     (["--flash-overlap"], {"flash_overlap": {"enabled": True}}),
     (["--flash-overlap-layers", "qkv", "fc2"], {"flash_overlap": {"layers": ["qkv", "fc2"]}}),
     (["--flash-overlap-mode", "ring"], {"flash_overlap": {"mode": "ring"}}),

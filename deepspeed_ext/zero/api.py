@@ -16,9 +16,15 @@ from deepspeed_ext import comm
 from deepspeed_ext.section import ConfigError, read_ds_config
 from deepspeed_ext.topology import Topology, detect_topology
 from deepspeed_ext.zero import inject
-from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, hierarchical, step_hops
+from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, step_hops
 from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
-from deepspeed_ext.zero.planner import SecondaryChoice, choose_secondary_level, describe, links_for
+from deepspeed_ext.zero.planner import (
+    SecondaryChoice,
+    choose_secondary_level,
+    describe,
+    links_for,
+    variant_for,
+)
 from plugin_config import PluginConfig, load_plugin_config, validate_against_world
 
 logger = logging.getLogger(__name__)
@@ -46,7 +52,7 @@ class HierarchicalPlan:
 
     def predicted_bytes(self, micro_batches: int = 1) -> dict[str, int]:
         """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
-        variant = hierarchical(self.levels.secondary_level, self.levels.grad_reduce)
+        variant = variant_for(self.levels.config, self.levels.secondary_level, self.model)
         return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))
 
 
@@ -126,6 +132,12 @@ def prepare(
         raise ConfigError("hierarchical_zero.enabled is false: call deepspeed.initialize directly")
     check_deepspeed_version()
     validate_deepspeed_config(ds)
+    if hz.grad_sync == "accumulation_boundary" and ds.get("managed_gradient_accumulation") is False:
+        raise ConfigError(
+            "hierarchical_zero.grad_sync=accumulation_boundary needs DeepSpeed to know the boundary during "
+            "backward, which managed_gradient_accumulation=false hides: remove that key or set grad_sync "
+            "to every_micro_batch"
+        )
     world = dist.get_world_size()
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(world))

@@ -11,6 +11,7 @@ from deepspeed_ext.zero.cost_model import (
     FRONTIER_BANDWIDTH_GBPS,
     Links,
     ModelSpec,
+    Variant,
     comm_time,
     hierarchical,
     step_hops,
@@ -27,7 +28,8 @@ class SecondaryChoice:
     level: Level
     """The secondary copy's level (global: none)."""
     extra_bytes: dict[Level, int]
-    """Memory per rank the secondary copy takes at each candidate level."""
+    """Memory per rank the variant adds at each candidate level (and global): the secondary copy
+    plus the fp32 gradient blocks held for the cross-node hop."""
     step_seconds: dict[Level, float]
     """Modelled communication time of one step at each candidate level (and global)."""
     budget_bytes: int
@@ -41,6 +43,25 @@ def links_for(config: HierarchicalZeroConfig, ranks_per_nic: int) -> Links:
     bandwidth = dict(FRONTIER_BANDWIDTH_GBPS)
     bandwidth.update({LinkClass(k): v for k, v in (config.link_bandwidth_gbps or {}).items()})
     return Links(bandwidth_gbps=bandwidth, ranks_per_nic=ranks_per_nic)
+
+
+def variant_for(config: HierarchicalZeroConfig, level: Level, model: ModelSpec) -> Variant:
+    """The cost model's variant for this config: boundary sync and quantized hops included (an int
+    element of ``bits`` plus one fp32 scale per ``quantization_block``, over the dense element)."""
+    per_scale = 4 / config.quantization_block
+    weights = (1 + per_scale) / model.weight_bytes if config.quantized_weights else 1.0
+    grads = (config.grad_bits / 8 + per_scale) / model.grad_bytes if config.grad_bits else 1.0
+    boundary = config.grad_sync == "accumulation_boundary"
+    return hierarchical(level, config.grad_reduce, boundary, weights, grads)
+
+
+def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec) -> int:
+    """fp32 bytes per rank kept for the cross-node gradient hop: the node-level block summed until
+    the boundary (grad_sync) and the error-feedback residual (quantized_gradients)."""
+    if shape.nodes == 1:
+        return 0
+    node_block = model.padded(shape.size) // (shape.per_package * shape.packages_per_node) * 4
+    return node_block * ((config.grad_sync == "accumulation_boundary") + (config.grad_bits is not None))
 
 
 def candidate_sizes(shape: DPShape) -> dict[Level, int]:
@@ -57,11 +78,13 @@ def choose_secondary_level(
 ) -> SecondaryChoice:
     """Fastest level whose extra memory fits the budget (auto), or the configured level."""
     full = model.padded(shape.size) * model.weight_bytes
-    extra = {level: full // size for level, size in candidate_sizes(shape).items()}
+    held = held_bytes(config, shape, model)
+    extra = {level: full // size + held for level, size in candidate_sizes(shape).items()}
     seconds = {
-        level: comm_time(step_hops(model, shape, hierarchical(level), micro_batches), links)
+        level: comm_time(step_hops(model, shape, variant_for(config, level, model), micro_batches), links)
         for level in (*extra, Level.GLOBAL)
     }
+    extra[Level.GLOBAL] = held
     budget = int(config.secondary_memory_budget_gb * 1e9)
     requested = config.secondary_level
     if requested != "auto":
@@ -75,7 +98,7 @@ def choose_secondary_level(
             if extra[level] > budget:
                 reason += f" (over the {config.secondary_memory_budget_gb} GB budget)"
     else:
-        fitting = [lvl for lvl in extra if extra[lvl] <= budget]
+        fitting = [lvl for lvl in extra if lvl != Level.GLOBAL and extra[lvl] <= budget]
         if fitting:
             level = min(fitting, key=lambda lvl: seconds[lvl])
             reason = "fastest level within the memory budget"

@@ -1,0 +1,58 @@
+"""Asynchronous hops on CPU: the dispatcher returns before the hops run, the handle completes when
+they have, work runs in the order it was asked for, and a failure surfaces in ``wait``."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from deepspeed_ext import comm
+from deepspeed_ext.topology import Topology
+from deepspeed_ext.zero.hop_worker import HopWorker
+
+CPU = torch.device("cpu")
+
+
+def test_handle_completes_when_the_work_does_and_work_keeps_its_order():
+    worker, gate, order = HopWorker(), threading.Event(), []
+    try:
+        first = worker.submit(CPU, lambda: (gate.wait(10), order.append("first")))
+        second = worker.submit(CPU, lambda: order.append("second"))
+        assert not first.is_completed() and not second.is_completed()  # returned before running
+        gate.set()
+        assert second.wait() and first.is_completed()
+        assert order == ["first", "second"]
+        assert worker.run(CPU, lambda: torch.is_grad_enabled()) is False  # hops never build graphs
+    finally:
+        gate.set()
+        worker.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("hierarchical-zero-hops")]
+
+
+def test_a_failed_hop_raises_in_wait():
+    worker = HopWorker()
+    try:
+        handle = worker.submit(CPU, lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            handle.wait()
+    finally:
+        worker.shutdown()
+
+
+def test_bytes_are_counted_in_the_phase_that_asked_for_them():
+    counter, worker = (
+        comm.CommCounter(Topology(world_size=1, ranks_per_node=1, ranks_per_package=1)),
+        HopWorker(),
+    )
+    seen = []
+    try:
+        with comm.counting(counter), counter.phase("forward"):
+            handle = worker.submit(CPU, lambda: seen.append(counter.current_phase))
+            with counter.phase("backward"):
+                handle.wait()
+                assert counter.current_phase == "backward"
+    finally:
+        worker.shutdown()
+    assert seen == ["forward"]
