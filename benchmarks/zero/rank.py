@@ -106,6 +106,8 @@ def engine_bytes(engine: Any) -> dict[str, int]:
                 seen.add(storage.data_ptr())
                 total += storage.nbytes()
         out[name] = total
+    reducer = getattr(opt, "hierarchical_reducer", None)  # gradient blocks held for the cross-node hop
+    out["held_for_cross_node"] = reducer.peak_bytes if reducer is not None else 0
     return out
 
 

@@ -27,8 +27,10 @@ from typing import Any
 
 from benchmarks.cluster.loopback import launch_loopback
 from deepspeed_ext.comm import LINK_CLASSES
+from deepspeed_ext.topology import Level
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.planner import variant_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.zero.rank"]
@@ -105,6 +107,10 @@ def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str
         f"zero++ hpZ({per_node})": cm.hpz(per_node, "node"),
         "ours (node)": cm.hierarchical("node"),
     }
+    for item in a.get("ours_variant", []):
+        name, _, keys = item.partition("=")
+        config = HierarchicalZeroConfig(**{"secondary_level": "package", **json.loads(keys)})
+        variants[f"ours ({name})"] = variant_for(config, Level(config.secondary_level), model)
     return shape, model, variants
 
 

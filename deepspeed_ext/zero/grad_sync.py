@@ -57,6 +57,8 @@ class GradientReducer:
         self._cursor = 0
         self._is_boundary: Callable[[], bool] = lambda: True
         self._warned = False
+        self.peak_bytes = 0
+        """Most bytes held at once in blocks and residuals (memory the variant adds)."""
 
     def bind(self, is_boundary: Callable[[], bool]) -> None:
         """Where to read whether the running micro-batch ends the step (the ZeRO optimizer)."""
@@ -93,8 +95,10 @@ class GradientReducer:
                 bucket.held = node_block.float()
             else:
                 bucket.held.add_(node_block)
+            self._track_memory()
             zeros = node_block.new_zeros(node_block.numel() // plan.sizes[self._cross])
             return hops.unpack(zeros, tensors, chunks, me)
+        self._track_memory()
         if bucket.held is not None:
             node_block = bucket.held.add_(node_block).to(node_block.dtype)
             bucket.held = None
@@ -105,6 +109,10 @@ class GradientReducer:
         else:
             mine = hops.reduce_scatter_hops(plan, node_block, range(self._cross, len(plan.sizes)))
         return hops.unpack(mine, tensors, chunks, me)
+
+    def _track_memory(self) -> None:
+        held = [t for b in self._buckets for t in (b.held, b.residual) if t is not None]
+        self.peak_bytes = max(self.peak_bytes, sum(t.numel() * t.element_size() for t in held))
 
     def _bucket(self, chunks: tuple[int, ...]) -> _Bucket:
         index = self._cursor

@@ -181,6 +181,7 @@ def hierarchical_stage3(levels: ZeroLevels, reducer: GradientReducer | None) -> 
             with secondary_group_global(levels.secondary_group):
                 super().__init__(*args, **kwargs)
             self.hierarchical_levels = levels
+            self.hierarchical_reducer = reducer
             if reducer is not None:
                 reducer.bind(self.is_gradient_accumulation_boundary)
 
