@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from test_hierarchical_zero import make_engine
+from test_hierarchical_zero import ds_config, make_engine
 
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Level, Topology
@@ -122,21 +122,12 @@ def _sequences(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _gpt_config(hierarchical: dict | None) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": 8,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "Adam", "params": {"lr": 3e-3, "torch_adam": True}},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-        },
-        "steps_per_print": 10**9,
-        "topology": {"ranks_per_node": 2, "ranks_per_package": 2},
-    }
-    if hierarchical is not None:
-        cfg["hierarchical_zero"] = {"enabled": True, "secondary_level": "package", **hierarchical}
+def _gpt_config(hierarchical: dict) -> dict:
+    cfg = ds_config({"secondary_level": "package", **hierarchical}, micro=1)
+    cfg["train_micro_batch_size_per_gpu"] = 8
+    cfg["optimizer"]["params"]["lr"] = 3e-3
+    cfg["topology"] = {"ranks_per_node": 2, "ranks_per_package": 2}
+    del cfg["zero_optimization"]["stage3_prefetch_bucket_size"]  # DeepSpeed's prefetch, as users run it
     return cfg
 
 
