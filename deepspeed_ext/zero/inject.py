@@ -140,7 +140,9 @@ def register(levels: ZeroLevels) -> GradientReducer | None:
     (one worker runs them all, so the groups see one order), gradient reduce-scatters through a
     :class:`GradientReducer` when ``grad_reduce`` is hierarchical. Returns that reducer."""
     install_dispatchers()
-    config, worker = levels.config, HopWorker()
+    # Init(levels) and then initialize() register the same levels: keep one worker (one thread, one order)
+    previous = _route(levels.dp_group) or _route(levels.secondary_group)
+    config, worker = levels.config, previous.worker if previous is not None else HopWorker()
     reducer = None
     dp = levels.dp_plan()
     across_nodes = config.quantized_weights or config.grad_bits or config.grad_sync == "accumulation_boundary"
