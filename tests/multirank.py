@@ -130,6 +130,11 @@ class WorkerPool:
             )
         return [results[r][1] for r in range(self.world_size)]
 
+    def threads(self) -> int:
+        """Threads of the busiest worker: gloo groups that outlive their test keep theirs."""
+        counts = [len(os.listdir(f"/proc/{p.pid}/task")) for p in self._procs if p.is_alive()]
+        return max(counts, default=0)
+
     @property
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)

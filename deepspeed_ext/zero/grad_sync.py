@@ -15,7 +15,6 @@ the same tensors every micro-batch; the layout is checked at every call.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -80,10 +79,8 @@ class GradientReducer:
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         plan = self.plan
-        p = math.prod(plan.sizes)
-        blocks, chunks = hops.pack(tensors, p)
+        held, chunks = hops.pack(tensors, plan)
         me = plan.parent.index(dist.get_rank())
-        held = hops.hop_order(plan, blocks.view(-1))
         if self._cross is None or not (self.at_boundary or self.grad_bits):
             return hops.unpack(
                 hops.reduce_scatter_hops(plan, held, range(len(plan.sizes))), tensors, chunks, me
@@ -91,8 +88,8 @@ class GradientReducer:
         node_block = hops.reduce_scatter_hops(plan, held, range(self._cross))
         bucket = self._bucket(tuple(chunks))
         if self.at_boundary and not self._is_boundary():
-            if bucket.held is None:
-                bucket.held = node_block.float()
+            if bucket.held is None:  # a copy: ``node_block`` is a view into the whole bucket
+                bucket.held = node_block.to(torch.float32, copy=True)
             else:
                 bucket.held.add_(node_block)
             self._track_memory()

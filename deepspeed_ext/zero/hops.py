@@ -27,12 +27,15 @@ def _digits_outer_first(plan: HopPlan) -> list[int]:
     return list(reversed(plan.sizes))
 
 
+def _reversed_axes(plan: HopPlan) -> list[int]:
+    """Permutation that turns a [digit..., block] view's digit order around (its own inverse)."""
+    return [*reversed(range(len(plan.sizes))), len(plan.sizes)]
+
+
 def _inner_major(blocks: torch.Tensor, plan: HopPlan) -> torch.Tensor:
     """[p, block] in parent order -> [p, block] with the innermost hop index varying slowest."""
-    digits = _digits_outer_first(plan)
-    view = blocks.view(*digits, -1)
-    order = list(reversed(range(len(digits)))) + [len(digits)]
-    return view.permute(order).reshape(blocks.shape)
+    view = blocks.view(*_digits_outer_first(plan), -1)
+    return view.permute(_reversed_axes(plan)).reshape(blocks.shape)
 
 
 def hop_order(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
@@ -44,11 +47,13 @@ def hop_order(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter_hops(plan: HopPlan, held: torch.Tensor, hops: range) -> torch.Tensor:
-    """Run reduce-scatter hops ``hops`` (indices into the plan, innermost first) on ``held``."""
+    """Run reduce-scatter hops ``hops`` (indices into the plan, innermost first) on ``held``, in
+    place: each hop's output is this member's slice of its input (as DeepSpeed's flat call does), so
+    the hops allocate nothing and the result is a view into ``held``."""
     for i in hops:
         if plan.sizes[i] == 1:
             continue
-        out = torch.empty(held.numel() // plan.sizes[i], dtype=held.dtype, device=held.device)
+        out = held.view(plan.sizes[i], -1)[dist.get_rank(plan.groups[i])]
         comm.reduce_scatter_tensor(out, held, group=plan.groups[i])
         held = out
     return held
@@ -75,24 +80,27 @@ def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block
         else:
             comm.all_gather_into_tensor(gathered, held, group=group)
         held = gathered
-    digits = list(plan.sizes)  # innermost first = how ``held`` is laid out now, outermost varying fastest
-    order = list(reversed(range(len(digits)))) + [len(digits)]
-    out.view(-1).copy_(held.view(*digits, -1).permute(order).reshape(-1))
+    # ``held`` is laid out innermost digit slowest: copy it through a view of ``out`` in that layout
+    # (no third full-size buffer).
+    out.view(*_digits_outer_first(plan), -1).permute(_reversed_axes(plan)).copy_(held.view(*plan.sizes, -1))
 
 
-def pack(tensors: Sequence[torch.Tensor], p: int) -> tuple[torch.Tensor, list[int]]:
-    """Several tensors as one [p, block] buffer averaged over ``p``, with the chunking of DeepSpeed's
-    ``reduce_scatter_coalesced``: tensor ``t`` cut into ``p`` chunks of ``ceil(numel/p)`` (zero-padded),
-    member ``i``'s chunks side by side in row ``i``. Returns (buffer, chunk length per tensor)."""
+def pack(tensors: Sequence[torch.Tensor], plan: HopPlan) -> tuple[torch.Tensor, list[int]]:
+    """Several tensors as one buffer averaged over the parent, in hop order, with the chunking of
+    DeepSpeed's ``reduce_scatter_coalesced``: tensor ``t`` cut into ``p`` chunks of ``ceil(numel/p)``
+    (zero-padded), member ``i``'s chunks side by side in its row, the rows written straight into hop
+    order (:func:`hop_order`, without its copy). Returns (flat buffer, chunk length per tensor)."""
+    p = math.prod(plan.sizes)
     chunks = [math.ceil(t.numel() / p) for t in tensors]
-    blocks = torch.zeros(p, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
+    blocks = torch.zeros(*plan.sizes, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
+    rows = blocks.permute(_reversed_axes(plan))  # indexed like parent order: outermost digit first
     offset = 0
     for t, c in zip(tensors, chunks):
         flat = t.reshape(-1)
         padded = torch.nn.functional.pad(flat, (0, c * p - flat.numel())) if c * p != flat.numel() else flat
-        blocks[:, offset : offset + c] = padded.view(p, c)
+        rows[..., offset : offset + c] = padded.view(*_digits_outer_first(plan), c)
         offset += c
-    return blocks.div_(p), chunks
+    return blocks.div_(p).view(-1), chunks
 
 
 def unpack(
@@ -111,6 +119,6 @@ def unpack(
 def reduce_scatter_coalesced(plan: HopPlan, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Average-reduce-scatter of several tensors at once, with the contract of DeepSpeed's
     ``reduce_scatter_coalesced`` (see :func:`pack`)."""
-    p = math.prod(plan.sizes)
-    blocks, chunks = pack(tensors, p)
-    return unpack(reduce_scatter(plan, blocks.view(-1)), tensors, chunks, plan.parent.index(dist.get_rank()))
+    blocks, chunks = pack(tensors, plan)
+    mine = reduce_scatter_hops(plan, blocks, range(len(plan.sizes)))
+    return unpack(mine, tensors, chunks, plan.parent.index(dist.get_rank()))
