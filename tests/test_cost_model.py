@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.api import largest_collectives
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.planner import choose_secondary_level, describe
+from deepspeed_ext.zero.planner import HopBuffers, choose_secondary_level, describe, hop_buffers
 
 FRONTIER_384 = DPShape(nodes=48, packages_per_node=4, per_package=2)
 PSI = 384 * 1_000_000  # parameters, a multiple of the DP size: no padding
@@ -193,3 +194,28 @@ def test_planner_counts_gradients_held_for_the_cross_node_hop_in_the_budget():
     choice = choose_secondary_level(both, FRONTIER_384, MODEL, cm.Links())
     assert choice.extra_bytes == {"package": M // 2 + held, "node": M // 8 + held, "global": held}
     assert choice.level == "global"
+
+
+def test_planner_counts_transient_hop_buffers_in_every_level():
+    """An all-gather of G 16-bit elements in hops holds the innermost hop's input and output at
+    once: G x 2 bytes x (1 + 1/2) at 2 GCDs per package. Unquantized reduce-scatter hops run in
+    place in DeepSpeed's bucket: nothing. Both count against the budget at every level."""
+    g = 1_000_000
+    buffers = hop_buffers(HierarchicalZeroConfig(enabled=True), FRONTIER_384, MODEL, g, g)
+    assert buffers == HopBuffers(gather=3_000_000, reduce=0)
+    one_node = DPShape(nodes=1, packages_per_node=1, per_package=8)  # one hop: the flat collective
+    assert hop_buffers(HierarchicalZeroConfig(enabled=True), one_node, MODEL, g, g) == HopBuffers(0, 0)
+    big = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=1e3)
+    choice = choose_secondary_level(big, FRONTIER_384, MODEL, cm.Links(), buffers=buffers)
+    assert choice.extra_bytes == {
+        "package": M // 2 + 3_000_000,
+        "node": M // 8 + 3_000_000,
+        "global": 3_000_000,
+    }
+
+
+def test_largest_collectives_are_a_bucket_plus_one_parameter_at_most_the_model():
+    model = cm.ModelSpec(param_numels=(50, 30, 70))
+    zero = {"stage3_prefetch_bucket_size": 60, "reduce_bucket_size": 1000}
+    assert largest_collectives({"zero_optimization": zero}, model) == (60 + 70, 150)
+    assert largest_collectives({}, model) == (150, 150)  # DeepSpeed's default buckets exceed the model

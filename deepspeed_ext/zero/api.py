@@ -22,6 +22,7 @@ from deepspeed_ext.zero.planner import (
     SecondaryChoice,
     choose_secondary_level,
     describe,
+    hop_buffers,
     links_for,
     variant_for,
 )
@@ -115,6 +116,17 @@ def model_spec(model: torch.nn.Module, ds: dict) -> ModelSpec:
     return ModelSpec(param_numels=numels, weight_bytes=weight, grad_bytes=grad, gathers_per_pass=owners)
 
 
+def largest_collectives(ds: dict, model: ModelSpec) -> tuple[int, int]:
+    """Elements of the largest parameter all-gather and gradient reduce-scatter ZeRO-3 issues: a
+    prefetch (reduce) bucket, which DeepSpeed closes after the parameter that fills it, so up to one
+    parameter more; never more than the model. DeepSpeed's defaults where the config is silent."""
+    zero = ds.get("zero_optimization") or {}
+    prefetch = zero.get("stage3_prefetch_bucket_size", zero.get("prefetch_bucket_size", 5e7))
+    bucket = zero.get("reduce_bucket_size", 5e8)
+    total, largest = sum(model.param_numels), max(model.param_numels)
+    return min(total, int(float(prefetch)) + largest), min(total, int(float(bucket)) + largest)
+
+
 def prepare(
     model: torch.nn.Module | ModelSpec,
     config: Union[str, os.PathLike, dict],
@@ -147,7 +159,9 @@ def prepare(
     spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
     links = links_for(hz, ranks_per_nic=topology.ranks_per_package)
     micro = int(ds.get("gradient_accumulation_steps") or 1)
-    choice = choose_secondary_level(hz, shape, spec, links, micro_batches=micro)
+    gather, reduce = largest_collectives(ds, spec)
+    buffers = hop_buffers(hz, shape, spec, gather, reduce)
+    choice = choose_secondary_level(hz, shape, spec, links, micro_batches=micro, buffers=buffers)
     if dist.get_rank() == 0:
         logger.info(describe(choice, shape))
     levels = build_levels(topology, dp_group, choice.level, hz)

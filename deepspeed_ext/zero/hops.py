@@ -92,15 +92,19 @@ def pack(tensors: Sequence[torch.Tensor], plan: HopPlan) -> tuple[torch.Tensor, 
     order (:func:`hop_order`, without its copy). Returns (flat buffer, chunk length per tensor)."""
     p = math.prod(plan.sizes)
     chunks = [math.ceil(t.numel() / p) for t in tensors]
-    blocks = torch.zeros(*plan.sizes, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
-    rows = blocks.permute(_reversed_axes(plan))  # indexed like parent order: outermost digit first
+    rows = torch.zeros(p, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
+    # row of parent member i in hop order
+    where = _inner_major(torch.arange(p).view(p, 1), plan).view(-1).argsort().to(rows.device)
     offset = 0
     for t, c in zip(tensors, chunks):
-        flat = t.reshape(-1)
-        padded = torch.nn.functional.pad(flat, (0, c * p - flat.numel())) if c * p != flat.numel() else flat
-        rows[..., offset : offset + c] = padded.view(*_digits_outer_first(plan), c)
+        if c == 0:
+            continue
+        flat, full = t.reshape(-1), t.numel() // c
+        rows[where[:full], offset : offset + c] = flat[: full * c].view(full, c)
+        if full < p and full * c < t.numel():  # the last, partial chunk; later rows stay zero
+            rows[where[full], offset : offset + t.numel() - full * c] = flat[full * c :]
         offset += c
-    return blocks.div_(p).view(-1), chunks
+    return rows.div_(p).view(-1), chunks
 
 
 def unpack(

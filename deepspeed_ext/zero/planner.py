@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 from deepspeed_ext.topology import Level, LinkClass
@@ -28,12 +29,14 @@ class SecondaryChoice:
     level: Level
     """The secondary copy's level (global: none)."""
     extra_bytes: dict[Level, int]
-    """Memory per rank the variant adds at each candidate level (and global): the secondary copy
-    plus the fp32 gradient blocks held for the cross-node hop."""
+    """Memory per rank the variant adds at each candidate level (and global): the secondary copy,
+    the fp32 gradient blocks held for the cross-node hop and the transient hop buffers."""
     step_seconds: dict[Level, float]
     """Modelled communication time of one step at each candidate level (and global)."""
     budget_bytes: int
     """secondary_memory_budget_gb in bytes."""
+    buffers: HopBuffers
+    """Transient hop buffers, counted in every level's extra bytes."""
     reason: str
     """One line on why this level."""
 
@@ -64,6 +67,54 @@ def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec)
     return node_block * ((config.grad_sync == "accumulation_boundary") + (config.grad_bits is not None))
 
 
+@dataclass(frozen=True)
+class HopBuffers:
+    """Peak bytes per rank that one hop collective allocates beyond the flat one it replaces
+    (computed from the buffers hops.py and quantize.py allocate; tests/test_hop_memory.py measures)."""
+
+    gather: int
+    """One parameter all-gather: the innermost hop's input and output (the flat call writes straight
+    into DeepSpeed's buffer), or the int8 cross-node hop's integers and fp32 values if larger."""
+    reduce: int
+    """One gradient reduce-scatter: nothing unquantized (hops run in place in DeepSpeed's packed
+    bucket); the quantized cross-node hop's fp32 copy, working copy and integers; boundary sync's
+    zeros handed to DeepSpeed."""
+
+    @property
+    def total(self) -> int:
+        """Both at once: the all-gather and reduce-scatter streams may overlap."""
+        return self.gather + self.reduce
+
+
+def hop_buffers(
+    config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec, gather_elems: int, reduce_elems: int
+) -> HopBuffers:
+    """:class:`HopBuffers` for all-gathers of ``gather_elems`` and reduce-scatters of ``reduce_elems``
+    elements (the largest calls DeepSpeed makes: a prefetch bucket, a reduce bucket)."""
+    sizes = [s for s in (shape.per_package, shape.packages_per_node, shape.nodes) if s > 1]
+    if len(sizes) < 2:  # one hop is the flat collective itself (HopPlan.is_trivial)
+        return HopBuffers(0, 0)
+    p, wb, gb = shape.size, model.weight_bytes, model.grad_bytes
+    gather = gather_elems * wb + gather_elems // sizes[0] * wb
+    if config.quantized_weights and shape.nodes > 1:
+        # int8 hop across nodes on h = G/p elements: input, output, payload, gathered payloads, fp32 values
+        h = math.ceil(gather_elems / p)
+        gather = max(gather, h * (wb + shape.nodes * (wb + 1 + 4) + 1))
+    reduce = 0
+    if config.grad_reduce == "hierarchical" and shape.nodes > 1:
+        node_elems = math.ceil(reduce_elems / p) * shape.nodes  # the block that crosses nodes
+        if config.grad_sync == "accumulation_boundary":
+            reduce = math.ceil(reduce_elems / p) * gb
+        if config.grad_bits:
+            padded = -(-node_elems // config.quantization_block) * config.quantization_block
+            # fp32 copy of the block (the next residual), then 6 bytes per padded element at once
+            # (payload, received payload and the fp32 values dequantized from it), the scales sent
+            # and received, and the fp32 sum
+            scales = 2 * 4 * padded // config.quantization_block
+            reduce = max(reduce, node_elems * 4 + padded * 6 + scales + node_elems // shape.nodes * 4)
+    return HopBuffers(gather=gather, reduce=reduce)
+
+
 def candidate_sizes(shape: DPShape) -> dict[Level, int]:
     """Secondary levels worth having: a level spanning the whole group would copy the primary
     partition: pure cost, since every module release then copies each weight (docs/gpu.md)."""
@@ -74,11 +125,16 @@ def candidate_sizes(shape: DPShape) -> dict[Level, int]:
 
 
 def choose_secondary_level(
-    config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec, links: Links, micro_batches: int = 1
+    config: HierarchicalZeroConfig,
+    shape: DPShape,
+    model: ModelSpec,
+    links: Links,
+    micro_batches: int = 1,
+    buffers: HopBuffers = HopBuffers(0, 0),
 ) -> SecondaryChoice:
     """Fastest level whose extra memory fits the budget (auto), or the configured level."""
     full = model.padded(shape.size) * model.weight_bytes
-    held = held_bytes(config, shape, model)
+    held = held_bytes(config, shape, model) + buffers.total
     extra = {level: full // size + held for level, size in candidate_sizes(shape).items()}
     seconds = {
         level: comm_time(step_hops(model, shape, variant_for(config, level, model), micro_batches), links)
@@ -108,7 +164,12 @@ def choose_secondary_level(
                 "no level fits the memory budget: backward gathers use the primary partition",
             )
     return SecondaryChoice(
-        level=level, extra_bytes=extra, step_seconds=seconds, budget_bytes=budget, reason=reason
+        level=level,
+        extra_bytes=extra,
+        step_seconds=seconds,
+        budget_bytes=budget,
+        buffers=buffers,
+        reason=reason,
     )
 
 
@@ -125,5 +186,6 @@ def describe(choice: SecondaryChoice, shape: DPShape) -> str:
     return (
         f"hierarchical ZeRO: DP group {shape.size} = {shape.nodes} node(s) x {shape.packages_per_node} "
         f"package(s) x {shape.per_package}; secondary level {choice.level} ({choice.reason}; budget "
-        f"{_size(choice.budget_bytes)}); modelled: {figures}"
+        f"{_size(choice.budget_bytes)}; hop buffers +{_size(choice.buffers.gather)} gather, "
+        f"+{_size(choice.buffers.reduce)} reduce, in every figure); modelled: {figures}"
     )

@@ -28,28 +28,31 @@ def _check(bits: int, block: int) -> None:
 
 def quantize(x: torch.Tensor, bits: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ([rows, n]) -> (uint8 payload [rows, ceil(n / block) * block * bits / 8],
-    fp32 scales [rows, ceil(n / block)]); each row quantized on its own."""
+    fp32 scales [rows, ceil(n / block)]); each row quantized on its own. Works in place on one fp32
+    copy of ``x`` (transient: 4 bytes per element, then the 1-byte integers)."""
     _check(bits, block)
     rows, n = x.shape
     padded = -(-n // block) * block
-    xf = torch.nn.functional.pad(x.float(), (0, padded - n)).view(rows, -1, block)
-    scales = xf.abs().amax(dim=2, keepdim=True) / QMAX[bits]
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(xf / scales).clamp_(-QMAX[bits], QMAX[bits]).to(torch.int16) + QMAX[bits] + 1
-    q = q.to(torch.uint8).view(rows, padded)
+    work = torch.zeros(rows, padded, dtype=torch.float32, device=x.device)
+    work[:, :n] = x
+    blocks = work.view(rows, -1, block)
+    scales = torch.linalg.vector_norm(blocks, ord=float("inf"), dim=2, keepdim=True).div_(QMAX[bits])
+    scales.masked_fill_(scales == 0, 1.0)
+    blocks.div_(scales).round_().clamp_(-QMAX[bits], QMAX[bits]).add_(QMAX[bits] + 1)
+    q = work.to(torch.uint8)
     if bits == 4:
         q = q[:, 0::2] | (q[:, 1::2] << 4)
     return q, scales.view(rows, -1)
 
 
 def dequantize(payload: torch.Tensor, scales: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`quantize`: fp32 [rows, n]."""
+    """Inverse of :func:`quantize`: fp32 [rows, n] (one fp32 buffer, the padding sliced off)."""
     rows = payload.shape[0]
     if bits == 4:
         payload = torch.stack((payload & 0xF, payload >> 4), dim=2).view(rows, -1)
-    values = payload.to(torch.int16) - (QMAX[bits] + 1)
+    values = payload.to(torch.float32).sub_(QMAX[bits] + 1)
     blocks = scales.shape[1]
-    return (values.view(rows, blocks, -1).float() * scales.view(rows, blocks, 1)).view(rows, -1)[:, :n]
+    return values.view(rows, blocks, -1).mul_(scales.view(rows, blocks, 1)).view(rows, -1)[:, :n]
 
 
 def all_gather_int8(out: torch.Tensor, held: torch.Tensor, group: dist.ProcessGroup, block: int) -> None:
@@ -70,14 +73,15 @@ def reduce_scatter_quantized(
     pieces sent quantized. ``residual`` (fp32, like ``held``, or None) is added before quantizing;
     returns (this member's sum in ``held``'s dtype, the new fp32 residual)."""
     size = dist.get_world_size(group)
-    x = held.float().view(size, -1)
+    x = held.view(size, -1).to(torch.float32, copy=True)  # this call's own copy: it becomes the residual
     if residual is not None:
-        x = x + residual.view(size, -1)
+        x.add_(residual.view(size, -1))
     payload, scales = quantize(x, bits, block)
     n = x.shape[1]
-    sent = dequantize(payload, scales, bits, n)
     got_payload, got_scales = torch.empty_like(payload), torch.empty_like(scales)
     comm.all_to_all_single(got_payload, payload, group=group)
     comm.all_to_all_single(got_scales, scales, group=group)
     total = dequantize(got_payload, got_scales, bits, n).sum(dim=0)
-    return total.to(held.dtype), (x - sent).view(-1)
+    del got_payload, got_scales
+    x.sub_(dequantize(payload, scales, bits, n))
+    return total.to(held.dtype), x.view(-1)
