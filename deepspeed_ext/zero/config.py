@@ -15,7 +15,7 @@ class HierarchicalZeroConfig(Section):
     secondary_level: Literal["auto", "package", "node"] = "auto"
     """Level of the secondary 16-bit weight partition; auto picks the fastest one that fits the budget."""
     secondary_memory_budget_gb: float = Field(default=8.0, gt=0)
-    """Extra memory per rank (GB) that the secondary weight copy may take when secondary_level is auto."""
+    """Extra memory per rank (GB) for the secondary weight copy, held gradient blocks and hop buffers when secondary_level is auto."""
     grad_reduce: Literal["hierarchical", "flat"] = "hierarchical"
     """Gradient reduce-scatter in hops package -> node -> global, or one flat reduce-scatter."""
     link_bandwidth_gbps: dict[Literal["package", "node", "inter_node"], float] | None = None
