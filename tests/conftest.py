@@ -36,16 +36,15 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 @pytest.fixture(scope="session")
 def run_ranks() -> Iterator[RunRanks]:
-    pools = _pools
-
     def run(
         world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
     ) -> list[Any]:
-        pool = pools.get(world_size)
+        pool = _pools.get(world_size)
         if pool is None or not pool.alive:
-            pool = pools[world_size] = WorkerPool(world_size)
+            pool = _pools[world_size] = WorkerPool(world_size)
         return pool.run(fn, *args, timeout=timeout, **kwargs)
 
     yield run
-    for pool in pools.values():
+    for pool in _pools.values():
         pool.close()
+    _pools.clear()

@@ -101,7 +101,7 @@ def pack(tensors: Sequence[torch.Tensor], plan: HopPlan) -> tuple[torch.Tensor, 
             continue
         flat, full = t.reshape(-1), t.numel() // c
         rows[where[:full], offset : offset + c] = flat[: full * c].view(full, c)
-        if full < p and full * c < t.numel():  # the last, partial chunk; later rows stay zero
+        if full * c < t.numel():  # the last, partial chunk; later rows stay zero
             rows[where[full], offset : offset + t.numel() - full * c] = flat[full * c :]
         offset += c
     return rows.div_(p).view(-1), chunks
