@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from deepspeed_ext.section import ConfigError
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.api import largest_collectives
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
@@ -219,3 +220,10 @@ def test_largest_collectives_are_a_bucket_plus_one_parameter_at_most_the_model()
     zero = {"stage3_prefetch_bucket_size": 60, "reduce_bucket_size": 1000}
     assert largest_collectives({"zero_optimization": zero}, model) == (60 + 70, 150)
     assert largest_collectives({}, model) == (150, 150)  # DeepSpeed's default buckets exceed the model
+
+
+@pytest.mark.parametrize("size", ["auto", -1, 2.5, True, None])
+def test_a_bucket_size_that_is_not_a_whole_number_of_elements_is_refused_by_name(size):
+    model = cm.ModelSpec(param_numels=(50, 30, 70))
+    with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_size=.* is not a bucket size"):
+        largest_collectives({"zero_optimization": {"reduce_bucket_size": size}}, model)

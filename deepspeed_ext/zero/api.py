@@ -121,10 +121,26 @@ def largest_collectives(ds: dict, model: ModelSpec) -> tuple[int, int]:
     prefetch (reduce) bucket, which DeepSpeed closes after the parameter that fills it, so up to one
     parameter more; never more than the model. DeepSpeed's defaults where the config is silent."""
     zero = ds.get("zero_optimization") or {}
-    prefetch = zero.get("stage3_prefetch_bucket_size", zero.get("prefetch_bucket_size", 5e7))
-    bucket = zero.get("reduce_bucket_size", 5e8)
+    prefetch_key = (
+        "stage3_prefetch_bucket_size" if "stage3_prefetch_bucket_size" in zero else "prefetch_bucket_size"
+    )
+    prefetch = _bucket_elems(zero, prefetch_key, 5e7)
+    bucket = _bucket_elems(zero, "reduce_bucket_size", 5e8)
     total, largest = sum(model.param_numels), max(model.param_numels)
-    return min(total, int(float(prefetch)) + largest), min(total, int(float(bucket)) + largest)
+    return min(total, prefetch + largest), min(total, bucket + largest)
+
+
+def _bucket_elems(zero: dict, key: str, default: float) -> int:
+    """A bucket size in elements; a whole non-negative number, as DeepSpeed requires ("auto" is
+    for the Hugging Face trainer to fill in before DeepSpeed sees the config)."""
+    value = zero.get(key, default)
+    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    if isinstance(value, bool) or not whole or value < 0:
+        raise ConfigError(
+            f"zero_optimization.{key}={value!r} is not a bucket size: give a whole number of elements "
+            f"such as {int(default)}, or remove the key for DeepSpeed's default"
+        )
+    return int(value)
 
 
 def prepare(
