@@ -23,6 +23,19 @@ _pools: dict[int, WorkerPool] = {}
 # takes CPU from everything after it on 2 cores (DeepSpeed's CPU all-reduce spins, so runs using it
 # slow down most); it is closed before a test that does not use the pools.
 LEAKY_POOL_THREADS = 24
+# Tests that start training processes of their own run first, before any pool exists: beside idle
+# pools holding leaked engines, a Megatron-DeepSpeed run took 48 s instead of 16 s.
+OWN_PROCESSES = ("upstream", "slurm", "netns", "slow")
+
+
+def _starts_its_own_processes(item: pytest.Item) -> bool:
+    if "run_ranks" in getattr(item, "fixturenames", ()):
+        return False
+    return any(item.get_closest_marker(name) for name in OWN_PROCESSES)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not _starts_its_own_processes(item))  # stable: order kept otherwise
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

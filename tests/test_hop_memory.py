@@ -50,7 +50,7 @@ def _inside_collective(event: Any) -> bool:
     return False
 
 
-def peak_bytes(fn: Callable[[], Any], repeats: int = 3) -> int:
+def peak_bytes(fn: Callable[[], Any], repeats: int = 5) -> int:
     """Fewest of ``repeats`` calls' :func:`one_peak`: gloo's thread sometimes drops its reference
     to a hop's input late, which holds that buffer a moment longer than the call needs it."""
     return min(one_peak(fn) for _ in range(repeats))
