@@ -30,7 +30,6 @@ import torch.distributed as dist
 from deepspeed_ext.topology import LinkClass, Topology
 
 LINK_CLASSES = tuple(LinkClass)
-KINDS = ("gather", "reduce", "other")
 
 # torch 2.13 deprecates the *_tensor names (a FutureWarning per call on gloo); the *_single ones are
 # the same collectives under their new names. Older torch has only the old names.

@@ -77,10 +77,11 @@ def _compare(
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
     dataset = _dataset(prefix, cache, documents_apart)
+    world = dist.get_world_size()
     kwargs = dict(
         micro_batch_size=MBS,
         consumed_samples=consumed,
-        topology=topology,
+        topology=topology or Topology(world_size=world, ranks_per_node=world, ranks_per_package=1),
         tp_group=ps.get_tensor_model_parallel_group(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),

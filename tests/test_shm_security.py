@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.topology import Topology
 from megatron_ext.data import loader as loader_module
 from megatron_ext.data import ring as ring_module
 from megatron_ext.data.config import ShmDataLoaderConfig
@@ -187,7 +188,7 @@ def _load(prefix, cache, shm_dir, token=None, steps=3):
             dataset,
             micro_batch_size=MBS,
             consumed_samples=0,
-            topology=None,
+            topology=Topology(world_size=RANKS, ranks_per_node=RANKS, ranks_per_package=1),
             tp_group=None,
             job_id=JOB,
             config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=TIMEOUT_S, shm_dir=shm_dir),

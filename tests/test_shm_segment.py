@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from deepspeed_ext.topology import Topology
 from megatron_ext.data import shm_segment
 from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.config import ShmDataLoaderConfig
@@ -203,7 +204,7 @@ def test_weakly_ordered_machines_are_refused(corpus, monkeypatch, machine):
             micro_batch_size=2,
             consumed_samples=0,
             config=ShmDataLoaderConfig(enabled=True),
-            topology=None,
+            topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
             tp_group=None,
             dp_rank=0,
             dp_size=1,
@@ -214,6 +215,21 @@ def test_weakly_ordered_machines_are_refused(corpus, monkeypatch, machine):
 def test_x86_64_is_accepted(monkeypatch, machine):
     monkeypatch.setattr(platform, "machine", lambda: machine)
     check_platform()
+
+
+def test_the_node_loader_without_the_jobs_topology_is_refused_before_any_collective(corpus, tmp_path):
+    dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"needs the job's topology: pass topology=detect_topology"):
+        build_batch_iterator(
+            dataset,
+            micro_batch_size=2,
+            consumed_samples=0,
+            config=ShmDataLoaderConfig(enabled=True),
+            topology=None,
+            tp_group=None,
+            dp_rank=0,
+            dp_size=1,
+        )
 
 
 @pytest.mark.parametrize("damage,culprit", [("truncate_bin", ".bin"), ("corrupt_idx", ".idx")])
@@ -233,7 +249,7 @@ def test_corrupt_dataset_named_at_the_entry_point(corpus, tmp_path, damage, culp
             micro_batch_size=2,
             consumed_samples=0,
             config=ShmDataLoaderConfig(enabled=True),
-            topology=None,
+            topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
             tp_group=None,
             dp_rank=0,
             dp_size=1,

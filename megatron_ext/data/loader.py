@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.topology import Topology, detect_topology
+from deepspeed_ext.topology import Topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.ring import check_platform
@@ -60,7 +60,8 @@ def build_batch_iterator(
     ``dataset``: the megatron-core ``GPTDataset`` (built on every rank: each needs its length and
     config; only one process per node reads from it when ``config.enabled``). ``sampler``: Megatron's
     ``single`` or its ``cyclic`` loader (``random``; ``seed=0`` and ``data_sharding=True`` are
-    Megatron's own settings). ``topology`` (None: detect it) places ranks on nodes; ``tp_group`` is
+    Megatron's own settings). ``topology`` (the job's, detected once by the caller; None only with the loader off) places
+    ranks on nodes; ``tp_group`` is
     the group that shares a batch on the stock path; ``job_id`` (None: Slurm's, or a hash of the
     rendezvous variables) and ``name`` (one per loader of the job, e.g. train, valid) label the
     shared-memory segment, whose name also carries a random token no other user can guess.
@@ -89,9 +90,13 @@ def build_batch_iterator(
             device=device,
             num_workers=num_workers,
         )
+    if topology is None:
+        raise ValueError(
+            "the node loader needs the job's topology: pass "
+            "topology=detect_topology(plugin_config.topology, world_size=...) to build_batch_iterator"
+        )
     check_platform()  # every rank, before the collective: none is left waiting in it
     rank, world = dist.get_rank(), dist.get_world_size()
-    topology = topology or detect_topology(world_size=world)
     gathered: list[Any] = [None] * world
     # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or
     # other), and a random token per rank: that of the node's first rank names the node's segment, so
