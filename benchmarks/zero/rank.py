@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from benchmarks.cluster.netns import sent_bytes
 from deepspeed_ext import comm
-from deepspeed_ext.topology import Topology
+from deepspeed_ext.topology import Level, Topology
 
 
 def model(hidden: int, layers: int) -> torch.nn.Module:
@@ -34,7 +34,9 @@ def model(hidden: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks)
 
 
-def ds_config(args: argparse.Namespace, topology: Topology, level: str = "package", **zero: object) -> dict:
+def ds_config(
+    args: argparse.Namespace, topology: Topology, level: Level = Level.PACKAGE, **zero: object
+) -> dict:
     # Prefetch on; every parameter gathered in each forward and backward (no reuse, none persistent,
     # at most --max-live elements gathered at once: with DeepSpeed's default of 1e9 a small model
     # stays gathered from its forward to its backward), as the cost model assumes.
@@ -169,15 +171,15 @@ def main() -> None:
     configs = {
         "zero3": ("stock", ds_config(args, topology)),
         f"zero++ hpZ({package})": ("stock", ds_config(args, topology, zero_hpz_partition_size=package)),
-        "ours (package)": ("ours", ds_config(args, topology, "package")),
+        "ours (package)": ("ours", ds_config(args, topology, Level.PACKAGE)),
         f"zero++ hpZ({node})": ("stock", ds_config(args, topology, zero_hpz_partition_size=node)),
-        "ours (node)": ("ours", ds_config(args, topology, "node")),
+        "ours (node)": ("ours", ds_config(args, topology, Level.NODE)),
     }
     if args.quantized_hops:
         args.ours_variant.append(f"package, quantized hops={args.quantized_hops}")
     for item in args.ours_variant:
         name, _, keys = item.partition("=")
-        cfg = ds_config(args, topology, "package")
+        cfg = ds_config(args, topology, Level.PACKAGE)
         cfg["hierarchical_zero"].update(json.loads(keys))
         configs[f"ours ({name})"] = ("ours", cfg)
     engines = {name: build(kind, cfg, topology, args) for name, (kind, cfg) in configs.items()}

@@ -27,7 +27,7 @@ from typing import Any
 
 from benchmarks.cluster.loopback import launch_loopback
 from deepspeed_ext.comm import LINK_CLASSES
-from deepspeed_ext.topology import Level
+from deepspeed_ext.topology import Level, LinkClass
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.planner import variant_for
@@ -102,14 +102,14 @@ def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str
     model = cm.ModelSpec(param_numels=numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
     variants = {
         "zero3": cm.ZERO3,
-        f"zero++ hpZ({per_package})": cm.hpz(per_package, "package"),
-        "ours (package)": cm.hierarchical("package"),
-        f"zero++ hpZ({per_node})": cm.hpz(per_node, "node"),
-        "ours (node)": cm.hierarchical("node"),
+        f"zero++ hpZ({per_package})": cm.hpz(per_package, Level.PACKAGE),
+        "ours (package)": cm.hierarchical(Level.PACKAGE),
+        f"zero++ hpZ({per_node})": cm.hpz(per_node, Level.NODE),
+        "ours (node)": cm.hierarchical(Level.NODE),
     }
     for item in a.get("ours_variant", []):
         name, _, keys = item.partition("=")
-        config = HierarchicalZeroConfig(**{"secondary_level": "package", **json.loads(keys)})
+        config = HierarchicalZeroConfig(**{"secondary_level": Level.PACKAGE.value, **json.loads(keys)})
         variants[f"ours ({name})"] = variant_for(config, Level(config.secondary_level), model)
     return shape, model, variants
 
@@ -132,9 +132,9 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
     links = None
     if spec:
         rates = {
-            "package": spec["package_mbit"],
-            "node": spec["node_mbit"],
-            "inter_node": spec["inter_node_mbit"],
+            LinkClass.PACKAGE: spec["package_mbit"],
+            LinkClass.NODE: spec["node_mbit"],
+            LinkClass.INTER_NODE: spec["inter_node_mbit"],
         }
         per_node = spec["packages_per_node"] * spec["ranks_per_package"]
         # gloo: one ring per collective, and its reduce-scatter sends what an all-reduce sends
