@@ -85,7 +85,7 @@ def test_quantized_factors_apply_to_inter_node_hops_only():
     assert cm.bytes_per_link(one_node, "forward", "gather")["node"] == pytest.approx(0.5 * 7 / 8 * M)
 
 
-def test_padding_follows_zero3():
+def test_each_parameter_is_padded_to_a_multiple_of_the_partition_count_as_zero3_does():
     model = cm.ModelSpec(param_numels=(13, 8, 1), weight_bytes=4, grad_bytes=4)
     assert model.padded(8) == 16 + 8 + 8
 

@@ -5,6 +5,7 @@ import itertools
 
 import pytest
 import torch
+from megatron_samplers import random_sampler
 from torch.utils.data import DataLoader
 
 from megatron_ext.data.samplers import (
@@ -16,7 +17,7 @@ from megatron_ext.data.samplers import (
 )
 
 
-def test_single_pass_hand_worked():
+def test_single_pass_gives_each_rank_its_slice_of_each_full_global_batch():
     # 10 samples, mbs 2, dp 2: steps of 4 samples; the incomplete chunk [8, 9] is dropped
     assert list(single_pass_batches(10, 0, 2, 0, 2)) == [[0, 1], [4, 5]]
     assert list(single_pass_batches(10, 0, 2, 1, 2)) == [[2, 3], [6, 7]]
@@ -91,26 +92,6 @@ def test_batch_sampler_drives_a_dataloader_and_restarts():
         SamplerSettings(2, 0, 1, "cyclic")
 
 
-def _megatron_random_epoch(total, mbs, dp_rank, dp, sharding, epoch):
-    """One epoch of MegatronPretrainingRandomSampler (core_v0.16.1) from consumed 0, as Megatron writes it:
-    Python lists from torch.randperm(...).tolist()."""
-    g = torch.Generator()
-    g.manual_seed(epoch)
-    if sharding:
-        bucket_size = (total // (mbs * dp)) * mbs
-        idx_range = [dp_rank * bucket_size + x for x in torch.randperm(bucket_size, generator=g).tolist()]
-    else:
-        full = (total // mbs) * mbs
-        idx_range = torch.randperm(full, generator=g).tolist()[dp_rank::dp]
-    batches, batch = [], []
-    for idx in idx_range:
-        batch.append(idx)
-        if len(batch) == mbs:
-            batches.append(batch)
-            batch = []
-    return batches
-
-
 @pytest.mark.parametrize("sharding", [True, False])
 def test_lazy_shuffle_is_megatrons_list_order(sharding):
     total, mbs, dp = 200_003, 4, 3  # large enough that a wrong slice or dtype would show
@@ -120,7 +101,8 @@ def test_lazy_shuffle_is_megatrons_list_order(sharding):
     for epoch in (0, 1):
         got = [[next(s) for _ in range(steps)] for s in streams]
         for r in range(dp):
-            assert got[r] == _megatron_random_epoch(total, mbs, r, dp, sharding, epoch)[:steps]
+            upstream = random_sampler(total, epoch * steps * mbs * dp, mbs, r, dp, sharding)
+            assert got[r] == list(itertools.islice(upstream, steps))
             assert all(type(i) is int for b in got[r][:3] for i in b)
 
 

@@ -8,6 +8,7 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
+from megatron_samplers import megatron_order
 
 from deepspeed_ext.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
@@ -59,17 +60,6 @@ def _take(iterator, steps):
     return batches
 
 
-def _megatron_pretraining_sampler(total, consumed, mbs, dp_rank, dp):
-    """MegatronPretrainingSampler's order (core_v0.16.1, drop_last), as its __iter__ is written:
-    indices from consumed on gathered into global batches of mbs * dp, each rank taking its slice."""
-    batch = []
-    for idx in range(consumed, total):
-        batch.append(idx)
-        if len(batch) == mbs * dp:
-            yield batch[dp_rank * mbs : (dp_rank + 1) * mbs]
-            batch = []
-
-
 def _compare(
     prefix, cache, tp, sampler, consumed, steps, job, topology=None, mask=False, documents_apart=False
 ):
@@ -103,12 +93,12 @@ def _compare(
     for i, (a, b) in enumerate(zip(got, expected)):
         for key in a:
             assert torch.equal(a[key], b[key]), f"rank {dist.get_rank()} batch {i} key {key} differs"
-    if sampler == "single":  # and both hold the samples Megatron's own sampler picks
-        order = _megatron_pretraining_sampler(
-            len(dataset), consumed, MBS, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        )
-        for batch, indices in zip(got, order):
-            assert torch.equal(batch["tokens"], torch.stack([dataset[j]["tokens"] for j in indices]))
+    # and both hold the samples Megatron's own sampler picks
+    order = megatron_order(
+        sampler, len(dataset), consumed, MBS, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    )
+    for batch, indices in zip(got, order):
+        assert torch.equal(batch["tokens"], torch.stack([dataset[j]["tokens"] for j in indices]))
     return dict(
         batches=len(got),
         counters=ours.counters.as_dict(),
@@ -129,7 +119,7 @@ def _check_reads(results, steps, streams_per_node, leaders):
             assert res["counters"]["samples_read"] == 0
 
 
-def test_tp2_dp2_single_with_attention_mask(run_ranks, corpus):
+def test_tp_peers_share_a_batch_in_megatrons_single_order_with_masks_read_once_per_node(run_ranks, corpus):
     results = run_ranks(
         4, _compare, *corpus, 2, "single", 0, 10, uuid.uuid4().hex[:8], mask=True, timeout=120
     )
@@ -160,7 +150,7 @@ def test_masks_keep_documents_apart_when_the_dataset_hides_its_eods(run_ranks, c
     assert [r["batches"] for r in results] == [30] * 2
 
 
-def test_tp1_dp4_random(run_ranks, corpus):
+def test_four_dp_streams_of_one_node_follow_megatrons_random_order_read_once(run_ranks, corpus):
     results = run_ranks(4, _compare, *corpus, 1, "random", 0, 10, uuid.uuid4().hex[:8], timeout=120)
     assert len({tuple(r["tokens"]) for r in results}) == 4
     _check_reads(results, 10, streams_per_node=4, leaders={0})
@@ -173,12 +163,14 @@ def test_tp1_dp4_random(run_ranks, corpus):
         ("single", 428 - 3 * 4 - 1, 3),  # 3 steps left: both paths stop at the same step
     ],
 )
-def test_resume_mid_epoch(run_ranks, corpus, sampler, consumed, batches):
+def test_a_resumed_loader_continues_megatrons_order_from_the_consumed_samples(
+    run_ranks, corpus, sampler, consumed, batches
+):
     results = run_ranks(4, _compare, *corpus, 2, sampler, consumed, 12, uuid.uuid4().hex[:8], timeout=120)
     assert [r["batches"] for r in results] == [batches] * 4
 
 
-def test_two_nodes_two_producers(run_ranks, corpus):
+def test_each_node_reads_its_own_dp_streams_once_with_its_own_producer(run_ranks, corpus):
     topology = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)
     results = run_ranks(
         4, _compare, *corpus, 1, "random", 50 * 8, 8, uuid.uuid4().hex[:8], topology, timeout=120

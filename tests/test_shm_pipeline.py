@@ -14,6 +14,7 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
+from megatron_samplers import megatron_order
 from test_shm_loader import MBS, _dataset, _take
 
 from deepspeed_ext.topology import Topology
@@ -57,7 +58,7 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
     kwargs = dict(
         micro_batch_size=MBS,
         consumed_samples=consumed,
-        topology=topology,
+        topology=topology or Topology(world_size=4, ranks_per_node=4, ranks_per_package=1),
         tp_group=ps.get_tensor_model_parallel_group(),
         dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(),
@@ -85,6 +86,13 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
     for i, (a, b) in enumerate(zip(got, expected)):
         for key in want:
             assert torch.equal(a[key], b[key]), f"rank {dist.get_rank()} batch {i} key {key} differs"
+    # and both hold the samples Megatron's own sampler picks (tokens on the first stage, labels on the last)
+    order = megatron_order(
+        sampler, len(dataset), consumed, MBS, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    )
+    for batch, indices in zip(got, order):
+        for key in {"tokens", "labels"} & want:
+            assert torch.equal(batch[key], torch.stack([dataset[j][key] for j in indices])), key
     return dict(
         batches=len(got),
         stock_batches=len(expected),
@@ -121,7 +129,7 @@ def _run(run_ranks, corpus, tp, pp, sampler="random", consumed=0, steps=8, mask=
     return results
 
 
-def test_tp2_pp2(run_ranks, corpus):
+def test_tp2_pp2_first_stage_gets_tokens_last_stage_labels_from_one_read_per_node(run_ranks, corpus):
     results = _run(run_ranks, corpus, tp=2, pp=2)
     assert [(r["first"], r["last"]) for r in results] == [(True, False)] * 2 + [(False, True)] * 2
     assert all(r["on_ring"] and r["batches"] == 8 for r in results)
@@ -132,7 +140,7 @@ def test_tp2_pp2(run_ranks, corpus):
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_tp1_pp2_dp2(run_ranks, corpus, nodes):
+def test_pipeline_stages_of_each_dp_rank_get_megatrons_batches_on_one_or_two_nodes(run_ranks, corpus, nodes):
     topology = Topology(world_size=4, ranks_per_node=4 // nodes, ranks_per_package=1)
     results = _run(run_ranks, corpus, tp=1, pp=2, topology=topology, mask=False)
     assert [(r["dp"], r["first"]) for r in results] == [(0, True), (1, True), (0, False), (1, False)]

@@ -150,7 +150,7 @@ def test_frontier_task_count(nodes: int) -> None:
     assert "--distribution=block" in flags and "--kill-on-bad-exit=1" in flags
 
 
-def test_frontier_environment() -> None:
+def test_frontier_plan_loads_rocm_binds_one_gcd_per_task_and_sets_rccl_over_slingshot() -> None:
     plan = dry("frontier", NODES="2", AWS_OFI_RCCL_DIR="/sw/aws-ofi-rccl", LD_LIBRARY_PATH="/opt/rocm/lib")
     env = plan.env
     assert plan.modules == ["PrgEnv-gnu", "rocm", "craype-accel-amd-gfx90a"]
@@ -261,7 +261,7 @@ def test_nvidia_one_gpu_per_task() -> None:
 # ------------------------------------------------------------------ local
 
 
-def test_local_defaults() -> None:
+def test_local_plan_runs_4_cpu_ranks_on_one_node_with_the_cpu_preset() -> None:
     plan = dry("local")
     flags = plan.srun_flags
     assert "-N1" in flags and "-n4" in flags
@@ -396,7 +396,7 @@ def test_tensor_parallel_must_divide_tasks() -> None:
     assert "tensor-parallel groups of 2" in err
 
 
-def test_bad_choices() -> None:
+def test_an_invalid_setting_is_refused_naming_its_variable() -> None:
     assert "GPU_BINDING" in fail("nvidia", DRY_RUN="1", GPU_BINDING="socket")
     assert "GPUS_PER_NODE" in fail("nvidia", DRY_RUN="1", GPUS_PER_NODE="eight")
     assert "DRY_RUN" in fail("local", DRY_RUN="maybe")
@@ -423,7 +423,9 @@ def rank_env(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.parametrize(("mode", "local_rank"), [("zero", "0"), ("slurm", "5")])
-def test_rank_env(tmp_path: Path, mode: str, local_rank: str) -> None:
+def test_rank_wrapper_exports_the_torch_rank_variables_from_slurms(
+    tmp_path: Path, mode: str, local_rank: str
+) -> None:
     miopen = tmp_path / "miopen"
     res = rank_env(
         tmp_path,
@@ -484,7 +486,7 @@ def test_preset_flags_are_job_flags(preset: str) -> None:
     assert int(flags["--seq-length"]) % tp == 0  # sequence parallelism (Flash-Overlap) splits it
 
 
-def test_frontier_20b_shape() -> None:
+def test_frontier_20b_preset_has_the_20b_gpt_shape() -> None:
     flags = as_dict(read_args(PRESETS / "gpt-20b-frontier.args"))
     assert (flags["--num-layers"], flags["--hidden-size"], flags["--num-attention-heads"]) == (
         "44",
