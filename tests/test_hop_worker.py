@@ -56,3 +56,27 @@ def test_bytes_are_counted_in_the_phase_that_asked_for_them():
     finally:
         worker.shutdown()
     assert seen == ["forward"]
+
+
+def test_cpu_tensors_run_on_the_worker_thread():
+    worker, names = HopWorker(), []
+    try:
+        assert worker.submit(CPU, lambda: names.append(threading.current_thread().name)).wait()
+        names.append(worker.run(CPU, lambda: threading.current_thread().name))
+        assert len(names) == 2 and all(name.startswith("hierarchical-zero-hops") for name in names)
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("device", [torch.empty(1, device="meta").device, torch.device("xpu")])
+def test_other_device_types_are_refused_naming_the_type(device):
+    """Only CPU (worker thread) and cuda (CUDA and ROCm streams) have an owner for the hops; another
+    accelerator must not fall into the CPU path."""
+    worker, ran = HopWorker(), []
+    try:
+        for call in (worker.submit, worker.run):
+            with pytest.raises(ValueError, match=rf"'{device.type}' tensors.*'cpu'.*'cuda'"):
+                call(device, lambda: ran.append(1))
+    finally:
+        worker.shutdown()
+    assert not ran and worker._pool is None  # nothing ran, no thread started

@@ -9,9 +9,11 @@ call returns:
   collective of that engine, gathers and reduce-scatters alike, in the order they were asked for.
   Every rank asks in the same order (DeepSpeed issues its collectives identically on all ranks), so
   the hop groups see the same sequence everywhere, as a communication stream would give them.
-* Accelerator tensors: the collectives are queued on the caller's current stream (DeepSpeed's
-  all-gather stream), which is asynchronous already; the handle's ``wait`` makes the waiting stream
-  wait for an event recorded after the hops, as NCCL/RCCL work handles do.
+* CUDA tensors (ROCm reports "cuda" too): the collectives are queued on the current stream of the
+  output tensor's device (DeepSpeed's all-gather stream), which is asynchronous already; the
+  handle's ``wait`` makes that device's current stream wait for an event recorded after the hops, as
+  NCCL/RCCL work handles do.
+* Any other device type is refused with an error naming it: the hops have no owner for it.
 
 A failed collective re-raises in ``wait``. Waits are bounded by the process group's timeout.
 """
@@ -42,17 +44,30 @@ class _FutureHandle:
 
 
 class _EventHandle:
-    """Work handle of hops queued on an accelerator stream."""
+    """Work handle of hops queued on a CUDA stream of ``device``."""
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, device: torch.device) -> None:
         self._event = event
+        self._device = device
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        torch.cuda.current_stream().wait_event(self._event)
+        torch.cuda.current_stream(self._device).wait_event(self._event)
         return True
 
     def is_completed(self) -> bool:
         return bool(self._event.query())
+
+
+def _on_stream(device: torch.device) -> bool:
+    """True for CUDA devices (stream path), False for the CPU (worker thread); refuses the rest."""
+    if device.type == "cuda":
+        return True
+    if device.type == "cpu":
+        return False
+    raise ValueError(
+        f"hierarchical ZeRO hops cannot run on {device.type!r} tensors: they run on 'cpu' (a worker "
+        "thread) and 'cuda' (CUDA or ROCm streams) devices"
+    )
 
 
 class HopWorker:
@@ -62,18 +77,19 @@ class HopWorker:
         self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, device: torch.device, fn: Callable[[], Any]) -> _FutureHandle | _EventHandle:
-        """Start ``fn`` (collectives on this engine's groups); the handle completes when it has run."""
-        if device.type == "cuda":
+        """Start ``fn`` (collectives on this engine's groups, whose output lies on ``device``); the
+        handle completes when it has run."""
+        if _on_stream(device):
             with torch.no_grad():
                 fn()
             event = torch.cuda.Event()
-            event.record()
-            return _EventHandle(event)
+            event.record(torch.cuda.current_stream(device))
+            return _EventHandle(event, device)
         return _FutureHandle(self._on_thread(fn))
 
     def run(self, device: torch.device, fn: Callable[[], Any]) -> Any:
         """``fn`` run in its turn among the submitted hops; returns its result."""
-        if device.type == "cuda":
+        if _on_stream(device):
             with torch.no_grad():
                 return fn()
         return self._on_thread(fn).result()
