@@ -223,30 +223,47 @@ class LevelGroups:
     """The process group of each kind."""
 
 
-def new_level_groups(topo: Topology, parent_ranks: Sequence[int], backend: str | None = None) -> LevelGroups:
+def new_level_groups(
+    topo: Topology,
+    parent_ranks: Sequence[int],
+    backend: str | None = None,
+    made: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
+) -> LevelGroups:
     """Create the level groups of ``parent_ranks``. Collective over the WHOLE job: every rank calls it
     with the same parent lists in the same order (``dist.new_group`` requires that), even ranks
-    outside the parent. Returns this rank's groups, or empty maps when it is not a member."""
+    outside the parent. Returns this rank's groups, or empty maps when it is not a member.
+
+    Each distinct member set becomes one group, shared by every kind that has those members (with
+    one member per package, ``cross_package`` is the node group); ``made`` (sorted members -> group,
+    filled in here) carries the groups over between calls, so that a set made earlier is reused."""
     parent = sorted(parent_ranks)
     check_uniform(topo, parent)
     rank = dist.get_rank()
+    made = {} if made is None else made
     groups: dict[GroupKind, dist.ProcessGroup] = {}
     for kind in GroupKind:
         for members in partition_of(topo, parent, kind):
-            group = dist.new_group(members, backend=backend)
-            if rank in members:
-                groups[kind] = group
+            key = tuple(sorted(members))
+            if key not in made:
+                made[key] = dist.new_group(list(key), backend=backend)
+            if rank in key:
+                groups[kind] = made[key]
     return LevelGroups(members=level_members(topo, parent, rank) if rank in parent else {}, groups=groups)
 
 
 def all_level_groups(
-    topo: Topology, parents: Sequence[Sequence[int]], backend: str | None = None
+    topo: Topology,
+    parents: Sequence[Sequence[int]],
+    backend: str | None = None,
+    made: dict[tuple[int, ...], dist.ProcessGroup] | None = None,
 ) -> LevelGroups:
-    """Level groups for a family of disjoint parents (e.g. every DP group): call on every rank."""
+    """Level groups for a family of disjoint parents (e.g. every DP group): call on every rank.
+    ``made`` as in :func:`new_level_groups`."""
     mine = LevelGroups(members={}, groups={})
     rank = dist.get_rank()
+    made = {} if made is None else made
     for parent in parents:
-        lg = new_level_groups(topo, parent, backend)
+        lg = new_level_groups(topo, parent, backend, made)
         if rank in parent:
             mine = lg
     return mine

@@ -2,10 +2,13 @@
 
 One pool call trains every variant (engines are the expensive part); the assertions then compare
 losses and parameters with stock ZeRO-3, measured bytes with the cost model, and checkpoint resume
-with an uninterrupted run.
+with an uninterrupted run. The resumed engine keeps its biases gathered (persistent parameters), so
+the gathers DeepSpeed makes of those after each step are checked to run in hops too.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -20,6 +23,7 @@ TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
 STEPS = 10
 MICRO = 2
 TOL = dict(rtol=2e-5, atol=2e-6)
+PERSISTENCE_THRESHOLD = 32  # the biases (29, 31 and 7 elements) persist, the weights do not
 
 
 def ds_config(hierarchical: dict | None = None, micro: int = MICRO, **zero) -> dict:
@@ -177,10 +181,16 @@ def _variants(ckpt_dir: str) -> dict:
             "gathered_parameters": counter.per_link(kind="gather"),
         }
         engine.destroy()
-    engine = make_engine("ours", ds_config({"secondary_level": "auto"}), mlp())
+    cfg = ds_config({"secondary_level": "auto"}, stage3_param_persistence_threshold=PERSISTENCE_THRESHOLD)
+    engine = make_engine("ours", cfg, mlp())
     engine.load_checkpoint(ckpt_dir, tag="mid")
-    losses, _ = train(engine, range(5, STEPS), rank, MICRO)
-    runs["resumed"] = {"losses": runs["package"]["losses"][:5] + losses, "params": full_params(engine)}
+    losses, counts = train(engine, range(5, STEPS), rank, MICRO)
+    runs["resumed"] = {
+        "losses": runs["package"]["losses"][:5] + losses,
+        "params": full_params(engine),
+        "counts": counts,
+        "persistent": sorted(p.ds_numel for p in engine.optimizer.persistent_parameters),
+    }
     engine.destroy()
     return runs
 
@@ -273,3 +283,51 @@ def test_gathered_parameters_run_in_hops_not_one_flat_collective(runs):
             assert sent["package"] > 0 and sent["node"] > 0, (name, sent)
             assert sent["inter_node"] == pytest.approx(flat / 7, rel=0.02), (name, sent, flat)
         assert rank_runs["zero3"]["gathered_parameters"]["inter_node"] == pytest.approx(flat, rel=0.01)
+
+
+def test_persistent_parameters_are_gathered_in_hops(runs):
+    """The resumed run keeps its biases gathered: after each optimizer step DeepSpeed gathers them
+    again (through ``deepspeed.comm.all_gather_into_tensor`` on our group), and that gather runs in
+    hops: per rank, a partition of ``b`` bytes crosses nodes once (``b``), then ``2b`` inside the
+    node and ``4b`` inside the package, where a flat gather would charge ``7b`` to inter_node. The
+    forward passes no longer gather them. Its losses equal stock ZeRO-3's
+    (test_losses_and_parameters_equal_stock_zero3)."""
+    persistent = tuple(n for n in mlp_numels() if n <= PERSISTENCE_THRESHOLD)
+    b = 4 * sum(-(-n // 8) for n in persistent)  # fp32 partition of each, padded to the DP size
+    for rank_runs in runs:
+        assert rank_runs["resumed"]["persistent"] == sorted(persistent)
+        for step in rank_runs["resumed"]["counts"]:
+            assert step["step"]["gather"] == {"package": 4 * b, "node": 2 * b, "inter_node": b}
+        forward = rank_runs["resumed"]["counts"][-1]["forward"]["gather"]
+        gathered_always = rank_runs["package"]["counts"][-1]["forward"]["gather"]
+        # the first forward of a step gathers over nodes (later ones use the secondary copy): b less
+        assert gathered_always["inter_node"] - forward["inter_node"] == b
+
+
+def test_pack_writes_hop_order_with_an_index_made_once_per_plan():
+    """pack equals the flat chunking put in hop order, its row index is kept on the plan (made once
+    per device) and the cache leaves plan equality and hashing alone."""
+    from deepspeed_ext.topology import LinkClass
+    from deepspeed_ext.zero import hops
+    from deepspeed_ext.zero.levels import HopPlan
+
+    g = torch.Generator().manual_seed(3)
+    for sizes in ((2, 2, 2), (1, 2, 2), (2, 3, 4), (3, 1, 5), (4,)):
+        plan = HopPlan(tuple(range(24)), sizes, (None,) * len(sizes), (LinkClass.PACKAGE,) * len(sizes))
+        p = math.prod(sizes)
+        tensors = [torch.randn(n, generator=g, dtype=torch.float64) for n in (7, 1, 0, 2 * p, 3 * p - 1)]
+        chunks = [-(-t.numel() // p) for t in tensors]
+        flat = torch.cat(
+            [torch.nn.functional.pad(t, (0, p * c - t.numel())).view(p, c) for t, c in zip(tensors, chunks)],
+            1,
+        )
+        got, got_chunks = hops.pack(tensors, plan)
+        assert got_chunks == chunks
+        torch.testing.assert_close(got, hops.hop_order(plan, (flat / p).reshape(-1)), rtol=0, atol=0)
+        index, ints = hops.hop_rows(plan, torch.device("cpu"))
+        assert hops.hop_rows(plan, torch.device("cpu"))[0] is index and list(plan.row_cache) == [
+            torch.device("cpu")
+        ]
+        assert index.tolist() == list(ints) and sorted(ints) == list(range(p))
+        twin = HopPlan(plan.parent, plan.sizes, plan.groups, plan.links)
+        assert twin == plan and hash(twin) == hash(plan) and not twin.row_cache

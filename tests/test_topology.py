@@ -137,3 +137,73 @@ def test_level_groups_reduce_over_the_right_ranks_on_gloo(run_ranks):
         "cross_package": 12.0,
         "cross_node": 6.0,
     }
+
+
+def test_each_member_set_is_one_group_at_tp4_on_frontier_nodes(monkeypatch):
+    """64 ranks, 8 per node, 2 per package, TP=4: each DP group has one member per package, so its
+    package groups are single ranks and cross_package has the node group's members. Every member set
+    is made once (27 per DP group: 16 single ranks, 8 nodes, 2 cross-node, the whole group), the
+    kinds sharing a set share the object, the group of each rank alone is reused for the
+    model-parallel group, and teardown destroys each group once."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from deepspeed_ext.zero.config import HierarchicalZeroConfig
+    from deepspeed_ext.zero.levels import build_levels
+
+    topo, tp, rank = Topology(64, 8, 2), 4, 5
+    parents = [list(range(first, 64, tp)) for first in range(tp)]
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=64)
+    try:
+        made, destroyed = [], []
+        new_group, destroy = dist.new_group, dist.destroy_process_group
+
+        def counting_new_group(ranks, *args, **kwargs):
+            made.append(tuple(ranks))
+            return new_group(ranks, *args, **kwargs)
+
+        def counting_destroy(group=None):
+            destroyed.append(group)
+            return destroy(group)
+
+        def known_parents(out, obj, group=None):  # the fake group moves no data
+            out[:] = [next(p for p in parents if r in p) for r in range(64)]
+
+        monkeypatch.setattr(dist, "new_group", counting_new_group)
+        monkeypatch.setattr(dist, "destroy_process_group", counting_destroy)
+        monkeypatch.setattr(dist, "all_gather_object", known_parents)
+        mine = all_level_groups(topo, parents)
+        assert len(made) == len(set(made)) == tp * 27
+        assert mine.members["package"] == [5] and mine.members["cross_package"] == [1, 5]
+        assert mine.groups["cross_package"] is mine.groups["node"]
+        assert len({id(g) for g in mine.groups.values()}) == 4
+
+        dp_group = dist.new_group(parents[1])
+        made.clear()
+        levels = build_levels(topo, dp_group, "node", HierarchicalZeroConfig())
+        assert len(made) == len(set(made)) == tp * 27  # no second group of each rank alone
+        assert levels.self_group is levels.groups.groups["package"]
+        assert levels.secondary_group is levels.groups.groups["cross_package"]
+        assert dist.get_process_group_ranks(levels.self_group) == [rank]
+        assert levels.dp_plan().sizes == (1, 2, 8)
+        groups = set(map(id, levels.groups.groups.values()))
+        levels.destroy_groups()
+        assert len(destroyed) == len({id(g) for g in destroyed}) == 4
+        assert {id(g) for g in destroyed} == groups
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()
+
+
+def test_a_secondary_level_spanning_the_data_parallel_group_is_refused():
+    """Its group would be the data-parallel group object itself; the planner never asks for it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from deepspeed_ext.zero.config import HierarchicalZeroConfig
+    from deepspeed_ext.zero.levels import build_levels
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        with pytest.raises(ValueError, match="node spans the whole data-parallel group"):
+            build_levels(Topology(8, 8, 2), None, "node", HierarchicalZeroConfig())
+    finally:
+        dist.destroy_process_group()

@@ -85,6 +85,25 @@ def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block
     out.view(*_digits_outer_first(plan), -1).permute(_reversed_axes(plan)).copy_(held.view(*plan.sizes, -1))
 
 
+def hop_rows(plan: HopPlan, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The row in hop order of each parent member, as an index tensor on ``device`` and as ints.
+
+    Made once per plan and device and kept in ``plan.row_cache``: an index built on the host for
+    every pack would be a blocking copy from pageable memory, the host waiting for the stream each
+    bucket. On an accelerator the first use waits once for the copy, so that any stream may read
+    the index afterwards."""
+    cached = plan.row_cache.get(device)
+    if cached is None:
+        axes = list(reversed(range(len(plan.sizes))))
+        # parent member i = (d_m .. d_0) sits at hop-order row (d_0 .. d_m)
+        rows = torch.arange(math.prod(plan.sizes)).view(*plan.sizes).permute(axes).reshape(-1)
+        index = rows.to(device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        cached = plan.row_cache[device] = (index, tuple(rows.tolist()))
+    return cached
+
+
 def pack(tensors: Sequence[torch.Tensor], plan: HopPlan) -> tuple[torch.Tensor, list[int]]:
     """Several tensors as one buffer averaged over the parent, in hop order, with the chunking of
     DeepSpeed's ``reduce_scatter_coalesced``: tensor ``t`` cut into ``p`` chunks of ``ceil(numel/p)``
@@ -93,8 +112,7 @@ def pack(tensors: Sequence[torch.Tensor], plan: HopPlan) -> tuple[torch.Tensor, 
     p = math.prod(plan.sizes)
     chunks = [math.ceil(t.numel() / p) for t in tensors]
     rows = torch.zeros(p, sum(chunks), dtype=tensors[0].dtype, device=tensors[0].device)
-    # row of parent member i in hop order
-    where = _inner_major(torch.arange(p).view(p, 1), plan).view(-1).argsort().to(rows.device)
+    where, where_ints = hop_rows(plan, rows.device)
     offset = 0
     for t, c in zip(tensors, chunks):
         if c == 0:
@@ -102,7 +120,7 @@ def pack(tensors: Sequence[torch.Tensor], plan: HopPlan) -> tuple[torch.Tensor, 
         flat, full = t.reshape(-1), t.numel() // c
         rows[where[:full], offset : offset + c] = flat[: full * c].view(full, c)
         if full * c < t.numel():  # the last, partial chunk; later rows stay zero
-            rows[where[full], offset : offset + t.numel() - full * c] = flat[full * c :]
+            rows[where_ints[full], offset : offset + t.numel() - full * c] = flat[full * c :]
         offset += c
     return rows.div_(p).view(-1), chunks
 

@@ -10,7 +10,8 @@ every rank exactly the block a flat collective would have (see :mod:`.hops`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch.distributed as dist
 
@@ -21,9 +22,9 @@ from deepspeed_ext.topology import (
     LevelGroups,
     LinkClass,
     Topology,
+    all_level_groups,
     check_uniform,
     level_members,
-    new_level_groups,
 )
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 
@@ -80,6 +81,10 @@ class HopPlan:
     """This rank's process group for each hop."""
     links: tuple[LinkClass, ...]
     """Link class each hop runs on."""
+    row_cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Per device, the hop-order row of each parent member that :func:`.hops.pack` writes to, made
+    on the device at the first pack there and freed with the plan (so no pack copies an index to
+    the device)."""
 
     @property
     def is_trivial(self) -> bool:
@@ -102,11 +107,12 @@ class ZeroLevels:
     config: HierarchicalZeroConfig
     """How the hops run (gradient reduce, cross-node sync, quantization)."""
     self_group: dist.ProcessGroup
-    """A group of this rank alone: the model-parallel group when the model has no mpu."""
+    """A group of this rank alone: the model-parallel group when the model has no mpu (the same
+    object as a level group of this rank alone, e.g. the package group at one member per package)."""
 
     def destroy_groups(self) -> None:
         """Destroy the process groups made for these levels that hold this rank (each rank its own;
-        no collective). The levels are unusable afterwards."""
+        no collective), each once however many kinds share it. The levels are unusable afterwards."""
         made = {id(g): g for g in (*self.groups.groups.values(), self.self_group)}
         for group in made.values():
             dist.destroy_process_group(group)
@@ -170,20 +176,29 @@ def build_levels(
         dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size())
     )
     shape = dp_shape(topology, mine)
+    secondary_size = {
+        Level.PACKAGE: shape.per_package,
+        Level.NODE: shape.per_package * shape.packages_per_node,
+    }
+    if secondary_size.get(Level(secondary_level), 0) == shape.size:
+        # its group would be the data-parallel group itself (one object, one route for both)
+        raise ValueError(
+            f"secondary level {secondary_level} spans the whole data-parallel group: "
+            "no secondary copy there, use global"
+        )
     everyone: list[list[int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     parents = sorted({tuple(p) for p in everyone if p is not None})
-    groups = LevelGroups(members={}, groups={})
-    for parent in parents:
-        made = new_level_groups(topology, parent)
-        if dist.get_rank() in parent:
-            groups = made
-    self_group, _ = dist.new_subgroups(group_size=1)
+    made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    groups = all_level_groups(topology, parents, made=made)
+    for r in range(dist.get_world_size()):  # a group of each rank alone, shared with such level groups
+        if (r,) not in made:
+            made[(r,)] = dist.new_group([r])
     return ZeroLevels(
         topology=topology,
         shape=shape,
         groups=groups,
         secondary_level=Level(secondary_level),
         config=config,
-        self_group=self_group,
+        self_group=made[(dist.get_rank(),)],
     )
