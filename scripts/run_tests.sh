@@ -6,6 +6,8 @@ cd "$root"
 bash scripts/setup_env.sh
 # DeepSpeed's CPU op builds go where the set-up script built them (see there), not to ~/.cache.
 export TORCH_EXTENSIONS_DIR="$root/.venv/torch_extensions"
+# The venv first on PATH (as when activated): one ninja for every process that loads that op.
+export PATH="$root/.venv/bin:$PATH"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.

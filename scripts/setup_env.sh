@@ -25,7 +25,10 @@ pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==${TORCH_VERSION:-2.13.0}"
 DS_BUILD_OPS=0 "${pip[@]}" "deepspeed==0.19.8" "megatron-core==0.16.1"
 "${pip[@]}" -e "$root[test,upstream]"
-TORCH_EXTENSIONS_DIR="$extensions" timeout 600 "$venv/bin/python" - <<'PY'
+# Built with the venv's bin first on PATH, as the test and demo commands run everything: the venv's
+# ninja (pip's) and the system's hash build commands differently, so a process finding the other one
+# rebuilt the op (about 30 s, every rank waiting on the lock) each time the two kinds alternated.
+PATH="$venv/bin:$PATH" TORCH_EXTENSIONS_DIR="$extensions" timeout 600 "$venv/bin/python" - <<'PY'
 import deepspeed.ops
 from deepspeed.accelerator import get_accelerator
 
