@@ -5,6 +5,10 @@ sizes multiply to the parent's: reduce-scatter innermost first (package, then ac
 a node, then across nodes), all-gather outermost first. A member's index in the parent group is
 then the mixed-radix number of its indices in the hop groups, which is what lets the hops hand
 every rank exactly the block a flat collective would have (see :mod:`.hops`).
+
+The shape of the DP group (:class:`DPShape`) and its level groups live here; the level and link-class
+enums themselves are :mod:`deepspeed_ext.topology`'s, because the byte counter and the node loader
+use them too and ``zero/`` builds on the topology, never the reverse.
 """
 
 from __future__ import annotations
