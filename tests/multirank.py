@@ -19,6 +19,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 ERROR_GRACE_S = 3.0
+# Workers are forked from one server process that has imported these once: a spawned worker spent
+# seconds of CPU importing them, and every pool started again paid that on each of its ranks.
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "deepspeed",
+    "megatron.core.parallel_state",
+    "megatron.core.tensor_parallel",
+]
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(PRELOAD)
 
 
 class RankError(RuntimeError):
@@ -81,7 +92,7 @@ class WorkerPool:
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="multirank-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
-        ctx = mp.get_context("spawn")
+        ctx = _CONTEXT
         self._conns: list[Connection] = []
         self._procs = []
         for rank in range(world_size):
