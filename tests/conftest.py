@@ -20,11 +20,11 @@ RunRanks = Callable[..., list[Any]]
 _pools: dict[int, WorkerPool] = {}
 # A ZeRO-3 engine is never freed (DeepSpeed keeps references to its model and hooks), so its gloo
 # groups and their polling threads outlive the test that built it. A pool holding that many threads
-# takes CPU from everything after it on 2 cores (DeepSpeed's CPU all-reduce spins, so runs using it
-# slow down most); it is closed before a test that does not use the pools.
+# takes CPU from everything after it on 2 cores (an idle 8-rank pool with 75 threads per worker took
+# 16-19 % of a core); it is closed before a test that does not use the pools.
 LEAKY_POOL_THREADS = 24
-# Tests that start training processes of their own run first, before any pool exists: beside idle
-# pools holding leaked engines, a Megatron-DeepSpeed run took 48 s instead of 16 s.
+# Tests that start training processes of their own run first, before any pool exists, so that no
+# idle pool's polling threads share the 2 cores with their ranks.
 OWN_PROCESSES = ("upstream", "slurm", "netns", "slow")
 
 

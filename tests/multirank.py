@@ -92,12 +92,13 @@ class WorkerPool:
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="multirank-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
-        ctx = _CONTEXT
         self._conns: list[Connection] = []
         self._procs = []
         for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, args=(rank, world_size, init_file, child), daemon=True)
+            parent, child = _CONTEXT.Pipe()
+            proc = _CONTEXT.Process(
+                target=_worker_main, args=(rank, world_size, init_file, child), daemon=True
+            )
             proc.start()
             self._conns.append(parent)
             self._procs.append(proc)

@@ -117,8 +117,7 @@ def dp_shape(nodes: int, tp: int) -> DPShape:
 def hpz_sizes(shape: DPShape) -> list[int]:
     """hpZ partition sizes inside a node, largest (the paper's, the whole node) first; 1 is a full
     16-bit copy per rank, the most memory hpZ can trade for communication."""
-    node = shape.per_package * shape.packages_per_node
-    return [k for k in range(node, 0, -1) if node % k == 0]
+    return [k for k in range(shape.per_node, 0, -1) if shape.per_node % k == 0]
 
 
 def hpz_name(k: int) -> str:
@@ -134,22 +133,19 @@ def variants(shape: DPShape) -> dict[str, Candidate]:
     inside a node; ours at the node level and at the package level where a package holds more than
     one DP member, as the engine would run them (planner.variant_for: boundary sync, int8 weights
     and int4 gradients with one fp32 scale per 256 elements)."""
+    sizes = hpz_sizes(shape)
+    links = {k: LinkClass.PACKAGE if k <= shape.per_package else LinkClass.NODE for k in sizes}
     out = {"zero3": Candidate(cm.ZERO3)}
-    for k in hpz_sizes(shape):
-        link = LinkClass.PACKAGE if k <= shape.per_package else LinkClass.NODE
-        out[hpz_name(k)] = Candidate(cm.hpz(k, link))
-    for k in hpz_sizes(shape):
-        link = LinkClass.PACKAGE if k <= shape.per_package else LinkClass.NODE
-        out[zeropp_name(k)] = Candidate(cm.zeropp_paper(k, link))
-    levels = ["node"] if shape.nodes > 1 else []
-    levels += ["package"] if 1 < shape.per_package < shape.size else []
-    for level in levels or ["global"]:
+    out.update({hpz_name(k): Candidate(cm.hpz(k, links[k])) for k in sizes})
+    out.update({zeropp_name(k): Candidate(cm.zeropp_paper(k, links[k])) for k in sizes})
+    levels = [Level.NODE] if shape.nodes > 1 else []
+    levels += [Level.PACKAGE] if 1 < shape.per_package < shape.size else []
+    for level in levels or [Level.GLOBAL]:
         for suffix, keys in OURS.items():
             # global has no secondary_level value: auto, of which the figures for global are read
-            config = HierarchicalZeroConfig(
-                enabled=True, secondary_level=level if level != "global" else "auto", **keys
-            )
-            out[f"ours ({level}){suffix}"] = Candidate(config=config, level=Level(level))
+            secondary = level.value if level != Level.GLOBAL else "auto"
+            config = HierarchicalZeroConfig(enabled=True, secondary_level=secondary, **keys)
+            out[f"ours ({level}){suffix}"] = Candidate(config=config, level=level)
     return out
 
 
@@ -157,10 +153,10 @@ def secondary_bytes(model: cm.ModelSpec, shape: DPShape, variant: cm.Variant) ->
     """Computed bytes per rank of the secondary 16-bit weight copy (0 without one)."""
     full = model.padded(shape.size) * model.weight_bytes
     size = {
-        "global": 0,
+        Level.GLOBAL: 0,
         "hpz": variant.hpz_size,
-        "node": shape.packages_per_node * shape.per_package,
-        "package": shape.per_package,
+        Level.NODE: shape.per_node,
+        Level.PACKAGE: shape.per_package,
     }[variant.secondary]
     return full // size if size else 0
 
@@ -238,7 +234,7 @@ def project(gpt: GPT, nodes: int, args: argparse.Namespace, overlap: float) -> d
         k, holds_less = equal_memory(rows, name, hpz_sizes(largest))
         rows[name]["equal_memory_hpz"] = k
         rows[name]["baseline_holds_less"] = holds_less
-    node = shape.per_package * shape.packages_per_node
+    node = shape.per_node
     return {
         "gcds": nodes * GCDS_PER_NODE,
         "dp": shape.size,

@@ -94,9 +94,8 @@ def hop_rows(plan: HopPlan, device: torch.device) -> tuple[torch.Tensor, tuple[i
     the index afterwards."""
     cached = plan.row_cache.get(device)
     if cached is None:
-        axes = list(reversed(range(len(plan.sizes))))
-        # parent member i = (d_m .. d_0) sits at hop-order row (d_0 .. d_m)
-        rows = torch.arange(math.prod(plan.sizes)).view(*plan.sizes).permute(axes).reshape(-1)
+        # the hop-order permutation of the members, inverted: where each member's row lands
+        rows = _inner_major(torch.arange(math.prod(plan.sizes)).view(-1, 1), plan).view(-1).argsort()
         index = rows.to(device)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()

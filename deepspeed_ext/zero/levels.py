@@ -52,8 +52,13 @@ class DPShape:
     """Members in each package."""
 
     @property
+    def per_node(self) -> int:
+        """Members on each node."""
+        return self.packages_per_node * self.per_package
+
+    @property
     def size(self) -> int:
-        return self.nodes * self.packages_per_node * self.per_package
+        return self.nodes * self.per_node
 
 
 def dp_shape(topology: Topology, dp_ranks: Sequence[int]) -> DPShape:
@@ -180,10 +185,7 @@ def build_levels(
         dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size())
     )
     shape = dp_shape(topology, mine)
-    secondary_size = {
-        Level.PACKAGE: shape.per_package,
-        Level.NODE: shape.per_package * shape.packages_per_node,
-    }
+    secondary_size = {Level.PACKAGE: shape.per_package, Level.NODE: shape.per_node}
     if secondary_size.get(Level(secondary_level), 0) == shape.size:
         # its group would be the data-parallel group itself (one object, one route for both)
         raise ValueError(

@@ -63,7 +63,7 @@ def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec)
     the boundary (grad_sync) and the error-feedback residual (quantized_gradients)."""
     if shape.nodes == 1:
         return 0
-    node_block = model.padded(shape.size) // (shape.per_package * shape.packages_per_node) * 4
+    node_block = model.padded(shape.size) // shape.per_node * 4
     return node_block * ((config.grad_sync == "accumulation_boundary") + (config.grad_bits is not None))
 
 
@@ -120,7 +120,7 @@ def candidate_sizes(shape: DPShape) -> dict[Level, int]:
     partition: pure cost, since every module release then copies each weight (docs/gpu.md)."""
     sizes = {Level.PACKAGE: shape.per_package} if shape.per_package < shape.size else {}
     if shape.nodes > 1:
-        sizes[Level.NODE] = shape.per_package * shape.packages_per_node
+        sizes[Level.NODE] = shape.per_node
     return sizes
 
 

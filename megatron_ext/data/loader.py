@@ -60,11 +60,11 @@ def build_batch_iterator(
     ``dataset``: the megatron-core ``GPTDataset`` (built on every rank: each needs its length and
     config; only one process per node reads from it when ``config.enabled``). ``sampler``: Megatron's
     ``single`` or its ``cyclic`` loader (``random``; ``seed=0`` and ``data_sharding=True`` are
-    Megatron's own settings). ``topology`` (the job's, detected once by the caller; None only with the loader off) places
-    ranks on nodes; ``tp_group`` is
-    the group that shares a batch on the stock path; ``job_id`` (None: Slurm's, or a hash of the
-    rendezvous variables) and ``name`` (one per loader of the job, e.g. train, valid) label the
-    shared-memory segment, whose name also carries a random token no other user can guess.
+    Megatron's own settings). ``topology`` (the job's, detected once by the caller; None only with
+    the loader off) places ranks on nodes; ``tp_group`` is the group that shares a batch on the
+    stock path; ``job_id`` (None: Slurm's, or a hash of the rendezvous variables) and ``name`` (one
+    per loader of the job, e.g. train, valid) label the shared-memory segment, whose name also
+    carries a random token no other user can guess.
     ``device``: where the tensors go (a CUDA device on GPU jobs).
     ``num_workers``: DataLoader worker processes of the stock path (Megatron's ``--num-workers``);
     the node loader reads in its producer process instead.
