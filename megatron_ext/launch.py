@@ -15,7 +15,11 @@ Before the script runs, the launcher
 * gives the suite's loggers (``megatron_ext``, ``deepspeed_ext``) a handler at INFO when they have
   none, so the effective plugin configuration is printed also where the script configures no logging;
 then runs the script as ``__main__`` with the script's directory first on ``sys.path``, as
-``python pretrain_gpt.py`` would, and undoes the process-wide changes afterwards.
+``python pretrain_gpt.py`` would, and undoes the process-wide changes afterwards. When the script
+ends normally (returns, or exits with status 0) it destroys the process groups the script created
+and left: upstream's ``pretrain`` never does, and a gloo thread that drops a tensor's last
+reference while the interpreter finalizes cannot take the GIL and aborts the rank ("terminate called
+without an active exception") after training succeeded.
 """
 
 from __future__ import annotations
@@ -129,7 +133,15 @@ def run(script: str, args: list[str]) -> None:
             from megatron_ext.upstream import cpu as cpu_upstream
 
             cpu_mode = cpu_upstream if cpu_upstream.enable() else None
-        runpy.run_path(script, run_name="__main__")
+        started = _distributed_started()
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:
+            if exc.code in (None, 0) and not started:
+                _destroy_process_groups()
+            raise
+        if not started:
+            _destroy_process_groups()
     finally:
         if cpu_mode is not None:
             cpu_mode.disable()
@@ -141,6 +153,21 @@ def run(script: str, args: list[str]) -> None:
         sys.argv, sys.path[:] = saved_argv, saved_path
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+def _distributed_started() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def _destroy_process_groups() -> None:
+    """Destroy every process group while the interpreter is alive: their threads end now, after
+    the work they hold (a script that ends normally has matched every collective)."""
+    import torch.distributed as dist
+
+    if _distributed_started():
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,13 +11,14 @@ reserves memory that is never used."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from benchmarks.allocations import AllocationTrace
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Topology
 from deepspeed_ext.zero import cost_model as cm
@@ -36,20 +37,6 @@ CONFIGS = {
 }
 
 
-def _walk(events: list) -> Iterator[Any]:
-    for event in events:
-        yield event
-        yield from _walk(event.children)
-
-
-def _inside_collective(event: Any) -> bool:
-    while event is not None:
-        if event.name.startswith(("c10d::", "gloo:")):
-            return True
-        event = event.parent
-    return False
-
-
 def peak_bytes(fn: Callable[[], Any], repeats: int = 5) -> int:
     """Fewest of ``repeats`` calls' :func:`one_peak`: gloo's thread sometimes drops its reference
     to a hop's input late, which holds that buffer a moment longer than the call needs it."""
@@ -57,34 +44,11 @@ def peak_bytes(fn: Callable[[], Any], repeats: int = 5) -> int:
 
 
 def one_peak(fn: Callable[[], Any]) -> int:
-    """Most bytes ``fn`` held allocated at once on the calling thread, outside collectives (its
-    result counts while it lives): its allocations, and the frees of the same addresses."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    """Most bytes ``fn`` held allocated at once (its result counts while it lives)."""
+    with AllocationTrace() as trace:
         result = fn()
-    events = list(_walk(prof.profiler.kineto_results.experimental_event_tree()))
-    caller = {e.start_tid for e in events if e.name.startswith("c10d::")}
-    ours: set[int] = set()
-    changes = []
-    for event in sorted(events, key=lambda e: e.start_time_ns):
-        if event.typed[0] != _EventType.Allocation:
-            continue
-        alloc = event.typed[1]
-        if alloc.alloc_size < 0:  # a free, on whichever thread: counted where the allocation was
-            if alloc.ptr in ours:
-                ours.discard(alloc.ptr)
-                changes.append(alloc.alloc_size)
-        elif not (caller and event.start_tid not in caller) and not _inside_collective(event):
-            ours.add(alloc.ptr)
-            changes.append(alloc.alloc_size)
-    live = peak = 0
-    for nbytes in changes:
-        live += nbytes
-        peak = max(peak, live)
     del result
-    return peak
+    return trace.peak()
 
 
 def _measure() -> dict:

@@ -210,7 +210,8 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
             _command(upstream[kind], kind, how.patched, list(how.flags), work, port),
             cwd=work,
             env=env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,  # one stream in time order: a failure's tail shows what came before it
             text=True,
             timeout=RUN_TIMEOUT_S,
         )
@@ -221,7 +222,7 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
         # DeepSpeed's CPU all-reduce leaves a buffer per rank in /dev/shm, named after the port.
         for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             leftover.unlink(missing_ok=True)
-    log = done.stdout + done.stderr
+    log = done.stdout
     assert done.returncode == 0, f"{kind} {variant} exited {done.returncode}; output ends:\n{log[-6000:]}"
     losses = sorted({int(it): loss for it, total, loss in LOSS.findall(log)}.items())
     print(f"{kind} {variant}: lm loss {[loss for _, loss in losses]}")

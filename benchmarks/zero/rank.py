@@ -6,24 +6,36 @@ so that a change of host load hits all alike. Each step is timed between barrier
 engine it records the bytes the counter computes (comm.py) and, inside an emulated cluster, the
 bytes this rank's interface sent per link class, read from its tc classes (measured). Memory: the
 bytes of the engine's tensors (partitions, secondary copy, fp32 master, Adam states, gradient
-partitions) read after the last backward of a step, when the secondary copy exists.
+partitions) read after the last backward of a step, when the secondary copy exists; and, after the
+timed steps, the peak: a fresh copy of each engine is built and stepped twice under an allocation
+trace (benchmarks/allocations.py), and the most bytes it held at once during its second step is
+read from the allocator (everything it allocated from its model on: state, gathered parameters,
+activations, gradients, hop buffers). In that pass our hops run on the calling thread, as they do
+on GPUs, because the trace records that thread only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
 import logging
 import os
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
+from benchmarks.allocations import AllocationTrace
 from benchmarks.cluster.netns import sent_bytes
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Level, Topology
+from deepspeed_ext.zero.hop_worker import HopWorker
 
 
 def model(hidden: int, layers: int) -> torch.nn.Module:
@@ -34,12 +46,18 @@ def model(hidden: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*blocks)
 
 
+def param_count(args: argparse.Namespace) -> int:
+    return args.layers * (args.hidden * args.hidden + args.hidden)
+
+
 def ds_config(
     args: argparse.Namespace, topology: Topology, level: Level = Level.PACKAGE, **zero: object
 ) -> dict:
     # Prefetch on; every parameter gathered in each forward and backward (no reuse, none persistent,
     # at most --max-live elements gathered at once: with DeepSpeed's default of 1e9 a small model
-    # stays gathered from its forward to its backward), as the cost model assumes.
+    # stays gathered from its forward to its backward), as the cost model assumes. One reduce bucket
+    # of the model's size: DeepSpeed's default (5e8 elements) reduces this model in one bucket at the
+    # end of backward too, but preallocates 2 GB for it, which would swamp every peak.
     return {
         "train_micro_batch_size_per_gpu": args.batch,
         "gradient_accumulation_steps": args.micro,
@@ -50,6 +68,7 @@ def ds_config(
             "stage3_max_reuse_distance": 0,
             "stage3_prefetch_bucket_size": args.prefetch_bucket,
             "overlap_comm": True,
+            "reduce_bucket_size": param_count(args),
             "stage3_max_live_parameters": args.max_live,
             **zero,
         },
@@ -136,6 +155,37 @@ def one_step(
     return time.perf_counter() - start, held
 
 
+@contextlib.contextmanager
+def hops_on_calling_thread() -> Iterator[None]:
+    """Run our engines' hops where they are asked for, as on GPUs (queued on a stream from the
+    calling thread), instead of on their CPU worker thread: the allocation trace sees the calling
+    thread only."""
+    original = HopWorker._on_thread
+
+    def inline(self: HopWorker, fn: Callable[[], Any]) -> Future:
+        done: Future = Future()
+        with torch.no_grad():
+            done.set_result(fn())
+        return done
+
+    HopWorker._on_thread = inline  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        HopWorker._on_thread = original  # type: ignore[method-assign]
+
+
+def peak_bytes(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
+    """Most bytes a fresh engine held at once during its second step, read from the allocator."""
+    counter = comm.CommCounter(topology)
+    with hops_on_calling_thread(), AllocationTrace() as trace:
+        engine = build(kind, copy.deepcopy(cfg), topology, args)
+        one_step(engine, counter, 0, args)
+        with record_function("measured step"):
+            one_step(engine, counter, 1, args)
+    return trace.peak("measured step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--hidden", type=int, default=512)
@@ -182,9 +232,9 @@ def main() -> None:
         cfg = ds_config(args, topology, Level.PACKAGE)
         cfg["hierarchical_zero"].update(json.loads(keys))
         configs[f"ours ({name})"] = ("ours", cfg)
-    engines = {name: build(kind, cfg, topology, args) for name, (kind, cfg) in configs.items()}
+    engines = {name: build(kind, copy.deepcopy(cfg), topology, args) for name, (kind, cfg) in configs.items()}
     counters = {name: comm.CommCounter(topology) for name in engines}
-    record: dict[str, dict[str, list]] = {name: {"times": [], "wire": [], "held": []} for name in engines}
+    record: dict[str, dict[str, Any]] = {name: {"times": [], "wire": [], "held": []} for name in engines}
     counts: dict[str, dict] = {}
     for step in range(args.warmup + args.steps):
         for name, engine in engines.items():
@@ -199,13 +249,15 @@ def main() -> None:
                     after = sent_bytes()
                     record[name]["wire"].append({k: after[k] - before[k] for k in after})
                 counts[name] = counters[name].snapshot()
+    for name, (kind, cfg) in configs.items():
+        record[name]["peak"] = peak_bytes(kind, cfg, topology, args)
     from benchmarks.cluster import write_result
 
     write_result(
         {
             "record": record,
             "counts": counts,
-            "params": sum(p.numel() for p in model(args.hidden, args.layers).parameters()),
+            "params": param_count(args),
             "args": vars(args),
             "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package],
             "loadavg": os.getloadavg(),

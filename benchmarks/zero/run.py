@@ -9,7 +9,8 @@ NIC sharing; docs/emulated_cluster.md). Each round launches every accumulation v
 and then the same launch over unshaped loopback (the time of the same work without the shaped
 network). Measured: step time (each step the slowest rank's; min / median / max pooled over
 launches), wire bytes per link class per rank and step from the interfaces' tc classes, bytes held
-by each engine's tensors, load average before each launch. Computed beside them (ring-aware cost
+by each engine's tensors, each engine's peak bytes per rank (the most of any rank, from the
+allocator; benchmarks.zero.rank), load average before each launch. Computed beside them (ring-aware cost
 model with the emulator's links, one channel as gloo): ring wire bytes, communication time, and the
 counter's bytes. Writes benchmarks/results/zero/<network>.{json,md}. Remaining arguments go to
 ``benchmarks.zero.rank``.
@@ -161,6 +162,8 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
                 }
         ranks = (shaped or base)[0]["ranks"]
         row["held_bytes"] = max((r["record"][name]["held"][-1] for r in ranks), key=lambda h: sum(h.values()))
+        peaks = [r["record"][name].get("peak") for launch in shaped or base for r in launch["ranks"]]
+        row["peak_bytes"] = max(peaks) if None not in peaks else None  # None: a result from before peaks
         row["counter_bytes"] = {
             link: sum(
                 kinds.get(link, 0)
@@ -243,8 +246,8 @@ def markdown(summary: dict[str, Any], title: str) -> str:
     lines += [
         "",
         "| variant | wire MB measured: package / node / inter-node (all) | ring wire MB computed | "
-        "counter MB computed: package / node / inter-node | engine MB: secondary / all |",
-        "|---|---|---|---|---:|",
+        "counter MB computed: package / node / inter-node | engine MB: secondary / all | peak MB (measured) |",
+        "|---|---|---|---|---:|---:|",
     ]
     for name, r in rows.items():
         w, c = r.get("wire_bytes"), r["counter_bytes"]
@@ -262,7 +265,9 @@ def markdown(summary: dict[str, Any], title: str) -> str:
             + " | "
             + " / ".join(f"{c[k] / mb:.2f}" for k in LINK_CLASSES)
             + " | "
-            + f"{held['secondary'] / mb:.2f} / {sum(held.values()) / mb:.2f} |"
+            + f"{held['secondary'] / mb:.2f} / {sum(held.values()) / mb:.2f} | "
+            + (f"{r['peak_bytes'] / mb:.2f}" if r.get("peak_bytes") is not None else "-")
+            + " |"
         )
     return "\n".join(lines)
 
@@ -302,7 +307,9 @@ def main() -> None:
     text = "\n\n".join(markdown(s, title) for s in summaries.values())
     text += (
         "\n\nBytes are per rank and step. Wire bytes: what the ranks' interfaces sent per tc class (measured, "
-        "mean over ranks of each rank's median step); ring wire and counter bytes: computed.\n"
+        "mean over ranks of each rank's median step); ring wire and counter bytes: computed. Engine MB: the "
+        "engine's state tensors after the last backward (the largest rank's). Peak MB: the most bytes a rank "
+        "held at once during a step, from the allocator (the largest of the ranks).\n"
     )
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
