@@ -17,9 +17,10 @@ Before the script runs, the launcher
 then runs the script as ``__main__`` with the script's directory first on ``sys.path``, as
 ``python pretrain_gpt.py`` would, and undoes the process-wide changes afterwards. When the script
 ends normally (returns, or exits with status 0) it destroys the process groups the script created
-and left: upstream's ``pretrain`` never does, and a gloo thread that drops a tensor's last
-reference while the interpreter finalizes cannot take the GIL and aborts the rank ("terminate called
-without an active exception") after training succeeded.
+and left: upstream's ``pretrain`` never does, and a backend thread that drops a tensor's last
+reference while the interpreter finalizes cannot take the GIL, which can abort a rank that trained
+successfully ("terminate called without an active exception"). A failing script keeps its groups:
+its peers may still be inside a collective, which a destroy would wait on.
 """
 
 from __future__ import annotations

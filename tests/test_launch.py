@@ -80,6 +80,39 @@ def test_upstream_tree_is_recognised_by_its_layout(tmp_path: Path) -> None:
         launch.upstream_kind(str(other / "pretrain_gpt.py"))
 
 
+SCRIPT_ENDINGS = {"returns": "", "exits 0": "sys.exit(0)", "raises": "raise RuntimeError('boom')"}
+
+
+def test_process_groups_a_script_leaves_are_destroyed_when_it_ends_normally(tmp_path: Path) -> None:
+    """Upstream's pretrain never destroys its groups; a normal end must not leave them to the
+    interpreter's finalization. A failing script keeps them (its peers may still be in a collective)."""
+    tree = tmp_path / "mds"
+    (tree / "megatron").mkdir(parents=True)
+    (tree / "megatron" / "training.py").touch()
+    runs = {}
+    for ending, line in SCRIPT_ENDINGS.items():
+        script = tree / f"pretrain_{ending.replace(' ', '_')}.py"
+        script.write_text(
+            "import atexit, sys\n"
+            "import torch.distributed as dist\n"
+            "dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+            "atexit.register(lambda: print('groups at exit:', dist.is_initialized(), flush=True))\n"
+            f"{line}\n"
+        )
+        runs[ending] = subprocess.Popen(
+            [sys.executable, "-m", "megatron_ext.launch", str(script)],
+            cwd=ROOT,
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+    ends = {ending: run.communicate(timeout=120)[0] for ending, run in runs.items()}
+    assert "groups at exit: False" in ends["returns"], ends["returns"]
+    assert "groups at exit: False" in ends["exits 0"], ends["exits 0"]
+    assert "groups at exit: True" in ends["raises"] and "RuntimeError: boom" in ends["raises"], ends["raises"]
+
+
 def test_bad_script_is_one_error_line(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "megatron_ext.launch", str(tmp_path / "missing.py")],
