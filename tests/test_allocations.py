@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch.profiler import record_function
@@ -44,3 +46,22 @@ def test_a_region_that_never_ran_is_refused_by_name() -> None:
         _tensor(MB)
     with pytest.raises(ValueError, match="'step'"):
         trace.peak("step")
+
+
+def test_process_peak_counts_every_thread_and_frees_wherever_they_happen() -> None:
+    held: list[torch.Tensor] = []
+    with AllocationTrace() as trace:
+        main = _tensor(MB)
+        worker = threading.Thread(target=lambda: held.append(_tensor(2 * MB)))  # allocated off-thread
+        worker.start()
+        worker.join()
+        with record_function("region"):
+            marker = _tensor(1)  # the calling thread's allocation that samples the total
+            dropper = threading.Thread(target=held.clear)  # freed off-thread
+            dropper.start()
+            dropper.join()
+            after_free = _tensor(1)
+    assert trace.process_peak("region") == 3 * MB + 1
+    assert trace.process_peak() == 3 * MB + 1
+    assert trace.peak() == MB + 2  # the calling thread's own bytes never saw the 2 MB
+    del main, marker, after_free

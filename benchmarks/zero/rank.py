@@ -8,23 +8,20 @@ bytes this rank's interface sent per link class, read from its tc classes (measu
 bytes of the engine's tensors (partitions, secondary copy, fp32 master, Adam states, gradient
 partitions) read after the last backward of a step, when the secondary copy exists; and, after the
 timed steps, the peak: a fresh copy of each engine is built and stepped twice under an allocation
-trace (benchmarks/allocations.py), and the most bytes it held at once during its second step is
-read from the allocator (everything it allocated from its model on: state, gathered parameters,
-activations, gradients, hop buffers). In that pass our hops run on the calling thread, as they do
-on GPUs, because the trace records that thread only.
+trace (benchmarks/allocations.py), and the most bytes the rank held at once during the second step
+is read from the allocator's running total (everything allocated since the engine's model was
+made, on every thread: state, gathered parameters, activations, gradients, hop buffers, and gloo's
+own buffers, which NCCL would not have).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -35,7 +32,6 @@ from benchmarks.allocations import AllocationTrace
 from benchmarks.cluster.netns import sent_bytes
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Level, Topology
-from deepspeed_ext.zero.hop_worker import HopWorker
 
 
 def model(hidden: int, layers: int) -> torch.nn.Module:
@@ -155,35 +151,16 @@ def one_step(
     return time.perf_counter() - start, held
 
 
-@contextlib.contextmanager
-def hops_on_calling_thread() -> Iterator[None]:
-    """Run our engines' hops where they are asked for, as on GPUs (queued on a stream from the
-    calling thread), instead of on their CPU worker thread: the allocation trace sees the calling
-    thread only."""
-    original = HopWorker._on_thread
-
-    def inline(self: HopWorker, fn: Callable[[], Any]) -> Future:
-        done: Future = Future()
-        with torch.no_grad():
-            done.set_result(fn())
-        return done
-
-    HopWorker._on_thread = inline  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        HopWorker._on_thread = original  # type: ignore[method-assign]
-
-
 def peak_bytes(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
-    """Most bytes a fresh engine held at once during its second step, read from the allocator."""
+    """Most bytes the rank held at once during a fresh engine's second step (the other engines idle),
+    read from the allocator's running total."""
     counter = comm.CommCounter(topology)
-    with hops_on_calling_thread(), AllocationTrace() as trace:
+    with AllocationTrace() as trace:
         engine = build(kind, copy.deepcopy(cfg), topology, args)
         one_step(engine, counter, 0, args)
         with record_function("measured step"):
             one_step(engine, counter, 1, args)
-    return trace.peak("measured step")
+    return trace.process_peak("measured step")
 
 
 def main() -> None:
