@@ -204,7 +204,12 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
         return _runs[(kind, variant)]
     how = VARIANTS[(kind, variant)]
     work, port = upstream["work"], _free_port()
-    env = {**tool_env(), "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **tool_env(),
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        "PYTHONFAULTHANDLER": "1",  # a rank killed by a signal prints every thread's Python stack
+    }
     try:
         done = subprocess.run(
             _command(upstream[kind], kind, how.patched, list(how.flags), work, port),
