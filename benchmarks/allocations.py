@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 _REPORT_FLAG = "FLAGS_caffe2_report_cpu_memory_usage"
@@ -43,8 +44,8 @@ class AllocationTrace:
         self._was = self._flag.value
 
     def __enter__(self) -> AllocationTrace:
-        self._flag.value = True  # every thread's allocations and frees into the running total
         self._profile.__enter__()
+        self._flag.value = True  # every thread's allocations and frees into the running total
         # The running total also holds blocks of earlier traces that were freed unseen: the first
         # event, this byte's allocation, gives the level this trace starts from.
         self._marker = torch.empty(1, dtype=torch.uint8)
@@ -54,27 +55,28 @@ class AllocationTrace:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self._profile.__exit__(kind, error, tb)
         self._flag.value = self._was
+        self._profile.__exit__(kind, error, tb)
         del self._marker
 
     def peak(self, region: str | None = None) -> int:
         """Most bytes the calling thread held at once over the whole trace, or only while the
         ``record_function`` named ``region`` ran (what was live when it began counts)."""
-        from torch._C._profiler import _EventType
-
         events = self._events()
-        start, end = self._span(events, region)
+        return _peak_over(self._own_levels(events), *self._span(events, region))
+
+    def process_peak(self, region: str | None = None) -> int:
+        """Most bytes the whole process held at once (of what it allocated since the trace opened),
+        sampled at the calling thread's allocations, over the trace or the ``region``."""
+        events = self._events()
+        return _peak_over(self._process_levels(events), *self._span(events, region))
+
+    def _own_levels(self, events: list[Any]) -> Iterator[tuple[int, int]]:
+        """(time, bytes the calling thread holds) after each of its allocations and their frees."""
         issuers = {e.start_tid for e in events if e.name.startswith("c10d::")}
         ours: set[int] = set()
-        live, peak = 0, None
-        for event in events:
-            if event.typed[0] != _EventType.Allocation:
-                continue
-            if end is not None and event.start_time_ns > end:
-                break
-            if peak is None and event.start_time_ns >= start:
-                peak = live  # what the region began with
+        live = 0
+        for event in _allocations(events):
             alloc = event.typed[1]
             if alloc.ptr == self._marker_ptr:
                 continue
@@ -87,32 +89,15 @@ class AllocationTrace:
             else:
                 ours.add(alloc.ptr)
             live += alloc.alloc_size
-            if peak is not None:
-                peak = max(peak, live)
-        return live if peak is None else peak
+            yield event.start_time_ns, live
 
-    def process_peak(self, region: str | None = None) -> int:
-        """Most bytes the whole process held at once (of what it allocated since the trace opened),
-        sampled at the calling thread's allocations, over the trace or the ``region``."""
-        from torch._C._profiler import _EventType
-
-        events = self._events()
-        start, end = self._span(events, region)
-        total, peak, base = 0, None, None
-        for event in events:
-            if event.typed[0] != _EventType.Allocation:
-                continue
-            if base is None:  # the marker: the level the trace starts from
-                base = event.typed[1].total_allocated
-                continue
-            if end is not None and event.start_time_ns > end:
-                break
-            if peak is None and event.start_time_ns >= start:
-                peak = total  # what the region began with
-            total = event.typed[1].total_allocated - base
-            if peak is not None:
-                peak = max(peak, total)
-        return total if peak is None else peak
+    @staticmethod
+    def _process_levels(events: list[Any]) -> Iterator[tuple[int, int]]:
+        """(time, the process's running total above the marker's) at each recorded allocation."""
+        allocations = _allocations(events)
+        base = next(allocations).typed[1].total_allocated  # the marker
+        for event in allocations:
+            yield event.start_time_ns, event.typed[1].total_allocated - base
 
     def _events(self) -> list[Any]:
         return sorted(_walk(self._profile.profiler.kineto_results.experimental_event_tree()), key=_start)
@@ -125,6 +110,24 @@ class AllocationTrace:
         if not spans:
             raise ValueError(f"no record_function({region!r}) ran inside the trace")
         return spans[-1].start_time_ns, spans[-1].end_time_ns
+
+
+def _peak_over(levels: Iterable[tuple[int, int]], start: int, end: int | None) -> int:
+    """Most of ``levels`` ((time, bytes), in time order) between ``start`` and ``end`` (None: to the
+    last), the level in force at ``start`` included."""
+    before, peak = 0, None
+    for time, level in levels:
+        if end is not None and time > end:
+            break
+        if time < start:
+            before = level
+            continue
+        peak = max(before if peak is None else peak, level)
+    return before if peak is None else peak
+
+
+def _allocations(events: list[Any]) -> Iterator[Any]:
+    return (e for e in events if e.typed[0] == _EventType.Allocation)
 
 
 def _start(event: Any) -> int:
