@@ -31,6 +31,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "shm_data_loader.timeout_s",
         {"type": float, "help": "seconds before a wait fails"},
     ),
+    "--shm-data-loader-workers": (
+        "shm_data_loader.workers",
+        {"type": int, "help": "producer processes that read the node's steps"},
+    ),
     "--shm-data-loader-dir": (
         "shm_data_loader.shm_dir",
         {"help": "tmpfs directory of the ring (default /dev/shm)"},

@@ -4,10 +4,11 @@ Keys, dtypes and order are those of Megatron-LM's ``get_batch_on_this_tp_rank``:
 int64, loss_mask float32, position_ids int64, each ``[micro_batch_size, seq_length]``; the attention
 mask, when asked for, is ``[micro_batch_size, 1, s, s]`` bool with True where attention is masked.
 
-With pipeline parallelism (:class:`StageKeys`) a stage gets the keys Megatron broadcasts to it: the
-first stage tokens, attention_mask, position_ids; the last labels, loss_mask, attention_mask; a
-middle stage none (its ``get_batch`` returns before reading). Its dict then holds every key, None
-where the stage gets nothing, as Megatron's does.
+With pipeline parallelism (:class:`StageKeys`) a stage's TP group shares the keys Megatron broadcasts
+to it: the first stage tokens, attention_mask, position_ids; the last labels, loss_mask,
+attention_mask; a middle stage none (its ``get_batch`` returns before reading). TP rank 0 keeps
+every key it read, as upstream's ``get_batch_on_this_tp_rank`` leaves it; the other TP ranks get the
+stage's. The dict then holds every key, None where the rank gets nothing, as Megatron's does.
 """
 
 from __future__ import annotations
@@ -34,27 +35,37 @@ LAST_STAGE_KEYS = ("labels", "loss_mask", "attention_mask")
 
 @dataclasses.dataclass(frozen=True)
 class StageKeys:
-    """Which keys a rank's pipeline stage receives, in the order its TP group broadcasts them."""
+    """Which keys a rank's pipeline stage shares over its TP group, and which its dict holds."""
 
+    stage: tuple[str, ...]
+    """The keys the stage's TP group shares, in Megatron's broadcast order."""
     returned: tuple[str, ...]
+    """The keys this rank's dict holds tensors for: the stage's, or every key on TP rank 0."""
     mask: bool
     """The attention mask is among them (built from the tokens, which are then read even where not returned)."""
     pipelined: bool
-    """PP > 1: the dict carries every key, None for those this stage does not get."""
+    """PP > 1: the dict carries every key, None for those this rank does not get."""
     listed: tuple[str, ...]
     """The dict's keys when pipelined: all of Megatron's, the attention mask when asked for."""
 
     @classmethod
-    def of(cls, first_stage: bool, last_stage: bool, attention_mask: bool) -> StageKeys:
+    def of(
+        cls, first_stage: bool, last_stage: bool, attention_mask: bool, tp_source: bool = True
+    ) -> StageKeys:
         """``first_stage``/``last_stage``: megatron-core's ``is_pipeline_first_stage()`` and
-        ``is_pipeline_last_stage()`` for this rank (both true without pipeline parallelism)."""
+        ``is_pipeline_last_stage()`` for this rank (both true without pipeline parallelism);
+        ``tp_source``: this rank is its TP group's rank 0, which reads the whole batch (upstream's
+        ``get_batch_on_this_tp_rank`` leaves it every key) and broadcasts the stage's keys."""
         if first_stage and last_stage:
             keys: tuple[str, ...] = BROADCAST_ORDER
         else:
             keys = (FIRST_STAGE_KEYS if first_stage else ()) + (LAST_STAGE_KEYS if last_stage else ())
         listed = tuple(k for k in BROADCAST_ORDER if attention_mask or k != "attention_mask")
-        keys = tuple(k for k in keys if k in listed)
-        return cls(keys, "attention_mask" in keys, not (first_stage and last_stage), listed)
+        stage = tuple(k for k in BROADCAST_ORDER if k in keys and k in listed)
+        returned = (
+            listed if tp_source and stage else stage
+        )  # a middle stage reads nothing, TP rank 0 included
+        return cls(stage, returned, "attention_mask" in returned, not (first_stage and last_stage), listed)
 
     def batch(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
         """The dict ``get_batch`` sees, in Megatron's key order."""

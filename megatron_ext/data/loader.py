@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.section import ConfigError
 from deepspeed_ext.topology import Topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
 from megatron_ext.data.config import ShmDataLoaderConfig
@@ -32,6 +33,20 @@ def indexed_prefixes(dataset: Any) -> list[str]:
         return [p for d in dataset.datasets for p in indexed_prefixes(d)]
     prefix = getattr(getattr(dataset, "dataset", None), "path_prefix", None)
     return [prefix] if prefix else []
+
+
+def check_slots(config: ShmDataLoaderConfig, pipeline_stages: int) -> None:
+    """Refuse a ring shallower than the pipeline: in 1F1B's warm-up the first stage reads
+    ``pipeline_stages - 1`` micro-batches before the last stage reads its first, and a slot is
+    refilled only once both stages released it; with fewer slots the first stage waits for the last
+    every step and the warm-up runs serialised."""
+    if config.enabled and config.slots < pipeline_stages:
+        raise ConfigError(
+            f"shm_data_loader.slots={config.slots} is below the pipeline's {pipeline_stages} stages "
+            f"(--pipeline-model-parallel-size {pipeline_stages}): the first stage reads {pipeline_stages - 1} "
+            "micro-batches ahead of the last, and each slot holds one until both have read it; set "
+            f"shm_data_loader.slots to at least {pipeline_stages} (--shm-data-loader-slots)"
+        )
 
 
 def build_batch_iterator(
@@ -54,6 +69,7 @@ def build_batch_iterator(
     num_workers: int = 0,
     first_pipeline_stage: bool = True,
     last_pipeline_stage: bool = True,
+    pipeline_stages: int = 1,
 ) -> BatchIterator:
     """This rank's micro-batches in Megatron's sampler order from ``consumed_samples`` on.
 
@@ -70,7 +86,9 @@ def build_batch_iterator(
     the node loader reads in its producer process instead.
     ``first_pipeline_stage``/``last_pipeline_stage``: megatron-core's ``is_pipeline_first_stage()`` /
     ``is_pipeline_last_stage()`` (both true without pipeline parallelism). With PP > 1 the dict holds
-    every key, None for those the stage does not get; a middle stage gets None for all.
+    every key, None for those the rank does not get (TP rank 0 gets every key, as upstream's
+    ``get_batch_on_this_tp_rank`` leaves it); a middle stage gets None for all. ``pipeline_stages``:
+    Megatron's pipeline-parallel size; the ring needs at least that many slots.
     """
     for prefix in indexed_prefixes(dataset):
         # Imported here: where Megatron-DeepSpeed's own megatron package comes first on the path,
@@ -78,7 +96,8 @@ def build_batch_iterator(
         from megatron_ext.data.gpt_dataset import check_indexed_dataset
 
         check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
-    keys = StageKeys.of(first_pipeline_stage, last_pipeline_stage, create_attention_mask)
+    tp_source = tp_group is None or dist.get_rank(group=tp_group) == 0
+    keys = StageKeys.of(first_pipeline_stage, last_pipeline_stage, create_attention_mask, tp_source)
     settings = SamplerSettings(micro_batch_size, consumed_samples, dp_size, sampler, data_sharding, seed)
     if not config.enabled:
         return StockBatchIterator(
@@ -96,22 +115,25 @@ def build_batch_iterator(
             "topology=detect_topology(plugin_config.topology, world_size=...) to build_batch_iterator"
         )
     check_platform()  # every rank, before the collective: none is left waiting in it
+    check_slots(config, pipeline_stages)
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] = [None] * world
     # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or
     # other), and a random token per rank: that of the node's first rank names the node's segment, so
-    # the name appears nowhere another user can read before that rank creates it. Each rank also
+    # the name appears nowhere another user can read before that rank creates it; with it goes that
+    # rank's label, so the name depends on nothing a rank computes for itself. Each rank also
     # says whether its stage reads batches, and who it is, so that peers can tell its death.
     pid = os.getpid()
     dist.all_gather_object(
-        gathered, (dp_rank, new_token(), bool(keys.returned), pid, process_start_time(pid))
+        gathered,
+        (dp_rank, new_token(), bool(keys.returned), pid, process_start_time(pid), resolve_job_id(job_id)),
     )
     if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
         return StockBatchIterator(dataset, settings, tp_group=None, dp_rank=dp_rank, keys=keys, device=device)
     node = topology.node(rank)
     local = [r for r in range(world) if topology.node(r) == node and gathered[r][2]]
     first = gathered[local[0]]
-    path = segment_path(config.shm_dir, f"{resolve_job_id(job_id)}-{name}", node, token=first[1])
+    path = segment_path(config.shm_dir, f"{first[5]}-{name}", node, token=first[1])
     if not os.path.isdir(config.shm_dir):
         raise FileNotFoundError(
             f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs"

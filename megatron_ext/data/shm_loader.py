@@ -8,7 +8,7 @@ nor a kill leaves a file behind) and forks the producer. The other ranks wait fo
 appear, refuse anything that is not their user's own (``shm_segment``) or whose owner is dead, and
 register. Every wait is bounded by ``timeout_s`` and tied to the first rank's life: a rank that finds
 it dead removes its segment (its name came from this job's collective, so it is this job's) and
-raises at once. Only x86-64 runs it (``ring.check_platform``).
+raises at once. x86-64 and aarch64 run it (``ordering``).
 
 With pipeline parallelism only first- and last-stage ranks are consumers (``loader`` leaves middle
 stages out); each copies out the keys of its stage (``keys``). A loader dropped without ``close()``
@@ -38,7 +38,7 @@ from megatron_ext.data.batch import (
     sequence_length,
 )
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.documents import attention_mask, separates_documents
+from megatron_ext.data.documents import MaskBuilder, separates_documents
 from megatron_ext.data.producer import ProducerProcess
 from megatron_ext.data.ring import (
     VERSION,
@@ -46,6 +46,7 @@ from megatron_ext.data.ring import (
     RingError,
     RingLayout,
     State,
+    Writer,
     check_platform,
     wait_until,
 )
@@ -103,7 +104,7 @@ class ShmBatchIterator:
         device: torch.device | str | None = None,
         creator: tuple[int, int] | None = None,
     ) -> None:
-        check_platform()  # before anything is created: the ring's ordering holds on x86-64 only
+        check_platform()  # before anything is created: refuses a machine whose ring it cannot order
         self.counters = LoaderCounters()
         self.path = path
         self._keys = keys
@@ -112,11 +113,12 @@ class ShmBatchIterator:
         # Runs when the iterator is collected or at exit, whichever is first; holds no reference to it.
         self._finalizer = weakref.finalize(self, self._handle.close)
         self._timeout = config.timeout_s
+        self._workers = config.workers
         self._local = local_index
         self._rank = rank
-        self._mask = self._keys.mask
-        self._documents = self._mask and separates_documents(dataset)  # else the mask is causal only
         self._device = torch.device("cpu" if device is None else device)
+        self._mask = MaskBuilder(self._device) if self._keys.mask else None
+        self._documents = self._keys.mask and separates_documents(dataset)  # else the mask is causal only
         streams = sorted(set(node_dp_ranks))
         self._stream = streams.index(node_dp_ranks[local_index])
         self._layout = RingLayout(
@@ -169,11 +171,14 @@ class ShmBatchIterator:
             label = (
                 f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
             )
-            self.producer = ProducerProcess(ring, dataset, streams, settings, label)
+            self.producer = ProducerProcess(ring, dataset, streams, settings, label, self._workers)
             self._handle.producer = self.producer
             ring.start_producer(self.producer.pid, process_start_time(self.producer.pid) or -1)
         except BaseException as e:
-            ring.fail(f"rank {self._rank}, the first of its node, failed to set up {self.path}: {e}")
+            ring.fail(
+                f"rank {self._rank}, the first of its node, failed to set up {self.path}: {e}",
+                Writer.FIRST_RANK,
+            )
             remove_segment(self.path)
             self.close()
             raise
@@ -275,10 +280,10 @@ class ShmBatchIterator:
         batch = {key: self._copy_out(view, _DTYPES[key]) for key, view in self._views[slot].items()}
         ring.release(self._local, step)
         self._step += 1
-        if self._mask:
+        if self._mask is not None:
             documents = batch.pop("documents", None)
-            batch["attention_mask"] = attention_mask(
-                self._layout.micro_batch_size, self._layout.seq_length, self._device, documents
+            batch["attention_mask"] = self._mask.build(
+                self._layout.micro_batch_size, self._layout.seq_length, documents
             )  # on the device
         self.counters.batches += 1
         self.counters.wait_s += waited + time.perf_counter() - start

@@ -23,6 +23,7 @@ import errno
 import hashlib
 import mmap
 import os
+import random
 import re
 import secrets
 import struct
@@ -43,7 +44,8 @@ PREFIX = "mdsp"
 RING = "ring"  # the segment's file inside its private directory
 MAGIC = 0x4D44535052494E47  # "MDSPRING": marks a header this module wrote
 OWNER_FIELDS = struct.Struct("qqq")  # magic, owner pid, owner start time: the first words of every header
-EMPTY_DIR_GRACE_S = 60.0  # an empty private dir older than this lost its creator between two calls
+EMPTY_DIR_GRACE_S = 60.0
+STALE_CHECKS_PER_START = 64  # entries a start inspects for leftovers (each costs a few syscalls)  # an empty private dir older than this lost its creator between two calls
 
 
 class ShmSpaceError(ConfigError):
@@ -51,16 +53,15 @@ class ShmSpaceError(ConfigError):
 
 
 def resolve_job_id(explicit: str | None = None) -> str:
-    """A readable label for the segment's name (its uniqueness comes from the random token):
-    ``explicit``, else Slurm's job (and step) id, else a hash of the rendezvous variables."""
+    """A readable label for the segment's name: ``explicit``, else Slurm's job (and step) id, else a
+    hash of the rendezvous variables. Only the node's first rank's label is used (the loader shares
+    it with the token), and the name's uniqueness comes from the random token alone."""
     if explicit:
         raw = explicit
     elif os.environ.get("SLURM_JOB_ID"):
         raw = os.environ["SLURM_JOB_ID"] + "." + os.environ.get("SLURM_STEP_ID", "0")
     else:
         keys = [os.environ.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID")]
-        if not keys[1] and not keys[2]:
-            keys.append(str(os.getppid()))  # file rendezvous: the ranks share their launcher
         raw = hashlib.sha1("|".join(keys).encode()).hexdigest()[:12]
     return re.sub(r"[^A-Za-z0-9_.]", "_", raw)
 
@@ -107,12 +108,18 @@ def free_bytes(shm_dir: str) -> int:
 
 
 # -- clean-up ------------------------------------------------------------------------------------
-def remove_stale_segments(shm_dir: str) -> list[str]:
+def remove_stale_segments(shm_dir: str, limit: int = STALE_CHECKS_PER_START) -> list[str]:
     """Remove this user's private directories whose owner process is gone (a killed job); returns
-    their paths. Anything else (other users' entries, symlinks, FIFOs, files) is skipped unopened."""
+    their paths. Only entries named as this user's are looked at, at most ``limit`` of them, drawn
+    at random: a start costs the same whatever others planted in the directory, and leftovers that
+    one start does not reach, a later one does. Anything that is not this user's own (other users'
+    entries under our name, symlinks, FIFOs, files) is skipped unopened."""
     removed = []
+    mine = f"{PREFIX}-{current_user()}-"
     with os.scandir(shm_dir) as scan:
-        entries = [e for e in scan if e.name.startswith(PREFIX + "-")]
+        entries = [e for e in scan if e.name.startswith(mine)]
+    if len(entries) > limit:
+        entries = random.sample(entries, limit)
     for entry in entries:
         try:
             if problem_with(entry.stat(follow_symlinks=False), directory=True):
@@ -171,6 +178,10 @@ def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
         raise refusal(
             path, "it existed before this job's first rank created it (its name is random)"
         ) from None
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ShmSpaceError(_space_message(shm_dir, size, available)) from None
+        raise
     try:
         dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
         try:
@@ -187,7 +198,12 @@ def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
 
 def _create_ring(dfd: int, path: str, size: int, header: bytes) -> mmap.mmap:
     shm_dir, tmp = os.path.dirname(path), f"{RING}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
+    try:
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
+        raise
     try:
         os.fchmod(fd, 0o600)  # the umask may have cleared bits
         if problem := problem_with(os.fstat(fd), directory=False):
@@ -246,6 +262,14 @@ def remove_segment(path: str) -> None:
 
 
 def _space_message(shm_dir: str, needed: int, available: int) -> str:
+    st = os.statvfs(shm_dir)
+    if st.f_files and not st.f_favail:  # tmpfs counts inodes (nr_inodes): bytes may be left, names not
+        return (
+            f"the shared-memory data loader needs 2 inodes in {shm_dir} (a directory and its ring) but all "
+            f"{st.f_files} are in use: remove leftovers there (this user's stale mdsp-* entries go at the "
+            "next start; others' need their owner), remount it with a larger nr_inodes, or point "
+            "shm_data_loader.shm_dir at another tmpfs"
+        )
     return (
         f"the shared-memory data loader needs {needed} bytes in {shm_dir} but only {available} bytes are free: "
         "lower shm_data_loader.slots or the micro-batch size, point shm_data_loader.shm_dir at a larger tmpfs, "

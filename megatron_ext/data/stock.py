@@ -65,7 +65,7 @@ class StockBatchIterator:
                     pin_memory=self._device.type == "cuda",
                 )
             )
-            if self._is_src and self._keys.returned
+            if self._is_src and self._keys.stage
             else None  # a middle stage reads nothing
         )
 
@@ -93,13 +93,13 @@ class StockBatchIterator:
             batch = {
                 key: torch.empty(self._shape, dtype=dtype, device=self._device)
                 for key, dtype in STORED_KEYS
-                if key in self._keys.returned
+                if key in self._keys.stage
             }
             if self._mask:
                 mbs, s = self._shape
                 batch["attention_mask"] = torch.empty((mbs, 1, s, s), dtype=torch.bool, device=self._device)
         if self._group is not None:
-            for key in self._keys.returned:
+            for key in self._keys.stage:
                 dist.broadcast(batch[key], self._src, group=self._group)
         self.counters.batches += 1
         self.counters.wait_s += time.perf_counter() - start

@@ -242,6 +242,7 @@ def external_data_iterators(
             num_workers=getattr(args, "num_workers", 0),
             first_pipeline_stage=mpu.is_pipeline_first_stage(),
             last_pipeline_stage=mpu.is_pipeline_last_stage(),
+            pipeline_stages=mpu.get_pipeline_model_parallel_world_size(),
         )
         _iterators.add(iterator)
         iterators.append(iterator)
