@@ -5,6 +5,7 @@ with small timeouts; every test also checks that nothing is left in the shared-m
 import glob
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 import uuid
@@ -14,10 +15,10 @@ import pytest
 from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
-from megatron_ext.data.ring import RingError, wait_until
+from megatron_ext.data.ring import Ring, RingError, State, wait_until
 from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_segment import segment_path
+from megatron_ext.data.shm_segment import is_alive, process_start_time, segment_path
 
 TIMEOUT_S = 4.0
 ctx = mp.get_context("fork")
@@ -186,3 +187,68 @@ def test_data_published_before_the_peer_left_still_counts():
     assert wait_until(lambda: bool(published), peer_left, 1.0, "a batch", max_sleep_s=1e-3) >= 0
     with pytest.raises(RingError, match="closed"):
         wait_until(lambda: False, peer_left, 1.0, "a batch", max_sleep_s=1e-3)
+
+
+def test_the_producers_error_survives_a_parent_that_records_the_producer_after_it(dataset, path, monkeypatch):
+    # The parent forks the producer and then records it; a producer that failed in between must
+    # still be what every rank reports (the parent here records it only once the failure is there).
+    queue = ctx.Queue()
+    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
+    child.start()
+    record = Ring.start_producer
+
+    def record_after_the_failure(ring, pid, start):
+        wait_until(
+            lambda: ring.state == State.FAILED, lambda: None, TIMEOUT_S, "the producer's failure", 1e-3
+        )
+        record(ring, pid, start)
+
+    monkeypatch.setattr(Ring, "start_producer", record_after_the_failure)
+    leader = _iterator(_Failing(dataset, hang=False), path, 0)
+    expected = r"(?s)producer of .* failed: .*OSError: reading sample \d+: input/output error"
+    with pytest.raises(RingError, match=expected):
+        next(leader)
+    _, _, message = _first_error(queue, TIMEOUT_S)
+    assert re.search(expected, message), message
+    child.join(10)
+    leader.close()
+
+
+def _workers_of(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+def test_a_killed_worker_fails_every_rank_naming_the_worker_and_the_signal(dataset, path):
+    queue = ctx.Queue()
+    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
+    child.start()
+    leader = _iterator(dataset, path, 0)
+    next(leader)
+    workers = _workers_of(leader.producer.pid)
+    assert len(workers) == 2  # the default
+    os.kill(workers[1], signal.SIGKILL)
+    expected = rf"worker \d of 2 \(pid {workers[1]}\) failed: killed by signal 9"
+    with pytest.raises(RingError, match=expected):
+        for _ in range(1000):
+            next(leader)
+    _, _, message = _first_error(queue, TIMEOUT_S)
+    assert re.search(expected, message), message
+    child.join(10)
+    leader.close()
+
+
+def test_a_killed_producer_takes_its_workers_with_it(dataset, path):
+    queue = ctx.Queue()
+    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
+    child.start()
+    leader = _iterator(dataset, path, 0)
+    next(leader)
+    workers = [(pid, process_start_time(pid)) for pid in _workers_of(leader.producer.pid)]
+    os.kill(leader.producer.pid, signal.SIGKILL)
+    assert leader.producer.stop(timeout_s=TIMEOUT_S) == -signal.SIGKILL
+    wait_until(
+        lambda: not any(is_alive(*w) for w in workers), lambda: None, TIMEOUT_S, "the workers' exit", 1e-3
+    )
+    child.join(10)
+    leader.close()

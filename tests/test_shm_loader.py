@@ -176,3 +176,65 @@ def test_each_node_reads_its_own_dp_streams_once_with_its_own_producer(run_ranks
         4, _compare, *corpus, 1, "random", 50 * 8, 8, uuid.uuid4().hex[:8], topology, timeout=120
     )
     _check_reads(results, 8, streams_per_node=2, leaders={0, 2})
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("sampler,consumed", [("random", 50 * 2), ("single", 428 - 7 * 2 - 1)])
+def test_the_producers_workers_deliver_megatrons_order_whatever_their_number(
+    corpus, workers, sampler, consumed
+):
+    # Workers fill steps in turn and publish independently; the rank must still see step after step.
+    from megatron_ext.data.batch import ALL_KEYS
+    from megatron_ext.data.samplers import SamplerSettings
+    from megatron_ext.data.shm_loader import ShmBatchIterator
+    from megatron_ext.data.shm_segment import segment_path
+
+    dataset = _dataset(*corpus)
+    it = ShmBatchIterator(
+        dataset,
+        SamplerSettings(MBS, consumed, 1, kind=sampler),
+        keys=ALL_KEYS,
+        config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=60, workers=workers),
+        path=segment_path("/dev/shm", f"workers{uuid.uuid4().hex[:8]}", 0),
+        local_index=0,
+        node_dp_ranks=[0],
+        rank=0,
+    )
+    got = _take(it, 12)
+    it.close()
+    order = list(zip(range(12), megatron_order(sampler, len(dataset), consumed, MBS, 0, 1)))
+    assert len(got) == len(order) == (12 if sampler == "random" else 7)
+    for batch, (_, indices) in zip(got, order):
+        assert torch.equal(batch["tokens"], torch.stack([dataset[j]["tokens"] for j in indices]))
+        assert torch.equal(batch["labels"], torch.stack([dataset[j]["labels"] for j in indices]))
+
+
+def _rank_with_its_own_rendezvous_label(prefix, cache, job_suffix):
+    """Ranks whose environments differ (each its own launcher, say) still meet at one segment: its
+    name comes from the node's first rank (label and token), not from what each rank computes."""
+    import os
+
+    os.environ["TORCHELASTIC_RUN_ID"] = f"launcher-of-rank-{dist.get_rank()}"
+    dataset = _dataset(prefix, cache)
+    it = build_batch_iterator(
+        dataset,
+        micro_batch_size=MBS,
+        consumed_samples=0,
+        config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=20),
+        topology=Topology(world_size=2, ranks_per_node=2, ranks_per_package=1),
+        tp_group=None,
+        dp_rank=dist.get_rank(),
+        dp_size=2,
+        name=f"label{job_suffix}",
+    )
+    got = _take(it, 3)
+    it.close()
+    del os.environ["TORCHELASTIC_RUN_ID"]
+    return len(got)
+
+
+def test_ranks_with_different_environments_share_the_first_ranks_segment(run_ranks, corpus):
+    assert run_ranks(2, _rank_with_its_own_rendezvous_label, *corpus, uuid.uuid4().hex[:8], timeout=60) == [
+        3,
+        3,
+    ]

@@ -6,7 +6,9 @@ The keys each stage must get are written here from Megatron-LM core_v0.16.1, not
 module under test: ``pretrain_gpt.get_batch`` returns before touching the iterator on a stage that is
 neither first nor last; ``get_batch_on_this_tp_rank`` with PP > 1 broadcasts tokens, attention_mask
 and position_ids to the first stage (labels, loss_mask None there) and labels, loss_mask and
-attention_mask to the last (tokens, position_ids None there); with PP=1 all five."""
+attention_mask to the last (tokens, position_ids None there), while TP rank 0, which read the
+batch, keeps every key; with PP=1 all five. tests/test_shm_megatron_reference.py checks the same
+against upstream's function itself."""
 
 import glob
 import uuid
@@ -26,8 +28,8 @@ from megatron_ext.data.shm_loader import ShmBatchIterator
 ALL = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
 
-def megatron_stage_keys(first: bool, last: bool, mask: bool) -> set[str]:
-    if first and last:
+def megatron_stage_keys(first: bool, last: bool, mask: bool, tp_rank: int) -> set[str]:
+    if (first and last) or (tp_rank == 0 and (first or last)):
         keys = set(ALL)
     elif first:
         keys = {"tokens", "attention_mask", "position_ids"}
@@ -71,12 +73,16 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
     expected = _take(stock, steps)
     stock.close()
     ours = build_batch_iterator(
-        dataset, config=ShmDataLoaderConfig(enabled=True, slots=3, timeout_s=60), job_id=job, **kwargs
+        dataset,
+        config=ShmDataLoaderConfig(enabled=True, slots=max(3, pp), timeout_s=60),
+        job_id=job,
+        pipeline_stages=pp,
+        **kwargs,
     )
     got = _take(ours, steps)
     ours.close()
     dist.barrier()
-    want = megatron_stage_keys(first, last, mask)
+    want = megatron_stage_keys(first, last, mask, ps.get_tensor_model_parallel_rank())
     listed = [k for k in ALL if mask or k != "attention_mask"]
     for batches in (got, expected):
         for b in batches:

@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 
+from deepspeed_ext.section import ConfigError
 from deepspeed_ext.topology import Topology
 from megatron_ext.data import shm_segment
 from megatron_ext.data.batch import ALL_KEYS
@@ -176,6 +177,73 @@ def test_full_tmpfs_gives_a_clear_error_not_sigbus(tmp_path, monkeypatch):
         assert os.listdir(mnt) == []
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_tmpfs_out_of_inodes_gives_a_clear_error(tmp_path):
+    mnt = tmp_path / "few-inodes"
+    mnt.mkdir()
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=8", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        taken = 0
+        while True:  # use up every inode: bytes stay free, names do not
+            try:
+                (mnt / f"f{taken}").touch()
+                taken += 1
+            except OSError:
+                break
+        with pytest.raises(
+            ShmSpaceError,
+            match=rf"needs 2 inodes in {mnt} .a directory and its ring. but all \d+ are in use.*nr_inodes",
+        ):
+            create_segment(segment_path(str(mnt), _job(), 0), LAYOUT.size, LAYOUT.header(os.getpid(), 1))
+        assert len(os.listdir(mnt)) == taken  # nothing of ours left
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_clean_up_looks_at_a_bounded_number_of_this_users_entries(tmp_path, monkeypatch):
+    # Thousands of planted names must not make every start slow: only names of this user's are
+    # looked at, a bounded number per start, and a real leftover among them is still removed.
+    user = shm_segment.current_user()
+    for i in range(300):
+        (tmp_path / f"mdsp-{user}-decoy-{i}").mkdir(mode=0o755)  # wrong mode: never opened
+        (tmp_path / f"mdsp-someone-else-{i}").mkdir(mode=0o700)
+    stale = segment_path(str(tmp_path), _job(), 0)
+    _make(stale, _dead_pid(), 12345)
+    examined = []
+    check = shm_segment.problem_with
+
+    def counting(st, directory):
+        examined.append(st)
+        return check(st, directory=directory)
+
+    monkeypatch.setattr(shm_segment, "problem_with", counting)
+    starts = 0
+    while os.path.exists(stale):
+        examined.clear()
+        shm_segment.remove_stale_segments(str(tmp_path))
+        assert len(examined) <= shm_segment.STALE_CHECKS_PER_START
+        starts += 1
+        assert starts < 100, "the leftover was never reached"
+
+
+def test_fewer_slots_than_pipeline_stages_are_refused_before_any_collective(corpus):
+    dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
+    with pytest.raises(ConfigError, match=r"slots=2 is below the pipeline's 4 stages.*at least 4"):
+        build_batch_iterator(  # no process group exists: a collective would fail otherwise
+            dataset,
+            micro_batch_size=2,
+            consumed_samples=0,
+            config=ShmDataLoaderConfig(enabled=True, slots=2),
+            topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
+            tp_group=None,
+            dp_rank=0,
+            dp_size=1,
+            pipeline_stages=4,
+        )
 
 
 @pytest.mark.parametrize("machine", ["ppc64le", "riscv64"])
