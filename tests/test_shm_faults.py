@@ -219,12 +219,18 @@ def _workers_of(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
-def test_a_killed_worker_fails_every_rank_naming_the_worker_and_the_signal(dataset, path):
+def _two_ranks_reading(dataset, path):
+    """The node's first rank (here, one batch read) and a second rank reading in a child process."""
     queue = ctx.Queue()
     child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
     child.start()
     leader = _iterator(dataset, path, 0)
     next(leader)
+    return leader, child, queue
+
+
+def test_a_killed_worker_fails_every_rank_naming_the_worker_and_the_signal(dataset, path):
+    leader, child, queue = _two_ranks_reading(dataset, path)
     workers = _workers_of(leader.producer.pid)
     assert len(workers) == 2  # the default
     os.kill(workers[1], signal.SIGKILL)
@@ -239,11 +245,7 @@ def test_a_killed_worker_fails_every_rank_naming_the_worker_and_the_signal(datas
 
 
 def test_a_killed_producer_takes_its_workers_with_it(dataset, path):
-    queue = ctx.Queue()
-    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
-    child.start()
-    leader = _iterator(dataset, path, 0)
-    next(leader)
+    leader, child, _ = _two_ranks_reading(dataset, path)
     workers = [(pid, process_start_time(pid)) for pid in _workers_of(leader.producer.pid)]
     os.kill(leader.producer.pid, signal.SIGKILL)
     assert leader.producer.stop(timeout_s=TIMEOUT_S) == -signal.SIGKILL

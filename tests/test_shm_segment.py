@@ -1,6 +1,7 @@
 """The segment's name, mode, space check and clean-up, the platform check, and the dataset check
 at the entry point. Attacks by another local user: tests/test_shm_security.py."""
 
+import contextlib
 import multiprocessing as mp
 import os
 import platform
@@ -158,14 +159,22 @@ def test_space_is_checked_before_allocating(monkeypatch):
     assert not [p for p in os.listdir("/dev/shm") if os.path.basename(path) in p]
 
 
-def test_full_tmpfs_gives_a_clear_error_not_sigbus(tmp_path, monkeypatch):
-    mnt = tmp_path / "tiny"
+@contextlib.contextmanager
+def _tmpfs(mnt, options):
+    """A tmpfs of its own at ``mnt`` (root only: skipped elsewhere), unmounted after the test."""
     mnt.mkdir()
     if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mnt)], capture_output=True
     ).returncode:
         pytest.skip("cannot mount a tmpfs here (needs root)")
     try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_full_tmpfs_gives_a_clear_error_not_sigbus(tmp_path, monkeypatch):
+    with _tmpfs(tmp_path / "tiny", "size=64k") as mnt:
         # pretend the probe saw room, so that posix_fallocate is the one to find the tmpfs full
         monkeypatch.setattr(shm_segment, "free_bytes", lambda _: 1 << 40)
         path = segment_path(str(mnt), _job(), 0)
@@ -175,18 +184,10 @@ def test_full_tmpfs_gives_a_clear_error_not_sigbus(tmp_path, monkeypatch):
         ):
             create_segment(path, big.size, big.header(os.getpid(), 1))
         assert os.listdir(mnt) == []
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_a_tmpfs_out_of_inodes_gives_a_clear_error(tmp_path):
-    mnt = tmp_path / "few-inodes"
-    mnt.mkdir()
-    if subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,nr_inodes=8", "tmpfs", str(mnt)], capture_output=True
-    ).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    try:
+    with _tmpfs(tmp_path / "few-inodes", "size=4m,nr_inodes=8") as mnt:
         taken = 0
         while True:  # use up every inode: bytes stay free, names do not
             try:
@@ -200,8 +201,6 @@ def test_a_tmpfs_out_of_inodes_gives_a_clear_error(tmp_path):
         ):
             create_segment(segment_path(str(mnt), _job(), 0), LAYOUT.size, LAYOUT.header(os.getpid(), 1))
         assert len(os.listdir(mnt)) == taken  # nothing of ours left
-    finally:
-        subprocess.run(["umount", str(mnt)], check=True)
 
 
 def test_clean_up_looks_at_a_bounded_number_of_this_users_entries(tmp_path, monkeypatch):
