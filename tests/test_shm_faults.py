@@ -214,9 +214,15 @@ def test_the_producers_error_survives_a_parent_that_records_the_producer_after_i
     leader.close()
 
 
-def _workers_of(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(p) for p in f.read().split()]
+def _workers_of(pid: int, count: int = 2) -> list[int]:
+    """The producer's workers, once it has forked ``count`` of them (the default's 2)."""
+
+    def children() -> list[int]:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+
+    wait_until(lambda: len(children()) == count, lambda: None, TIMEOUT_S, "the producer's workers", 1e-3)
+    return children()
 
 
 def _two_ranks_reading(dataset, path):
@@ -232,7 +238,6 @@ def _two_ranks_reading(dataset, path):
 def test_a_killed_worker_fails_every_rank_naming_the_worker_and_the_signal(dataset, path):
     leader, child, queue = _two_ranks_reading(dataset, path)
     workers = _workers_of(leader.producer.pid)
-    assert len(workers) == 2  # the default
     os.kill(workers[1], signal.SIGKILL)
     expected = rf"worker \d of 2 \(pid {workers[1]}\) failed: killed by signal 9"
     with pytest.raises(RingError, match=expected):
