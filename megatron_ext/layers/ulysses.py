@@ -1,0 +1,271 @@
+"""Ulysses sequence parallelism with its all-to-alls decomposed and overlapped with the projections
+around attention (Flash-Overlap's UP case, arXiv 2604.24013).
+
+DeepSpeed-Ulysses (``deepspeed.sequence.layer.DistributedAttention``) runs, on n ranks that each
+hold s/n tokens of every sequence: QKV projection, an all-to-all that trades sequence for heads
+(each rank then holds the whole sequence for 1/n of the heads), local attention, the reverse
+all-to-all, the output projection; every all-to-all waits for the GEMM before it, and the GEMM after
+it waits for the all-to-all. Here the block owns both projections:
+
+* QKV (:class:`_QKVAllToAll`): the projection is computed per destination head group, the remote
+  groups first, each sent as soon as it is ready, this rank's own group last;
+* output (:class:`_AllToAllOutput`): the context slices are posted at once and each feeds the output
+  projection as it arrives (this rank's own first): the projection is summed over head groups.
+
+Backward mirrors both (the output's dgrad computed per destination, remote first, with the wgrad
+GEMM under the transfers; QKV's gradient slices consumed as they arrive). Numerics are those of
+``DistributedAttention`` wrapped around the same projections, up to the order of floating-point
+sums in the output projection. Layout: Megatron's [s, b, ...]; the QKV weight is laid out as
+Megatron-DeepSpeed's Ulysses path reads it, [q heads | k heads | v heads] x hidden; grouped-query
+attention keeps each rank's query heads with their key/value heads (contiguous head groups, as
+``DistributedAttention`` splits them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ext.layers.p2p_all_to_all import all_to_all_compute, compute_all_to_all
+from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, OverlapGroup
+
+
+@dataclass(frozen=True)
+class HeadSplit:
+    """How the attention heads split over the ``ranks`` of the sequence-parallel group."""
+
+    heads: int
+    """Query heads of the layer."""
+    kv_heads: int
+    """Key/value heads (fewer than ``heads`` with grouped-query attention)."""
+    head_dim: int
+    """Channels per head."""
+    ranks: int
+    """Ranks of the sequence-parallel group."""
+
+    def __post_init__(self) -> None:
+        problems = [
+            f"{name}={value} is not divisible by {by_name}={by}"
+            for name, value, by_name, by in (
+                ("heads", self.heads, "sequence-parallel size", self.ranks),
+                ("kv_heads", self.kv_heads, "sequence-parallel size", self.ranks),
+                ("heads", self.heads, "kv_heads", self.kv_heads),
+            )
+            if value % by
+        ]
+        if problems:
+            raise ValueError(
+                f"Ulysses attention with heads={self.heads}, kv_heads={self.kv_heads}, sequence-parallel size "
+                f"{self.ranks}: {'; '.join(problems)}. Each rank takes whole query heads with their key/value "
+                "heads: choose a sequence-parallel size that divides both head counts"
+            )
+
+    @property
+    def width(self) -> int:
+        """Channels of one rank's QKV block: its query, key and value heads."""
+        return (self.heads + 2 * self.kv_heads) // self.ranks * self.head_dim
+
+    def qkv_rows(self, group: int, device: torch.device) -> torch.Tensor:
+        """Rows of the QKV weight that produce head group ``group``'s q, k and v, in that order."""
+        q, kv, d = (
+            self.heads // self.ranks * self.head_dim,
+            self.kv_heads // self.ranks * self.head_dim,
+            self.head_dim,
+        )
+        starts = (group * q, self.heads * d + group * kv, (self.heads + self.kv_heads) * d + group * kv)
+        sizes = (q, kv, kv)
+        return torch.cat([torch.arange(a, a + n, device=device) for a, n in zip(starts, sizes)])
+
+    def context_columns(self, group: int) -> slice:
+        """Columns of the output weight that take head group ``group``'s context."""
+        width = self.heads // self.ranks * self.head_dim
+        return slice(group * width, (group + 1) * width)
+
+    def split(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[s, b, width] -> q [s, b, heads/n, d], k and v [s, b, kv_heads/n, d] (views)."""
+        q, kv = self.heads // self.ranks, self.kv_heads // self.ranks
+        s, b, d = full.shape[0], full.shape[1], self.head_dim
+        return (
+            full[..., : q * d].view(s, b, q, d),
+            full[..., q * d : (q + kv) * d].view(s, b, kv, d),
+            full[..., (q + kv) * d :].view(s, b, kv, d),
+        )
+
+
+def _sequence_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``t`` [s, ...] cut into n blocks of s/n rows (views)."""
+    return list(t.chunk(n, dim=0))
+
+
+class _QKVAllToAll(torch.autograd.Function):
+    """Fwd: QKV projection per destination head group, remote groups first, each sent when ready
+    (UP, sec. decomposed all-to-all); bwd: gradient blocks consumed as they arrive (dgrad and wgrad
+    per head group). GEMMs: fwd n x [s/n*b, h] x [h, w/n]; bwd n x ([s/n*b, w/n] x [w/n, h] and
+    [w/n, s/n*b] x [s/n*b, h]); w = (heads + 2 kv_heads) * head_dim."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        split: HeadSplit,
+        og: OverlapGroup,
+    ) -> torch.Tensor:
+        rows = [split.qkv_rows(j, x.device) for j in range(og.size)]
+        ctx.save_for_backward(x, weight)
+        ctx.rows, ctx.og, ctx.has_bias = rows, og, bias is not None
+
+        def project(j: int) -> torch.Tensor:
+            return F.linear(x, weight[rows[j]], None if bias is None else bias[rows[j]])
+
+        return torch.cat(compute_all_to_all(project, og), dim=0)  # block i: rank i's tokens
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        og, rows = ctx.og, ctx.rows
+        grad_x = torch.zeros_like(x)
+        grad_w = torch.zeros_like(weight)
+        grad_b = (
+            torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device) if ctx.has_bias else None
+        )
+        x2d = x.reshape(-1, x.shape[-1])
+
+        def consume(group: int, g: torch.Tensor) -> None:
+            grad_x.add_(g @ weight[rows[group]])
+            g2d = g.reshape(-1, g.shape[-1])
+            grad_w.index_add_(0, rows[group], g2d.t() @ x2d)
+            if grad_b is not None:
+                grad_b.index_add_(0, rows[group], g2d.sum(0))
+
+        all_to_all_compute(_sequence_blocks(grad.contiguous(), og.size), consume, og)
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _AllToAllOutput(torch.autograd.Function):
+    """Fwd: context slices posted at once, each fed to the output projection as it arrives, own first
+    (UP, sec. decomposed all-to-all); bwd: dgrad per destination head group, remote first, sent when
+    ready, with the wgrad GEMM under the transfers. GEMMs: fwd n x [s/n*b, c/n] x [c/n, h]; bwd
+    n x [s/n*b, h] x [h, c/n] and [h, s/n*b] x [s/n*b, c]; c = heads * head_dim."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, context: torch.Tensor, weight: torch.Tensor, split: HeadSplit, og: OverlapGroup
+    ) -> torch.Tensor:
+        received: list[torch.Tensor | None] = [None] * og.size
+        out: list[torch.Tensor] = []
+
+        def project(group: int, block: torch.Tensor) -> None:
+            received[group] = block
+            partial = F.linear(block, weight[:, split.context_columns(group)])
+            if out:
+                out[0].add_(partial)
+            else:
+                out.append(partial)
+
+        all_to_all_compute(_sequence_blocks(context.contiguous(), og.size), project, og)
+        ctx.save_for_backward(torch.cat(received, dim=-1), weight)  # [s/n, b, c]: the gathered context
+        ctx.split, ctx.og = split, og
+        return out[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        gathered, weight = ctx.saved_tensors
+        split, og = ctx.split, ctx.og
+        grad = grad.contiguous()
+        grad_w: list[torch.Tensor] = []
+
+        def dgrad(group: int) -> torch.Tensor:
+            if group == og.rank:  # computed last: the weight gradient runs under the last transfers
+                g2d = grad.reshape(-1, grad.shape[-1])
+                grad_w.append(g2d.t() @ gathered.reshape(-1, gathered.shape[-1]))
+            return grad @ weight[:, split.context_columns(group)]
+
+        grad_context = torch.cat(compute_all_to_all(dgrad, og), dim=0)
+        return grad_context, grad_w[0], None, None
+
+
+LocalAttention = Callable[..., torch.Tensor]
+"""(q [s, b, heads/n, d], k, v [s, b, kv_heads/n, d], *args) -> context [s, b, heads/n * d] (or
+[s, b, heads/n, d]): attention over the whole sequence for this rank's heads, e.g. Megatron's
+CoreAttention or the ``local_attention`` a DistributedAttention wraps."""
+
+
+def ulysses_attention(
+    hidden: torch.Tensor,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    output_weight: torch.Tensor,
+    local_attention: LocalAttention,
+    split: HeadSplit,
+    og: OverlapGroup,
+    *args: Any,
+) -> torch.Tensor:
+    """Self-attention of ``hidden`` [s/n, b, h] (this rank's tokens) over the whole sequence:
+    QKV projection, local attention of this rank's heads (``local_attention(q, k, v, *args)``),
+    output projection without its bias (Megatron's ``skip_bias_add``). Returns [s/n, b, h]."""
+    if split.ranks != og.size:
+        raise ValueError(f"the head split is for {split.ranks} ranks but the sequence group has {og.size}")
+    full = _QKVAllToAll.apply(hidden, qkv_weight, qkv_bias, split, og)
+    context = local_attention(*split.split(full), *args)
+    context = context.reshape(context.shape[0], context.shape[1], -1)
+    return _AllToAllOutput.apply(context, output_weight, split, og)
+
+
+def check_sequence_length(seq_length: int, ranks: int) -> None:
+    """Refuse a sequence the group cannot split into equal blocks, naming both numbers."""
+    if seq_length % ranks:
+        raise ValueError(
+            f"sequence length {seq_length} is not divisible by the sequence-parallel size {ranks}: every rank "
+            f"holds an equal block of tokens; use a --seq-length that is a multiple of {ranks}"
+        )
+
+
+class UlyssesSelfAttention(torch.nn.Module):
+    """Self-attention for Ulysses sequence parallelism that owns its QKV and output projections
+    (``query_key_value`` and ``dense``, laid out as Megatron-DeepSpeed's), with both all-to-alls
+    overlapped with them. ``forward(hidden [s/n, b, h], *args)`` returns ``(output [s/n, b, h],
+    dense bias or None)``: the bias is left to the caller, as Megatron's ``skip_bias_add``."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        split: HeadSplit,
+        local_attention: LocalAttention,
+        sequence_group: dist.ProcessGroup | None,
+        *,
+        bias: bool = True,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        size = 1 if sequence_group is None else sequence_group.size()
+        if split.ranks != size:
+            raise ValueError(f"the head split is for {split.ranks} ranks but the sequence group has {size}")
+        self.split = split
+        self.local_attention = local_attention
+        self.og = OverlapGroup(sequence_group, "direct", timeout_s, "ulysses_attention")
+        width = (split.heads + 2 * split.kv_heads) * split.head_dim
+        kw = {"device": device, "dtype": dtype}
+        self.query_key_value = torch.nn.Linear(hidden_size, width, bias=bias, **kw)
+        self.dense = torch.nn.Linear(split.heads * split.head_dim, hidden_size, bias=bias, **kw)
+
+    def forward(self, hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out = ulysses_attention(
+            hidden,
+            self.query_key_value.weight,
+            self.query_key_value.bias,
+            self.dense.weight,
+            self.local_attention,
+            self.split,
+            self.og,
+            *args,
+        )
+        return out, self.dense.bias

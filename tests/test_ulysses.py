@@ -1,0 +1,140 @@
+"""Ulysses attention with overlapped all-to-alls against DeepSpeed's ``DistributedAttention``
+wrapped around the same projections (Megatron-DeepSpeed's Ulysses path: QKV linear, split into
+q | k | v heads, DistributedAttention(local attention), output linear), forward and backward, at
+sequence-parallel sizes 2 and 4, with multi-head and grouped-query attention and a causal mask;
+and against the same attention computed densely on one rank over the whole sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ext.layers.p2p_link import OverlapGroup
+from megatron_ext.layers.ulysses import (
+    HeadSplit,
+    UlyssesSelfAttention,
+    check_sequence_length,
+    ulysses_attention,
+)
+
+SEQ, BATCH, HIDDEN, HEAD_DIM = 24, 2, 32, 8
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Attention of [s, b, heads, d] queries over [s, b, kv_heads, d] keys/values (each kv head
+    serving heads/kv_heads consecutive query heads, as Megatron's repeat_kv), masked where ``mask``
+    ([b, 1, s, s]) is True; returns [s, b, heads * d] as Megatron's CoreAttention."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), attn_mask=~mask)
+    return out.permute(2, 0, 1, 3).reshape(q.shape[0], q.shape[1], -1)
+
+
+def _inputs(heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1234)
+    width = (heads + 2 * kv_heads) * HEAD_DIM
+    return {
+        "x": torch.randn(SEQ, BATCH, HIDDEN, generator=g),
+        "w_qkv": torch.randn(width, HIDDEN, generator=g) / HIDDEN**0.5,
+        "b_qkv": torch.randn(width, generator=g),
+        "w_out": torch.randn(HIDDEN, heads * HEAD_DIM, generator=g) / (heads * HEAD_DIM) ** 0.5,
+        "cotangent": torch.randn(SEQ, BATCH, HIDDEN, generator=g),
+        "mask": torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(BATCH, 1, SEQ, SEQ),
+    }
+
+
+def _run(path: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    """One rank's output and gradients on ``path``: ours, deepspeed's, or dense (one rank, whole sequence)."""
+    t = _inputs(heads, kv_heads)
+    n, r = (1, 0) if path == "dense" else (dist.get_world_size(), dist.get_rank())
+    rows = slice(r * SEQ // n, (r + 1) * SEQ // n)
+    x = t["x"][rows].clone().requires_grad_()
+    w_qkv, b_qkv, w_out = (t[k].clone().requires_grad_() for k in ("w_qkv", "b_qkv", "w_out"))
+    if path == "ours":
+        split = HeadSplit(heads, kv_heads, HEAD_DIM, n)
+        og = OverlapGroup(dist.group.WORLD, timeout_s=60)
+        out = ulysses_attention(x, w_qkv, b_qkv, w_out, local_attention, split, og, t["mask"])
+    else:
+        mixed = F.linear(x, w_qkv, b_qkv)
+        q_end, k_end = heads * HEAD_DIM, (heads + kv_heads) * HEAD_DIM
+        q, k, v = (
+            part.reshape(part.shape[0], BATCH, -1, HEAD_DIM)
+            for part in (mixed[..., :q_end], mixed[..., q_end:k_end], mixed[..., k_end:])
+        )
+        if path == "deepspeed":
+            import deepspeed
+            from deepspeed.sequence.layer import DistributedAttention
+
+            deepspeed.comm.init_distributed(dist_backend="gloo")  # DistributedAttention talks through it
+
+            def per_head(q, k, v, mask):  # DeepSpeed 0.19 takes the context back as [s, b, heads, d]
+                return local_attention(q, k, v, mask).view(q.shape)
+
+            attention = DistributedAttention(per_head, dist.group.WORLD, scatter_idx=2, gather_idx=0)
+            context = attention(q, k, v, 1, None, t["mask"]).flatten(2)
+        else:
+            context = local_attention(q, k, v, t["mask"])
+        out = F.linear(context, w_out)
+    (out * t["cotangent"][rows]).sum().backward()
+    return {"out": out.detach(), "x": x.grad, "w_qkv": w_qkv.grad, "b_qkv": b_qkv.grad, "w_out": w_out.grad}
+
+
+def _relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """Largest difference over the largest magnitude: the projections' sums run in another order."""
+    return ((got - expected).abs().max() / expected.abs().max()).item()
+
+
+def _compare(heads: int, kv_heads: int) -> dict[str, float]:
+    ours, deepspeed = _run("ours", heads, kv_heads), _run("deepspeed", heads, kv_heads)
+    dense = _run("dense", heads, kv_heads)
+    n, r = dist.get_world_size(), dist.get_rank()
+    rows = slice(r * SEQ // n, (r + 1) * SEQ // n)
+    errors = {}
+    for key in ours:
+        assert ours[key].shape == deepspeed[key].shape, key
+        errors[f"deepspeed {key}"] = _relative_error(ours[key], deepspeed[key])
+    # Weight gradients: each rank holds its tokens' part, the dense run the sum over all of them.
+    for key in ("w_qkv", "b_qkv", "w_out"):
+        dist.all_reduce(ours[key])
+        errors[f"dense {key}"] = _relative_error(ours[key], dense[key])
+    for key in ("out", "x"):
+        errors[f"dense {key}"] = _relative_error(ours[key], dense[key][rows])
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 4)], ids=["mha", "gqa"])
+def test_ulysses_attention_matches_deepspeeds_distributed_attention_forward_and_backward(
+    run_ranks, world, heads, kv_heads
+):
+    for errors in run_ranks(world, _compare, heads, kv_heads, timeout=120):
+        assert max(errors.values()) < 1e-6, errors  # fp32: the same sums up to their order
+
+
+def test_heads_that_do_not_split_evenly_are_refused_naming_every_factor():
+    with pytest.raises(ValueError, match=r"heads=8, kv_heads=2, sequence-parallel size 4: kv_heads=2 is not"):
+        HeadSplit(8, 2, HEAD_DIM, 4)
+    with pytest.raises(ValueError, match=r"heads=6 is not divisible by sequence-parallel size=4"):
+        HeadSplit(6, 6, HEAD_DIM, 4)
+
+
+def test_a_sequence_length_the_group_cannot_split_is_refused_by_name():
+    with pytest.raises(
+        ValueError, match=r"sequence length 33 is not divisible by the sequence-parallel size 2"
+    ):
+        check_sequence_length(33, 2)
+    check_sequence_length(32, 2)
+
+
+def test_the_block_on_one_rank_is_plain_attention_with_its_projections():
+    torch.manual_seed(0)
+    block = UlyssesSelfAttention(HIDDEN, HeadSplit(4, 2, HEAD_DIM, 1), local_attention, None)
+    t = _inputs(4, 2)
+    out, bias = block(t["x"], t["mask"])
+    mixed = block.query_key_value(t["x"])
+    q, k, v = HeadSplit(4, 2, HEAD_DIM, 1).split(mixed)
+    expected = F.linear(local_attention(q, k, v, t["mask"]), block.dense.weight)
+    torch.testing.assert_close(out, expected)
+    assert bias is block.dense.bias
