@@ -10,8 +10,9 @@ Before the script runs, the launcher
 * puts this interpreter's directories first on ``PATH``: upstream compiles its dataset helper with
   ``make``, which asks ``python3`` for pybind11 and the extension suffix;
 * adds stand-ins for the modules in :data:`megatron_ext.upstream.standins.STANDINS` that are not installed;
-* on a machine without CUDA, for Megatron-LM: :func:`megatron_ext.upstream.cpu.enable`
-  (Megatron-DeepSpeed needs nothing there: it goes through DeepSpeed's accelerator);
+* on a machine without CUDA: for Megatron-LM :func:`megatron_ext.upstream.cpu.enable`; for
+  Megatron-DeepSpeed (which goes through DeepSpeed's accelerator)
+  :func:`megatron_ext.upstream.cpu.enable_megatron_deepspeed`, one gloo shape rule;
 * gives the suite's loggers (``megatron_ext``, ``deepspeed_ext``) a handler at INFO when they have
   none, so the effective plugin configuration is printed also where the script configures no logging;
 then runs the script as ``__main__`` with the script's directory first on ``sys.path``, as
@@ -130,10 +131,10 @@ def run(script: str, args: list[str]) -> None:
     logged = _log_plugins()
     cpu_mode = None
     try:
-        if kind == MEGATRON_LM:
-            from megatron_ext.upstream import cpu as cpu_upstream
+        from megatron_ext.upstream import cpu as cpu_upstream
 
-            cpu_mode = cpu_upstream if cpu_upstream.enable() else None
+        enable = cpu_upstream.enable if kind == MEGATRON_LM else cpu_upstream.enable_megatron_deepspeed
+        cpu_mode = cpu_upstream if enable() else None
         started = _distributed_started()
         try:
             runpy.run_path(script, run_name="__main__")

@@ -1,8 +1,9 @@
 """Upstream pretrain_gpt.py (Megatron-LM core_v0.16.1, Megatron-DeepSpeed 4efb479) trains on CPU
 through ``python -m megatron_ext.launch`` on 4 gloo ranks under torchrun: TP=2 x DP=2 unpatched,
-patched with the plugins off (Megatron-LM) and with all of its plugins on at once, and (Megatron-LM)
+patched with the plugins off (Megatron-LM) and with all of its plugins on at once, (Megatron-LM)
 the node loader under pipeline parallelism at TP=1 x PP=2 x DP=2 (the other PP layouts are
-compared with Megatron's stock batches in process, test_shm_pipeline.py). With dropout 0
+compared with Megatron's stock batches in process, test_shm_pipeline.py), and (Megatron-DeepSpeed)
+Ulysses at SP=2 x DP=2 under ZeRO-3, stock DistributedAttention against Flash-Overlap's. With dropout 0
 every run must print its unpatched baseline's ``lm loss`` at every iteration, and each plugin run
 must log exactly its plugins enabled. Each run costs ~15 s of start-up on 2 cores, so a plugin is
 not run alone here: it is exact alone in the faster tests of its own (test_shm_loader,
@@ -99,6 +100,7 @@ FLASH = [
     "--flash-overlap",
 ]
 PP2 = ["--pipeline-model-parallel-size", "2"]
+SP2 = ["--ds-sequence-parallel-size", "2"]
 # Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1;
 # its ZeRO-3 drops weight decay for parameters partitioned under zero.Init, which hierarchical ZeRO
 # builds unpartitioned: weight decay 0 keeps the runs comparable.
@@ -128,27 +130,38 @@ class Variant:
     patched: bool
     flags: tuple[str, ...]
     plugins: tuple[str, ...] = ()  # the plugins its log must show enabled
-    baseline: str = "unpatched"  # the run whose losses it must print
+    baseline: str | None = "unpatched"  # the run whose losses it must print; None: a baseline itself
+    logs: str = ""  # a line its log must hold: the plugin's own path ran
 
 
 # (upstream, variant) -> how it runs; 4 ranks each
 VARIANTS = {
     # TP=2 x DP=2 with sequence parallelism
-    ("megatron-lm", "unpatched"): Variant(False, (*TP2, *LOCAL_SPEC)),
+    ("megatron-lm", "unpatched"): Variant(False, (*TP2, *LOCAL_SPEC), baseline=None),
     ("megatron-lm", "patched-off"): Variant(True, (*TP2, *LOCAL_SPEC)),
     ("megatron-lm", "both"): Variant(
         True, (*TP2, *FLASH, "--shm-data-loader"), ("flash_overlap", "shm_data_loader")
     ),
     # pipeline parallelism end to end at TP=1 x PP=2 x DP=2 (TP=2 x PP=2 and PP=4 are compared with
     # Megatron's stock batches in process: test_shm_pipeline.py)
-    ("megatron-lm", "pp2-dp2-unpatched"): Variant(False, tuple(PP2)),
+    ("megatron-lm", "pp2-dp2-unpatched"): Variant(False, tuple(PP2), baseline=None),
     ("megatron-lm", "pp2-dp2-shm-data-loader"): Variant(
         True, (*PP2, "--shm-data-loader"), ("shm_data_loader",), "pp2-dp2-unpatched"
     ),
     # TP=2 x DP=2, ZeRO-3
-    ("megatron-deepspeed", "unpatched"): Variant(False, tuple(TP2)),
+    ("megatron-deepspeed", "unpatched"): Variant(False, tuple(TP2), baseline=None),
     ("megatron-deepspeed", "both"): Variant(
         True, (*TP2, "--shm-data-loader", "--hierarchical-zero"), ("shm_data_loader", "hierarchical_zero")
+    ),
+    # Ulysses SP=2 x DP=2: stock DistributedAttention needs the patch's call fix to run at all (the
+    # unpatched tree fails in its first forward), so the baseline is the patched tree, plugins off.
+    ("megatron-deepspeed", "sp2-patched-off"): Variant(True, tuple(SP2), baseline=None),
+    ("megatron-deepspeed", "sp2-flash-overlap"): Variant(
+        True,
+        (*SP2, "--flash-overlap"),
+        ("flash_overlap",),
+        "sp2-patched-off",
+        "flash_overlap: Ulysses attention with overlapped all-to-alls over 2 ranks",
     ),
 }
 _runs: dict[tuple[str, str], tuple[list[tuple[int, str]], str]] = {}
@@ -237,9 +250,9 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
 
 @pytest.mark.parametrize(
     ("kind", "variant"),
-    [key for key, how in VARIANTS.items() if not how.patched],
+    [key for key, how in VARIANTS.items() if how.baseline is None],
 )
-def test_unpatched_upstream_trains_on_cpu(upstream: dict, kind: str, variant: str) -> None:
+def test_baseline_upstream_runs_train_on_cpu(upstream: dict, kind: str, variant: str) -> None:
     losses, log = _train(upstream, kind, variant)
     assert [it for it, _ in losses] == list(range(1, ITERS + 1)), (
         f"no lm loss for every iteration:\n{log[-4000:]}"
@@ -247,7 +260,9 @@ def test_unpatched_upstream_trains_on_cpu(upstream: dict, kind: str, variant: st
     assert float(losses[-1][1]) < float(losses[0][1]), f"loss did not fall: {losses}"
 
 
-@pytest.mark.parametrize(("kind", "variant"), [key for key, how in VARIANTS.items() if how.patched])
+@pytest.mark.parametrize(
+    ("kind", "variant"), [key for key, how in VARIANTS.items() if how.baseline is not None]
+)
 def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: str, variant: str) -> None:
     how = VARIANTS[(kind, variant)]
     baseline, _ = _train(upstream, kind, how.baseline)
@@ -258,6 +273,7 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
     for config in configs:
         for plugin in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
             assert config[plugin]["enabled"] == (plugin in how.plugins), (plugin, config)
+    assert how.logs in log, f"{kind} {variant}: no {how.logs!r} in its log"
     assert len(baseline) == ITERS and losses == baseline, (
         f"{kind} {variant}: {losses} != {how.baseline} {baseline}"
     )

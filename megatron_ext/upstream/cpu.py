@@ -1,4 +1,5 @@
-"""What upstream Megatron-LM (core_v0.16.1) needs to train on a machine without CUDA (gloo, CPU).
+"""What upstream Megatron-LM (core_v0.16.1) and Megatron-DeepSpeed (4efb479) need to train on a machine
+without CUDA (gloo, CPU).
 
 ``python -m megatron_ext.launch`` calls :func:`enable` before it runs an upstream Megatron-LM
 ``pretrain_gpt.py`` and :func:`disable` after it. Where CUDA exists :func:`enable` changes nothing.
@@ -20,6 +21,9 @@ one module, and every change is recorded so that :func:`disable` restores the or
   kernels with nvcc) loads nothing; ``get_device_arch_version`` answers 0 (no GPU: the
   pre-Blackwell rules apply, so TP > 1 needs ``CUDA_DEVICE_MAX_CONNECTIONS=1``, set here if unset);
 * ``TORCH_COMPILE_DISABLE=1`` (upstream's jitted fusions would otherwise compile for the CPU).
+
+For Megatron-DeepSpeed :func:`enable_megatron_deepspeed` changes one thing: ``all_gather_into_tensor``
+takes an output shaped by element count (its Ulysses loss needs it on gloo).
 """
 
 from __future__ import annotations
@@ -189,5 +193,46 @@ def disable() -> None:
 
 
 def enabled() -> bool:
-    """Whether :func:`enable` has changed this process."""
-    return _mode is not None
+    """Whether :func:`enable` or :func:`enable_megatron_deepspeed` has changed this process."""
+    return _mode is not None or bool(_undo)
+
+
+def _gather_by_element_count(all_gather_into_tensor: Callable[..., Any]) -> Callable[..., Any]:
+    """``all_gather_into_tensor`` that takes an output of any shape holding world x the input's
+    elements, as NCCL does; gloo requires [world * rows, ...] of the input's row shape."""
+
+    @functools.wraps(all_gather_into_tensor)
+    def gather(
+        output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+    ) -> Any:
+        out, inp = output_tensor, input_tensor
+        chunk_shaped = out.dim() == inp.dim() and out.shape[1:] == inp.shape[1:]
+        if (
+            chunk_shaped
+            or out.numel() != torch.distributed.get_world_size(group) * inp.numel()
+            or not out.is_contiguous()
+        ):
+            return all_gather_into_tensor(out, inp, group=group, async_op=async_op)
+        return all_gather_into_tensor(out.view(-1), inp.reshape(-1), group=group, async_op=async_op)
+
+    return gather
+
+
+def enable_megatron_deepspeed() -> bool:
+    """What upstream Megatron-DeepSpeed (4efb479) needs on gloo, when CUDA is absent: its Ulysses loss
+    (``vocab_sequence_parallel_cross_entropy``) gathers [s/n * b] losses into an [s, b] tensor with
+    ``all_gather_into_tensor``, which NCCL takes by element count and gloo refuses ("invalid tensor
+    size"); the gather is made to flatten such shapes. Returns whether anything changed; undone by
+    :func:`disable`."""
+    if torch.cuda.is_available():
+        return False
+    if not _undo:
+        _replace(
+            torch.distributed,
+            "all_gather_into_tensor",
+            _gather_by_element_count(torch.distributed.all_gather_into_tensor),
+        )
+        logger.info(
+            "no CUDA: all_gather_into_tensor takes outputs by element count, as on NCCL (megatron_ext.upstream.cpu)"
+        )
+    return True

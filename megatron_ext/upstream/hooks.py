@@ -151,12 +151,20 @@ def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
             "hierarchical_zero is a DeepSpeed ZeRO-3 variant: pass --deepspeed (Megatron-DeepSpeed); "
             "Megatron-LM trains without DeepSpeed, so disable hierarchical_zero there"
         )
-    if config.flash_overlap.enabled:
-        if mds:
+    if config.flash_overlap.enabled and mds:
+        # Megatron-DeepSpeed's model is the legacy one: Flash-Overlap covers its Ulysses attention.
+        if getattr(args, "ds_sequence_parallel_size", 1) <= 1:
             raise ConfigError(
-                "flash_overlap needs megatron-core layer specs; Megatron-DeepSpeed's GPT model is "
-                "the legacy one: disable flash_overlap"
+                "flash_overlap on Megatron-DeepSpeed overlaps Ulysses' all-to-alls with the attention "
+                "projections: pass --ds-sequence-parallel-size > 1, or drop --flash-overlap (its TP linears "
+                "are megatron-core's, which Megatron-DeepSpeed's legacy model does not use)"
             )
+        if getattr(args, "tensor_model_parallel_size", 1) > 1:
+            raise ConfigError(
+                "flash_overlap's Ulysses attention runs at --tensor-model-parallel-size 1 (Megatron-DeepSpeed "
+                "slices its Ulysses QKV by the full projection size): drop --flash-overlap or use TP=1"
+            )
+    elif config.flash_overlap.enabled:
         spec = getattr(args, "spec", None)
         if list(spec or []) != SPEC_FLAG:
             raise ConfigError(

@@ -1,7 +1,8 @@
 """The hooks upstream Megatron-DeepSpeed (commit 4efb479) calls through
 ``patches/megatron-deepspeed-4efb479.patch``: the plugin flags, the shared-memory loader's data
-iterators and batches, and hierarchical ZeRO-3 in place of ``deepspeed.zero.Init`` /
-``deepspeed.initialize``.
+iterators and batches, hierarchical ZeRO-3 in place of ``deepspeed.zero.Init`` /
+``deepspeed.initialize``, and Ulysses attention (the stock call fixed for DeepSpeed 0.19, and
+Flash-Overlap's overlapped all-to-alls with ``--flash-overlap``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ __all__ = [
     "TextSamples",
     "data_iterators",
     "deepspeed_initialize",
+    "per_head_attention",
     "shm_loader_enabled",
     "text_batch",
+    "ulysses_context",
+    "ulysses_overlap",
     "with_plugin_args",
     "zero_init",
 ]  # what the patch names
@@ -142,3 +146,93 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
     from deepspeed_ext.zero import initialize
 
     return initialize(plugin_config=config, **kwargs)
+
+
+# -- Ulysses sequence parallelism (--ds-sequence-parallel-size) ------------------------------------
+class _PerHeadContext(torch.nn.Module):
+    """Megatron-DeepSpeed's local attention as DeepSpeed 0.19's ``DistributedAttention`` needs it: its
+    reverse all-to-all takes the context as [s, b, heads, d], and CoreAttention returns [s, b, heads * d]."""
+
+    def __init__(self, attention: torch.nn.Module) -> None:
+        super().__init__()
+        self.attention = attention
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any
+    ) -> torch.Tensor:
+        return self.attention(query, key, value, *args).view(*query.shape[:-1], -1)
+
+
+def per_head_attention(local_attention: torch.nn.Module) -> torch.nn.Module:
+    """The local attention the patched ``ParallelAttention`` hands to ``DistributedAttention``."""
+    return _PerHeadContext(local_attention)
+
+
+def ulysses_context(dist_attn: Any, query: Any, key: Any, value: Any, attention_mask: Any) -> torch.Tensor:
+    """Stock Ulysses on the non-flash path, called as DeepSpeed 0.19 defines it: upstream passes the
+    mask where ``DistributedAttention`` takes ``batch_dim_idx`` (Megatron's layout is [s, b, ...]: 1)."""
+    return dist_attn(query, key, value, 1, None, attention_mask).flatten(2)
+
+
+def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] | None:
+    """Flash-Overlap's UP forward for a Megatron-DeepSpeed ``ParallelAttention`` that runs Ulysses
+    (``--ds-sequence-parallel-size`` > 1 with ``--flash-overlap``), or None to run upstream's. It
+    uses the module's own ``query_key_value`` and ``dense`` weights (under ZeRO-3 registered as the
+    attention module's external parameters, so DeepSpeed gathers them for its forward and backward)
+    and returns the output with the dense bias added (bias None), which upstream's bias-dropout-add
+    computes alike; ``--drop-path-rate`` (which needs the bias apart) is refused."""
+    if not plugin_config().flash_overlap.enabled or not getattr(
+        attention, "enable_ds_sequence_parallel", False
+    ):
+        return None
+    import deepspeed
+    from megatron.core import parallel_state
+
+    from megatron_ext.layers.p2p_link import OverlapGroup
+    from megatron_ext.layers.ulysses import HeadSplit, check_sequence_length, ulysses_attention
+
+    args = megatron_args()
+    group = parallel_state.get_sequence_parallel_group()
+    split = HeadSplit(
+        attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim, group.size()
+    )
+    check_sequence_length(args.seq_length, group.size())
+    og = OverlapGroup(
+        group,
+        "direct",
+        plugin_config().flash_overlap.timeout_s,
+        f"ulysses attention {attention.layer_number}",
+    )
+    qkv, dense = attention.query_key_value, attention.dense
+    for param in (qkv.weight, qkv.bias, dense.weight, dense.bias):
+        if param is not None and hasattr(param, "ds_id"):  # partitioned by ZeRO-3's zero.Init
+            deepspeed.zero.register_external_parameter(attention, param)
+    local = attention.dist_attn.local_attn
+    if attention.layer_number == 1:
+        logger.info(
+            "flash_overlap: Ulysses attention with overlapped all-to-alls over %d ranks", group.size()
+        )
+    if getattr(args, "drop_path_rate", 0.0) > 0:
+        raise ConfigError(
+            "flash_overlap's Ulysses attention adds the output bias itself: drop --drop-path-rate"
+        )
+
+    def forward(
+        hidden_states: torch.Tensor,
+        attention_mask: Any,
+        inference_params: Any = None,
+        rotary_pos_emb: Any = None,
+    ) -> tuple[torch.Tensor, Any]:
+        if inference_params is not None or rotary_pos_emb is not None:
+            raise ConfigError(
+                "flash_overlap's Ulysses attention covers training with learned position embeddings: "
+                "drop --flash-overlap for inference or rotary embeddings"
+            )
+        out = ulysses_attention(
+            hidden_states, qkv.weight, qkv.bias, dense.weight, local, split, og, attention_mask
+        )
+        # The bias is added here, where ZeRO-3 has gathered it (a partitioned bias handed out of this
+        # forward would be released with the module); the layer's bias-dropout-add takes None.
+        return (out if dense.bias is None else out + dense.bias), None
+
+    return forward
