@@ -251,10 +251,20 @@ def test_megatron_deepspeed_reads_the_moved_json():
     assert (config.shm_data_loader.enabled, config.shm_data_loader.slots) == (True, 3)
 
 
+def test_megatron_deepspeed_takes_flash_overlap_for_its_ulysses_attention():
+    args = _megatron_deepspeed_args(["--flash-overlap"], {}, ds_sequence_parallel_size=2)
+    assert hooks.plugin_config(args).flash_overlap.enabled
+
+
 @pytest.mark.parametrize(
     ("argv", "fields", "needle"),
     [
-        (["--flash-overlap"], {}, "legacy"),
+        (["--flash-overlap"], {}, "--ds-sequence-parallel-size > 1"),
+        (
+            ["--flash-overlap"],
+            {"ds_sequence_parallel_size": 2, "tensor_model_parallel_size": 2},
+            "--tensor-model-parallel-size 1",
+        ),
         (["--shm-data-loader"], {"no_pipeline_parallel": False}, "--no-pipeline-parallel"),
         (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
     ],

@@ -138,3 +138,26 @@ def test_the_block_on_one_rank_is_plain_attention_with_its_projections():
     expected = F.linear(local_attention(q, k, v, t["mask"]), block.dense.weight)
     torch.testing.assert_close(out, expected)
     assert bias is block.dense.bias
+
+
+def _gather_shaped_as_megatron_deepspeeds_ulysses_loss() -> list[float]:
+    """[s/n * b] losses gathered into [s, b], as Megatron-DeepSpeed's sequence-parallel loss does."""
+    from megatron_ext.upstream.cpu import _gather_by_element_count
+
+    n, r = dist.get_world_size(), dist.get_rank()
+    gather = _gather_by_element_count(dist.all_gather_into_tensor)
+    out = torch.empty(3 * n, 2)
+    gather(out, torch.arange(6, dtype=torch.float32) + 10 * r)
+    return out.flatten().tolist()
+
+
+def test_gloo_gathers_by_element_count_as_nccl_does_for_megatron_deepspeeds_loss(run_ranks):
+    # NCCL fills the output's elements rank after rank whatever its shape; gloo alone refuses [6] -> [6, 2].
+    with pytest.raises(Exception, match="invalid tensor size"):
+        run_ranks(2, _gather_unshimmed)
+    expected = [float(x) for x in range(6)] + [float(x) for x in range(10, 16)]
+    assert run_ranks(2, _gather_shaped_as_megatron_deepspeeds_ulysses_loss) == [expected, expected]
+
+
+def _gather_unshimmed() -> None:
+    dist.all_gather_into_tensor(torch.empty(6, 2), torch.zeros(6))
