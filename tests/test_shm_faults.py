@@ -38,14 +38,14 @@ def path():
     assert glob.glob(p + "*") == [], "a segment was left behind"
 
 
-def _iterator(dataset, path, local, consumers=2, timeout=TIMEOUT_S):
+def _iterator(dataset, path, local, consumers=2, timeout=TIMEOUT_S, workers=1):
     return ShmBatchIterator(
         dataset,
         SamplerSettings(2, 0, consumers, kind="random"),
         keys=ALL_KEYS,
         path=path,
         local_index=local,
-        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=timeout),
+        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=timeout, workers=workers),
         node_dp_ranks=list(range(consumers)),
         rank=local,
     )
@@ -157,10 +157,15 @@ class _Failing:
         raise OSError(f"reading sample {idx}: input/output error")
 
 
-def test_a_producer_error_reaches_the_ranks_with_its_message(dataset, path):
-    leader = _iterator(_Failing(dataset, hang=False), path, 0, consumers=1)
+@pytest.mark.parametrize(
+    ("workers", "via"),
+    [(1, ""), (2, r"RingError: worker \d of 2 \(pid \d+\) failed: ")],
+    ids=["producer", "worker"],
+)
+def test_a_producer_error_reaches_the_ranks_with_its_message(dataset, path, workers, via):
+    leader = _iterator(_Failing(dataset, hang=False), path, 0, consumers=1, workers=workers)
     with pytest.raises(
-        RingError, match=r"(?s)producer of .* failed: OSError: reading sample \d+: input/output error"
+        RingError, match=rf"(?s)producer of .* failed: {via}OSError: reading sample \d+: input/output error"
     ):
         next(leader)
     leader.close()
@@ -215,7 +220,7 @@ def test_the_producers_error_survives_a_parent_that_records_the_producer_after_i
 
 
 def _workers_of(pid: int, count: int = 2) -> list[int]:
-    """The producer's workers, once it has forked ``count`` of them (the default's 2)."""
+    """The producer's workers, once it has forked ``count`` of them."""
 
     def children() -> list[int]:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -226,11 +231,12 @@ def _workers_of(pid: int, count: int = 2) -> list[int]:
 
 
 def _two_ranks_reading(dataset, path):
-    """The node's first rank (here, one batch read) and a second rank reading in a child process."""
+    """The node's first rank (here, one batch read; its producer with 2 workers) and a second rank
+    reading in a child process."""
     queue = ctx.Queue()
     child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
     child.start()
-    leader = _iterator(dataset, path, 0)
+    leader = _iterator(dataset, path, 0, workers=2)
     next(leader)
     return leader, child, queue
 

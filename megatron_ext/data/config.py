@@ -16,8 +16,8 @@ class ShmDataLoaderConfig(Section):
     timeout_s: float = Field(default=600.0, gt=0)
     """Seconds a rank waits for its next batch before raising; the producer waits for live ranks
     as long as they live and raises as soon as one dies."""
-    workers: int = Field(default=2, ge=1, le=MAX_WORKERS)
+    workers: int = Field(default=1, ge=1, le=MAX_WORKERS)
     """Processes that read and assemble the node's steps (each a step at a time, in turn); the
-    ranks receive them in order whatever the number."""
+    ranks receive them in order whatever the number. Raise it where one process cannot keep up."""
     shm_dir: str = "/dev/shm"
     """Directory of the shared-memory segments (a tmpfs)."""
