@@ -78,11 +78,11 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--flash-overlap-mode": ("flash_overlap.mode", {"choices": ["direct", "ring"], "help": "P2P pattern"}),
     "--flash-overlap-backend": (
         "flash_overlap.backend",
-        {"choices": ["auto", "p2p", "symm_mem"], "help": "torch's fused symm_mem ops or our P2P schedule"},
+        {"choices": ["auto", "p2p", "symm_mem"], "help": "our P2P schedule (default), torch's fused symm_mem ops, or auto"},
     ),
     "--flash-overlap-timeout": (
         "flash_overlap.timeout_s",
-        {"type": float, "help": "seconds to wait for a peer"},
+        {"type": float, "help": "seconds a gloo wait for a peer may take (NCCL: the group's own timeout)"},
     ),
     "--ranks-per-node": (
         "topology.ranks_per_node",

@@ -137,7 +137,7 @@ def train(args: argparse.Namespace) -> None:
 
     tokenizer = build_tokenizer(args)
     data_prefix = prepare_data(args, rank, tokenizer)
-    model = build_model(args, plugins, tokenizer)
+    model = build_model(args, plugins, tokenizer, topology)
     _log(
         rank,
         f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "

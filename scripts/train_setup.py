@@ -150,8 +150,11 @@ def _cache_dir(args: argparse.Namespace) -> str:
     return args.data_cache_path or os.path.join(os.getcwd(), "runs", "data")
 
 
-def build_model(args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any) -> torch.nn.Module:
-    """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled."""
+def build_model(
+    args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any, topology: Topology
+) -> torch.nn.Module:
+    """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled (the
+    topology lets their ``backend: auto`` check that the TP group sits in one node)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -176,7 +179,7 @@ def build_model(args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any)
     if plugins.flash_overlap.enabled:
         from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
-        layer_spec = get_flash_overlap_layer_spec(plugins.flash_overlap)
+        layer_spec = get_flash_overlap_layer_spec(plugins.flash_overlap, topology=topology)
     vocab = padded_vocab_size(
         tokenizer.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
     )

@@ -1,6 +1,6 @@
 """Flash-Overlap linears against a dense single-process computation and megatron-core's own layers
-(TP=2 and 4, both P2P modes, with and without bias; the symm_mem backend over torch's fused ops as
-documented), a GPT trained with them, the backend choice, and their errors.
+(TP=2 and 4, both P2P modes, with and without bias; the symm_mem backend over torch's reference
+implementations of its fused ops), a GPT trained with them, the backend choice, and their errors.
 
 All layer cases of one TP size run in one pool call (module-scoped fixture); tests then read them.
 """
@@ -167,41 +167,18 @@ def _all_cases(tp: int) -> list[dict]:
     return [_run_case(tp, config, group, case) for case in CASES]
 
 
-def _documented_fused_ops():
-    """torch's symm_mem fused_all_gather_matmul / fused_matmul_reduce_scatter as their schemas and
-    docs define them, from plain collectives: gloo has no symmetric memory."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    from megatron_ext.layers.symm_mem import FusedOps
-
-    def all_gather_matmul(a, bs, gather_dim, group_name, *, return_A=True):
-        group = _resolve_process_group(group_name)
-        parts = [torch.empty_like(a) for _ in range(group.size())]
-        dist.all_gather(parts, a.contiguous(), group=group)
-        full = torch.cat(parts, dim=gather_dim)
-        return (full if return_A else None), [torch.matmul(full, b) for b in bs]
-
-    def matmul_reduce_scatter(a, b, reduce_op, scatter_dim, group_name):
-        assert reduce_op == "sum"
-        group = _resolve_process_group(group_name)
-        full = torch.matmul(a, b)
-        dist.all_reduce(full, group=group)
-        return full.chunk(group.size(), dim=scatter_dim)[group.rank()].contiguous()
-
-    return FusedOps(all_gather_matmul, matmul_reduce_scatter)
-
-
 def _symm_mem_cases(tp: int) -> list[dict]:
-    """Every case with flash_overlap.backend=symm_mem, as on a platform where torch's ops run."""
+    """Every case with flash_overlap.backend=symm_mem, as on a platform where torch's ops run, with
+    torch's reference implementations of the fused ops in their place (gloo has no symmetric memory)."""
     from unittest import mock
 
+    from megatron_ext.layers import backend as backends
     from megatron_ext.layers import symm_mem
 
     config, group = _setup(tp)
     with (
-        mock.patch.object(symm_mem, "group_problem", return_value=None),
-        mock.patch.object(symm_mem, "torch_fused_ops", _documented_fused_ops),
+        mock.patch.object(backends, "group_problem", return_value=None),
+        mock.patch.object(symm_mem, "torch_fused_ops", symm_mem.torch_reference_ops),
     ):
         return [_run_case(tp, config, group, case, backend="symm_mem") for case in CASES]
 
@@ -289,8 +266,8 @@ def test_gpt_trains_to_the_same_losses_as_megatron_core(run_ranks):
 
 
 def _bad_inputs() -> dict[str, str]:
+    from megatron_ext.layers.backend import BackendUnavailableError
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
-    from megatron_ext.layers.symm_mem import BackendUnavailableError
 
     config, _ = _setup(2)
     init = partial(torch.nn.init.normal_, std=0.1)
@@ -359,21 +336,23 @@ def _backend_log_lines() -> list[str]:
     import logging
     from unittest import mock
 
-    from megatron_ext.layers import symm_mem
+    from megatron_ext.layers import backend as backends
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
     config, _ = _setup(2)
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger(symm_mem.__name__)
+    logger = logging.getLogger(backends.__name__)
     level = logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     try:
-        with mock.patch.object(symm_mem, "_logged", set()):
+        with mock.patch.object(backends, "_logged", set()):
             for _ in range(2):
-                FlashOverlapColumnParallelLinear(6, 8, config=config, init_method=torch.nn.init.zeros_)
+                FlashOverlapColumnParallelLinear(
+                    6, 8, config=config, init_method=torch.nn.init.zeros_, backend="auto"
+                )
                 FlashOverlapRowParallelLinear(
                     8,
                     6,
@@ -382,6 +361,7 @@ def _backend_log_lines() -> list[str]:
                     bias=False,
                     input_is_parallel=True,
                     skip_bias_add=False,
+                    backend="auto",
                 )
     finally:
         logger.removeHandler(handler)
@@ -398,7 +378,7 @@ def test_auto_backend_picks_p2p_without_symmetric_memory_and_says_why_once(run_r
 
 
 def test_symm_mem_needs_cuda_and_is_moot_at_tensor_parallel_size_1():
-    from megatron_ext.layers.symm_mem import platform_problem, resolve_backend
+    from megatron_ext.layers.backend import platform_problem, resolve_backend
 
     assert "the layers run on cpu, not CUDA" in platform_problem(torch.device("cpu"))
     assert resolve_backend("symm_mem", None, torch.device("cpu")) == "p2p"
@@ -457,21 +437,26 @@ def test_single_rank_layers_need_no_process_group():
         torch.testing.assert_close(ours(x)[0], torch.nn.functional.linear(x, ref.weight, ref.bias))
 
 
-def test_spec_replaces_the_chosen_linears_and_passes_mode_timeout_and_backend():
+def test_spec_replaces_the_chosen_linears_and_passes_mode_timeout_backend_and_topology():
+    from deepspeed_ext.topology import Topology
     from megatron_ext.gpt import local_layer_spec
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
+    topology = Topology(world_size=16, ranks_per_node=8, ranks_per_package=2)
     spec = get_flash_overlap_layer_spec(
-        FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7, backend="p2p")
+        FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7, backend="auto"),
+        topology=topology,
     )
     attn, mlp = spec.submodules.self_attention.submodules, spec.submodules.mlp.submodules
     assert issubclass(attn.linear_qkv, FlashOverlapColumnParallelLinear)
     assert issubclass(mlp.linear_fc2, FlashOverlapRowParallelLinear)
-    assert (attn.linear_qkv.p2p_mode, attn.linear_qkv.p2p_timeout_s, attn.linear_qkv.overlap_backend) == (
+    qkv = attn.linear_qkv
+    assert (qkv.p2p_mode, qkv.p2p_timeout_s, qkv.overlap_backend, qkv.overlap_topology) == (
         "ring",
         7,
-        "p2p",
+        "auto",
+        topology,
     )
     base = local_layer_spec()
     assert attn.linear_proj is base.submodules.self_attention.submodules.linear_proj

@@ -18,7 +18,7 @@ class FlashOverlapConfig(Section):
     """Which linears of each transformer layer are replaced."""
     mode: Literal["direct", "ring"] = "direct"
     """P2P pattern: direct (each step a different peer) or ring (neighbours only)."""
-    backend: Literal["auto", "p2p", "symm_mem"] = "auto"
-    """auto: torch's symmetric-memory fused ops where they run (NCCL on CUDA or ROCm gfx942/950), else p2p; symm_mem forces them."""
+    backend: Literal["auto", "p2p", "symm_mem"] = "p2p"
+    """p2p: our P2P schedules (megatron-core's activation memory); auto: torch's symmetric-memory fused ops where they run (NCCL on CUDA or ROCm gfx942/950, TP group in one node, peer access), else p2p; symm_mem forces them. The fused ops keep qkv's and fc1's gathered inputs for backward: TP times p2p's memory for those."""
     timeout_s: float = Field(default=300.0, gt=0)
-    """Seconds to wait for a peer's transfer before raising."""
+    """Seconds a gloo wait for a peer's transfer may take before raising; on NCCL the process group's own timeout applies."""

@@ -18,8 +18,9 @@ own slice last; row backward gathers the output gradient fused with the dgrad GE
 gathers it before computing anything), then computes wgrad as one GEMM: slicing the wgrad GEMM's
 reduction costs up to half its speed on Hopper at TP=8 (docs/gpu.md).
 
-Where torch's symmetric-memory fused ops run (``flash_overlap.backend``: auto or symm_mem), the
-same layers call them instead of the P2P schedules (:mod:`megatron_ext.layers.symm_mem`).
+The autograd functions behind ``forward`` are the backends': :mod:`megatron_ext.layers.p2p_linear`
+(the default) and, where ``flash_overlap.backend`` (auto or symm_mem) picks torch's
+symmetric-memory fused ops, :mod:`megatron_ext.layers.symm_mem`.
 """
 
 from __future__ import annotations
@@ -31,106 +32,14 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from deepspeed_ext.topology import Topology
+from megatron_ext.layers import backend as backends
 from megatron_ext.layers import symm_mem
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup
-from megatron_ext.layers.p2p_overlap import (
-    all_gather_compute,
-    compute_reduce_scatter,
-    rows,
-    start_all_gather,
-    start_reduce_scatter,
-)
-from megatron_ext.layers.symm_mem import (
-    FusedGroup,
-    Requested,
-    SymmMemAllGatherLinear,
-    SymmMemLinearReduceScatter,
-)
-from megatron_ext.layers.wgrad import GemmPrecision, require_main_grad, weight_gradient
-
-
-class _AllGatherLinear(torch.autograd.Function):
-    """Fwd: sequence all-gather fused with Y = X W^T, own slice first (CommFuse decomposed AG, TPSP);
-    bwd: as megatron-core, X re-gathered under the dgrad GEMM and dgrad reduce-scattered under the
-    wgrad GEMM, both P2P. GEMMs: fwd n x [s/n*b, h] x [h, o/n]; bwd dgrad [s*b, o/n] x [o/n, h],
-    wgrad [o/n, s*b] x [s*b, h]."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool
-    ) -> torch.Tensor:
-        n, precision = og.size, GemmPrecision.of(x)
-        xc, wc = precision.cast(x), precision.cast(weight)
-        out = xc.new_empty((x.shape[0] * n, *x.shape[1:-1], weight.shape[0]))
-        with precision.exact():
-            all_gather_compute(xc, lambda j, xj: torch.matmul(xj, wc.t(), out=rows(out, j, n)), og)
-        # Frozen weights need no wgrad, hence no saved input (as megatron-core's frozen path).
-        ctx.save_for_backward(xc if weight.requires_grad else None, weight)
-        ctx.og, ctx.precision, ctx.fuse_wgrad = og, precision, fuse_wgrad
-        return out
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        x, weight = ctx.saved_tensors
-        og, precision = ctx.og, ctx.precision
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g = precision.cast(grad_out).contiguous()
-        with precision.exact():
-            gathered = None
-            if want_w:  # at TP=1 the saved input is the whole sequence already
-                gathered = (
-                    start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:])))
-                    if og.size > 1
-                    else lambda: x
-                )
-            scattered = start_reduce_scatter(torch.matmul(g, precision.cast(weight)), og) if want_x else None
-            grad_w = weight_gradient(g, gathered(), weight, ctx.fuse_wgrad) if want_w else None
-            grad_x = scattered() if want_x else None
-        return grad_x, grad_w, None, None
-
-
-class _LinearReduceScatter(torch.autograd.Function):
-    """Fwd: Y = X W^T fused with the sequence reduce-scatter, own slice last (CommFuse decomposed RS,
-    TPSP); bwd: output-gradient all-gather fused with the dgrad GEMM, own slice first, then one wgrad
-    GEMM over the gathered gradient (megatron-core gathers first and overlaps nothing). GEMMs: fwd
-    n x [s/n*b, i/n] x [i/n, o]; bwd dgrad n x [s/n*b, o] x [o, i/n], wgrad [o, s*b] x [s*b, i/n]."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool
-    ) -> torch.Tensor:
-        n, precision = og.size, GemmPrecision.of(x)
-        xc, wc = precision.cast(x), precision.cast(weight)
-        with precision.exact():
-            out = compute_reduce_scatter(lambda j: torch.matmul(rows(xc, j, n), wc.t()), og)
-        ctx.save_for_backward(xc if weight.requires_grad else None, weight)
-        ctx.og, ctx.precision, ctx.fuse_wgrad = og, precision, fuse_wgrad
-        return out
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad_out: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        x, weight = ctx.saved_tensors
-        og, precision = ctx.og, ctx.precision
-        n = og.size
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (want_x or want_w):
-            return None, None, None, None
-        g, wc = precision.cast(grad_out).contiguous(), precision.cast(weight)
-        grad_x = g.new_empty((g.shape[0] * n, *g.shape[1:-1], weight.shape[1])) if want_x else None
-        gathered = g.new_empty((g.shape[0] * n, *g.shape[1:])) if want_w else None
-
-        def dgrad(j: int, gj: torch.Tensor) -> None:
-            if want_x:
-                torch.matmul(gj, wc, out=rows(grad_x, j, n))
-
-        with precision.exact():
-            all_gather_compute(g, dgrad, og, out=gathered)
-            grad_w = weight_gradient(gathered, x, weight, ctx.fuse_wgrad) if want_w else None
-        return grad_x, grad_w, None, None
+from megatron_ext.layers.backend import Requested
+from megatron_ext.layers.p2p_linear import P2PAllGatherLinear, P2PLinearReduceScatter
+from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits
+from megatron_ext.layers.symm_mem import FusedGroup, SymmMemAllGatherLinear, SymmMemLinearReduceScatter
+from megatron_ext.layers.wgrad import require_main_grad
 
 
 class _GatherLastDim(torch.autograd.Function):
@@ -155,30 +64,34 @@ class _FlashOverlapMixin:
     """P2P pattern used when the constructor gets none (the spec sets it per config)."""
     p2p_timeout_s: ClassVar[float] = DEFAULT_TIMEOUT_S
     """Wait bound used when the constructor gets none."""
-    overlap_backend: ClassVar[Requested] = "auto"
-    """Backend requested when the constructor gets none: auto, p2p or symm_mem."""
+    overlap_backend: ClassVar[Requested] = "p2p"
+    """Backend requested when the constructor gets none: p2p, auto or symm_mem."""
+    overlap_topology: ClassVar[Topology | None] = None
+    """Where the ranks sit, used when the constructor gets none (auto checks the TP group's node)."""
 
     def _setup_overlap(
         self,
         mode: Mode | None,
         timeout_s: float | None,
         backend: Requested | None,
+        topology: Topology | None,
         name: str | None,
         sequence_parallel: bool,
     ) -> None:
         kind = type(self).__name__
         cfg = self.config
         tp = 1 if self.tp_group is None else self.tp_group.size()
-        unsupported = {
-            "is_expert=True": self.is_expert,
-            "config.defer_embedding_wgrad_compute": cfg.defer_embedding_wgrad_compute,
-            "config.cpu_offloading": cfg.cpu_offloading,
+        megatron_core = f"megatron-core's {kind.removeprefix('FlashOverlap')}"
+        unsupported = {  # option: (set?, the layers that honour it)
+            "is_expert=True": (self.is_expert, megatron_core),
+            "config.defer_embedding_wgrad_compute": (cfg.defer_embedding_wgrad_compute, megatron_core),
+            "config.cpu_offloading": (cfg.cpu_offloading, megatron_core),
+            # TransformerConfig only: FP8 GEMMs are TransformerEngine's, whose linears these would replace.
+            "config.fp8": (getattr(cfg, "fp8", None), "TransformerEngine's linears (drop flash_overlap)"),
         }
-        for option, present in unsupported.items():
+        for option, (present, alternative) in unsupported.items():
             if present:
-                raise ValueError(
-                    f"{kind} does not support {option}: disable it, or use megatron-core's {kind.removeprefix('FlashOverlap')}"
-                )
+                raise ValueError(f"{kind} does not support {option}: disable it, or use {alternative}")
         if tp > 1 and not sequence_parallel:
             raise ValueError(
                 f"{kind} overlaps the sequence-parallel all-gather/reduce-scatter and needs "
@@ -191,9 +104,11 @@ class _FlashOverlapMixin:
             timeout_s=timeout_s if timeout_s is not None else self.p2p_timeout_s,
             name=name or kind,
         )
+        device = self._run_device()
+        check_nccl_waits(self.overlap, device)
         # All ranks of the TP group construct their layers together, so the backend is agreed here.
-        chosen = symm_mem.resolve_backend(
-            backend or self.overlap_backend, self.overlap.group, self._run_device()
+        chosen = backends.resolve_backend(
+            backend or self.overlap_backend, self.overlap.group, device, topology or self.overlap_topology
         )
         self.fused = None
         if chosen == "symm_mem":
@@ -235,8 +150,8 @@ class _FlashOverlapMixin:
 class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear):
     """megatron-core's ColumnParallelLinear (same arguments, same ``(output, bias)`` return) whose
     sequence all-gather is fused with the GEMM. Extra keyword arguments: ``p2p_mode`` ("direct" or
-    "ring"), ``timeout_s`` and ``backend`` ("auto", "p2p" or "symm_mem"); ``tp_comm_buffer_name``
-    names the layer in error messages."""
+    "ring"), ``timeout_s`` (gloo waits), ``backend`` ("p2p", "auto" or "symm_mem") and ``topology``
+    (where the ranks sit, for auto); ``tp_comm_buffer_name`` names the layer in error messages."""
 
     def __init__(
         self,
@@ -246,6 +161,7 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
         p2p_mode: Mode | None = None,
         timeout_s: float | None = None,
         backend: Requested | None = None,
+        topology: Topology | None = None,
         **megatron_kwargs: Any,
     ) -> None:
         config = megatron_kwargs["config"]
@@ -258,7 +174,12 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
         super().__init__(input_size, output_size, **megatron_kwargs)
         self.config, self.gradient_accumulation_fusion = config, config.gradient_accumulation_fusion
         self._setup_overlap(
-            p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"), self.sequence_parallel
+            p2p_mode,
+            timeout_s,
+            backend,
+            topology,
+            megatron_kwargs.get("tp_comm_buffer_name"),
+            self.sequence_parallel,
         )
 
     def forward(
@@ -283,7 +204,7 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
         if self.fused is not None:
             output = SymmMemAllGatherLinear.apply(input_, weight, self.fused, fuse)
         else:
-            output = _AllGatherLinear.apply(input_, weight, self.overlap, fuse)
+            output = P2PAllGatherLinear.apply(input_, weight, self.overlap, fuse)
         if self.bias is not None and not self.skip_bias_add:
             output = output + self.bias
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -304,11 +225,17 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
         p2p_mode: Mode | None = None,
         timeout_s: float | None = None,
         backend: Requested | None = None,
+        topology: Topology | None = None,
         **megatron_kwargs: Any,
     ) -> None:
         super().__init__(input_size, output_size, **megatron_kwargs)
         self._setup_overlap(
-            p2p_mode, timeout_s, backend, megatron_kwargs.get("tp_comm_buffer_name"), self.sequence_parallel
+            p2p_mode,
+            timeout_s,
+            backend,
+            topology,
+            megatron_kwargs.get("tp_comm_buffer_name"),
+            self.sequence_parallel,
         )
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -323,7 +250,7 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
         if self.fused is not None:
             output = SymmMemLinearReduceScatter.apply(input_, self.weight, self.fused, fuse)
         else:
-            output = _LinearReduceScatter.apply(input_, self.weight, self.overlap, fuse)
+            output = P2PLinearReduceScatter.apply(input_, self.weight, self.overlap, fuse)
         if self.skip_bias_add:
             return output, self.bias
         return (output + self.bias if self.bias is not None else output), None

@@ -5,7 +5,9 @@ On CUDA the transfers are issued from the compute stream and run on the process 
 stream; a wait only orders the compute stream after the transfer (a timed ``work.wait`` would
 block the host until the transfer ends, so the host could not run ahead and CUDA graphs could not
 capture the layer), and a dead peer is reported by the process group's watchdog within the timeout
-the group was created with. On gloo the transfers are asynchronous work items posted from one
+the group was created with: ``timeout_s`` does not apply there, and ``TORCH_NCCL_BLOCKING_WAIT=1``,
+which turns every wait into a host wait, is warned about when the layers are built
+(:func:`check_nccl_waits`). On gloo the transfers are asynchronous work items posted from one
 background thread, so that the compute thread never writes to a socket, and every wait is bounded
 by ``timeout_s``: a silent peer raises :class:`PeerTimeoutError` naming the peer and the layer;
 after such an error the process group is unusable (gloo closes the pair).
@@ -15,6 +17,8 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -27,6 +31,8 @@ import torch.distributed as dist
 Mode = Literal["direct", "ring"]
 MODES: tuple[Mode, ...] = ("direct", "ring")
 DEFAULT_TIMEOUT_S = 300.0
+# torch's switch that makes NCCL's work.wait() block the host (the second name is its older spelling).
+BLOCKING_WAIT_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
 
 
 class PeerTransferError(RuntimeError):
@@ -53,7 +59,8 @@ class OverlapGroup:
     mode: Mode = "direct"
     """``direct``: step k exchanges with the ranks k away; ``ring``: always with the neighbours."""
     timeout_s: float = DEFAULT_TIMEOUT_S
-    """Seconds any single wait may take before :class:`PeerTimeoutError`."""
+    """Seconds any single wait may take on gloo before :class:`PeerTimeoutError`. Not used on NCCL,
+    whose waits only order the compute stream: the process group's own timeout applies there."""
     name: str = "flash_overlap"
     """Layer name used in error messages."""
     trace: Trace | None = None
@@ -72,6 +79,32 @@ class OverlapGroup:
     @property
     def rank(self) -> int:
         return 0 if self.group is None else self.group.rank()
+
+
+def cuda_backend(group: dist.ProcessGroup) -> str:
+    """The group's backend for CUDA tensors ("nccl", "gloo", ...; "cpu:gloo,cuda:nccl" gives "nccl")."""
+    name = str(dist.get_backend(group))
+    per_device = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+    return per_device.get("cuda", name)
+
+
+def check_nccl_waits(og: OverlapGroup, device: torch.device, env: Mapping[str, str] = os.environ) -> None:
+    """Warn, by name, about a setting that makes the CUDA waits block the host: the schedules rely on
+    ``work.wait()`` only ordering the compute stream (the host queues the next GEMMs meanwhile and
+    CUDA graphs can capture the layer); with blocking waits the host stops at every transfer and
+    capture fails. Called where the layers are built; nothing to check off CUDA or NCCL."""
+    if og.group is None or device.type != "cuda" or cuda_backend(og.group) != "nccl":
+        return
+    for name in BLOCKING_WAIT_VARS:
+        if env.get(name, "0").strip().lower() not in ("", "0", "false", "no", "off"):
+            warnings.warn(
+                f"{name}={env[name]} makes every wait of layer {og.name!r} block the host until its "
+                "transfer ends: the host no longer queues work ahead of the transfers and CUDA graphs "
+                f"cannot capture the layer; unset {name} (the NCCL watchdog still reports a dead peer "
+                "after the process group's timeout)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
 
 _posters: dict[int, ThreadPoolExecutor] = {}

@@ -1,48 +1,159 @@
-"""The GPT layer spec that plugs the Flash-Overlap linears into megatron-core's transformer layer."""
+"""The GPT layer spec that plugs the Flash-Overlap linears into megatron-core's transformer layer.
+
+The builder looks at what it replaces, so that the model it returns computes what the base spec's
+model computes. A slot named in ``flash_overlap.layers`` must hold megatron-core's
+``ColumnParallelLinear`` / ``RowParallelLinear``, TransformerEngine's plain ``TEColumnParallelLinear``
+/ ``TERowParallelLinear`` or our own layers, inside megatron-core's dense ``SelfAttention`` / ``MLP``.
+TransformerEngine's ``TELayerNormColumnParallelLinear`` also carries the norm before it (TE's layer
+spec leaves the norm slot ``IdentityOp``): it is composed, our linear plus the sequence-parallel
+norm of :func:`megatron_ext.gpt.local_layer_spec` in the norm slot, which is megatron-core's local
+layer, checkpoint key map included. Anything else (mixture of experts, multi-latent attention, TE's
+fused MLP, other subclasses, a fused norm next to a norm of its own) is refused by name. TE classes
+are recognised by module and name, so a TE spec can be checked where TE is not installed.
+"""
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from deepspeed_ext.topology import Topology
 from megatron_ext.gpt import local_layer_spec
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
+_TE = "megatron.core.extensions.transformer_engine"
+Kind = Literal["column", "row"]
+OURS: dict[Kind, type] = {"column": FlashOverlapColumnParallelLinear, "row": FlashOverlapRowParallelLinear}
+# The linears our layers replace without changing the computation, by qualified name.
+PLAIN: dict[Kind, frozenset[str]] = {
+    "column": frozenset(
+        {f"{_TE}.TEColumnParallelLinear", f"{ColumnParallelLinear.__module__}.ColumnParallelLinear"}
+    ),
+    "row": frozenset({f"{_TE}.TERowParallelLinear", f"{RowParallelLinear.__module__}.RowParallelLinear"}),
+}
+# Column linears that apply the layer's norm themselves.
+FUSED_NORM = frozenset({f"{_TE}.TELayerNormColumnParallelLinear"})
+FIX = (
+    "drop it from flash_overlap.layers (--flash-overlap-layers), or build on a dense local layer spec "
+    "(megatron_ext.gpt.local_layer_spec; in Megatron-LM --transformer-impl local)"
+)
 
-def _configured(cls: type, config: FlashOverlapConfig) -> type:
-    """A subclass of ``cls`` with the config's P2P mode, timeout and backend as defaults. A class, not
-    a partial: megatron-core's ``build_module`` instantiates only classes, functions or ModuleSpecs."""
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a linear named in ``flash_overlap.layers`` sits in a transformer layer's spec."""
+
+    container: str
+    """The layer's submodule holding it: self_attention or mlp."""
+    container_module: type
+    """megatron-core's module there whose linears we know how to replace."""
+    field: str
+    """The linear's field in the container's submodules."""
+    kind: Kind
+    """Column- or row-parallel."""
+    norm: str | None = None
+    """The layer's norm slot before this linear, which a fused-norm linear leaves IdentityOp."""
+
+
+SLOTS = {
+    "qkv": Slot("self_attention", SelfAttention, "linear_qkv", "column", "input_layernorm"),
+    "proj": Slot("self_attention", SelfAttention, "linear_proj", "row"),
+    "fc1": Slot("mlp", MLP, "linear_fc1", "column", "pre_mlp_layernorm"),
+    "fc2": Slot("mlp", MLP, "linear_fc2", "row"),
+}
+
+
+def _describe(obj: Any) -> str:
+    """The qualified name of a class (or of a ModuleSpec's module), for matching and for messages."""
+    if isinstance(obj, ModuleSpec):
+        return f"ModuleSpec({_describe(obj.module)})"
+    if isinstance(obj, type):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    return repr(obj)
+
+
+def _configured(cls: type, config: FlashOverlapConfig, topology: Topology | None) -> type:
+    """A subclass of ``cls`` with the config's P2P mode, timeout and backend, and ``topology``, as
+    defaults. A class, not a partial: megatron-core's ``build_module`` instantiates only classes,
+    functions or ModuleSpecs."""
     name = f"{cls.__name__}_{config.mode}_{config.backend}"
-    defaults = {"p2p_mode": config.mode, "p2p_timeout_s": config.timeout_s, "overlap_backend": config.backend}
+    defaults = {
+        "p2p_mode": config.mode,
+        "p2p_timeout_s": config.timeout_s,
+        "overlap_backend": config.backend,
+        "overlap_topology": topology,
+    }
     return type(name, (cls,), {**defaults, "__module__": __name__, "__qualname__": name})
 
 
-def get_flash_overlap_layer_spec(config: FlashOverlapConfig, base: ModuleSpec | None = None) -> ModuleSpec:
+def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
+    """The submodules holding ``slot``'s linear; refused unless the container is the dense module."""
+    container = getattr(spec.submodules, slot.container, None)
+    if getattr(container, "module", None) is not slot.container_module:
+        raise ValueError(
+            f"flash_overlap.layers has {layer!r}, but the base layer spec's {slot.container} is "
+            f"{_describe(container)}, not {_describe(slot.container_module)}, whose "
+            f"{slot.field} the Flash-Overlap layers replace: {FIX}"
+        )
+    return container.submodules
+
+
+def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: Any) -> None:
+    """Put the norm that ``fused`` applies into the layer's norm slot, as megatron-core's local spec
+    has it (the norm and the key map that keeps checkpoints in the fused layer's layout)."""
+    present = getattr(spec.submodules, slot.norm)
+    if present is not IdentityOp:
+        raise ValueError(
+            f"flash_overlap.layers has {layer!r}: the base layer spec's {slot.field} is {_describe(fused)}, "
+            f"which applies a norm itself, and its {slot.norm} is {_describe(present)}, a second norm "
+            f"before it: one norm slot cannot hold both; {FIX}"
+        )
+    local = local_layer_spec().submodules
+    setattr(spec.submodules, slot.norm, getattr(local, slot.norm))
+    key = f"{slot.norm}."
+    spec.submodules.sharded_state_dict_keys_map = {
+        **(spec.submodules.sharded_state_dict_keys_map or {}),
+        key: local.sharded_state_dict_keys_map[key],
+    }
+
+
+def get_flash_overlap_layer_spec(
+    config: FlashOverlapConfig, base: ModuleSpec | None = None, topology: Topology | None = None
+) -> ModuleSpec:
     """A copy of ``base`` (default: megatron-core's local GPT layer spec with sequence-parallel-capable
     norms, :func:`megatron_ext.gpt.local_layer_spec`) whose linear_qkv / linear_proj / linear_fc1 /
-    linear_fc2 named in ``config.layers`` are the Flash-Overlap layers; ``base`` unchanged when
-    ``config.enabled`` is false. The model's TransformerConfig needs sequence_parallel=True at TP > 1."""
+    linear_fc2 named in ``config.layers`` are the Flash-Overlap layers, a fused norm composed (see
+    the module's docstring) and anything unknown refused with a ValueError naming it; ``base``
+    unchanged when ``config.enabled`` is false. ``topology`` (where the ranks sit) lets
+    ``backend: auto`` check that the TP group is in one node. The model's TransformerConfig needs
+    sequence_parallel=True at TP > 1."""
     spec = copy.deepcopy(base) if base is not None else local_layer_spec()
     if not config.enabled:
         return spec
-    column = _configured(FlashOverlapColumnParallelLinear, config)
-    row = _configured(FlashOverlapRowParallelLinear, config)
-    attention = getattr(spec.submodules, "self_attention", None)
-    mlp = getattr(spec.submodules, "mlp", None)
-    slots = {
-        "qkv": (getattr(attention, "submodules", None), "linear_qkv", column),
-        "proj": (getattr(attention, "submodules", None), "linear_proj", row),
-        "fc1": (getattr(mlp, "submodules", None), "linear_fc1", column),
-        "fc2": (getattr(mlp, "submodules", None), "linear_fc2", row),
-    }
+    replacements = {kind: _configured(cls, config, topology) for kind, cls in OURS.items()}
     for layer in config.layers:
-        holder, field, cls = slots[layer]
-        if holder is None or not hasattr(holder, field):
+        slot = SLOTS[layer]
+        holder = _container_submodules(spec, layer, slot)
+        current = getattr(holder, slot.field, None)
+        name = _describe(current)
+        if slot.norm is not None and name in FUSED_NORM:
+            _unfuse_norm(spec, layer, slot, current)
+        elif name not in PLAIN[slot.kind] and not (
+            isinstance(current, type) and issubclass(current, OURS[slot.kind])
+        ):
+            known = PLAIN[slot.kind] | (FUSED_NORM if slot.norm else frozenset())
             raise ValueError(
-                f"flash_overlap.layers has {layer!r} but the base layer spec has no {field} (a MoE or "
-                "multi-latent-attention spec?): drop it from flash_overlap.layers or use a dense GPT spec"
+                f"flash_overlap.layers has {layer!r}, but the base layer spec's {slot.field} is {name}, "
+                f"not one the Flash-Overlap layers replace without changing the model "
+                f"({', '.join(sorted(known))}): {FIX}"
             )
-        setattr(holder, field, cls)
+        setattr(holder, slot.field, replacements[slot.kind])
     return spec

@@ -21,9 +21,12 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import torch.distributed as dist
+
 from deepspeed_ext.section import ConfigError
+from deepspeed_ext.topology import Topology, detect_topology
 from megatron_ext.layers.config import FlashOverlapConfig
-from megatron_ext.upstream.hooks import SPEC_MODULE
+from megatron_ext.upstream.hooks import SPEC_MODULE, plugin_config
 
 # (args attribute, is it set?, why the block cannot honour it, what to do)
 _REFUSED = (
@@ -93,22 +96,24 @@ def check_layer_options(args: argparse.Namespace, spec_name: str) -> None:
         )
 
 
-def flash_overlap_submodules(submodules: Any, overlap: FlashOverlapConfig) -> Any:
+def flash_overlap_submodules(
+    submodules: Any, overlap: FlashOverlapConfig, topology: Topology | None = None
+) -> Any:
     """A copy of transformer-layer ``submodules`` whose linears named in ``overlap.layers`` are the
-    Flash-Overlap ones (``overlap.mode`` and ``timeout_s`` applied)."""
+    Flash-Overlap ones (``overlap.mode``, ``timeout_s``, ``backend`` and ``topology`` applied)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
     return get_flash_overlap_layer_spec(
-        overlap, base=ModuleSpec(module=TransformerLayer, submodules=submodules)
+        overlap, base=ModuleSpec(module=TransformerLayer, submodules=submodules), topology=topology
     ).submodules
 
 
-def layer_spec(overlap: FlashOverlapConfig | None = None) -> Any:
+def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | None = None) -> Any:
     """The layer ModuleSpec: megatron-core's local GPT layer with sequence-parallel norms, with the
-    Flash-Overlap linears of ``overlap`` when given."""
+    Flash-Overlap linears of ``overlap`` when given (``topology`` for ``backend`` auto)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -117,12 +122,15 @@ def layer_spec(overlap: FlashOverlapConfig | None = None) -> Any:
     spec = local_layer_spec()
     if overlap is None:
         return spec
-    return ModuleSpec(module=TransformerLayer, submodules=flash_overlap_submodules(spec.submodules, overlap))
+    return ModuleSpec(
+        module=TransformerLayer, submodules=flash_overlap_submodules(spec.submodules, overlap, topology)
+    )
 
 
 def block_spec(args: argparse.Namespace, spec_name: str, overlap: FlashOverlapConfig | None) -> Any:
     """The block for this pipeline stage: :func:`layer_spec` repeated as many times as upstream
-    builds layers on this rank, then the sequence-parallel final norm."""
+    builds layers on this rank, then the sequence-parallel final norm. Where the Flash-Overlap
+    backend may be torch's symmetric-memory ops, the layers get the job's topology (the node check)."""
     from megatron.core.transformer.transformer_block import (
         TransformerBlockSubmodules,
         get_num_layers_to_build,
@@ -132,6 +140,9 @@ def block_spec(args: argparse.Namespace, spec_name: str, overlap: FlashOverlapCo
     from megatron_ext.layers.norm import SequenceParallelNorm
 
     check_layer_options(args, spec_name)
-    layer = layer_spec(overlap)
+    topology = None
+    if overlap is not None and overlap.backend != "p2p":
+        topology = detect_topology(plugin_config(args).topology, world_size=dist.get_world_size())
+    layer = layer_spec(overlap, topology)
     count = get_num_layers_to_build(core_transformer_config_from_args(args))
     return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=SequenceParallelNorm)

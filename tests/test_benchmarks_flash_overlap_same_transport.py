@@ -1,0 +1,82 @@
+"""The same-transport baselines compute what they replace: megatron-core's linears with their collectives
+swapped for the P2P exchange, and TransformerEngine's split on P2P, give megatron-core's outputs and
+gradients (MLP and whole layer, TP=2 and 4); DeepSpeed's DistributedAttention with its all-to-alls on
+P2P gives its unswapped output and gradients; and every swap is undone on exit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+TE_AND_P2P = ("megatron_core_p2p", "te_split_p2p")
+
+
+def _blocks_against_megatron_core(tp: int) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import layers, mappings, model_parallel_cuda_manual_seed
+
+    from benchmarks.flash_overlap.blocks import Block, Shapes
+    from megatron_ext.cpu import enable_cpu_support
+
+    enable_cpu_support()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(0)
+    group, rank = ps.get_tensor_model_parallel_group(), dist.get_rank()
+    shapes = Shapes(seq=16 * tp, batch=2, hidden=32, heads=4, ffn=64)
+    x = torch.randn(shapes.seq, shapes.batch, shapes.hidden, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    bound = [layers.dist_all_gather_func, layers.dist_reduce_scatter_func, mappings.dist_all_gather_func]
+    out: dict = {}
+    for block in ("mlp", "layer"):
+        results = {}
+        for method in ("megatron_core", *TE_AND_P2P):
+            torch.manual_seed(0)
+            module = Block(block, method, shapes, group, tp)
+            y = module.step(x.chunk(tp)[rank].contiguous(), grad.chunk(tp)[rank].contiguous())
+            results[method] = [y.detach(), *(p.grad for p in module.parameters())]
+        out[block] = {
+            m: max((a - b).abs().max().item() for a, b in zip(r, results["megatron_core"]))
+            for m, r in results.items()
+        }
+    out["restored"] = bound == [
+        layers.dist_all_gather_func,
+        layers.dist_reduce_scatter_func,
+        mappings.dist_all_gather_func,
+    ]
+    ps.destroy_model_parallel()
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_same_transport_baselines_equal_megatron_core_forward_and_backward(run_ranks, tp):
+    for per_rank in run_ranks(tp, _blocks_against_megatron_core, tp, timeout=180):
+        assert per_rank["restored"]
+        for block in ("mlp", "layer"):
+            for method in TE_AND_P2P:
+                assert per_rank[block][method] < 1e-5, (block, method, per_rank[block])
+
+
+def _distributed_attention_on_p2p() -> dict:
+    import deepspeed.comm as ds_comm
+
+    from benchmarks.flash_overlap.ulysses_rank import Sizes, UlyssesBlock
+
+    sizes = Sizes(seq_per_rank=8, batch=2, hidden=32, heads=4, head_dim=8)
+    original = ds_comm.all_to_all_single
+    results = {}
+    for method in ("distributed_attention_gloo", "distributed_attention_p2p", "ulysses_flash_overlap"):
+        block = UlyssesBlock(method, sizes, seed=0)
+        out = block.step()
+        results[method] = [out.detach(), *(p.grad for p in block.parameters())]
+    reference = results["distributed_attention_gloo"]
+    errors = {m: max((a - b).abs().max().item() for a, b in zip(r, reference)) for m, r in results.items()}
+    return {"errors": errors, "restored": ds_comm.all_to_all_single is original}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_distributed_attention_on_p2p_equals_its_gloo_all_to_all(run_ranks, world):
+    for per_rank in run_ranks(world, _distributed_attention_on_p2p, timeout=180):
+        assert per_rank["restored"]
+        assert max(per_rank["errors"].values()) < 1e-5, per_rank["errors"]
