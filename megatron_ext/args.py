@@ -78,7 +78,10 @@ _FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--flash-overlap-mode": ("flash_overlap.mode", {"choices": ["direct", "ring"], "help": "P2P pattern"}),
     "--flash-overlap-backend": (
         "flash_overlap.backend",
-        {"choices": ["auto", "p2p", "symm_mem"], "help": "our P2P schedule (default), torch's fused symm_mem ops, or auto"},
+        {
+            "choices": ["auto", "p2p", "symm_mem"],
+            "help": "our P2P schedule (default), torch's fused symm_mem ops, or auto",
+        },
     ),
     "--flash-overlap-timeout": (
         "flash_overlap.timeout_s",
