@@ -70,16 +70,21 @@ class HeadSplit:
         """Channels of one rank's QKV block: its query, key and value heads."""
         return (self.heads + 2 * self.kv_heads) // self.ranks * self.head_dim
 
-    def qkv_rows(self, group: int, device: torch.device) -> torch.Tensor:
-        """Rows of the QKV weight that produce head group ``group``'s q, k and v, in that order."""
+    def qkv_rows(self, group: int) -> tuple[slice, slice, slice]:
+        """Rows of the QKV weight that produce head group ``group``'s q, k and v (contiguous each,
+        so the per-group GEMMs read views of the weight, never copies)."""
         q, kv, d = (
             self.heads // self.ranks * self.head_dim,
             self.kv_heads // self.ranks * self.head_dim,
             self.head_dim,
         )
         starts = (group * q, self.heads * d + group * kv, (self.heads + self.kv_heads) * d + group * kv)
-        sizes = (q, kv, kv)
-        return torch.cat([torch.arange(a, a + n, device=device) for a, n in zip(starts, sizes)])
+        return tuple(slice(a, a + n) for a, n in zip(starts, (q, kv, kv)))
+
+    def block_columns(self) -> tuple[slice, slice, slice]:
+        """Columns of one rank's QKV block that hold its q, k and v."""
+        q, kv = self.heads // self.ranks * self.head_dim, self.kv_heads // self.ranks * self.head_dim
+        return slice(0, q), slice(q, q + kv), slice(q + kv, q + 2 * kv)
 
     def context_columns(self, group: int) -> slice:
         """Columns of the output weight that take head group ``group``'s context."""
@@ -105,8 +110,8 @@ def _sequence_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 class _QKVAllToAll(torch.autograd.Function):
     """Fwd: QKV projection per destination head group, remote groups first, each sent when ready
     (UP, sec. decomposed all-to-all); bwd: gradient blocks consumed as they arrive (dgrad and wgrad
-    per head group). GEMMs: fwd n x [s/n*b, h] x [h, w/n]; bwd n x ([s/n*b, w/n] x [w/n, h] and
-    [w/n, s/n*b] x [s/n*b, h]); w = (heads + 2 kv_heads) * head_dim."""
+    per head group). GEMMs, each of q, k and v on a view of the weight: fwd n x [s/n*b, h] x [h, w/n];
+    bwd n x ([s/n*b, w/n] x [w/n, h] and [w/n, s/n*b] x [s/n*b, h]); w = (heads + 2 kv_heads) * head_dim."""
 
     @staticmethod
     def forward(
@@ -117,32 +122,35 @@ class _QKVAllToAll(torch.autograd.Function):
         split: HeadSplit,
         og: OverlapGroup,
     ) -> torch.Tensor:
-        rows = [split.qkv_rows(j, x.device) for j in range(og.size)]
         ctx.save_for_backward(x, weight)
-        ctx.rows, ctx.og, ctx.has_bias = rows, og, bias is not None
+        ctx.split, ctx.og, ctx.has_bias = split, og, bias is not None
 
         def project(j: int) -> torch.Tensor:
-            return F.linear(x, weight[rows[j]], None if bias is None else bias[rows[j]])
+            parts = [
+                F.linear(x, weight[rows], None if bias is None else bias[rows]) for rows in split.qkv_rows(j)
+            ]
+            return torch.cat(parts, dim=-1)
 
         return torch.cat(compute_all_to_all(project, og), dim=0)  # block i: rank i's tokens
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        og, rows = ctx.og, ctx.rows
+        split, og = ctx.split, ctx.og
         grad_x = torch.zeros_like(x)
-        grad_w = torch.zeros_like(weight)
+        grad_w = torch.empty_like(weight)  # every row is written: each group's rows, once
         grad_b = (
-            torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device) if ctx.has_bias else None
+            torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if ctx.has_bias else None
         )
         x2d = x.reshape(-1, x.shape[-1])
 
         def consume(group: int, g: torch.Tensor) -> None:
-            grad_x.add_(g @ weight[rows[group]])
             g2d = g.reshape(-1, g.shape[-1])
-            grad_w.index_add_(0, rows[group], g2d.t() @ x2d)
-            if grad_b is not None:
-                grad_b.index_add_(0, rows[group], g2d.sum(0))
+            for rows, columns in zip(split.qkv_rows(group), split.block_columns()):
+                grad_x.add_(g[..., columns] @ weight[rows])
+                torch.matmul(g2d[:, columns].t(), x2d, out=grad_w[rows])
+                if grad_b is not None:
+                    torch.sum(g2d[:, columns], dim=0, out=grad_b[rows])
 
         all_to_all_compute(_sequence_blocks(grad.contiguous(), og.size), consume, og)
         return grad_x, grad_w, grad_b, None, None
