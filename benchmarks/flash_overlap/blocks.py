@@ -3,15 +3,20 @@ swapped per method, and a compute-only twin of the same per-rank GEMM shapes.
 
 Blocks: ``mlp`` (fc1, gelu, fc2: megatron-core's MLP) and ``layer`` (a whole TransformerLayer:
 norms, qkv, core attention, proj, fc1, gelu, fc2). Methods:
-  megatron_core  megatron-core's own linears (what users run today, with their backward overlap);
-  chunked_4      the same with each collective cut in 4 (``chunked.py``);
-  flash_overlap  the Flash-Overlap linears (P2P backend);
+  megatron_core      megatron-core's own linears (what users run today, with their backward
+                     overlap), on gloo's collectives;
+  chunked_4          the same with every forward collective cut in 4, on gloo's collectives
+                     (``chunked.py``; not TransformerEngine's split);
+  flash_overlap      the Flash-Overlap linears (P2P backend);
+  megatron_core_p2p  megatron_core with its collectives on the P2P exchange (``same_transport.py``);
+  te_split_p2p       TransformerEngine's published split on the P2P exchange (``te_split.py``);
   compute_only   the block at TP=1 with this rank's shard shapes (heads/N, ffn/N) on the whole
                  sequence: the GEMMs, attention and elementwise work of one rank, no communication.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass
 
@@ -21,12 +26,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from benchmarks.flash_overlap.chunked import ChunkedColumnParallelLinear, ChunkedRowParallelLinear
+from benchmarks.flash_overlap.same_transport import megatron_core_on_p2p
+from benchmarks.flash_overlap.te_split import TESplitColumnParallelLinear, TESplitRowParallelLinear
 from megatron_ext.gpt import causal_mask, local_layer_spec
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
 BLOCKS = ("mlp", "layer")
-METHODS = ("megatron_core", "chunked_4", "flash_overlap")
+METHODS = ("megatron_core", "chunked_4", "flash_overlap", "megatron_core_p2p", "te_split_p2p")
 
 
 @dataclass(frozen=True)
@@ -67,11 +74,16 @@ def _layer_spec(method: str) -> ModuleSpec:
     if method == "flash_overlap":
         return get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, backend="p2p"))
     spec = local_layer_spec()
-    if method == "chunked_4":
-        spec.submodules.self_attention.submodules.linear_qkv = ChunkedColumnParallelLinear
-        spec.submodules.self_attention.submodules.linear_proj = ChunkedRowParallelLinear
-        spec.submodules.mlp.submodules.linear_fc1 = ChunkedColumnParallelLinear
-        spec.submodules.mlp.submodules.linear_fc2 = ChunkedRowParallelLinear
+    swapped = {
+        "chunked_4": (ChunkedColumnParallelLinear, ChunkedRowParallelLinear),
+        "te_split_p2p": (TESplitColumnParallelLinear, TESplitRowParallelLinear),
+    }
+    if method in swapped:
+        column, row = swapped[method]
+        spec.submodules.self_attention.submodules.linear_qkv = column
+        spec.submodules.self_attention.submodules.linear_proj = row
+        spec.submodules.mlp.submodules.linear_fc1 = column
+        spec.submodules.mlp.submodules.linear_fc2 = row
     return spec
 
 
@@ -84,6 +96,8 @@ class Block(torch.nn.Module):
         compute_only = method == "compute_only"
         config = _config(shapes, tp, compute_only)
         spec = copy.deepcopy(_layer_spec("megatron_core" if compute_only else method))
+        # megatron_core_p2p: megatron-core's own layers, their collectives swapped for the step only.
+        self.on_p2p = method == "megatron_core_p2p"
         if block == "mlp":
             self.module = build_module(spec.submodules.mlp, config=config, tp_group=group)
             self.mask = None
@@ -94,11 +108,12 @@ class Block(torch.nn.Module):
 
     def step(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         x = x.detach().requires_grad_()
-        if self.block == "mlp":
-            out, _ = self.module(x)
-        else:
-            out, _ = self.module(x, attention_mask=self.mask)
-        out.backward(grad)
+        with megatron_core_on_p2p() if self.on_p2p else contextlib.nullcontext():
+            if self.block == "mlp":
+                out, _ = self.module(x)
+            else:
+                out, _ = self.module(x, attention_mask=self.mask)
+            out.backward(grad)
         return out
 
 

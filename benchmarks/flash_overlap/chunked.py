@@ -1,9 +1,13 @@
-"""The data-slicing baseline: megatron-core's linears with each sequence-parallel collective cut into
-CHUNKS asynchronous collectives (TransformerEngine's "pipeline" overlap), each chunk's GEMM running
-while the next chunk travels, on the same transport as megatron-core (the process group's
+"""The 4-chunk slicing baseline (``chunked_4``): megatron-core's linears with every forward
+sequence-parallel collective, all-gathers included, cut into CHUNKS asynchronous collectives, each
+chunk's GEMM running while the next chunk travels, on gloo's collectives (the process group's
 all_gather_into_tensor / reduce_scatter_tensor). The first gather and the last reduce-scatter of each
 GEMM stay exposed. Backward keeps megatron-core's overlap for the column layer and pipelines the
 row layer's gather of dY the same way as the forward.
+
+This is *not* TransformerEngine's published split: TE pipelines only proj/fc2 fprop and uses ring
+exchange for qkv/fc1 fprop and the row layers' dgrads; that split, on the P2P transport, is
+:mod:`benchmarks.flash_overlap.te_split`.
 
 Chunk i of every rank's sequence slice is gathered (or scattered) together: with N ranks, slice
 length s/N and chunk length q = s/(N*CHUNKS), it is the rows r*s/N + i*q ... of the full sequence.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import time
 import warnings
 
@@ -108,29 +109,50 @@ def _tune_ffn(regime: str, shapes: Shapes, group: dist.ProcessGroup, warmup: int
     return int(decided.item()), {"probe_p_s": p, "probe_c_target_s": c}
 
 
+def _check(modules: dict[str, Block], shard: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
+    """One warm-up step of each method (equal weights); largest difference of its output and gradients
+    from megatron-core's on gloo: the baselines compute what they replace."""
+    results = {}
+    for name, module in modules.items():
+        out = module.step(shard, grad)
+        results[name] = [out.detach(), *(p.grad for p in module.parameters())]
+        module.zero_grad(set_to_none=True)
+    reference = results.get("megatron_core")
+    if reference is None:
+        return {}
+    return {m: max((a - b).abs().max().item() for a, b in zip(r, reference)) for m, r in results.items()}
+
+
 def _run_block(block: str, shapes: Shapes, tp_group, solo, args) -> dict:
     n, rank = tp_group.size(), tp_group.rank()
     torch.manual_seed(0)
     x = torch.randn(shapes.seq, shapes.batch, shapes.hidden)
     shard, grad_full = x.chunk(n)[rank].contiguous(), torch.ones_like(x)
     grad_shard = grad_full.chunk(n)[rank].contiguous()
-    steps = {}
-    for method in METHODS:
-        module = Block(block, method, shapes, tp_group, n)
-        steps[method] = lambda m=module: m.step(shard, grad_shard)
+    modules = {}
+    for method in args.methods:
+        torch.manual_seed(1)  # equal weights in every method, for _check
+        modules[method] = Block(block, method, shapes, tp_group, n)
+    load = [os.getloadavg()[0]]
+    check = _check(modules, shard, grad_shard)
+    steps = {method: (lambda m=module: m.step(shard, grad_shard)) for method, module in modules.items()}
     compute = Block(block, "compute_only", shapes, solo, n)
     steps["compute_only"] = lambda: compute.step(x, grad_full)
     pairs = 1 if block == "mlp" else 2
     for transport in probes.TRANSPORTS:
         steps[f"comm_only_{transport}"] = lambda t=transport: probes.comm_only(t, pairs, shard, tp_group)
     times = _timed(steps, args.warmup, args.steps)
-    profiled = {name: _profiled(steps[name]) for name in (*METHODS, "compute_only")}
+    load.append(os.getloadavg()[0])
+    profiled = {name: _profiled(steps[name]) for name in (*args.methods, "compute_only")}
     tokens = shapes.seq * shapes.batch
     gemms = {
         lin.name: {"column": lin.column, **probes.gemm_times(lin, tokens)}
         for lin in probes.linears(block, shapes, n)
     }
-    return {"times": times, "profiled": profiled, "gemms": gemms, "pairs": pairs}
+    return {
+        "times": times, "profiled": profiled, "gemms": gemms, "pairs": pairs,
+        "max_abs_diff_vs_megatron_core": check, "load": load,
+    }  # fmt: skip
 
 
 def main() -> None:
@@ -144,6 +166,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12, help="attention heads of the layer (multiple of TP)")
     parser.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
     parser.add_argument("--ffn", type=int, default=None, help="fixed MLP width instead of tuning per regime")
     parser.add_argument("--steps", type=int, default=10)

@@ -6,13 +6,18 @@ Exposed communication = a method's step - T_comp, the compute-only run of the sa
 steps, same run). The in-step figure = the step minus the compute ops recorded inside it, from one
 extra step under torch.profiler; it is named so because it hides whatever slows compute down.
 
-Bounds, with N ranks, per linear its GEMMs alone (fwd, dgrad, wgrad over the whole sequence) and P a
-whole sequence-parallel transfer on the method's transport (T_comm / number of transfers), p = P/(N-1):
-  flash_overlap  column: (N-1) max(0, p - fwd/N) + max(0, P - dgrad) + max(0, P - wgrad)
-                 row:    (N-1) max(0, p - fwd/N) + (N-1) max(0, p - dgrad/N)
-  megatron_core  column: P + max(0, P - dgrad) + max(0, P - wgrad);  row: 2 P
-  chunked_4      column: P/4 + 3 max(0, (P - fwd)/4) + max(0, P - dgrad) + max(0, P - wgrad)
-                 row:    P/4 + 3 max(0, (P - fwd)/4) + P/4 + 3 max(0, (P - dgrad)/4)
+Bounds (computed, not measured), with N ranks, per linear its GEMMs alone (fwd, dgrad, wgrad over the
+whole sequence) and P a whole sequence-parallel transfer on the method's transport (T_comm / number of
+transfers), p = P/(N-1); what each part of a schedule leaves exposed:
+  sliced      (N-1) max(0, p - gemm/N)           slice GEMMs under slice transfers (Flash-Overlap, ring exchange)
+  pipelined   P/4 + 3 max(0, (P - gemm)/4)       4 chunks, the last chunk's transfer exposed
+  whole       P                                  a blocking collective
+  bulk        max(0, P - dgrad) + max(0, P - wgrad)   megatron-core's column backward
+  method             column fwd   column bwd   row fwd     row bwd (dgrad)
+  flash_overlap      sliced       bulk         sliced      sliced
+  te_split_p2p       sliced       bulk         pipelined   sliced
+  megatron_core(_p2p) whole       bulk         whole       whole
+  chunked_4          pipelined    bulk         pipelined   pipelined
 each added to T_comp: the time no schedule of that shape can hide.
 """
 
@@ -25,7 +30,22 @@ from typing import Any
 from benchmarks.flash_overlap.chunked import CHUNKS
 from benchmarks.flash_overlap.probes import TRANSFERS_PER_PAIR
 
-TRANSPORT = {"megatron_core": "collectives", f"chunked_{CHUNKS}": "collectives", "flash_overlap": "p2p"}
+TRANSPORT = {
+    "megatron_core": "collectives",
+    f"chunked_{CHUNKS}": "collectives",
+    "flash_overlap": "p2p",
+    "megatron_core_p2p": "p2p",
+    "te_split_p2p": "p2p",
+}
+"""Each method's transport: gloo's collectives or the P2P exchange."""
+SCHEDULE = {
+    "flash_overlap": ("sliced", "sliced", "sliced"),
+    "te_split_p2p": ("sliced", "pipelined", "sliced"),
+    "megatron_core": ("whole", "whole", "whole"),
+    "megatron_core_p2p": ("whole", "whole", "whole"),
+    f"chunked_{CHUNKS}": ("pipelined", "pipelined", "pipelined"),
+}
+"""(column fwd, row fwd, row dgrad) schedule per method; every column backward is megatron-core's bulk."""
 
 
 def _slowest(per_rank: list[list[float]]) -> list[float]:
@@ -39,19 +59,17 @@ def _stats(values: list[float]) -> dict[str, float]:
 def _extra(method: str, gemms: dict[str, dict], P: float, n: int) -> float:
     """What the method's schedule leaves exposed beyond T_comp, from its model (module docstring)."""
     p, k, total = P / (n - 1), CHUNKS, 0.0
+    exposed = {
+        "sliced": lambda gemm: (n - 1) * max(0.0, p - gemm / n),
+        "pipelined": lambda gemm: P / k + (k - 1) * max(0.0, (P - gemm) / k),
+        "whole": lambda gemm: P,
+    }
+    column_fwd, row_fwd, row_dgrad = SCHEDULE[method]
     for g in gemms.values():
-        # Every method hides the column layer's backward transfers behind its two unsliced GEMMs.
-        column_bwd = max(0.0, P - g["dgrad"]) + max(0.0, P - g["wgrad"])
-        if method == "flash_overlap":
-            fwd = (n - 1) * max(0.0, p - g["fwd"] / n)
-            bwd = column_bwd if g["column"] else (n - 1) * max(0.0, p - g["dgrad"] / n)
-        elif method == "megatron_core":
-            fwd = P
-            bwd = column_bwd if g["column"] else P
+        if g["column"]:  # every method hides the column backward's transfers behind its two GEMMs
+            total += exposed[column_fwd](g["fwd"]) + max(0.0, P - g["dgrad"]) + max(0.0, P - g["wgrad"])
         else:
-            fwd = P / k + (k - 1) * max(0.0, (P - g["fwd"]) / k)
-            bwd = column_bwd if g["column"] else P / k + (k - 1) * max(0.0, (P - g["dgrad"]) / k)
-        total += fwd + bwd
+            total += exposed[row_fwd](g["fwd"]) + exposed[row_dgrad](g["dgrad"])
     return total
 
 
@@ -66,6 +84,8 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
     gemms = recs[0]["gemms"]
     methods = {}
     for name, transport in TRANSPORT.items():
+        if name not in times:
+            continue
         step = _stats(times[name])
         profiled = [rec["profiled"][name] for rec in recs]
         slow = max(profiled, key=lambda p: p["step_s"])
@@ -74,6 +94,8 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
             "transport": transport,
             "step_s": step,
             "exposed_s": step["median"] - t_comp,
+            # Per repeat: the step minus the compute-only run of the same repeat (interleaved).
+            "exposed_per_repeat_s": _stats([a - b for a, b in zip(times[name], times["compute_only"])]),
             "exposed_pct_of_t_comm": 100 * (step["median"] - t_comp) / t_comm[transport],
             "in_step_exposed_s": slow["step_s"] - slow["compute_s"],
             "profiled_step_s": slow["step_s"],
@@ -81,7 +103,7 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
             "step_over_bound": step["median"] / bound,
             "timeline": [p["spans"] for p in profiled],
         }
-    reference = methods["megatron_core"]["step_s"]["median"]
+    reference = methods.get("megatron_core", next(iter(methods.values())))["step_s"]["median"]
     for m in methods.values():
         m["speedup_vs_megatron_core"] = reference / m["step_s"]["median"]
     return {
@@ -94,6 +116,8 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
         "comm_over_comp": {t: v / t_comp for t, v in t_comm.items()},
         "gemms": gemms,
         "methods": methods,
+        "max_abs_diff_vs_megatron_core": recs[0].get("max_abs_diff_vs_megatron_core", {}),
+        "load": [max(r["load"][i] for r in recs) for i in range(2)] if "load" in recs[0] else None,
     }
 
 

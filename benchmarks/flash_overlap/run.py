@@ -1,5 +1,7 @@
 """Flash-Overlap benchmark: forward + backward of the MLP and of a whole transformer layer, with
-megatron-core's linears, their 4-chunk slicing and the Flash-Overlap linears side by side.
+megatron-core's linears (on gloo's collectives and on the P2P exchange), their 4-chunk slicing (gloo),
+TransformerEngine's split (P2P) and the Flash-Overlap linears side by side (``--methods`` picks some).
+The same-transport comparison with its targets and the UP benchmark: ``benchmarks.flash_overlap.overlap``.
 
   python -m benchmarks.flash_overlap.run --network loopback --tp 2 4
   python -m benchmarks.flash_overlap.run --network cluster --mbit 400 --tp 2 4     (root: namespaces + tc)
@@ -23,18 +25,22 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.flash_overlap.rank"]
 
 
-def run_loopback(tp: int, rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
-    """All ranks as local processes talking over 127.0.0.1."""
-    return launch_loopback([*RANK_MODULE, *rank_args], world_size=tp, timeout=timeout)
+def run_loopback(
+    tp: int, rank_args: list[str], timeout: float, module: list[str] = RANK_MODULE
+) -> list[dict[str, Any]]:
+    """All ranks (``python *module *rank_args``) as local processes talking over 127.0.0.1."""
+    return launch_loopback([*module, *rank_args], world_size=tp, timeout=timeout)
 
 
-def run_cluster(tp: int, mbit: float, rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
+def run_cluster(
+    tp: int, mbit: float, rank_args: list[str], timeout: float, module: list[str] = RANK_MODULE
+) -> list[dict[str, Any]]:
     """All ranks in one emulated package whose links are shaped to ``mbit``."""
     from benchmarks.cluster import ClusterSpec, EmulatedCluster
 
     spec = ClusterSpec(1, 1, tp, mbit, mbit, mbit, name=f"flash-overlap-tp{tp}")
     with EmulatedCluster(spec, prefix="emfo") as cluster:
-        return cluster.launch([*RANK_MODULE, *rank_args], timeout=timeout, echo=True)
+        return cluster.launch([*module, *rank_args], timeout=timeout, echo=True)
 
 
 def main() -> None:

@@ -1,0 +1,140 @@
+"""The baselines' collectives carried by the project's P2P exchange, so that a comparison measures the
+overlap schedule and not the transport (on the emulated cluster gloo's collectives move the same bytes
+about 1.5x slower than the P2P exchange).
+
+Two context managers, used by the benchmark only, each restoring what it swapped on exit:
+
+* :func:`megatron_core_on_p2p` swaps the four module-level bindings through which megatron-core's
+  sequence-parallel linears reach torch.distributed (bound once, at import):
+  ``megatron.core.tensor_parallel.layers.dist_all_gather_func`` / ``dist_reduce_scatter_func`` (the
+  column layer's forward gather and its backward overlap: asynchronous re-gather of x under the dgrad
+  GEMM, asynchronous reduce-scatter of dgrad under the wgrad GEMM) and
+  ``megatron.core.tensor_parallel.mappings.dist_all_gather_func`` / ``dist_reduce_scatter_func`` (the
+  row layer's forward reduce-scatter and its backward gather of dY). Each becomes a whole collective
+  posted as P2P (:func:`megatron_ext.layers.p2p_overlap.start_all_gather` /
+  :func:`~megatron_ext.layers.p2p_overlap.start_reduce_scatter`, direct pattern); ``async_op=True``
+  returns a handle whose ``wait()`` waits for it, so megatron-core's own overlap is unchanged.
+* :func:`deepspeed_on_p2p` swaps ``deepspeed.comm.all_to_all_single`` (what
+  ``DistributedAttention``'s ``single_all_to_all`` calls) for an all-to-all of n-1 P2P steps posted at
+  once (:func:`megatron_ext.layers.p2p_all_to_all.all_to_all_compute` with a copy as its "compute").
+
+Both move the bytes a ring collective moves, over the same :class:`~megatron_ext.layers.p2p_link.Link`
+as the Flash-Overlap schedules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.layers.p2p_all_to_all import all_to_all_compute
+from megatron_ext.layers.p2p_link import OverlapGroup
+from megatron_ext.layers.p2p_overlap import start_all_gather, start_reduce_scatter
+
+
+class _Posted:
+    """What ``async_op=True`` returns: megatron-core only calls ``wait()`` on it."""
+
+    def __init__(self, wait: Callable[[], object]) -> None:
+        self._wait = wait
+
+    def wait(self) -> bool:
+        self._wait()
+        return True
+
+
+def _og(group: dist.ProcessGroup | None, name: str) -> OverlapGroup:
+    return OverlapGroup(dist.group.WORLD if group is None else group, "direct", name=name)
+
+
+def p2p_all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> _Posted | None:
+    """``torch.distributed.all_gather_into_tensor`` (sequence dim 0) as a P2P exchange."""
+    wait = start_all_gather(input, _og(group, "megatron-core all-gather on P2P"), output)
+    if async_op:
+        return _Posted(wait)
+    wait()
+    return None
+
+
+def p2p_reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> _Posted | None:
+    """``torch.distributed.reduce_scatter_tensor`` (sum over dim 0 slices) as a P2P exchange."""
+    if op != dist.ReduceOp.SUM:
+        raise ValueError(f"the P2P reduce-scatter sums; {op} is not supported")
+    finish = start_reduce_scatter(input, _og(group, "megatron-core reduce-scatter on P2P"))
+
+    def wait() -> None:
+        output.copy_(finish())
+
+    if async_op:
+        return _Posted(wait)
+    wait()
+    return None
+
+
+@contextmanager
+def megatron_core_on_p2p() -> Iterator[None]:
+    """megatron-core's sequence-parallel linears with their collectives on the P2P exchange (module
+    docstring lists what is swapped); restored on exit, also on error."""
+    from megatron.core.tensor_parallel import layers, mappings
+
+    swaps = [
+        (module, name, fn)
+        for module in (layers, mappings)
+        for name, fn in (
+            ("dist_all_gather_func", p2p_all_gather_into_tensor),
+            ("dist_reduce_scatter_func", p2p_reduce_scatter_tensor),
+        )
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in swaps]
+    try:
+        for module, name, fn in swaps:
+            setattr(module, name, fn)
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+
+
+def p2p_all_to_all_single(
+    output: torch.Tensor,
+    tensor: torch.Tensor,
+    output_split_sizes: list[int] | None = None,
+    input_split_sizes: list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    **_: Any,
+) -> None:
+    """``all_to_all_single`` with even splits of dim 0 (what ``DistributedAttention`` uses with head
+    counts the group divides) as n-1 P2P steps posted at once."""
+    if output_split_sizes or input_split_sizes or async_op:
+        raise ValueError(
+            "the P2P all-to-all takes even splits, synchronously (DistributedAttention's plain path)"
+        )
+    og = _og(group, "DistributedAttention all-to-all on P2P")
+    into = output.chunk(og.size)
+    all_to_all_compute(list(tensor.contiguous().chunk(og.size)), lambda i, block: into[i].copy_(block), og)
+
+
+@contextmanager
+def deepspeed_on_p2p() -> Iterator[None]:
+    """DeepSpeed's ``DistributedAttention`` with its all-to-alls on the P2P exchange; restored on exit."""
+    import deepspeed.comm as ds_comm
+
+    original = ds_comm.all_to_all_single
+    ds_comm.all_to_all_single = p2p_all_to_all_single
+    try:
+        yield
+    finally:
+        ds_comm.all_to_all_single = original
