@@ -74,7 +74,7 @@ import warnings
 
 from benchmarks.data_loader import node_report
 from benchmarks.data_loader.node_rank import DEFAULT_WORKERS
-from benchmarks.data_loader.run import OUT, RAW, ROOT, make_corpus
+from benchmarks.data_loader.run import OUT, RAW, ROOT, make_corpus, rank_env
 
 FULL = dict(repeats=3, steps=20, throughput_steps=200, warmup=5, seq_length=8192, step_ms=200.0, mask_calls=3)
 QUICK = dict(repeats=1, steps=6, throughput_steps=40, warmup=4, seq_length=2048, step_ms=100.0, mask_calls=2)
@@ -95,16 +95,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="node-bench-") as tmp:
         procs, logs = [], []
         for rank in range(world):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world),
-                OMP_NUM_THREADS="1",
-                PYTHONWARNINGS="ignore",
-                **(env_extra or {}),
-            )
+            env = rank_env(rank, world, **(env_extra or {}))
             common = {
                 "--mode": mode,
                 "--prefix": args.prefix,

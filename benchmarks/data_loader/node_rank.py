@@ -141,7 +141,7 @@ def throughput(r: Rank) -> list[dict]:
         shift = rep % len(args.workers)
         for workers in args.workers[shift:] + args.workers[:shift]:  # order rotated per repetition
             config = shm_config(workers, args.slots)
-            run: dict[str, Any] = {"repeat": rep, "workers": workers, "note": ""}
+            run: dict[str, Any] = {"repeat": rep, "workers": workers}
             runs.append(run)
             r.fresh_cache()
             reaped0 = children_cpu_s()
@@ -182,7 +182,6 @@ def footprint(r: Rank) -> dict:
     before = tree_memory(os.getpid())
     life0 = cpu_rusage_s()
     it: Any = None  # scheme none: no loader, the ranks' own CPU and memory while they sleep
-    note = ""
     if args.scheme == "shm":
         it = r.iterator(shm_config(args.node_workers, args.slots), name="footprint")
     elif args.scheme == "megatron":
@@ -215,7 +214,6 @@ def footprint(r: Rank) -> dict:
     gc.collect()
     dist.barrier()
     return {
-        "note": note,
         "wait_s": waits[args.warmup :],
         "step_s": steps[args.warmup :],
         "window_s": window,
@@ -235,7 +233,7 @@ def mask_peak(r: Rank) -> dict:
     for _ in range(args.slots + 2):  # every slot of the ring mapped in: its pages are in VmRSS now
         batch = next(it)
     mask = batch["attention_mask"]
-    out = {"note": "", "mask_bytes": mask.numel() * mask.element_size(), "mask_shape": list(mask.shape)}
+    out = {"mask_bytes": mask.numel() * mask.element_size(), "mask_shape": list(mask.shape)}
     hwm, torch_peaks = [], []
     for _ in range(args.mask_calls):
         batch = mask = None

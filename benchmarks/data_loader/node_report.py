@@ -18,8 +18,6 @@ def throughput_rows(out: dict, args: argparse.Namespace) -> list[dict]:
     rows: dict[int, dict] = {}
     for i, first in enumerate(per_rank[0]):
         row = rows.setdefault(first["workers"], {"workers": first["workers"], "notes": set(), "runs": []})
-        if first["note"]:
-            row["notes"].add(first["note"])
         if "window_s" not in first:
             continue
         if first.get("tree_changed"):
@@ -69,7 +67,7 @@ def footprint_run(out: dict) -> dict:
         "summary": summary,
         "wait_ms_per_rank": [statistics.median(r["wait_s"]) * 1e3 for r in ranks],
         "step_ms_per_rank": [statistics.median(r["step_s"]) * 1e3 for r in ranks],
-        "notes": sorted({r["note"] for r in ranks if r["note"]}) + flags,
+        "notes": flags,
         "load_average": out["load_average"],
         "launch_s": out["wall_s"],
         "rank_times_s": [r["times"] for r in sorted(out["ranks"], key=lambda r: r["rank"])],
@@ -202,7 +200,7 @@ def _mask_md(mask: dict, args: argparse.Namespace) -> list[str]:
         "create_attention_mask + reset_attention_mask",
         "",
         f"Mask {mask['mask_shape']} bool = {mib:.1f} MiB; target: peak <= 1.10 x mask. "
-        f"{len(peaks)} calls per method; load average {_loads([mask['load_average']])}. {mask.get('note') or ''}",
+        f"{len(peaks)} calls per method; load average {_loads([mask['load_average']])}.",
         "",
         "| method | peak MiB | peak / mask | RSS MiB kept (the batch) | next() ms |",
         "|---|---:|---:|---:|---:|",

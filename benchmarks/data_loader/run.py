@@ -62,6 +62,20 @@ def drop_cache(prefix: str) -> None:
             os.close(fd)
 
 
+def rank_env(rank: int, world: int, **extra: str) -> dict[str, str]:
+    """The environment of one local rank process of a ``world``-rank benchmark launch."""
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        **extra,
+    )
+
+
 def launch(
     scheme: str,
     workers: int,
@@ -75,15 +89,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="dl-bench-") as tmp:
         procs = []
         for rank in range(WORLD):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                WORLD_SIZE=str(WORLD),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(WORLD),
-                OMP_NUM_THREADS="1",
-                PYTHONWARNINGS="ignore",
-            )
+            env = rank_env(rank, WORLD)
             cmd = [
                 sys.executable,
                 "-m",

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_ext.layers.p2p_link import Link, OverlapGroup
-from megatron_ext.layers.p2p_overlap import _timed
+from megatron_ext.layers.p2p_overlap import timed
 
 # Tags clear of the other schedules' (steps 1 .. n-1, and the whole-collective tags 1 << 20 and
 # 2 << 20): an all-to-all in flight never matches another schedule's transfer on gloo.
@@ -38,18 +38,18 @@ def compute_all_to_all(compute: Callable[[int], torch.Tensor], og: OverlapGroup)
     block last; blocks must have the same shape and dtype on every rank."""
     n, r = og.size, og.rank
     if n == 1:
-        return [_timed(og, "block 0", lambda: compute(0))]
+        return [timed(og, "block 0", lambda: compute(0))]
     link: Link | None = None
     received: list[torch.Tensor | None] = [None] * n
     pending = []
     for step in range(1, n):
         dst, src = (r + step) % n, (r - step) % n
-        block = _timed(og, f"block for rank {dst}", lambda dst=dst: compute(dst).contiguous())
+        block = timed(og, f"block for rank {dst}", lambda dst=dst: compute(dst).contiguous())
         if link is None:
             link = Link(og, block.device, "all-to-all")
         received[src] = torch.empty_like(block)
         pending.append((link.exchange(received[src], src, block, dst, step=_PRODUCE_TAG + step), src))
-    received[r] = _timed(og, f"block for rank {r}", lambda: compute(r))
+    received[r] = timed(og, f"block for rank {r}", lambda: compute(r))
     for posted, src in pending:
         link.wait(posted, True, src, f"receive of block {r} from rank {src}")
     link.finish()
@@ -64,7 +64,7 @@ def all_to_all_compute(
     Blocks must have the same shape and dtype on every rank."""
     n, r = og.size, og.rank
     if n == 1:
-        _timed(og, "block 0", lambda: compute(0, blocks[0]))
+        timed(og, "block 0", lambda: compute(0, blocks[0]))
         return
     own = blocks[r]
     link = Link(og, own.device, "all-to-all")
@@ -75,8 +75,8 @@ def all_to_all_compute(
         pending.append(
             (buf, link.exchange(buf, src, blocks[dst].contiguous(), dst, step=_CONSUME_TAG + step), src)
         )
-    _timed(og, f"block from rank {r}", lambda: compute(r, own))
+    timed(og, f"block from rank {r}", lambda: compute(r, own))
     for buf, posted, src in pending:
         link.wait(posted, True, src, f"receive of block {r} from rank {src}")
-        _timed(og, f"block from rank {src}", lambda src=src, buf=buf: compute(src, buf))
+        timed(og, f"block from rank {src}", lambda src=src, buf=buf: compute(src, buf))
     link.finish()

@@ -36,7 +36,8 @@ def rows(t: torch.Tensor, j: int, n: int) -> torch.Tensor:
     return t[j * size : (j + 1) * size]
 
 
-def _timed(og: OverlapGroup, label: str, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+def timed(og: OverlapGroup, label: str, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+    """``fn()``, recorded as a compute slice named ``label`` when the group carries a trace."""
     if og.trace is None:
         return fn()
     start = time.perf_counter()
@@ -61,7 +62,7 @@ def all_gather_compute(
     if out is not None:
         rows(out, r, n).copy_(shard)
     if n == 1:
-        _timed(og, "slice 0", lambda: compute(0, shard))
+        timed(og, "slice 0", lambda: compute(0, shard))
         return
     shard = shard.contiguous()
     link = Link(og, shard.device, "all-gather")
@@ -77,7 +78,7 @@ def all_gather_compute(
     ]
     src, dst, _ = peers(1)
     pending = link.exchange(buffers[0], src, shard, dst, step=1)
-    _timed(og, f"slice {r}", lambda: compute(r, shard))
+    timed(og, f"slice {r}", lambda: compute(r, shard))
     for step in range(1, n):
         src, _, owner = peers(step)
         link.wait(pending, True, src, f"receive of slice {owner} from rank {src}")
@@ -87,7 +88,7 @@ def all_gather_compute(
             outgoing = shard if og.mode == "direct" else buffers[step - 1]
             pending = link.exchange(buffers[step], next_src, outgoing, next_dst, step=step + 1)
         received = buffers[step - 1]
-        _timed(og, f"slice {owner}", lambda owner=owner, received=received: compute(owner, received))
+        timed(og, f"slice {owner}", lambda owner=owner, received=received: compute(owner, received))
     link.finish()
 
 
@@ -100,7 +101,7 @@ def compute_reduce_scatter(compute: Callable[[int], torch.Tensor], og: OverlapGr
     """
     n, r = og.size, og.rank
     if n == 1:
-        return _timed(og, "slice 0", lambda: compute(0))
+        return timed(og, "slice 0", lambda: compute(0))
     link: Link | None = None
     received: list[tuple[torch.Tensor, Posted, int]] = []
     carried: tuple[torch.Tensor, Posted] | None = None  # ring: the incoming running sum
@@ -109,7 +110,7 @@ def compute_reduce_scatter(compute: Callable[[int], torch.Tensor], og: OverlapGr
             owner, src, dst = (r + step) % n, (r - step) % n, (r + step) % n
         else:
             owner, src, dst = (r - step) % n, (r - 1) % n, (r + 1) % n
-        part = _timed(og, f"slice {owner}", lambda owner=owner: compute(owner).contiguous())
+        part = timed(og, f"slice {owner}", lambda owner=owner: compute(owner).contiguous())
         if link is None:
             link = Link(og, part.device, "reduce-scatter")
         if og.mode == "ring" and carried is not None:
@@ -122,7 +123,7 @@ def compute_reduce_scatter(compute: Callable[[int], torch.Tensor], og: OverlapGr
             received.append((buf, posted, src))
         else:
             carried = (buf, posted)
-    own = _timed(og, f"slice {r}", lambda: compute(r).contiguous())
+    own = timed(og, f"slice {r}", lambda: compute(r).contiguous())
     if og.mode == "ring":
         received.append((*carried, (r - 1) % n))
     for buf, posted, src in received:

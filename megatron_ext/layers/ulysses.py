@@ -65,11 +65,6 @@ class HeadSplit:
                 "heads: choose a sequence-parallel size that divides both head counts"
             )
 
-    @property
-    def width(self) -> int:
-        """Channels of one rank's QKV block: its query, key and value heads."""
-        return (self.heads + 2 * self.kv_heads) // self.ranks * self.head_dim
-
     def qkv_rows(self, group: int) -> tuple[slice, slice, slice]:
         """Rows of the QKV weight that produce head group ``group``'s q, k and v (contiguous each,
         so the per-group GEMMs read views of the weight, never copies)."""

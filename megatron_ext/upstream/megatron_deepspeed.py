@@ -181,9 +181,8 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     attention module's external parameters, so DeepSpeed gathers them for its forward and backward)
     and returns the output with the dense bias added (bias None), which upstream's bias-dropout-add
     computes alike; ``--drop-path-rate`` (which needs the bias apart) is refused."""
-    if not plugin_config().flash_overlap.enabled or not getattr(
-        attention, "enable_ds_sequence_parallel", False
-    ):
+    overlap = plugin_config().flash_overlap
+    if not overlap.enabled or not getattr(attention, "enable_ds_sequence_parallel", False):
         return None
     import deepspeed
     from megatron.core import parallel_state
@@ -200,7 +199,7 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     og = OverlapGroup(
         group,
         "direct",
-        plugin_config().flash_overlap.timeout_s,
+        overlap.timeout_s,
         f"ulysses attention {attention.layer_number}",
     )
     qkv, dense = attention.query_key_value, attention.dense
