@@ -2,8 +2,8 @@
 
 Accounting (the same as the ZeRO++ paper's "cross-node volume"): a collective on a group of ``p``
 ranks moves the volume of the bandwidth-optimal algorithm per rank, ``(p-1)/p`` of the gathered or
-reduce-scattered buffer (twice that for an all-reduce), and the whole volume is charged to the
-slowest link class the group spans: ``package`` when every member sits in one package, ``node`` when
+reduce-scattered buffer (twice that for an all-reduce; a point-to-point algorithm what its sends
+carry, the same total), and the whole volume is charged to the slowest link class the group spans: ``package`` when every member sits in one package, ``node`` when
 they share a node, ``inter_node`` otherwise. Counts are per rank; :mod:`deepspeed_ext.zero.cost_model`
 predicts exactly these numbers.
 
@@ -59,10 +59,13 @@ def span_class(topology: Topology, ranks: Sequence[int]) -> LinkClass:
 def volume(kind: str, nbytes: int, group_size: int) -> int:
     """Bytes one rank sends in a bandwidth-optimal collective over ``nbytes`` of buffer.
 
-    ``nbytes`` is the gathered output (all-gather), the input (reduce-scatter, all-to-all), or the
-    tensor (all-reduce counts twice: reduce-scatter plus all-gather; broadcast once)."""
+    ``nbytes`` is the gathered output (all-gather), the input (reduce-scatter, all-to-all), the
+    tensor (all-reduce counts twice: reduce-scatter plus all-gather; broadcast once), or the tensor
+    sent (p2p: one step of an algorithm made of point-to-point transfers)."""
     if group_size <= 1:
         return 0
+    if kind == "p2p":  # a point-to-point send: what it carries
+        return nbytes
     factor = 2 if kind == "all_reduce" else 1
     return factor * nbytes * (group_size - 1) // group_size
 
@@ -181,6 +184,28 @@ def all_to_all_single(
     """``output`` row ``i`` = member ``i``'s input row for this member (equal splits)."""
     _record(kind, "all_to_all", _nbytes(input), group)
     return dist.all_to_all_single(output, input, group=group)
+
+
+def send_recv(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup,
+    kind: str,
+) -> None:
+    """One step of a point-to-point algorithm: post every (tensor, group rank) send and receive at
+    once, then wait for all of them. The i-th send to a peer matches that peer's i-th receive from
+    this rank (tags count per peer)."""
+    ops = []
+    for op, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
+        tags: dict[int, int] = {}
+        for tensor, peer in pairs:
+            if op is dist.isend:
+                _record(kind, "p2p", _nbytes(tensor), group)
+            tags[peer] = tags.get(peer, -1) + 1
+            ops.append(dist.P2POp(op, tensor, group=group, group_peer=peer, tag=tags[peer]))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def all_reduce(

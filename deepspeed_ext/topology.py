@@ -213,6 +213,21 @@ def check_uniform(topo: Topology, parent: Sequence[int]) -> None:
             )
 
 
+def check_rank_aligned(topo: Topology, cross_node_groups: Sequence[Sequence[int]]) -> None:
+    """Each group that crosses nodes holds one local rank position on every node (PCCL's
+    rank-aligned sub-communicators): a node's ranks then all send across nodes at once, each in its
+    own group, so every NIC carries traffic. Raises ConfigError naming a group that is not."""
+    for group in cross_node_groups:
+        positions = sorted({topo.local_index(r) for r in group})
+        nodes = [topo.node(r) for r in group]
+        if len(positions) > 1 or len(set(nodes)) != len(nodes):
+            raise ConfigError(
+                f"the cross-node group {list(group)} holds local positions {positions} on nodes {nodes}: "
+                "each must hold one position, one rank per node; check topology.ranks_per_node against "
+                "the launch (block distribution: srun -m block)"
+            )
+
+
 @dataclass
 class LevelGroups:
     """This rank's process groups per level, cut from one parent group."""

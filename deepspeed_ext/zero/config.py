@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from deepspeed_ext.section import ConfigError, Section
+
+
+class InterNodeAlgorithm(StrEnum):
+    """How a hop across nodes moves its blocks."""
+
+    AUTO = "auto"
+    """Per call, whichever the cost model projects faster for its message size and node count."""
+    RING = "ring"
+    """The backend's own collective (NCCL/RCCL rings; gloo's algorithm on CPU)."""
+    RECURSIVE = "recursive"
+    """Distance doubling (all-gather) / halving (reduce-scatter) over point-to-point transfers:
+    ceil(log2 nodes) steps for any node count, the same bytes as a ring."""
 
 
 class HierarchicalZeroConfig(Section):
@@ -28,6 +41,10 @@ class HierarchicalZeroConfig(Section):
     """Reduce gradients across nodes as blockwise int8 or int4, with error feedback."""
     quantization_block: int = Field(default=256, ge=2, multiple_of=2)
     """Elements per quantization scale (one fp32 scale each) in the quantized hops."""
+    inter_node_algorithm: InterNodeAlgorithm = InterNodeAlgorithm.AUTO
+    """Algorithm of the hops across nodes: recursive (log-latency P2P), ring (the backend's collective) or auto (cost model, per call)."""
+    pipeline_chunks: int = Field(default=1, ge=1, le=64)
+    """Chunks each unquantized hop gather / reduce-scatter is cut into so that its levels run at once (a thread per level on CPU, a stream per level on GPU); 1 runs them one after another."""
 
     @property
     def grad_bits(self) -> int | None:

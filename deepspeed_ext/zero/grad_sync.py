@@ -14,6 +14,7 @@ the same tensors every micro-batch; the layout is checked at every call.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero import hops, quantize
+from deepspeed_ext.zero.hop_worker import HopWorker
 from deepspeed_ext.zero.levels import HopPlan
 
 logger = logging.getLogger(__name__)
@@ -41,7 +43,9 @@ class _Bucket:
 class GradientReducer:
     """``reduce_scatter_coalesced`` over a data-parallel group, in the hops of ``plan``."""
 
-    def __init__(self, plan: HopPlan, at_boundary: bool, grad_bits: int | None, block: int) -> None:
+    def __init__(
+        self, plan: HopPlan, at_boundary: bool, grad_bits: int | None, block: int, pieces: int = 1
+    ) -> None:
         self.plan = plan
         crossing = [
             i
@@ -52,6 +56,8 @@ class GradientReducer:
         self.at_boundary = at_boundary and self._cross is not None
         self.grad_bits = grad_bits if self._cross is not None else None
         self.block = block
+        self.pieces = pieces
+        """Pieces a plain reduce-scatter is pipelined in (the boundary and quantized hops run whole)."""
         self._buckets: list[_Bucket] = []
         self._cursor = 0
         self._is_boundary: Callable[[], bool] = lambda: True
@@ -77,11 +83,26 @@ class GradientReducer:
                 "hierarchical_zero.grad_sync to every_micro_batch for this model"
             )
 
+    @property
+    def _plain(self) -> bool:
+        """Every hop every micro-batch, none quantized."""
+        return self._cross is None or not (self.at_boundary or self.grad_bits)
+
+    def reduce(self, tensors: Sequence[torch.Tensor], worker: HopWorker) -> list[torch.Tensor]:
+        """The reduce-scatter on ``worker``: pipelined in :attr:`pieces` when plain, else whole."""
+        if self.pieces == 1 or not self._plain:
+            return worker.run(tensors[0].device, functools.partial(self, tensors))
+        buffer, chunks = hops.pack(tensors, self.plan, self.pieces)
+        results: list[torch.Tensor] = []
+        worker.submit_stages(tensors[0].device, hops.reduce_scatter_stages(self.plan, buffer, results)).wait()
+        return hops.unpack(torch.cat(results), tensors, chunks, self.plan.parent.index(dist.get_rank()))
+
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         plan = self.plan
-        held, chunks = hops.pack(tensors, plan)
+        buffer, chunks = hops.pack(tensors, plan)
+        held = buffer[0]
         me = plan.parent.index(dist.get_rank())
-        if self._cross is None or not (self.at_boundary or self.grad_bits):
+        if self._plain:
             return hops.unpack(
                 hops.reduce_scatter_hops(plan, held, range(len(plan.sizes))), tensors, chunks, me
             )

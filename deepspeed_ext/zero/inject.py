@@ -51,6 +51,18 @@ class _Route:
     """Fetch gathers of this group send blockwise int8 across nodes (quantized_weights)."""
     reducer: GradientReducer | None = None
     """Gradient reduce-scatter of this group (hierarchical grad_reduce)."""
+    pieces: int = 1
+    """Pieces each unquantized gather is pipelined in (pipeline_chunks)."""
+
+    def gather(self, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None) -> Any:
+        """Start the hops of one all-gather; the handle completes when they have run."""
+        if self.pieces > 1 and int8_block is None:
+            return self.worker.submit_stages(
+                out.device, hops.all_gather_stages(self.plan, block, out, self.pieces)
+            )
+        return self.worker.submit(
+            out.device, functools.partial(hops.all_gather, self.plan, block, out, int8_block)
+        )
 
 
 _routes: dict[int, _Route] = {}
@@ -67,10 +79,7 @@ def _fetch_gather_dispatch(input_tensor: torch.Tensor, output_tensor: torch.Tens
     route = _route(group)
     if route is None:
         return _originals["fetch_gather"](input_tensor, output_tensor, group=group)
-    return route.worker.submit(
-        output_tensor.device,
-        functools.partial(hops.all_gather, route.plan, input_tensor, output_tensor, route.int8_block),
-    )
+    return route.gather(input_tensor, output_tensor, route.int8_block)
 
 
 def _gather_dispatch(
@@ -85,9 +94,7 @@ def _gather_dispatch(
     route = _route(group)
     if route is None:
         return _originals["gather"](output_tensor, tensor, group=group, async_op=async_op, **kwargs)
-    handle = route.worker.submit(
-        output_tensor.device, functools.partial(hops.all_gather, route.plan, tensor, output_tensor)
-    )
+    handle = route.gather(tensor, output_tensor)
     if async_op:
         return handle
     handle.wait()
@@ -98,7 +105,7 @@ def _reduce_scatter_dispatch(tensors: Sequence[torch.Tensor], group: Any = None)
     route = _route(group)
     if route is None or route.reducer is None:
         return _originals["reduce_scatter"](tensors, group)
-    return route.worker.run(tensors[0].device, functools.partial(route.reducer, tensors))
+    return route.reducer.reduce(tensors, route.worker)
 
 
 def install_dispatchers() -> None:
@@ -149,13 +156,21 @@ def register(levels: ZeroLevels) -> GradientReducer | None:
     if not dp.is_trivial or across_nodes:
         if levels.grad_reduce == "hierarchical":
             reducer = GradientReducer(
-                dp, config.grad_sync == "accumulation_boundary", config.grad_bits, config.quantization_block
+                dp,
+                config.grad_sync == "accumulation_boundary",
+                config.grad_bits,
+                config.quantization_block,
+                config.pipeline_chunks,
             )
         int8 = config.quantization_block if config.quantized_weights else None
-        _routes[id(levels.dp_group)] = _Route(levels.dp_group, dp, worker, int8, reducer)
+        _routes[id(levels.dp_group)] = _Route(
+            levels.dp_group, dp, worker, int8, reducer, config.pipeline_chunks
+        )
     secondary = levels.secondary_plan()
     if secondary is not None:  # also when it is one hop: its package group is a hop group of the DP plan
-        _routes[id(levels.secondary_group)] = _Route(levels.secondary_group, secondary, worker)
+        _routes[id(levels.secondary_group)] = _Route(
+            levels.secondary_group, secondary, worker, pieces=config.pipeline_chunks
+        )
     return reducer
 
 

@@ -27,10 +27,14 @@ from deepspeed_ext.topology import (
     LinkClass,
     Topology,
     all_level_groups,
+    check_rank_aligned,
     check_uniform,
     level_members,
+    partition_of,
 )
-from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero import collective_cost
+from deepspeed_ext.zero.collective_cost import CollectiveCosts
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 
 # The link each hop group's ring runs on.
 HOP_LINKS = {
@@ -90,6 +94,10 @@ class HopPlan:
     """This rank's process group for each hop."""
     links: tuple[LinkClass, ...]
     """Link class each hop runs on."""
+    inter_node: InterNodeAlgorithm = InterNodeAlgorithm.RING
+    """Algorithm of the hops that cross nodes (auto: chosen per call from ``costs``)."""
+    costs: CollectiveCosts | None = None
+    """The collective costs ``auto`` compares the algorithms with."""
     row_cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per device, the hop-order row of each parent member that :func:`.hops.pack` writes to, made
     on the device at the first pack there and freed with the plan (so no pack copies an index to
@@ -118,6 +126,8 @@ class ZeroLevels:
     self_group: dist.ProcessGroup
     """A group of this rank alone: the model-parallel group when the model has no mpu (the same
     object as a level group of this rank alone, e.g. the package group at one member per package)."""
+    costs: CollectiveCosts | None = None
+    """The collective costs ``inter_node_algorithm: auto`` compares the algorithms with."""
 
     def destroy_groups(self) -> None:
         """Destroy the process groups made for these levels that hold this rank (each rank its own;
@@ -155,6 +165,8 @@ class ZeroLevels:
             sizes=sizes,
             groups=tuple(self.groups.groups[k] for k in kinds),
             links=tuple(HOP_LINKS[k] for k in kinds),
+            inter_node=self.config.inter_node_algorithm,
+            costs=self.costs,
         )
 
     def dp_plan(self) -> HopPlan:
@@ -178,9 +190,11 @@ def build_levels(
     dp_group: dist.ProcessGroup | None,
     secondary_level: Level,
     config: HierarchicalZeroConfig,
+    costs: CollectiveCosts | None = None,
 ) -> ZeroLevels:
     """Create the level groups of every data-parallel group of the job. Collective over the whole job
-    (each rank learns the others' DP groups, then all create the same groups in the same order)."""
+    (each rank learns the others' DP groups, then all create the same groups in the same order).
+    ``costs``: what ``inter_node_algorithm: auto`` compares the algorithms with."""
     mine = sorted(
         dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size())
     )
@@ -196,6 +210,8 @@ def build_levels(
     dist.all_gather_object(everyone, mine)
     parents = sorted({tuple(p) for p in everyone if p is not None})
     made: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for parent in parents:
+        check_rank_aligned(topology, partition_of(topology, parent, GroupKind.CROSS_NODE))
     groups = all_level_groups(topology, parents, made=made)
     for r in range(dist.get_world_size()):  # a group of each rank alone, shared with such level groups
         if (r,) not in made:
@@ -207,4 +223,5 @@ def build_levels(
         secondary_level=Level(secondary_level),
         config=config,
         self_group=made[(dist.get_rank(),)],
+        costs=costs if costs is not None else collective_cost.for_topology(topology.ranks_per_package),
     )
