@@ -16,7 +16,10 @@ call returns:
 * CUDA tensors (ROCm reports "cuda" too): the collectives are queued on the current stream of the
   output tensor's device (DeepSpeed's all-gather stream), which is asynchronous already; the
   handle's ``wait`` makes that device's current stream wait for an event recorded after the hops, as
-  NCCL/RCCL work handles do. Stages run in order on that stream: there is no stream per level yet.
+  NCCL/RCCL work handles do. Pipelined stages are queued on a stream per group instead, each
+  waiting for the caller's stream and for the stages it needs; the handle keeps every tensor the
+  stages made until ``wait`` has put the caller's stream behind all of them, and every later
+  operation's streams start behind the caller's, so no memory is reused while a stream may read it.
 * Any other device type is refused with an error naming it: the hops have no owner for it.
 
 A failed collective re-raises in ``wait``. Waits are bounded by the process group's timeout.
@@ -41,8 +44,8 @@ class Stage:
 
     group: dist.ProcessGroup
     """The group its collective runs on: it runs on that group's lane, in the order asked for."""
-    run: Callable[[], None]
-    """The collective and whatever it hands on (its output kept where later stages find it)."""
+    run: Callable[[], Any]
+    """The collective; returns the tensor it made (kept alive until the operation is waited for)."""
     after: tuple[int, ...] = ()
     """Indices of earlier stages of the same operation whose output it needs."""
 
@@ -63,18 +66,21 @@ class _FutureHandle:
 
 
 class _EventHandle:
-    """Work handle of hops queued on a CUDA stream of ``device``."""
+    """Work handle of hops queued on CUDA streams of ``device``."""
 
-    def __init__(self, event: Any, device: torch.device) -> None:
-        self._event = event
+    def __init__(self, events: Sequence[Any], device: torch.device, keep: Any = None) -> None:
+        self._events = events
         self._device = device
+        self._keep = keep  # what the streams read and write, released once the caller waits
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        torch.cuda.current_stream(self._device).wait_event(self._event)
+        for event in self._events:
+            torch.cuda.current_stream(self._device).wait_event(event)
+        self._keep = None
         return True
 
     def is_completed(self) -> bool:
-        return bool(self._event.query())
+        return all(event.query() for event in self._events)
 
 
 def _on_stream(device: torch.device) -> bool:
@@ -97,6 +103,7 @@ class HopWorker:
         self._lanes: dict[int, tuple[dist.ProcessGroup, ThreadPoolExecutor]] = {}
         self._last: dict[int, Future] = {}  # per lane, its latest stage
         self._fence: Future | None = None  # the latest whole operation
+        self._streams: dict[tuple[int, torch.device], Any] = {}  # CUDA: a stream per (group, device)
 
     def submit(self, device: torch.device, fn: Callable[[], Any]) -> _FutureHandle | _EventHandle:
         """Start ``fn`` (collectives on this engine's groups, whose output lies on ``device``); the
@@ -118,10 +125,7 @@ class HopWorker:
         """Start a pipelined operation (stages listed so that each comes after those it needs); the
         handle completes when every stage has run."""
         if _on_stream(device):
-            with torch.no_grad():
-                for stage in stages:
-                    stage.run()
-            return _record_event(device)
+            return self._on_streams(device, stages)
         futures: list[Future] = []
         for stage in stages:
             needs = [futures[i] for i in stage.after] + ([self._fence] if self._fence is not None else [])
@@ -129,6 +133,21 @@ class HopWorker:
             self._last[id(stage.group)] = future
             futures.append(future)
         return _FutureHandle(*futures)
+
+    def _on_streams(self, device: torch.device, stages: Sequence[Stage]) -> _EventHandle:
+        ready = torch.cuda.current_stream(device).record_event()
+        events, made = [], []
+        for stage in stages:
+            stream = self._streams.get((id(stage.group), device))
+            if stream is None:
+                stream = self._streams[(id(stage.group), device)] = torch.cuda.Stream(device)
+            stream.wait_event(ready)
+            for i in stage.after:
+                stream.wait_event(events[i])
+            with torch.cuda.stream(stream), torch.no_grad():
+                made.append(stage.run())
+            events.append(stream.record_event())
+        return _EventHandle(events, device, keep=(stages, made))
 
     def _lane(self, group: dist.ProcessGroup) -> ThreadPoolExecutor:
         lane = self._lanes.get(id(group))
@@ -153,12 +172,11 @@ class HopWorker:
         self._pool, self._fence = None, None
         self._lanes.clear()
         self._last.clear()
+        self._streams.clear()
 
 
 def _record_event(device: torch.device) -> _EventHandle:
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return _EventHandle(event, device)
+    return _EventHandle([torch.cuda.current_stream(device).record_event()], device)
 
 
 def _after(needs: Sequence[Future], fn: Callable[[], Any]) -> Any:

@@ -138,7 +138,7 @@ def all_gather_stages(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, pie
     hops = [i for i in reversed(range(len(plan.sizes))) if plan.sizes[i] > 1]
     target, width = _gathered_view(plan, out), max(1, math.ceil(n / pieces))
     if not hops:
-        return [Stage(plan.groups[0], functools.partial(out.copy_, source))]
+        return [Stage(plan.groups[0], functools.partial(out.view(-1).copy_, source))]
     stages: list[Stage] = []
     for start in range(0, n, width):
         piece = slice(start, min(n, start + width))
@@ -147,10 +147,11 @@ def all_gather_stages(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, pie
 
             def run(
                 i: int = i, state: list = state, piece: slice = piece, last: bool = i == hops[-1]
-            ) -> None:
+            ) -> torch.Tensor:
                 state[0] = gather_hop(plan, i, state[0])
                 if last:
                     target[..., piece].copy_(state[0].view(*plan.sizes, -1))
+                return state[0]
 
             stages.append(Stage(plan.groups[i], run, (len(stages) - 1,) if step else ()))
     return stages
@@ -165,8 +166,9 @@ def reduce_scatter_stages(plan: HopPlan, pieces: torch.Tensor, results: list) ->
     for k in range(pieces.shape[0]):
         for step, i in enumerate(hops):
 
-            def run(i: int = i, k: int = k) -> None:
+            def run(i: int = i, k: int = k) -> torch.Tensor:
                 results[k] = reduce_hop(plan, i, results[k])
+                return results[k]
 
             stages.append(Stage(plan.groups[i], run, (len(stages) - 1,) if step else ()))
     return stages
