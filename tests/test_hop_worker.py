@@ -10,7 +10,7 @@ import torch
 
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Topology
-from deepspeed_ext.zero.hop_worker import HopWorker
+from deepspeed_ext.zero.hop_worker import HopWorker, Stage
 
 CPU = torch.device("cpu")
 
@@ -80,3 +80,36 @@ def test_other_device_types_are_refused_naming_the_type(device):
     finally:
         worker.shutdown()
     assert not ran and worker._pool is None  # nothing ran, no thread started
+
+
+def test_stages_of_different_groups_run_at_once_each_group_in_order_and_whole_operations_fence():
+    """A pipelined operation's stages run on a lane per group: a stage of one group can wait for a
+    stage of another group asked for after it (one thread would never get there); a group's stages
+    keep the order they were asked for; a whole operation runs after every earlier stage and before
+    every later one."""
+    worker, order = HopWorker(), []
+    inner, outer, other = object(), object(), object()
+    crossed = threading.Event()
+
+    def outer_waits_for_inner() -> None:
+        order.append(("outer", crossed.wait(10)))
+
+    try:
+        first = worker.submit_stages(
+            CPU,
+            [
+                Stage(outer, outer_waits_for_inner),
+                Stage(outer, lambda: order.append(("outer", "second"))),
+                Stage(inner, crossed.set),
+                Stage(other, lambda: order.append(("other", "after inner")), after=(2,)),
+            ],
+        )
+        fence = worker.submit(CPU, lambda: order.append(("fence", first.is_completed())))
+        later = worker.submit_stages(CPU, [Stage(inner, lambda: order.append(("inner", "after fence")))])
+        assert later.wait() and fence.wait()
+    finally:
+        crossed.set()
+        worker.shutdown()
+    assert order.index(("outer", True)) < order.index(("outer", "second"))
+    assert ("other", "after inner") in order
+    assert order[-2:] == [("fence", True), ("inner", "after fence")]

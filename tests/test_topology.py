@@ -5,9 +5,11 @@ import torch.distributed as dist
 
 from deepspeed_ext.section import ConfigError
 from deepspeed_ext.topology import (
+    GroupKind,
     Topology,
     TopologyConfig,
     all_level_groups,
+    check_rank_aligned,
     detect_topology,
     level_members,
     partition_of,
@@ -207,3 +209,27 @@ def test_a_secondary_level_spanning_the_data_parallel_group_is_refused():
             build_levels(Topology(8, 8, 2), None, "node", HierarchicalZeroConfig())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_cross_node_groups_are_rank_aligned_one_per_local_position(tp):
+    """PCCL's rank-aligned sub-communicators: 4 nodes of 8 ranks, DP groups strided by TP. Each
+    cross-node group holds one local position, one rank per node, and a node's DP members are
+    spread over as many groups as it has members, so every one of them sends across nodes at once."""
+    topo = Topology(world_size=32, ranks_per_node=8, ranks_per_package=2)
+    for first in range(tp):
+        dp = list(range(first, 32, tp))
+        groups = partition_of(topo, dp, GroupKind.CROSS_NODE)
+        check_rank_aligned(topo, groups)
+        assert len(groups) == 8 // tp
+        for group in groups:
+            assert [r // 8 for r in group] == [0, 1, 2, 3]
+            assert len({r % 8 for r in group}) == 1
+
+
+def test_a_cross_node_group_off_its_position_is_refused_naming_it():
+    topo = Topology(world_size=16, ranks_per_node=8, ranks_per_package=2)
+    with pytest.raises(ConfigError, match=r"cross-node group \[0, 9\] holds local positions \[0, 1\]"):
+        check_rank_aligned(topo, [[0, 9]])
+    with pytest.raises(ConfigError, match="one rank per node"):
+        check_rank_aligned(topo, [[0, 8, 16 - 8]])
