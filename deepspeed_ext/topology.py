@@ -12,7 +12,7 @@ import os
 import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 import torch.distributed as dist
 from pydantic import Field
@@ -23,14 +23,7 @@ FRONTIER_RANKS_PER_NODE = 8
 FRONTIER_RANKS_PER_PACKAGE = 2  # two GCDs per MI250X: (0,1), (2,3), (4,5), (6,7)
 
 
-class _Named(str, Enum):
-    """Members equal their strings, so JSON values, dict keys and f-strings read as before."""
-
-    __str__ = str.__str__
-    __format__ = str.__format__
-
-
-class Level(_Named):
+class Level(StrEnum):
     """A unit that holds ranks, innermost first; global is the whole parent group."""
 
     PACKAGE = "package"
@@ -38,7 +31,7 @@ class Level(_Named):
     GLOBAL = "global"
 
 
-class LinkClass(_Named):
+class LinkClass(StrEnum):
     """The slowest link a transfer or a group crosses."""
 
     PACKAGE = "package"
@@ -46,7 +39,7 @@ class LinkClass(_Named):
     INTER_NODE = "inter_node"
 
 
-class GroupKind(_Named):
+class GroupKind(StrEnum):
     """The process groups cut from a parent group: one per level, and the strided groups hops run
     over (the same position in the node's other packages, in the other nodes)."""
 

@@ -8,94 +8,70 @@ is on the command line: one effective configuration, built by :func:`plugin_conf
 from __future__ import annotations
 
 import argparse
+import enum
+import types
+import typing
 from typing import Any
 
-from megatron_ext.layers.config import LAYER_NAMES
-from plugin_config import PluginConfig, load_plugin_config
+from pydantic.fields import FieldInfo
 
-# flag -> (config field, argparse options). Names are prefixed so none clashes with Megatron-LM's.
-_FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--shm-data-loader": (
-        "shm_data_loader.enabled",
-        {
-            "action": "store_const",
-            "const": True,
-            "help": "feed batches through the node's shared-memory ring",
-        },
-    ),
-    "--shm-data-loader-slots": (
-        "shm_data_loader.slots",
-        {"type": int, "help": "ring slots (prefetch depth)"},
-    ),
-    "--shm-data-loader-timeout": (
-        "shm_data_loader.timeout_s",
-        {"type": float, "help": "seconds before a wait fails"},
-    ),
-    "--shm-data-loader-workers": (
-        "shm_data_loader.workers",
-        {"type": int, "help": "producer processes that read the node's steps"},
-    ),
-    "--shm-data-loader-dir": (
-        "shm_data_loader.shm_dir",
-        {"help": "tmpfs directory of the ring (default /dev/shm)"},
-    ),
-    "--hierarchical-zero": (
-        "hierarchical_zero.enabled",
-        {"action": "store_const", "const": True, "help": "ZeRO-3 with package/node/global partitions"},
-    ),
-    "--hierarchical-zero-secondary-level": (
-        "hierarchical_zero.secondary_level",
-        {"choices": ["auto", "package", "node"], "help": "level of the secondary 16-bit weight copy"},
-    ),
-    "--hierarchical-zero-memory-budget-gb": (
-        "hierarchical_zero.secondary_memory_budget_gb",
-        {"type": float, "help": "extra GB per rank for the secondary copy"},
-    ),
-    "--hierarchical-zero-grad-reduce": (
-        "hierarchical_zero.grad_reduce",
-        {"choices": ["hierarchical", "flat"], "help": "gradient reduce-scatter in hops or flat"},
-    ),
-    "--hierarchical-zero-grad-sync": (
-        "hierarchical_zero.grad_sync",
-        {"choices": ["every_micro_batch", "accumulation_boundary"], "help": "when gradients cross nodes"},
-    ),
-    "--hierarchical-zero-quantized-weights": (
-        "hierarchical_zero.quantized_weights",
-        {"action": "store_const", "const": True, "help": "int8 weight all-gather across nodes"},
-    ),
-    "--hierarchical-zero-quantized-gradients": (
-        "hierarchical_zero.quantized_gradients",
-        {"choices": ["none", "int8", "int4"], "help": "gradient reduction across nodes, with error feedback"},
-    ),
-    "--flash-overlap": (
-        "flash_overlap.enabled",
-        {"action": "store_const", "const": True, "help": "P2P-overlapped TP/SP linears (Flash-Overlap)"},
-    ),
-    "--flash-overlap-layers": (
-        "flash_overlap.layers",
-        {"nargs": "+", "choices": list(LAYER_NAMES), "help": "which linears to replace"},
-    ),
-    "--flash-overlap-mode": ("flash_overlap.mode", {"choices": ["direct", "ring"], "help": "P2P pattern"}),
-    "--flash-overlap-backend": (
-        "flash_overlap.backend",
-        {
-            "choices": ["auto", "p2p", "symm_mem"],
-            "help": "our P2P schedule (default), torch's fused symm_mem ops, or auto",
-        },
-    ),
-    "--flash-overlap-timeout": (
-        "flash_overlap.timeout_s",
-        {"type": float, "help": "seconds a gloo wait for a peer may take (NCCL: the group's own timeout)"},
-    ),
-    "--ranks-per-node": (
-        "topology.ranks_per_node",
-        {"type": int, "help": "ranks per node (default: detect)"},
-    ),
-    "--ranks-per-package": (
-        "topology.ranks_per_package",
-        {"type": int, "help": "ranks per package, 2 on Frontier (default: detect)"},
-    ),
+from plugin_config import SECTIONS, PluginConfig, load_plugin_config
+
+# A field's flag is --<section>-<field> (topology's fields without the section); these names
+# predate that rule and stay, so that existing job scripts keep working.
+_NAMED = {
+    "shm_data_loader.enabled": "--shm-data-loader",
+    "shm_data_loader.timeout_s": "--shm-data-loader-timeout",
+    "shm_data_loader.shm_dir": "--shm-data-loader-dir",
+    "hierarchical_zero.enabled": "--hierarchical-zero",
+    "hierarchical_zero.secondary_memory_budget_gb": "--hierarchical-zero-memory-budget-gb",
+    "flash_overlap.enabled": "--flash-overlap",
+    "flash_overlap.timeout_s": "--flash-overlap-timeout",
 }
+_SCALARS = (bool, int, float, str)
+
+
+def _flag_name(section: str, field: str) -> str:
+    path = f"{section}.{field}"
+    if path in _NAMED:
+        return _NAMED[path]
+    words = ([] if section == "topology" else [section]) + [field]
+    return "--" + "-".join(words).replace("_", "-")
+
+
+def _options(field: FieldInfo) -> dict[str, Any] | None:
+    """argparse options of a field: its type, its choices (an enum's values), its docstring as the
+    help; None for a field no single flag can set (a mapping)."""
+    kind, nargs = field.annotation, None
+    if typing.get_origin(kind) is list:
+        (kind,), nargs = typing.get_args(kind), "+"
+    optional = [a for a in typing.get_args(kind) if a is not type(None)]
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(optional) == 1:
+        kind = optional[0]
+    help_text = " ".join((field.description or "").split()).replace("%", "%%")
+    if kind is bool:
+        return {"action": "store_const", "const": True, "help": help_text}
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        options: dict[str, Any] = {"choices": [member.value for member in kind], "help": help_text}
+    elif kind in _SCALARS:
+        options = {"type": kind, "help": help_text}
+    else:
+        return None
+    return {**options, **({"nargs": nargs} if nargs else {})}
+
+
+def _generated_flags() -> dict[str, tuple[str, dict[str, Any]]]:
+    flags = {}
+    for section in SECTIONS:
+        for name, field in PluginConfig.model_fields[section].annotation.model_fields.items():
+            options = _options(field)
+            if options is not None:
+                flags[_flag_name(section, name)] = (f"{section}.{name}", options)
+    return flags
+
+
+# flag -> (config field, argparse options), generated from the configuration's fields.
+_FLAGS = _generated_flags()
 
 
 def _dest(flag: str) -> str:

@@ -135,6 +135,12 @@ CASES = [
         ["--hierarchical-zero-quantized-gradients", "int4"],
         {"hierarchical_zero": {"quantized_gradients": "int4"}},
     ),
+    (["--hierarchical-zero-quantization-block", "128"], {"hierarchical_zero": {"quantization_block": 128}}),
+    (
+        ["--hierarchical-zero-inter-node-algorithm", "recursive"],
+        {"hierarchical_zero": {"inter_node_algorithm": "recursive"}},
+    ),
+    (["--hierarchical-zero-pipeline-chunks", "4"], {"hierarchical_zero": {"pipeline_chunks": 4}}),
     (["--flash-overlap"], {"flash_overlap": {"enabled": True}}),
     (["--flash-overlap-layers", "qkv", "fc2"], {"flash_overlap": {"layers": ["qkv", "fc2"]}}),
     (["--flash-overlap-mode", "ring"], {"flash_overlap": {"mode": "ring"}}),

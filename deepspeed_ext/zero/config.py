@@ -3,11 +3,51 @@
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Literal
 
 from pydantic import Field, model_validator
 
 from deepspeed_ext.section import ConfigError, Section
+from deepspeed_ext.topology import LinkClass
+
+
+class SecondaryLevel(StrEnum):
+    """Where the secondary 16-bit weight copy lives."""
+
+    AUTO = "auto"
+    """The fastest level whose memory fits the budget (the planner's choice)."""
+    PACKAGE = "package"
+    """Partitioned over the ranks of one package (the GCD pair of an MI250X)."""
+    NODE = "node"
+    """Partitioned over the ranks of one node."""
+
+
+class GradReduce(StrEnum):
+    """How gradients are reduce-scattered."""
+
+    HIERARCHICAL = "hierarchical"
+    """In hops: package, then across the node's packages, then across nodes."""
+    FLAT = "flat"
+    """One reduce-scatter over the data-parallel group, as ZeRO-3."""
+
+
+class GradSync(StrEnum):
+    """When gradients cross nodes."""
+
+    EVERY_MICRO_BATCH = "every_micro_batch"
+    """Every micro-batch, as ZeRO-3."""
+    ACCUMULATION_BOUNDARY = "accumulation_boundary"
+    """Once per optimizer step, summed per node in fp32 until then."""
+
+
+class GradientQuantization(StrEnum):
+    """The gradient hop across nodes on the wire."""
+
+    NONE = "none"
+    """The communication dtype."""
+    INT8 = "int8"
+    """Blockwise int8 with error feedback."""
+    INT4 = "int4"
+    """Blockwise int4 with error feedback."""
 
 
 class InterNodeAlgorithm(StrEnum):
@@ -25,26 +65,26 @@ class InterNodeAlgorithm(StrEnum):
 class HierarchicalZeroConfig(Section):
     enabled: bool = False
     """Use the hierarchical ZeRO-3 variant (needs zero_optimization.stage 3)."""
-    secondary_level: Literal["auto", "package", "node"] = "auto"
+    secondary_level: SecondaryLevel = SecondaryLevel.AUTO
     """Level of the secondary 16-bit weight partition; auto picks the fastest one that fits the budget."""
     secondary_memory_budget_gb: float = Field(default=8.0, gt=0)
     """Extra memory per rank (GB) for the secondary weight copy, held gradient blocks and hop buffers when secondary_level is auto."""
-    grad_reduce: Literal["hierarchical", "flat"] = "hierarchical"
+    grad_reduce: GradReduce = GradReduce.HIERARCHICAL
     """Gradient reduce-scatter in hops package -> node -> global, or one flat reduce-scatter."""
-    link_bandwidth_gbps: dict[Literal["package", "node", "inter_node"], float] | None = None
+    link_bandwidth_gbps: dict[LinkClass, float] | None = None
     """GB/s per link class (package, node, inter_node) for the cost model; null uses Frontier's 200 / 50 / 25."""
-    grad_sync: Literal["every_micro_batch", "accumulation_boundary"] = "every_micro_batch"
+    grad_sync: GradSync = GradSync.EVERY_MICRO_BATCH
     """When gradients cross nodes: every micro-batch (as ZeRO-3) or once per step, summed per node in fp32 until then."""
     quantized_weights: bool = False
     """All-gather weights across nodes as blockwise int8 (forward gathers of the primary partition)."""
-    quantized_gradients: Literal["none", "int8", "int4"] = "none"
+    quantized_gradients: GradientQuantization = GradientQuantization.NONE
     """Reduce gradients across nodes as blockwise int8 or int4, with error feedback."""
     quantization_block: int = Field(default=256, ge=2, multiple_of=2)
     """Elements per quantization scale (one fp32 scale each) in the quantized hops."""
     inter_node_algorithm: InterNodeAlgorithm = InterNodeAlgorithm.AUTO
     """Algorithm of the hops across nodes: recursive (log-latency P2P), ring (the backend's collective) or auto (cost model, per call)."""
     pipeline_chunks: int = Field(default=1, ge=1, le=64)
-    """Chunks each unquantized hop gather / reduce-scatter is cut into so that its levels run at once (a thread per level on CPU, a stream per level on GPU); 1 runs them one after another."""
+    """Pieces each unquantized hop gather / reduce-scatter is cut into so that its levels run at once (a thread or stream per group); 1 runs them one after another."""
 
     @property
     def grad_bits(self) -> int | None:

@@ -23,14 +23,13 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.topology import Topology
+from megatron_ext.layers.config import Requested
 from megatron_ext.layers.p2p_link import cuda_backend
 from megatron_ext.layers.symm_mem import torch_fused_ops
 
 logger = logging.getLogger(__name__)
 
 Backend = Literal["p2p", "symm_mem"]
-Requested = Literal["auto", "p2p", "symm_mem"]
-REQUESTS: tuple[Requested, ...] = ("auto", "p2p", "symm_mem")
 # torch's own test suite runs its symmetric-memory ops on these ROCm architectures only.
 ROCM_ARCHS = ("gfx942", "gfx950")
 
@@ -185,8 +184,8 @@ def resolve_backend(
     reason logged, whatever failed. ``symm_mem`` raises :class:`BackendUnavailableError` naming the
     reason where they cannot run. Without TP peers (``group`` None or of size 1) there is nothing
     to fuse and both run plain GEMMs: p2p. The choice and its reason are logged once per process."""
-    if requested not in REQUESTS:
-        raise ValueError(f"flash_overlap.backend={requested!r} is unknown: use one of {', '.join(REQUESTS)}")
+    if requested not in tuple(Requested):
+        raise ValueError(f"flash_overlap.backend='{requested}' is unknown: use one of {', '.join(Requested)}")
     choice: Backend = "p2p"
     if requested == "p2p":
         reason = "set by flash_overlap.backend"

@@ -23,13 +23,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-Mode = Literal["direct", "ring"]
-MODES: tuple[Mode, ...] = ("direct", "ring")
+from megatron_ext.layers.config import Mode
+
 DEFAULT_TIMEOUT_S = 300.0
 # torch's switch that makes NCCL's work.wait() block the host (the second name is its older spelling).
 BLOCKING_WAIT_VARS = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
@@ -56,7 +56,7 @@ class OverlapGroup:
 
     group: dist.ProcessGroup | None
     """Tensor-parallel group; None means a single rank (no communication)."""
-    mode: Mode = "direct"
+    mode: Mode = Mode.DIRECT
     """``direct``: step k exchanges with the ranks k away; ``ring``: always with the neighbours."""
     timeout_s: float = DEFAULT_TIMEOUT_S
     """Seconds any single wait may take on gloo before :class:`PeerTimeoutError`. Not used on NCCL,
@@ -67,8 +67,10 @@ class OverlapGroup:
     """Optional recorder of compute slices and waits (benchmarks)."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"P2P mode {self.mode!r} of layer {self.name!r} is unknown: use one of {MODES}")
+        if self.mode not in tuple(Mode):
+            raise ValueError(
+                f"P2P mode '{self.mode}' of layer {self.name!r} is unknown: use one of {', '.join(Mode)}"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} of layer {self.name!r} must be positive")
 

@@ -99,7 +99,7 @@ def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
     container = getattr(spec.submodules, slot.container, None)
     if getattr(container, "module", None) is not slot.container_module:
         raise ValueError(
-            f"flash_overlap.layers has {layer!r}, but the base layer spec's {slot.container} is "
+            f"flash_overlap.layers has '{layer}', but the base layer spec's {slot.container} is "
             f"{_describe(container)}, not {_describe(slot.container_module)}, whose "
             f"{slot.field} the Flash-Overlap layers replace: {FIX}"
         )
@@ -112,7 +112,7 @@ def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: Any) -> None:
     present = getattr(spec.submodules, slot.norm)
     if present is not IdentityOp:
         raise ValueError(
-            f"flash_overlap.layers has {layer!r}: the base layer spec's {slot.field} is {_describe(fused)}, "
+            f"flash_overlap.layers has '{layer}': the base layer spec's {slot.field} is {_describe(fused)}, "
             f"which applies a norm itself, and its {slot.norm} is {_describe(present)}, a second norm "
             f"before it: one norm slot cannot hold both; {FIX}"
         )
@@ -151,7 +151,7 @@ def get_flash_overlap_layer_spec(
         ):
             known = PLAIN[slot.kind] | (FUSED_NORM if slot.norm else frozenset())
             raise ValueError(
-                f"flash_overlap.layers has {layer!r}, but the base layer spec's {slot.field} is {name}, "
+                f"flash_overlap.layers has '{layer}', but the base layer spec's {slot.field} is {name}, "
                 f"not one the Flash-Overlap layers replace without changing the model "
                 f"({', '.join(sorted(known))}): {FIX}"
             )
