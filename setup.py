@@ -4,7 +4,9 @@ setup(
     name="megatron-deepspeed-plugins",
     version="0.1.0",
     description="Shared-memory node loader, hierarchical ZeRO-3 and Flash-Overlap TP linears for megatron-core + DeepSpeed",
-    packages=find_packages(include=["deepspeed_ext", "deepspeed_ext.*", "megatron_ext", "megatron_ext.*"]),
+    packages=find_packages(
+        include=["plugin_base", "plugin_base.*", "deepspeed_ext", "deepspeed_ext.*", "megatron_ext", "megatron_ext.*"]
+    ),
     py_modules=["plugin_config"],
     python_requires=">=3.10",
     # torch is pinned by the set-up script before this installs; a range here must admit that build.

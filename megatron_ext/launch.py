@@ -32,6 +32,8 @@ import runpy
 import sys
 import sysconfig
 
+from plugin_base.installer import Installer
+
 MEGATRON_LM = "Megatron-LM"
 MEGATRON_DEEPSPEED = "Megatron-DeepSpeed"
 USAGE = "usage: python -m megatron_ext.launch PATH/TO/pretrain_gpt.py [upstream flags...]"
@@ -98,63 +100,98 @@ def launch_env(environ: dict[str, str]) -> dict[str, str]:
 
 
 _LOGGERS = ("megatron_ext", "deepspeed_ext", "plugin_config")
+OWNER = "megatron_ext.launch"  # by name: run as ``python -m``, this module's __name__ is __main__
+logger = logging.getLogger(OWNER)
 
 
-def _log_plugins() -> list[tuple[logging.Logger, logging.Handler, int, bool]]:
-    """A stderr handler at INFO on each suite logger without one; returns what to undo."""
-    changed = []
+def _log_plugins(installer: Installer) -> None:
+    """A stderr handler at INFO on each suite logger without one."""
     for name in _LOGGERS:
-        logger = logging.getLogger(name)
-        if logger.handlers:
+        suite_logger = logging.getLogger(name)
+        if suite_logger.handlers:
             continue
         handler = logging.StreamHandler()
         handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
-        changed.append((logger, handler, logger.level, logger.propagate))
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False  # a root handler the script adds later would print each line twice
-    return changed
+        level, propagate = suite_logger.level, suite_logger.propagate
+        suite_logger.addHandler(handler)
+        suite_logger.setLevel(logging.INFO)
+        suite_logger.propagate = False  # a root handler the script adds later would print each line twice
+
+        def restore(
+            log: logging.Logger = suite_logger,
+            h: logging.Handler = handler,
+            lv: int = level,
+            pr: bool = propagate,
+        ) -> None:
+            log.removeHandler(h)
+            log.setLevel(lv)
+            log.propagate = pr
+
+        installer.add(OWNER, f"a stderr handler at INFO on the {name} logger", restore)
+
+
+def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> None:
+    """Every change the upstream script needs, made through ``installer``."""
+    from megatron_ext.upstream import cpu as cpu_upstream
+    from megatron_ext.upstream import hooks, standins
+
+    saved_env, saved_path, saved_argv = dict(os.environ), list(sys.path), list(sys.argv)
+    added = launch_env(dict(os.environ))
+    os.environ.update(added)
+
+    def restore_env() -> None:
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+    installer.add(
+        __name__, f"environment ({', '.join(sorted(added))}, and what the script sets)", restore_env
+    )
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    installer.add(
+        __name__,
+        "sys.path: the script's directory first",
+        lambda: sys.path.__setitem__(slice(None), saved_path),
+    )
+    sys.argv = [script, *args]
+    installer.add(OWNER, "sys.argv: the script's", lambda: setattr(sys, "argv", saved_argv))
+    standins.install()
+    installer.add(
+        "megatron_ext.upstream.standins", "stand-ins for modules that are not installed", standins.uninstall
+    )
+    _log_plugins(installer)
+    enable = cpu_upstream.enable if kind == MEGATRON_LM else cpu_upstream.enable_megatron_deepspeed
+    if enable():
+        installer.add(
+            "megatron_ext.upstream.cpu", f"{kind}'s CUDA calls mapped to the CPU", cpu_upstream.disable
+        )
+    installer.enter(OWNER, "the owner of the upstream hooks' changes", hooks.owning(installer))
 
 
 def run(script: str, args: list[str]) -> None:
     """Run the upstream ``script`` with ``args`` as described in the module docstring."""
-    from megatron_ext.upstream import standins
-
     if not script.endswith(".py") or not os.path.isfile(script):
         raise LaunchError(f"{script!r} is not a Python file: pass the path of the upstream pretrain_gpt.py")
     kind = upstream_kind(script)
-    saved_env, saved_path, saved_argv = dict(os.environ), list(sys.path), list(sys.argv)
-    os.environ.update(launch_env(dict(os.environ)))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    sys.argv = [script, *args]
-    standins.install()
-    logged = _log_plugins()
-    cpu_mode = None
-    try:
-        from megatron_ext.upstream import cpu as cpu_upstream
-
-        enable = cpu_upstream.enable if kind == MEGATRON_LM else cpu_upstream.enable_megatron_deepspeed
-        cpu_mode = cpu_upstream if enable() else None
-        started = _distributed_started()
+    with Installer() as installer:
+        _prepare(installer, script, args, kind)
+        ended = [False]  # the script returned or exited 0: its peers are past every collective too
+        if not _distributed_started():
+            installer.add(
+                OWNER,
+                "the process groups the script leaves (destroyed when it ends normally)",
+                lambda: ended[0] and _destroy_process_groups(),
+            )
         try:
             runpy.run_path(script, run_name="__main__")
+            ended[0] = True
         except SystemExit as exc:
-            if exc.code in (None, 0) and not started:
-                _destroy_process_groups()
+            ended[0] = exc.code in (None, 0)
             raise
-        if not started:
-            _destroy_process_groups()
-    finally:
-        if cpu_mode is not None:
-            cpu_mode.disable()
-        standins.uninstall()
-        for logger, handler, level, propagate in logged:
-            logger.removeHandler(handler)
-            logger.setLevel(level)
-            logger.propagate = propagate
-        sys.argv, sys.path[:] = saved_argv, saved_path
-        os.environ.clear()
-        os.environ.update(saved_env)
+        finally:
+            logger.info(
+                "undoing the run's process-wide changes, newest first: %s",
+                "; ".join(f"{c.owner}: {c.what}" for c in reversed(installer.changes)),
+            )
 
 
 def _distributed_started() -> bool:

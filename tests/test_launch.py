@@ -212,3 +212,31 @@ def test_cpu_mapping_runs_cuda_calls_on_cpu_and_is_undone(monkeypatch: pytest.Mo
     assert all(name not in os.environ for name in cpu_upstream.ENV_DEFAULTS)
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")  # the mode is gone: no CUDA here
+
+
+EVENTS: list[tuple[str, str | None]] = []
+
+
+def test_the_hooks_changes_are_undone_first_then_the_launchers(tmp_path: Path) -> None:
+    """A hook's change (as the upstream hooks register engines, loaders and threads) goes through
+    the launcher's installer: undone when the script ends, while the launcher's own changes (here
+    its LOCAL_SIZE) still hold, and those after it; outside a run the hooks have no owner."""
+    from megatron_ext.upstream import hooks
+
+    tree = tmp_path / "mds"
+    (tree / "megatron").mkdir(parents=True)
+    (tree / "megatron" / "training.py").touch()
+    script = tree / "pretrain_gpt.py"
+    script.write_text(
+        "import os, test_launch\n"
+        "from megatron_ext.upstream import hooks\n"
+        "hooks.installer().add('test', 'a hook', lambda: test_launch.EVENTS.append(('undone', os.environ.get('LOCAL_SIZE'))))\n"
+        "test_launch.EVENTS.append(('ran', os.environ.get('LOCAL_SIZE')))\n"
+    )
+    before_env, before_path = dict(os.environ), list(sys.path)
+    EVENTS.clear()
+    launch.run(str(script), [])
+    assert EVENTS == [("ran", "1"), ("undone", "1")]
+    assert dict(os.environ) == before_env and sys.path == before_path
+    with pytest.raises(RuntimeError, match="python -m megatron_ext.launch"):
+        hooks.installer()

@@ -423,6 +423,8 @@ def _megatron_deepspeed_path(prefix, cache, job):
 
     from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.loader import build_batch_iterator
+    from megatron_ext.upstream import hooks
+    from plugin_base.installer import Installer
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     dataset = _dataset(prefix, cache)
@@ -450,11 +452,12 @@ def _megatron_deepspeed_path(prefix, cache, job):
     os.environ["SLURM_JOB_ID"] = job
     try:
         assert megatron_lm.shm_loader_enabled()
-        train, valid, test = megatron_deepspeed.data_iterators(
-            lambda sizes: (_LegacyText(dataset), None, None)
-        )
-        rows = [megatron_deepspeed.text_batch(["text"], train, torch.int64)["text"] for _ in range(STEPS)]
-        train.close()
+        with Installer() as owner, hooks.owning(owner):  # as the launcher holds one around the script
+            train, valid, test = megatron_deepspeed.data_iterators(
+                lambda sizes: (_LegacyText(dataset), None, None)
+            )
+            rows = [megatron_deepspeed.text_batch(["text"], train, torch.int64)["text"] for _ in range(STEPS)]
+            assert [c.owner for c in owner.changes] == ["megatron_ext.data"]  # the loader ends with the run
     finally:
         del sys.modules["megatron.training"], os.environ["SLURM_JOB_ID"]
     assert (valid, test, args.do_train, args.do_valid) == (None, None, True, False)

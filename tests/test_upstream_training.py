@@ -34,6 +34,13 @@ ITERS = 3
 RUN_TIMEOUT_S = 300
 LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
 PLUGIN_CONFIG = re.compile(r"plugin config: (\{.*\})")
+UNDONE = re.compile(r"undoing the run's process-wide changes, newest first: (.*)")
+# the module that owns each plugin's process-wide changes in an upstream run
+OWNERS = {
+    "shm_data_loader": "megatron_ext.data",
+    "hierarchical_zero": "deepspeed_ext.zero",
+    "flash_overlap": "megatron_ext.layers",
+}
 COMMON = [
     "--num-layers",
     "2",
@@ -274,6 +281,11 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
         for plugin in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
             assert config[plugin]["enabled"] == (plugin in how.plugins), (plugin, config)
     assert how.logs in log, f"{kind} {variant}: no {how.logs!r} in its log"
+    # the run exited 0, so every undo ran without error; each plugin's changes were among them
+    undone = UNDONE.findall(log)
+    assert len(undone) == 4, f"{kind} {variant}: {len(undone)} of 4 ranks undid their changes:\n{log[-2500:]}"
+    for plugin in how.plugins:
+        assert all(f"{OWNERS[plugin]}: " in line for line in undone), (plugin, undone[0])
     assert len(baseline) == ITERS and losses == baseline, (
         f"{kind} {variant}: {losses} != {how.baseline} {baseline}"
     )

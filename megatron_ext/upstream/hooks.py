@@ -9,6 +9,7 @@ inside the functions that need them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from deepspeed_ext.section import ConfigError
 from megatron_ext.args import extra_args_provider, flag_overrides, plugin_config_from_args
+from plugin_base.installer import Installer
 from plugin_config import PluginConfig, load_plugin_config, log_effective_config, validate_against_world
 
 logger = logging.getLogger(__name__)
@@ -37,6 +39,50 @@ _SAMPLERS = {"single": "single", "cyclic": "random"}
 
 _iterators: weakref.WeakSet = weakref.WeakSet()  # every iterator built here: get_batch recognises them
 _effective: tuple[argparse.Namespace, PluginConfig] | None = None
+_installer: Installer | None = None  # the launcher's, while the upstream script runs
+
+
+# -- process-wide changes -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def owning(installer: Installer) -> Iterator[Installer]:
+    """While the block runs, the hooks make their process-wide changes through ``installer``
+    (``megatron_ext.launch`` holds one around the upstream script)."""
+    global _installer
+    previous, _installer = _installer, installer
+    try:
+        yield installer
+    finally:
+        _installer = previous
+
+
+def installer() -> Installer:
+    """The installer the hooks' process-wide changes go through."""
+    if _installer is None:
+        raise RuntimeError(
+            "the upstream hooks run inside python -m megatron_ext.launch, which owns and undoes what they "
+            "start (engines, loader processes, threads): start the upstream script through it"
+        )
+    return _installer
+
+
+def own_iterators(iterators: Sequence[Any]) -> None:
+    """The loaders' producer processes and shared-memory segments end with the upstream run."""
+    for name, iterator in zip(("train", "valid", "test"), iterators):
+        if iterator is not None:
+            installer().add(
+                "megatron_ext.data", f"the {name} loader (producer, shared memory)", iterator.close
+            )
+
+
+def own_posters() -> None:
+    """Flash-Overlap's P2P poster thread (started by its first gloo step) stops with the upstream run."""
+    from megatron_ext.layers.p2p_link import shutdown_posters
+
+    owner = installer()
+    if not any(change.owner == "megatron_ext.layers" for change in owner.changes):
+        owner.add("megatron_ext.layers", "the P2P poster thread (gloo)", shutdown_posters)
 
 
 # -- flags and the effective configuration ------------------------------------------------------

@@ -18,8 +18,11 @@ import torch.distributed as dist
 from deepspeed_ext.section import ConfigError
 from megatron_ext.upstream.hooks import (
     external_data_iterators,
+    installer,
     is_plugin_iterator,
     megatron_args,
+    own_iterators,
+    own_posters,
     plugin_config,
     shm_loader_enabled,
     with_plugin_args,
@@ -99,6 +102,7 @@ def data_iterators(provider: Callable[..., Any]) -> tuple[Any, ...]:
     built = built if first else build_train_valid_test_datasets(provider)
     datasets = [None if d is None else TextSamples(d, args.seq_length) for d in built]
     iterators = external_data_iterators(datasets, args)
+    own_iterators(iterators)
     args.do_train = iterators[0] is not None and args.train_iters > 0
     args.do_valid = iterators[1] is not None and args.eval_iters > 0
     args.do_test = iterators[2] is not None and args.eval_iters > 0
@@ -145,7 +149,14 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
         )
     from deepspeed_ext.zero import initialize
 
-    return initialize(plugin_config=config, **kwargs)
+    result = initialize(plugin_config=config, **kwargs)
+    installer().add(
+        "deepspeed_ext.zero",
+        "the hierarchical engine: DeepSpeed's collectives dispatched to its hops, its hop threads and "
+        "level groups, DeepSpeed's groups.mpu, the byte-counting patch",
+        result[0].destroy,
+    )
+    return result
 
 
 # -- Ulysses sequence parallelism (--ds-sequence-parallel-size) ------------------------------------
@@ -191,6 +202,7 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     from megatron_ext.layers.ulysses import HeadSplit, check_sequence_length, ulysses_attention
 
     args = megatron_args()
+    own_posters()
     group = parallel_state.get_sequence_parallel_group()
     split = HeadSplit(
         attention.num_attention_heads, attention.num_key_value_heads, attention.head_dim, group.size()

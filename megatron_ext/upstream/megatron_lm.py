@@ -23,6 +23,8 @@ from megatron_ext.upstream.hooks import (
     external_data_iterators,
     is_plugin_iterator,
     megatron_args,
+    own_iterators,
+    own_posters,
     plugin_config,
     shm_loader_enabled,
     with_plugin_args,
@@ -65,6 +67,7 @@ class DatasetsProvider:
         if not plugin_config(args).shm_data_loader.enabled:
             return datasets
         iterators = external_data_iterators(datasets, args)
+        own_iterators(iterators)
         args.dataloader_type = "external"
         return iterators
 
@@ -97,6 +100,7 @@ def _spec(name: str) -> Any:
                 f"--spec {' '.join(SPEC_FLAG)} needs flash_overlap enabled: add --flash-overlap "
                 'or "flash_overlap": {"enabled": true} to the --deepspeed-config JSON'
             )
+        own_posters()
     return block_spec(args, name, overlap)
 
 
