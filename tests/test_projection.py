@@ -1,101 +1,140 @@
-"""The Frontier projection (benchmarks/zero/project.py): memory counted whole with the planner's own
-functions, equal-memory baselines, the compute bound. Pure arithmetic, no processes."""
+"""The projection library (deepspeed_ext/zero/projection.py) and the planner CLI against
+hand-derived figures: parameter counts, DeepSpeed's launches from the JSON's buckets, Megatron's
+activation memory, qgZ's two all-to-alls, pipelined hops. Pure arithmetic, no processes."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks.zero import project
-from deepspeed_ext.topology import Level
-from deepspeed_ext.zero import planner
-from deepspeed_ext.zero.api import largest_collectives
-from deepspeed_ext.zero.config import HierarchicalZeroConfig
-from deepspeed_ext.zero.cost_model import Links
+from deepspeed_ext.topology import LinkClass
+from deepspeed_ext.zero import plan as plan_cli
+from deepspeed_ext.zero.collective_cost import Algorithm, AlgorithmFit, CollectiveCosts, for_topology
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.cost_model import Links, ModelSpec
+from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.planner import choose_secondary_level
+from deepspeed_ext.zero.projection import (
+    Plan,
+    Scheme,
+    comm_seconds,
+    gather_calls,
+    memory,
+    reduce_calls,
+    shape,
+)
+from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
+
+GPT_20B = Model(layers=44, hidden=6144, heads=64, seq=2048)
+PRESET = Buckets(prefetch=50_000_000, reduce=50_000_000, persistence=100_000, max_live=1_000_000_000)
+# Round numbers: every link 1 GB/s per rank, no latency, NICs 8 GB/s per node.
+UNIT = CollectiveCosts(
+    "unit",
+    {
+        (LinkClass.PACKAGE, Algorithm.RING): AlgorithmFit(0.0, 1.0),
+        (LinkClass.NODE, Algorithm.RING): AlgorithmFit(0.0, 1.0),
+        (LinkClass.INTER_NODE, Algorithm.RING): AlgorithmFit(0.0, 1.0),
+        (LinkClass.INTER_NODE, Algorithm.RECURSIVE): AlgorithmFit(0.0, 1.0),
+    },
+    nic_gbps=8.0,
+)
+UNIT_SYSTEM = System(UNIT, ranks_per_node=8, ranks_per_package=2)
 
 
-def run(tmp_path, *argv: str) -> dict:
-    return project.main(["--nodes", "1", "48", "--out", str(tmp_path), "--name", "p", *argv])
+def test_20b_parameters_and_buckets_from_the_preset_json():
+    # 44 x (12 h^2 + 13 h) + 2 V h with h = 6144, V = 50432.
+    assert GPT_20B.params == 20_554_555_392
+    ds = json.loads((plan_cli.PRESETS / "ds_frontier_20b.json").read_text())
+    assert Buckets.from_json(ds) == PRESET
+    # TP=4: QKV 28.3M, projection 9.4M, fc1 and fc2 37.7M each: one all-gather each (under 5e7);
+    # each embedding 77.5M: two. 44 x 4 + 2 x 2 = 180 per pass, "about 4 per layer".
+    assert len(gather_calls(GPT_20B.modules(4), PRESET)) == 180
+    # Gradients: 5.14e9 elements per TP rank in 5e7 buckets: 103 reduce-scatters per micro-batch.
+    assert len(reduce_calls(GPT_20B.params // 4, PRESET)) == 103
+    # DeepSpeed's default 5e8 reduce bucket: 11.
+    assert len(reduce_calls(GPT_20B.params // 4, Buckets())) == 11
 
 
-@pytest.fixture(scope="module")
-def tp4_ga4(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("tp4"), "--tp", "4", "--grad-accum", "4")
+def test_megatron_activation_memory_and_zero3_states():
+    # Korthikanti et al. Table 2, TP without SP: sbh (10 + 24/t + 5as/(ht)) = 2048 x 6144 x 42.67 per layer.
+    per_layer = 2048 * 6144 * (10 + 24 / 4 + 5 * 64 * 2048 / (6144 * 4))
+    logits = 4 * 2048 * 50432 / 4
+    assert GPT_20B.activation_bytes(1, 4, Recompute.NONE) == pytest.approx(44 * per_layer + logits)
+    assert GPT_20B.activation_bytes(1, 4, Recompute.FULL) == pytest.approx(44 * 2 * 2048 * 6144 + logits)
+    frontier = System(UNIT)
+    s = shape(frontier, 48, 4)
+    assert s == DPShape(nodes=48, packages_per_node=2, per_package=1)
+    m = memory(frontier, GPT_20B, s, Plan(Scheme.ZERO3, tp=4, buckets=PRESET))
+    assert m["states"] == pytest.approx(16 * GPT_20B.params / 4 / 96)  # 16 bytes per element over DP 96
+    assert m["secondary"] == 0
+    ideal = memory(frontier, GPT_20B, s, Plan(Scheme.HPZ_IDEAL, tp=4, buckets=PRESET))
+    deepspeed = memory(frontier, GPT_20B, s, Plan(Scheme.HPZ, tp=4, buckets=PRESET))
+    assert ideal["secondary"] == pytest.approx(2 * GPT_20B.params / 4 / 2)  # the node's 2 DP members
+    assert deepspeed["secondary"] == pytest.approx(2 * GPT_20B.params / 4 / 8)  # 8 consecutive ranks
 
 
-@pytest.fixture(scope="module")
-def tp1_ga1(tmp_path_factory):
-    return run(tmp_path_factory.mktemp("tp1"), "--tp", "1")
+def test_qgz_is_an_all_to_all_in_the_node_then_one_across_nodes():
+    """One 8 GB reduce bucket, 2 nodes x 8 DP members (TP=1). qgZ: int4 (2 GB) all-to-all over
+    the node's 8 at 1 GB/s: 7/8 x 2 GB = 1.75 s; then 2 GB / 8 = 0.25 GB across 2 nodes, half of
+    it sent, 8 communicators sharing 8 GB/s: 0.125 GB / 1 GB/s = 0.125 s."""
+    s = DPShape(2, 4, 2)
+    t = comm_seconds(UNIT_SYSTEM, [], [4_000_000_000], s, Plan(Scheme.ZEROPP))
+    assert t == pytest.approx(1.75 + 0.125)
 
 
-def test_hpz_sizes_inside_a_node():
-    assert project.hpz_sizes(project.dp_shape(48, 1)) == [8, 4, 2, 1]
-    assert project.hpz_sizes(project.dp_shape(48, 4)) == [2, 1]
+def test_pipelined_hops_take_the_slowest_level_and_one_chunk_of_the_others():
+    """An 8 GB all-gather over 2 nodes x 4 packages x 2 (TP=1), hops, 1 GB/s everywhere. Across
+    nodes 1 GB (8 GB / 8 members per node) half sent: 0.5 s; across packages 4 GB, 3/4 sent: 3 s;
+    in the package 8 GB, half sent: 4 s. In sequence 7.5 s; in 4 chunks 4 + (0.5 + 3) / 4."""
+    s = DPShape(2, 4, 2)
+    calls = [4_000_000_000]  # elements, bf16: 8 GB
+    ours = Plan(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RING, grad_accum=1)
+    gathers = comm_seconds(UNIT_SYSTEM, calls, [], s, ours)
+    assert gathers == pytest.approx(2 * 7.5)  # forward and backward
+    piped = comm_seconds(UNIT_SYSTEM, calls, [], s, Plan(**{**ours.__dict__, "pipeline_chunks": 4}))
+    assert piped == pytest.approx(2 * (4 + 3.5 / 4))
 
 
-def test_model_tensors_add_up_to_the_parameter_count():
-    gpt = project.GPT()
-    assert sum(gpt.tensors(1)) == gpt.params
+def test_flat_ring_is_held_by_its_edges_inside_the_node():
+    """ZeRO-3's flat all-gather of 8 GB over 16 ranks: 15/16 x 8 GB = 7.5 GB per rank through every
+    edge; the NICs carry it at 1 GB/s (one communicator per node), so do the links inside."""
+    t = comm_seconds(UNIT_SYSTEM, [4_000_000_000], [], DPShape(2, 4, 2), Plan(Scheme.ZERO3))
+    assert t == pytest.approx(2 * 7.5)
 
 
-def test_memory_is_the_planners_figure_counted_whole(tp4_ga4):
-    """Boundary sync holds the fp32 node-level block (10.3 GB at the 20B preset), int4 gradients the
-    residual as well, and every variant of ours the hop buffers: all in the figure compared."""
-    gpt, shape = project.GPT(), project.dp_shape(48, 4)
-    model = project.model_spec(gpt, 4)
-    rows = tp4_ga4["overlap"]["0.0"]["48"]["rows"]
-    for name, keys in project.OURS.items():
-        config = HierarchicalZeroConfig(enabled=True, secondary_level="node", **keys)
-        buffers = planner.hop_buffers(
-            config, shape, model, *largest_collectives(project.DEEPSPEED_DEFAULTS, model)
-        )
-        choice = planner.choose_secondary_level(config, shape, model, Links(), 4, buffers)
-        m = rows[f"ours (node){name}"]["memory"]
-        assert m["total"] == choice.extra_bytes[Level.NODE]
-        assert m["total"] == m["secondary"] + m["held"] + m["hop_gather"] + m["hop_reduce"]
-        assert m["held"] == planner.held_bytes(config, shape, model)
-        assert m["secondary"] == rows["zero++ hpZ(2)"]["memory"]["total"]  # the same node-level copy
-    assert rows["ours (node) + boundary sync"]["memory"]["held"] == pytest.approx(10.28e9, rel=1e-3)
-    assert rows["ours (node) + int8/int4 hops"]["memory"]["held"] == pytest.approx(20.56e9, rel=1e-3)
-    assert rows["zero++ hpZ(2)"]["memory"]["total"] == pytest.approx(5.14e9, rel=1e-3)
+def test_planner_cli_prints_the_best_plan_and_writes_its_json(tmp_path, capsys):
+    out = tmp_path / "ds.json"
+    argv = ["--layers", "4", "--hidden", "1024", "--heads", "16", "--seq", "1024", "--nodes", "2"]
+    rows = plan_cli.main([*argv, "--memory-gb", "64", "--output-json", str(out), "--top", "3"])
+    text = capsys.readouterr().out
+    assert "| best |" in text and "vs hpZ (DeepSpeed)" in text and "--tensor-model-parallel-size" in text
+    section = json.loads(out.read_text())
+    best = rows[0]["plan"]
+    assert section["hierarchical_zero"]["inter_node_algorithm"] == best.inter_node.value
+    assert section["hierarchical_zero"]["pipeline_chunks"] == best.pipeline_chunks
+    assert section["zero_optimization"]["stage3_prefetch_bucket_size"] == best.buckets.prefetch
+    assert section["train_micro_batch_size_per_gpu"] == best.micro_batch
+    assert all(r["projection"].memory["total"] <= 64e9 for r in rows)
+    speeds = [r["projection"].tflops_per_gcd for r in rows]
+    assert speeds == sorted(speeds, reverse=True)
 
 
-@pytest.mark.parametrize("fixture", ["tp4_ga4", "tp1_ga1"])
-def test_each_of_ours_against_hpz_holding_at_least_as_much(fixture, request):
-    results = request.getfixturevalue(fixture)
-    rows = results["overlap"]["0.0"]["48"]["rows"]
-    for name, c in results["summary"]["0.0"]["compare"].items():
-        mine, base = rows[name]["memory"]["total"], rows[c["equal_memory_hpz"]]["memory"]["total"]
-        if c["baseline_holds_less"]:  # beyond a full 16-bit copy: compared with that copy
-            assert c["equal_memory_hpz"] == "zero++ hpZ(1)" and base < mine
-        else:
-            assert base >= mine
-            smaller = [k for k in rows if k.startswith("zero++ hpZ(") and k.endswith(")")]
-            assert all(
-                rows[k]["memory"]["total"] < mine or rows[k]["memory"]["total"] >= base for k in smaller
-            )
-        tf = {k: v["tflops_per_gcd"] for k, v in rows.items()}
-        assert c["vs_equal_hpz"] == pytest.approx(tf[name] / tf[c["equal_memory_hpz"]])
+def test_planner_cli_refuses_an_incomplete_model():
+    with pytest.raises(SystemExit, match="--layers --hidden --heads --seq"):
+        plan_cli.main(["--layers", "4", "--nodes", "2"])
 
 
-def test_tp1_package_copy_is_compared_with_a_full_copy(tp1_ga1):
-    c = tp1_ga1["summary"]["0.0"]["compare"]["ours (package)"]
-    assert c["equal_memory_hpz"] == "zero++ hpZ(1)" and not c["baseline_holds_less"]  # 21.6 GB <= 41.1 GB
-
-
-def test_bound_at_accumulation_4(tp4_ga4):
-    """Compute 6.85 s, hpZ 2.84 s of communication: no variant beats hpZ by more than ~1.41x."""
-    s = tp4_ga4["summary"]["0.0"]
-    assert s["compute_s"] == pytest.approx(6.85, abs=0.01)
-    assert s["bounds"]["zero++ hpZ(2)"]["comm_s"] == pytest.approx(2.84, abs=0.01)
-    assert s["bounds"]["zero++ hpZ(2)"]["cap"] == pytest.approx(1.41, abs=0.01)
-    assert s["comm_budget_for_target_vs_hpz"] < 0  # 1.5x hpZ out of reach
-
-
-def test_tables_say_computed(tmp_path, capsys):
-    run(tmp_path, "--tp", "4")
-    md = (tmp_path / "p.md").read_text()
-    assert "(computed" in md and "Extra memory per rank" in md and "hpZ at >= memory" in md
-    capsys.readouterr()
-    project.main(["--out", str(tmp_path), "--combine", "p"])
-    combined = capsys.readouterr().out
-    assert "(computed" in combined and "| 4 | 1 | (node) |" in combined
+def test_secondary_level_auto_times_levels_with_the_clis_projection():
+    """The engine's choice (planner.choose_secondary_level) and the CLI cost a level the same way:
+    a model of 4 equal modules of 1e8 elements (one bucket each), 48 nodes x 4 x 2, one reduce bucket."""
+    s = DPShape(48, 4, 2)
+    spec = ModelSpec(param_numels=(100_000_000,) * 4, gathers_per_pass=4)
+    buckets = Buckets(prefetch=100_000_000, reduce=400_000_000)
+    config = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=1e3, pipeline_chunks=2)
+    choice = choose_secondary_level(config, s, spec, Links(), micro_batches=2, buckets=buckets)
+    frontier = System(for_topology(2))
+    for level, link in ((LinkClass.PACKAGE, LinkClass.PACKAGE), (LinkClass.NODE, LinkClass.NODE)):
+        plan = Plan(Scheme.OURS, grad_accum=2, secondary=link, pipeline_chunks=2, buckets=buckets)
+        assert choice.step_seconds[level] == comm_seconds(frontier, [100_000_000] * 4, [400_000_000], s, plan)
+    assert choice.level == "package"  # the smallest backward gathers, with memory to spare

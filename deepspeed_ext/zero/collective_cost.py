@@ -3,15 +3,18 @@
 The one function through which the planner, the projection and the hops' algorithm dispatch
 charge every collective: the baseline's flat rings and our hops alike (our hops are the same
 library's collectives on smaller groups, or point-to-point transfers). Model: ``steps x step
-latency + bus bytes / bus bandwidth``, where a ring takes ``members - 1`` steps and the recursive
-algorithms ``ceil(log2 members)``, and both move the bandwidth-optimal bus bytes.
+latency + bus bytes x concurrent groups / node bandwidth``, where a ring takes ``members - 1``
+steps and the recursive algorithms ``ceil(log2 members)``, both moving the bandwidth-optimal bus
+bytes. Across nodes a communicator pushes at most ``bus_gbps`` through its node's NICs (RCCL leaves
+NICs idle: PCCL, arXiv 2504.18658), and the node's concurrent communicators share ``nic_gbps``.
+The constants are fitted to published measurements: docs/hierarchical_zero.md, "Calibration".
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from deepspeed_ext.topology import LinkClass
@@ -42,7 +45,12 @@ class AlgorithmFit:
     step_us: float
     """Latency of one algorithm step (microseconds)."""
     bus_gbps: float
-    """Bus bandwidth one rank achieves at large messages (GB/s)."""
+    """Bus bandwidth at large messages (GB/s): per rank inside a node; across nodes, what one
+    communicator pushes through its node's NICs."""
+    small_bus_gbps: float | None = None
+    """Bus bandwidth below ``small_limit_bytes`` (a slower protocol for small messages); None: the same."""
+    small_limit_bytes: float = 0.0
+    """Message size (bytes) from which ``bus_gbps`` applies."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +61,20 @@ class CollectiveCosts:
     """Label: the machine and library the fits describe."""
     fits: Mapping[tuple[LinkClass, Algorithm], AlgorithmFit]
     """Cost per (link class, algorithm)."""
+    nic_gbps: float
+    """What a node's NICs carry at once (GB/s), shared by its concurrent inter-node communicators."""
+    by_operation: Mapping[tuple[Operation, LinkClass, Algorithm], AlgorithmFit] = field(default_factory=dict)
+    """Fits that differ for one operation (RCCL's reduce-scatter across nodes)."""
+
+    def fit(self, operation: Operation, algorithm: Algorithm, link: LinkClass) -> AlgorithmFit:
+        """The fit charged to ``operation`` run with ``algorithm`` over ``link``."""
+        key = (LinkClass(link), Algorithm(algorithm))
+        special = self.by_operation.get((Operation(operation), *key))
+        if special is not None:
+            return special
+        if key not in self.fits:
+            raise KeyError(f"{self.system} has no fitted cost for {algorithm} on {link}: add one to its fits")
+        return self.fits[key]
 
 
 def algorithm_steps(algorithm: Algorithm, members: int) -> int:
@@ -78,37 +100,88 @@ def seconds(
     members: int,
     nbytes: float,
     link: LinkClass,
+    concurrent: int = 1,
 ) -> float:
-    """Seconds of one collective of ``nbytes`` over ``members`` ranks spanning ``link``."""
+    """Seconds of one collective of ``nbytes`` over ``members`` ranks spanning ``link``, while
+    ``concurrent`` such communicators per node (all ranks of a node at once) share its NICs."""
     if members <= 1:
         return 0.0
-    fit = costs.fits[(LinkClass(link), Algorithm(algorithm))]
+    fit = costs.fit(operation, algorithm, link)
     steps = algorithm_steps(algorithm, members)
     if operation == Operation.ALL_REDUCE:
         steps *= 2  # a reduce-scatter, then an all-gather
-    return steps * fit.step_us * 1e-6 + bus_bytes(operation, members, nbytes) / (fit.bus_gbps * 1e9)
+    small = fit.small_bus_gbps is not None and nbytes < fit.small_limit_bytes
+    rate = (fit.small_bus_gbps if small else fit.bus_gbps) * 1e9
+    volume = bus_bytes(operation, members, nbytes)
+    if LinkClass(link) == LinkClass.INTER_NODE:
+        rate = min(concurrent * rate, costs.nic_gbps * 1e9) / concurrent
+    return steps * fit.step_us * 1e-6 + volume / rate
 
 
 def fastest(
-    costs: CollectiveCosts, operation: Operation, members: int, nbytes: float, link: LinkClass
+    costs: CollectiveCosts,
+    operation: Operation,
+    members: int,
+    nbytes: float,
+    link: LinkClass,
+    concurrent: int = 1,
 ) -> Algorithm:
     """The algorithm the model projects faster for this call (ring on a tie)."""
     return min(
-        (Algorithm.RING, Algorithm.RECURSIVE),
-        key=lambda a: seconds(costs, operation, a, members, nbytes, link),
+        (a for a in (Algorithm.RING, Algorithm.RECURSIVE) if (LinkClass(link), a) in costs.fits),
+        key=lambda a: seconds(costs, operation, a, members, nbytes, link, concurrent),
     )
 
 
-# TO CALIBRATE: the previous cost model's assumed figures (25 GB/s NIC shared by 2 ranks, 10 us per
-# step), until the fit to published measurements replaces them.
-_ASSUMED = {
-    (LinkClass.PACKAGE, Algorithm.RING): AlgorithmFit(2.0, 200.0),
-    (LinkClass.NODE, Algorithm.RING): AlgorithmFit(4.0, 50.0),
-    (LinkClass.INTER_NODE, Algorithm.RING): AlgorithmFit(10.0, 12.5),
-    (LinkClass.INTER_NODE, Algorithm.RECURSIVE): AlgorithmFit(10.0, 12.5),
-}
-FRONTIER_RCCL = CollectiveCosts("frontier-rccl (assumed)", _ASSUMED)
-H100_NCCL = CollectiveCosts("h100-nccl (assumed)", _ASSUMED)
+MIB = 2**20
+# Frontier (OLCF user guide): GCD pair 200 GB/s, GCDs on different MI250X 50-100 GB/s (peak figures;
+# no published RCCL in-node bus bandwidth was found), 4 Slingshot-11 NICs x 25 GB/s per node, at 90 %.
+# Across nodes, fitted to published measurements (docs/hierarchical_zero.md, "Calibration"): RCCL's
+# ring step and small-message bandwidth to ROCm/rccl issue 1490 (all_gather_perf on 32 GCDs,
+# 64 KiB-1 MiB, a least-squares line; slow "until 16 MiB" in the issue's words); its large-message
+# bandwidth per communicator to PCCL's smallest all-gather speed-up over RCCL at 2048 GCDs (6x); the
+# point-to-point step to PCCL's largest (33x); RCCL's reduce-scatter step to PCCL's 168x.
+_RCCL_RING = AlgorithmFit(step_us=0.57, bus_gbps=5.84, small_bus_gbps=0.706, small_limit_bytes=16 * MIB)
+FRONTIER_RCCL = CollectiveCosts(
+    system="Frontier, RCCL + point-to-point hops over Slingshot-11",
+    fits={
+        (LinkClass.PACKAGE, Algorithm.RING): AlgorithmFit(step_us=2.0, bus_gbps=200.0),
+        (LinkClass.NODE, Algorithm.RING): AlgorithmFit(step_us=4.0, bus_gbps=50.0),
+        (LinkClass.INTER_NODE, Algorithm.RING): _RCCL_RING,
+        (LinkClass.INTER_NODE, Algorithm.RECURSIVE): AlgorithmFit(step_us=16.0, bus_gbps=12.5),
+    },
+    nic_gbps=90.0,
+    by_operation={
+        (Operation.REDUCE_SCATTER, LinkClass.INTER_NODE, Algorithm.RING): replace(_RCCL_RING, step_us=14.5),
+    },
+)
+# DGX H100 with NCCL (nccl-tests figures quoted in docs/hierarchical_zero.md, "Calibration"):
+# NVLink-4 all-reduce bus bandwidth 460-480 GB/s on 8 GPUs; 400-450 GB/s across NDR 400 Gb/s
+# nodes, one communicator's rings spread over the node's 8 x 50 GB/s NICs; point-to-point hops on
+# one GPU's own NIC. Step latencies assumed (no published per-step figure found).
+H100_NCCL = CollectiveCosts(
+    system="DGX H100, NCCL over NVLink-4 and 8 x NDR 400 Gb/s",
+    fits={
+        (LinkClass.PACKAGE, Algorithm.RING): AlgorithmFit(step_us=3.0, bus_gbps=470.0),
+        (LinkClass.NODE, Algorithm.RING): AlgorithmFit(step_us=3.0, bus_gbps=470.0),
+        (LinkClass.INTER_NODE, Algorithm.RING): AlgorithmFit(step_us=6.0, bus_gbps=425.0),
+        (LinkClass.INTER_NODE, Algorithm.RECURSIVE): AlgorithmFit(step_us=12.0, bus_gbps=50.0),
+    },
+    nic_gbps=425.0,
+)
+
+
+def with_bandwidths(costs: CollectiveCosts, gbps: Mapping[LinkClass, float] | None) -> CollectiveCosts:
+    """``costs`` with the link speeds a config gives (``hierarchical_zero.link_bandwidth_gbps``):
+    package and node set every algorithm's bus bandwidth on that link, inter_node the node's NICs
+    together; latencies stay fitted."""
+    if not gbps:
+        return costs
+    fits = {
+        key: replace(fit, bus_gbps=gbps[key[0]]) if key[0] in gbps and key[0] != LinkClass.INTER_NODE else fit
+        for key, fit in costs.fits.items()
+    }
+    return replace(costs, fits=fits, nic_gbps=gbps.get(LinkClass.INTER_NODE, costs.nic_gbps))
 
 
 def for_topology(ranks_per_package: int) -> CollectiveCosts:

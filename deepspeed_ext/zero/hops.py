@@ -64,7 +64,12 @@ def algorithm(plan: HopPlan, i: int, operation: Operation, nbytes: int) -> Algor
         return Algorithm.RECURSIVE
     if plan.costs is None:
         raise ValueError("inter_node_algorithm auto needs the plan's collective costs (HopPlan.costs)")
-    return collective_cost.fastest(plan.costs, operation, plan.sizes[i], nbytes, LinkClass.INTER_NODE)
+    # the hops inside the node come first: their sizes multiply to the node's rank-aligned groups,
+    # all of which cross nodes at once over the node's NICs
+    concurrent = math.prod(plan.sizes[:i])
+    return collective_cost.fastest(
+        plan.costs, operation, plan.sizes[i], nbytes, LinkClass.INTER_NODE, concurrent=concurrent
+    )
 
 
 def gather_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:

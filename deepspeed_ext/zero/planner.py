@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepspeed_ext.topology import Level, LinkClass
+from deepspeed_ext.zero import collective_cost, projection
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost_model import (
     FRONTIER_BANDWIDTH_GBPS,
     Links,
     ModelSpec,
     Variant,
-    comm_time,
     hierarchical,
-    step_hops,
 )
 from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.workload import Buckets, System
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,8 @@ class SecondaryChoice:
     """Memory per rank the variant adds at each candidate level (and global): the secondary copy,
     the fp32 gradient blocks held for the cross-node hop and the transient hop buffers."""
     step_seconds: dict[Level, float]
-    """Modelled communication time of one step at each candidate level (and global)."""
+    """Modelled communication time of one step at each candidate level (and global): the
+    projection's (projection.comm_seconds), as the planner CLI computes it."""
     budget_bytes: int
     """secondary_memory_budget_gb in bytes."""
     buffers: HopBuffers
@@ -115,6 +116,48 @@ def hop_buffers(
     return HopBuffers(gather=gather, reduce=reduce)
 
 
+def level_seconds(
+    config: HierarchicalZeroConfig,
+    shape: DPShape,
+    model: ModelSpec,
+    links: Links,
+    level: Level,
+    micro_batches: int = 1,
+    buckets: Buckets | None = None,
+) -> float:
+    """Communication of one step with the secondary copy at ``level`` (global: none), computed
+    by the projection the planner CLI uses: DeepSpeed's gathers (one per parameter-owning module
+    and pass, split at the prefetch bucket) and reduce buckets, each charged through
+    collective_cost with the fitted costs of this topology (Frontier's where packages hold
+    several ranks, H100's otherwise)."""
+    buckets = buckets or Buckets()
+    system = System(
+        collective_cost.with_bandwidths(
+            collective_cost.for_topology(links.ranks_per_nic), config.link_bandwidth_gbps
+        ),
+        ranks_per_node=max(links.ranks_per_node, shape.per_node),
+        ranks_per_package=links.ranks_per_nic,
+    )
+    plan = projection.Plan(
+        projection.Scheme.OURS,
+        grad_accum=micro_batches,
+        secondary=None if level == Level.GLOBAL else LinkClass(level),
+        inter_node=config.inter_node_algorithm,
+        quantized_weights=config.quantized_weights,
+        quantized_gradients=config.grad_bits is not None,
+        boundary_sync=config.grad_sync == "accumulation_boundary",
+        pipeline_chunks=config.pipeline_chunks,
+        buckets=buckets,
+    )
+    # DeepSpeed keeps parameters under the persistence threshold whole; the rest it gathers per
+    # parameter-owning module, which ModelSpec counts but does not size: equal shares.
+    owners = max(1, model.gathers_per_pass)
+    gathered = sum(n for n in model.param_numels if n > buckets.persistence)
+    gathers = projection.gather_calls([gathered // owners] * owners, replace(buckets, persistence=0))
+    total = sum(model.param_numels)
+    return projection.comm_seconds(system, gathers, projection.reduce_calls(total, buckets), shape, plan)
+
+
 def candidate_sizes(shape: DPShape) -> dict[Level, int]:
     """Secondary levels worth having: a level spanning the whole group would copy the primary
     partition: pure cost, since every module release then copies each weight (docs/gpu.md)."""
@@ -131,13 +174,15 @@ def choose_secondary_level(
     links: Links,
     micro_batches: int = 1,
     buffers: HopBuffers = HopBuffers(0, 0),
+    buckets: Buckets | None = None,
 ) -> SecondaryChoice:
-    """Fastest level whose extra memory fits the budget (auto), or the configured level."""
+    """Fastest level whose extra memory fits the budget (auto), or the configured level; timed
+    with DeepSpeed's ``buckets`` (its defaults when None)."""
     full = model.padded(shape.size) * model.weight_bytes
     held = held_bytes(config, shape, model) + buffers.total
     extra = {level: full // size + held for level, size in candidate_sizes(shape).items()}
     seconds = {
-        level: comm_time(step_hops(model, shape, variant_for(config, level, model), micro_batches), links)
+        level: level_seconds(config, shape, model, links, level, micro_batches, buckets)
         for level in (*extra, Level.GLOBAL)
     }
     extra[Level.GLOBAL] = held

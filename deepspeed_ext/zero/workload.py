@@ -1,0 +1,104 @@
+"""What a projection is of: the machine, the GPT and DeepSpeed's ZeRO-3 buckets (from its JSON)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from deepspeed_ext.zero.collective_cost import CollectiveCosts
+
+
+class Recompute(StrEnum):
+    """Activation recomputation (Korthikanti et al., arXiv 2205.05198)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+
+
+@dataclass(frozen=True)
+class System:
+    """A machine: ranks per node and package, peak compute, memory, collective costs."""
+
+    costs: CollectiveCosts
+    """Fitted collective costs."""
+    ranks_per_node: int = 8
+    """GPUs (GCDs) per node."""
+    ranks_per_package: int = 2
+    """GCDs per package (MI250X: 2)."""
+    peak_tflops: float = 191.5
+    """Dense bf16 peak per GCD (MI250X: 383 per module)."""
+    memory_gb: float = 64.0
+    """Memory per GCD."""
+
+
+@dataclass(frozen=True)
+class Model:
+    """A GPT and how it is trained."""
+
+    layers: int
+    """Transformer layers."""
+    hidden: int
+    """Hidden size."""
+    heads: int
+    """Attention heads."""
+    seq: int
+    """Sequence length."""
+    vocab: int = 50432
+    """Vocabulary (input and output embeddings untied)."""
+
+    @property
+    def params(self) -> int:
+        h = self.hidden
+        return self.layers * (12 * h * h + 13 * h) + 2 * self.vocab * h
+
+    def modules(self, tp: int) -> list[int]:
+        """Elements of each gathered module on one TP rank: QKV, projection, fc1, fc2, embeddings."""
+        h = self.hidden
+        return [3 * h * h // tp, h * h // tp, 4 * h * h // tp, 4 * h * h // tp] * self.layers + [
+            self.vocab * h // tp
+        ] * 2
+
+    def flops(self, micro_batch: int, recompute: Recompute) -> float:
+        """Forward + backward FLOPs of one micro-batch (Narayanan et al., arXiv 2104.04473, eq. 3
+        without recomputation; full recomputation adds a forward, selective its attention scores)."""
+        h, s, n, v = self.hidden, self.seq, self.layers, self.vocab
+        base = 72 * micro_batch * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+        extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: 4 * micro_batch * s * s * h * n}
+        return base * 4 / 3 if recompute == Recompute.FULL else base + extra[recompute]
+
+    def activation_bytes(self, micro_batch: int, tp: int, recompute: Recompute) -> float:
+        """Activation memory per rank (Korthikanti et al., arXiv 2205.05198, Table 2, tensor
+        parallel without sequence parallelism: sbh(10 + 24/t + 5as/(ht)) per layer)."""
+        s, b, h, a = self.seq, micro_batch, self.hidden, self.heads
+        per_layer = {
+            Recompute.NONE: s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp)),
+            Recompute.SELECTIVE: s * b * h * (10 + 24 / tp),
+            Recompute.FULL: 2 * s * b * h,
+        }[recompute]
+        return per_layer * self.layers + 4 * s * b * self.vocab / tp  # + fp32 logits
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """DeepSpeed's ZeRO-3 buckets (elements), read from the JSON being projected."""
+
+    prefetch: int = 50_000_000
+    """stage3_prefetch_bucket_size."""
+    reduce: int = 500_000_000
+    """reduce_bucket_size."""
+    persistence: int = 100_000
+    """stage3_param_persistence_threshold: smaller parameters stay whole on every rank."""
+    max_live: int = 1_000_000_000
+    """stage3_max_live_parameters."""
+
+    @classmethod
+    def from_json(cls, ds: dict) -> Buckets:
+        z = ds.get("zero_optimization") or {}
+        d = cls()
+        return cls(
+            prefetch=int(z.get("stage3_prefetch_bucket_size", d.prefetch)),
+            reduce=int(z.get("reduce_bucket_size", d.reduce)),
+            persistence=int(z.get("stage3_param_persistence_threshold", d.persistence)),
+            max_live=int(z.get("stage3_max_live_parameters", d.max_live)),
+        )
