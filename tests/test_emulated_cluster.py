@@ -11,7 +11,10 @@ import pytest
 
 from benchmarks.cluster import ClusterSpec, ClusterUnavailable, EmulatedCluster, RankFailure, netns
 from benchmarks.cluster.calibrate import calibrate, main, shared_nic_flows
-from benchmarks.cluster.spec import frontier, generic
+from benchmarks.cluster.spec import frontier, frontier_latency, generic
+from benchmarks.zero.scale import targets
+from benchmarks.zero.variants import scale_variants
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
 
 PREFIX = "emct"  # not the default prefix, so a calibration running at the same time is left alone
 HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
@@ -46,6 +49,40 @@ def test_spec_layout_addresses_and_link_classes() -> None:
     assert generic(nodes=3, ranks_per_node=2).link_classes() == ["node", "inter_node"]
     with pytest.raises(SystemExit):
         main(["--profile", "frontier", "--node-mbit", "-5"])
+
+
+def test_latency_spec_and_the_scale_benchmark_variants() -> None:
+    with pytest.raises(ValueError) as err:
+        ClusterSpec(2, 1, 2, 400.0, 200.0, 50.0, package_latency_ms=-1.0, inter_node_latency_ms=500.0)
+    assert "package_latency_ms=-1.0" in str(err.value) and "inter_node_latency_ms=500.0" in str(err.value)
+    spec = frontier_latency()  # 8 nodes of one MI250X: 16 ranks, 2 per NIC
+    assert (spec.world_size, spec.ranks_per_node, spec.ranks_per_nic) == (16, 2, 2)
+    assert (spec.package_latency_ms, spec.node_latency_ms, spec.inter_node_latency_ms) == (2.0, 4.0, 10.0)
+    assert spec.delayed_classes() == ["package", "inter_node"]  # one package per node: no node link
+    assert frontier_latency(nodes=6, scale=0).delayed_classes() == []
+    variants = scale_variants(2, 4, ["recursive", "auto"])
+    assert [v.role for v in variants.values()] == [
+        "flat",
+        "hpz",
+        "zero++",
+        "serial",
+        "pipelined",
+        "pipelined",
+    ]
+    assert variants["hpZ(2)"].zero == {"zero_hpz_partition_size": 2}  # = ours' node-level secondary
+    for v in variants.values():
+        if v.kind == "ours":  # every key is one the engine's config has
+            HierarchicalZeroConfig(enabled=True, secondary_level="node", **v.hierarchical)
+    rows = {
+        "hpZ(2)": {"role": "hpz", "median": 3.0},
+        "serial": {"role": "serial", "median": 2.0},
+        "a": {"role": "pipelined", "median": 1.9},
+        "b": {"role": "pipelined", "median": 1.5},
+    }
+    assert [(t["ours"], t["against"], t["ratio"], t["met"]) for t in targets(rows)] == [
+        ("b", "hpZ(2)", 2.0, True),
+        ("b", "serial", pytest.approx(1.333, abs=1e-3), True),
+    ]
 
 
 def test_a_package_shares_one_inter_node_link() -> None:
@@ -137,3 +174,39 @@ def test_shared_nic_halves_each_flow_and_wire_bytes_are_counted_per_class() -> N
     assert 1_000_000 <= sent[0]["total"] < 1_040_000
     assert sent[2]["inter_node"] < 100_000  # the receiver only acknowledges
     assert _leftovers() == ([], [])
+
+
+PING_PONG = """
+import time, torch, torch.distributed as dist
+from benchmarks.cluster import write_result
+dist.init_process_group("gloo")
+token, rtt = torch.zeros(1), {}
+for peer in range(1, dist.get_world_size()):
+    times = []
+    for _ in range(6):
+        dist.barrier()
+        if dist.get_rank() == 0:
+            start = time.perf_counter()
+            dist.send(token, peer)
+            dist.recv(token, peer)
+            times.append(time.perf_counter() - start)
+        elif dist.get_rank() == peer:
+            dist.recv(token, 0)
+            dist.send(token, 0)
+    # The fastest round trip: the first one pays the connection set-up, and on a loaded host others
+    # wait for a core; no round trip can beat the delays.
+    rtt[peer] = min(times[1:]) * 1000 if times else None
+write_result(rtt)
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
+def test_latency_per_link_class_round_trips() -> None:
+    spec = frontier_latency(nodes=2, scale=500)  # package 1 ms, inter-node 5 ms one way
+    with EmulatedCluster(spec, prefix=PREFIX) as cluster:
+        rtt = cluster.launch(["-c", PING_PONG], timeout=60)[0]
+    # A round trip crosses the link twice; gloo and the delay line add well under a millisecond.
+    for peer, one_way in (("1", 1.0), ("2", 5.0), ("3", 5.0)):
+        assert 2 * one_way <= rtt[peer] < 2 * one_way + 3.0, (peer, rtt)
+    assert _leftovers() == ([], []) and not netns._DELAY_LINES

@@ -37,6 +37,10 @@ class LinkMeasurement:
     """Median of the b -> a transfers, Mbit/s (shared NIC: the fastest flow)."""
     samples: int
     """Number of timed transfers behind the medians."""
+    round_trip_ms: float | None = None
+    """Median round trip of one float a -> b -> a, ms (None: not a link class pair)."""
+    configured_round_trip_ms: float | None = None
+    """Twice the class's configured one-way delay, ms."""
 
     @property
     def ratio(self) -> float:
@@ -74,10 +78,12 @@ def calibrate(
                     if r["link"] == link and r["src"] == src and r["dst"] == dst]  # fmt: skip
 
         fwd, bwd = mbits(a, b), mbits(b, a)
+        rtt = [r["seconds"] * 1000 for r in records if r["link"] == f"{link} round trip"]
         out.append(LinkMeasurement(
             link=link, ranks=(a, b), configured_mbit=spec.rate_mbit(link),
             measured_mbit=statistics.median(fwd + bwd), forward_mbit=statistics.median(fwd),
             backward_mbit=statistics.median(bwd), samples=len(fwd) + len(bwd),
+            round_trip_ms=statistics.median(rtt), configured_round_trip_ms=2 * spec.latency_ms(link),
         ))  # fmt: skip
     for label, flows in shared:
         per_flow = [r["bytes"] * 8 / r["seconds"] / 1e6 for r in records if r["link"] == label]
@@ -112,13 +118,17 @@ def shared_nic_flows(spec: ClusterSpec) -> list[tuple[str, list[list[int]]]]:
 def format_table(rows: list[LinkMeasurement]) -> str:
     """Markdown table of configured vs measured rates."""
     lines = [
-        "| link class | ranks | configured Mbit/s | measured Mbit/s (median) | measured/configured | a->b | b->a |",
-        "|---|---|---:|---:|---:|---:|---:|",
+        "| link class | ranks | configured Mbit/s | measured Mbit/s (median) | measured/configured | a->b | b->a "
+        "| round trip ms: configured delays / measured (median) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
+        rtt = (
+            f"{r.configured_round_trip_ms:g} / {r.round_trip_ms:.2f}" if r.round_trip_ms is not None else "-"
+        )
         lines.append(
             f"| {r.link} | {r.ranks[0]}-{r.ranks[1]} | {r.configured_mbit:.0f} | {r.measured_mbit:.1f} | "
-            f"{r.ratio:.3f} | {r.forward_mbit:.1f} | {r.backward_mbit:.1f} |"
+            f"{r.ratio:.3f} | {r.forward_mbit:.1f} | {r.backward_mbit:.1f} | {rtt} |"
         )
     return "\n".join(lines)
 

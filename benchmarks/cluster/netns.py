@@ -28,6 +28,7 @@ from pathlib import Path
 from deepspeed_ext.comm import LINK_CLASSES
 from deepspeed_ext.topology import LinkClass
 
+from . import delay
 from .spec import SUBNET, ClusterSpec
 
 DEFAULT_PREFIX = "emc"
@@ -39,6 +40,8 @@ MTU = 9000
 # token bucket, so there is no refill burst); quantum >= a GSO packet silences size warnings.
 HTB_QUANTUM = 65536
 _UNITS = {"bit": 1e-6, "Kbit": 1e-3, "Mbit": 1.0, "Gbit": 1e3}
+# The delay line of each cluster with latency, by prefix, until its teardown.
+_DELAY_LINES: dict[str, subprocess.Popen] = {}
 
 
 class ClusterUnavailable(RuntimeError):
@@ -112,6 +115,9 @@ def teardown(prefix: str) -> None:
         sh("ip", "netns", "del", ns)
     for link in list_host_links(prefix):
         sh("ip", "link", "del", link)
+    line = _DELAY_LINES.pop(prefix, None)
+    if line is not None:
+        line.wait()  # killed with its namespace's processes above
 
 
 def _class_nets(spec: ClusterSpec, rank: int) -> dict[LinkClass, str]:
@@ -155,22 +161,53 @@ def _build_nic(sw: str, prefix: str, nic: int, spec: ClusterSpec) -> None:
            "htb", "rate", rate, "ceil", rate, "quantum", str(HTB_QUANTUM))  # fmt: skip
 
 
-def _share_nic(sw: str, port: str, prefix: str, spec: ClusterSpec, rank: int) -> None:
-    """Send the port's inter-node traffic through its NIC's ifb devices (both directions)."""
-    tx, rx = _nic_devices(prefix, spec.nic(rank))
-    tc = ("tc", "-n", sw, "filter", "add", "dev", port)
+def _port_ingress(sw: str, port: str, prefix: str, spec: ClusterSpec, rank: int, shared: bool) -> None:
+    """Send what the rank puts on its port to the delay line's tap of its link class, else (shared
+    NIC, to other nodes) to its NIC's tx device, else straight to the bridge."""
+    delayed = spec.delayed_classes()
+    if not delayed and not shared:
+        return
     sh("tc", "-n", sw, "qdisc", "add", "dev", port, "handle", "ffff:", "ingress")
-    # From the rank: traffic within its node passes (a match without action ends classification;
-    # no gact action needed, which some kernels lack); everything else queues on the NIC's tx device.
-    sh(*tc, "parent", "ffff:", "protocol", "ip", "prio", "1", "u32", "match", "ip", "dst", spec.node_net(rank),
-       "classid", "1:1")  # fmt: skip
-    sh(*tc, "parent", "ffff:", "protocol", "ip", "prio", "2", "u32", "match", "ip", "dst", f"{SUBNET}.0.0/16",
-       "action", "mirred", "egress", "redirect", "dev", tx)  # fmt: skip
-    # To the rank from other nodes: the NIC's rx device first, then (classification skipped on the
-    # way back, the flowid stays) the port's own inter-node class.
-    idx = LINK_CLASSES.index("inter_node") + 1
-    sh(*tc, "parent", "1:", "protocol", "ip", "prio", str(idx), "u32", "match", "ip", "src", f"{SUBNET}.0.0/16",
-       "flowid", f"1:{idx}", "action", "mirred", "egress", "redirect", "dev", rx)  # fmt: skip
+    nets = _class_nets(spec, rank)
+    for idx, link in enumerate(LINK_CLASSES, start=1):
+        if link not in spec.link_classes():
+            continue
+        if link in delayed:
+            action = ["action", "mirred", "egress", "redirect", "dev", delay.tap_name(prefix, link)]
+        elif link == LinkClass.INTER_NODE and shared:
+            action = [
+                "action",
+                "mirred",
+                "egress",
+                "redirect",
+                "dev",
+                _nic_devices(prefix, spec.nic(rank))[0],
+            ]
+        else:
+            # A match without action ends classification: the packet goes on to the bridge (no gact
+            # action needed, which some kernels lack), and no later, wider prefix catches it.
+            action = ["classid", "1:1"]
+        sh("tc", "-n", sw, "filter", "add", "dev", port, "parent", "ffff:", "protocol", "ip", "prio", str(idx),
+           "u32", "match", "ip", "dst", nets[link], *action)  # fmt: skip
+    if shared:
+        # To the rank from other nodes: the NIC's rx device first, then (classification skipped on
+        # the way back, the flowid stays) the port's own inter-node class.
+        idx = LINK_CLASSES.index("inter_node") + 1
+        sh("tc", "-n", sw, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", str(idx),
+           "u32", "match", "ip", "src", f"{SUBNET}.0.0/16", "flowid", f"1:{idx}",
+           "action", "mirred", "egress", "redirect", "dev", _nic_devices(prefix, spec.nic(rank))[1])  # fmt: skip
+
+
+def _delayed_to_nic(sw: str, prefix: str, spec: ClusterSpec) -> None:
+    """Inter-node packets back from the delay line go to their sender's NIC tx device; ifb then
+    returns them to the tap's ingress, classification skipped, and so to the bridge."""
+    tap = delay.tap_name(prefix, LinkClass.INTER_NODE)
+    sh("tc", "-n", sw, "qdisc", "add", "dev", tap, "handle", "ffff:", "ingress")
+    for nic in sorted({spec.nic(r) for r in range(spec.world_size)}):
+        rank = next(r for r in range(spec.world_size) if spec.nic(r) == nic)
+        sh("tc", "-n", sw, "filter", "add", "dev", tap, "parent", "ffff:", "protocol", "ip", "prio", "1",
+           "u32", "match", "ip", "src", spec.package_net(rank),
+           "action", "mirred", "egress", "redirect", "dev", _nic_devices(prefix, nic)[0])  # fmt: skip
 
 
 def _mbit(text: str) -> float:
@@ -199,6 +236,8 @@ def _verify_shaping(ns: str, dev: str, spec: ClusterSpec) -> None:
 def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:
     """Create the switch namespace, one shaped namespace per rank; return the rank namespaces."""
     check_prefix(prefix)
+    if spec.delayed_classes() and (missing := delay.check_compiler()):
+        raise ClusterUnavailable(f"latency emulation unavailable, missing {missing}")
     sw = switch_ns(prefix)
     bridge = f"{prefix}-br"
     sh("ip", "netns", "add", sw)
@@ -208,6 +247,10 @@ def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:
     if shared:
         for nic in sorted({spec.nic(r) for r in range(spec.world_size)}):
             _build_nic(sw, prefix, nic, spec)
+    if spec.delayed_classes():
+        _DELAY_LINES[prefix] = delay.start(spec, sw, prefix, bridge, sh)
+        if shared and LinkClass.INTER_NODE in spec.delayed_classes():
+            _delayed_to_nic(sw, prefix, spec)
     namespaces = []
     for rank in range(spec.world_size):
         ns, port = rank_ns(prefix, rank), _port(prefix, rank)
@@ -218,11 +261,14 @@ def build(spec: ClusterSpec, prefix: str = DEFAULT_PREFIX) -> list[str]:
         sh("ip", "-n", ns, "addr", "add", f"{spec.address(rank)}/16", "dev", RANK_IFACE)
         sh("ip", "-n", ns, "link", "set", RANK_IFACE, "mtu", str(MTU), "up")
         sh("ip", "-n", ns, "link", "set", "lo", "up")
+        if spec.delayed_classes():
+            # With milliseconds of round trip, restarting slow start after every idle gap (the
+            # default) would add round trips to each collective that RDMA links do not have.
+            sh("ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0")
         if spec.link_classes():
             _shape(ns, RANK_IFACE, spec, rank, "dst")
             _shape(sw, port, spec, rank, "src", skip_filter="inter_node" if shared else None)
-            if shared:
-                _share_nic(sw, port, prefix, spec, rank)
+            _port_ingress(sw, port, prefix, spec, rank, shared)
             _verify_shaping(ns, RANK_IFACE, spec)
             _verify_shaping(sw, port, spec)
         namespaces.append(ns)

@@ -81,6 +81,17 @@ def main() -> None:
                         f"{link:>10} {src}->{dst} repeat {i + 1}/{args.repeats}: {mbit:7.1f} Mbit/s",
                         flush=True,
                     )
+    # Round trips of one float per pair (a -> b, b's one-float reply): two one-way delays plus gloo's
+    # own time; the first of each pair is a warm-up.
+    token = torch.zeros(1, dtype=torch.float32)
+    for link, a, b in json.loads(args.pairs):
+        for i in range(args.repeats + 1):
+            dist.barrier()
+            seconds = timed_send(a, b, token, ack)
+            if seconds is not None and i > 0:
+                records.append(
+                    {"link": f"{link} round trip", "src": a, "dst": b, "seconds": seconds, "bytes": 4}
+                )
     nbytes = payload.numel() * payload.element_size()
     for label, pairs in json.loads(args.concurrent):
         timed_together(pairs, payload)  # warm-up

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from deepspeed_ext.topology import LinkClass
+from deepspeed_ext.zero.cost_model import FRONTIER_LATENCY_US
 
 # Shaping through veth + tbf stays accurate up to about this rate on a small host; above it the
 # kernel's packet processing, not the shaper, becomes the limit and measurements stop meaning much.
@@ -15,6 +16,14 @@ MAX_WORLD_SIZE = 64
 # Addresses are 10.77.<node>.<host>: the node octet must stay a valid host part inside 10.77.0.0/16.
 MAX_NODES = 250
 SUBNET = "10.77"
+# One-way delays beyond this only measure timeouts; gloo's and TCP's defaults assume LAN round trips.
+MAX_LATENCY_MS = 100.0
+# Emulated time per Frontier time for latencies (FRONTIER_LATENCY_US, the cost model's 2 / 4 / 10 us
+# per step: package / node / inter-node): 10 us across nodes become 10 ms, about half of one ring
+# step of a 1 MB gather over 16 ranks on a 50 Mbit/s NIC shared by 2 ranks (62.5 KB at 25 Mbit/s:
+# 20 ms), so latency matters at CPU speed. The rates are Frontier's / 4000 (25 GB/s -> 50 Mbit/s),
+# so the emulator's latency x bandwidth product is a quarter of Frontier's.
+FRONTIER_LATENCY_SCALE = 1000.0
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,12 @@ class ClusterSpec:
     shared_nic: bool = True
     """One inter-node link per package, shared by its ranks in each direction (Frontier: one NIC per
     MI250X); False gives every rank its own inter-node link."""
+    package_latency_ms: float = 0.0
+    """One-way delay in ms added to every packet between two ranks of the same package."""
+    node_latency_ms: float = 0.0
+    """One-way delay in ms between ranks of different packages of the same node."""
+    inter_node_latency_ms: float = 0.0
+    """One-way delay in ms between ranks of different nodes."""
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -95,6 +110,14 @@ class ClusterSpec:
                 or not 0 < value <= MAX_RATE_MBIT
             ):
                 out.append(f"{field}={value!r} must be a rate in Mbit/s in (0, {MAX_RATE_MBIT:g}]")
+        for field in ("package_latency_ms", "node_latency_ms", "inter_node_latency_ms"):
+            value = getattr(self, field)
+            if (
+                not isinstance(value, (int, float))
+                or isinstance(value, bool)
+                or not 0 <= value <= MAX_LATENCY_MS
+            ):
+                out.append(f"{field}={value!r} must be a delay in ms in [0, {MAX_LATENCY_MS:g}]")
         return out
 
     @property
@@ -156,6 +179,18 @@ class ClusterSpec:
             LinkClass.INTER_NODE: self.inter_node_mbit,
         }[link]
 
+    def latency_ms(self, link: LinkClass) -> float:
+        """Configured one-way delay of a link class."""
+        return {
+            LinkClass.PACKAGE: self.package_latency_ms,
+            LinkClass.NODE: self.node_latency_ms,
+            LinkClass.INTER_NODE: self.inter_node_latency_ms,
+        }[link]
+
+    def delayed_classes(self) -> list[LinkClass]:
+        """Link classes of this layout that carry a delay."""
+        return [link for link in self.link_classes() if self.latency_ms(link) > 0]
+
     def nic(self, rank: int) -> int:
         """Index of the NIC a rank's inter-node traffic goes through (its package's, or its own)."""
         p = self.place(rank)
@@ -197,6 +232,26 @@ def frontier(nodes: int = 2, packages_per_node: int = 2, shared_nic: bool = True
     )
 
 
+def frontier_latency(
+    nodes: int = 8,
+    packages_per_node: int = 1,
+    scale: float = FRONTIER_LATENCY_SCALE,
+    shared_nic: bool = True,
+) -> ClusterSpec:
+    """The frontier profile's rates plus one-way delays per link class in Frontier's latency ratio
+    (FRONTIER_LATENCY_US) times ``scale``: 2 / 4 / 10 ms at the default scale of 1000. The default
+    layout is 8 nodes of one MI250X each (2 ranks sharing one NIC): 16 ranks."""
+    base = frontier(nodes, packages_per_node, shared_nic)
+    ms = {str(link): us * scale / 1000 for link, us in FRONTIER_LATENCY_US.items()}
+    return replace(
+        base,
+        name="frontier_latency",
+        package_latency_ms=ms["package"],
+        node_latency_ms=ms["node"],
+        inter_node_latency_ms=ms["inter_node"],
+    )
+
+
 def generic(
     nodes: int = 2, ranks_per_node: int = 2, node_mbit: float = 400.0, inter_node_mbit: float = 100.0
 ) -> ClusterSpec:
@@ -205,7 +260,7 @@ def generic(
     return ClusterSpec(nodes, ranks_per_node, 1, node_mbit, node_mbit, inter_node_mbit, name="generic")
 
 
-PROFILES = {"frontier": frontier, "generic": generic}
+PROFILES = {"frontier": frontier, "frontier_latency": frontier_latency, "generic": generic}
 
 
 def profile(name: str) -> ClusterSpec:

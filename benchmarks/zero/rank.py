@@ -1,6 +1,7 @@
 """One rank of the ZeRO benchmark: ZeRO-3, ZeRO++ hpZ and the hierarchical variant, side by side.
 
-Started by ``benchmarks.zero.run`` on every rank (emulated cluster or loopback). Every engine is
+Started by ``benchmarks.zero.run`` or ``benchmarks.zero.scale`` on every rank (emulated cluster or
+loopback). For each accumulation value in ``--micro`` (one result each, in a list) every engine is
 built once, then their steps interleave (ZeRO-3, hpZ(2), ours(package), hpZ(4), ours(node), ...)
 so that a change of host load hits all alike. Each step is timed between barriers. Per step and
 engine it records the bytes the counter computes (comm.py) and, inside an emulated cluster, the
@@ -30,6 +31,7 @@ from torch.profiler import record_function
 
 from benchmarks.allocations import AllocationTrace
 from benchmarks.cluster.netns import sent_bytes
+from benchmarks.zero.variants import scale_variants
 from deepspeed_ext import comm
 from deepspeed_ext.topology import Level, Topology
 
@@ -168,7 +170,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--micro", type=int, default=1, help="gradient accumulation steps")
+    parser.add_argument(
+        "--micro",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="gradient accumulation steps; several: one after the other",
+    )
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prefetch-bucket", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
@@ -185,6 +193,24 @@ def main() -> None:
         metavar="JSON",
         help="one more engine of ours with quantized inter-node hops: the hierarchical_zero keys that turn them on",
     )
+    parser.add_argument(
+        "--variant-set",
+        choices=("levels", "scale"),
+        default="levels",
+        help="levels: ZeRO-3, hpZ and ours at the package and node levels; scale: benchmarks.zero.variants",
+    )
+    parser.add_argument(
+        "--chunks", type=int, default=4, help="pipeline_chunks of the pipelined variants (scale)"
+    )
+    parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["recursive"],
+        help="inter_node_algorithm of each pipelined variant (scale)",
+    )
+    parser.add_argument(
+        "--no-peak", action="store_true", help="skip the peak-memory pass after the timed steps"
+    )
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -193,7 +219,28 @@ def main() -> None:
     per_package = spec["ranks_per_package"] if spec else int(os.environ.get("BENCH_RANKS_PER_PACKAGE", "2"))
     topology = Topology(dist.get_world_size(), int(os.environ["LOCAL_WORLD_SIZE"]), per_package)
     comm.patch_deepspeed_comm()
+    if args.quantized_hops:
+        args.ours_variant.append(f"package, quantized hops={args.quantized_hops}")
+    results = []
+    for micro in args.micro:
+        # One process for every accumulation value: 16 ranks take minutes to start on a small host.
+        args.micro = micro
+        results.append(measure(variant_configs(args, topology), topology, args, spec is not None))
+    from benchmarks.cluster import write_result
+
+    write_result(results)
+
+
+def variant_configs(args: argparse.Namespace, topology: Topology) -> dict[str, tuple[str, dict]]:
+    """The engines to compare, by name: (stock or ours, DeepSpeed config)."""
     node, package = topology.ranks_per_node, topology.ranks_per_package
+    if args.variant_set == "scale":
+        configs = {}
+        for name, variant in scale_variants(node, args.chunks, args.algorithms).items():
+            cfg = ds_config(args, topology, Level.NODE, **variant.zero)
+            cfg["hierarchical_zero"].update(variant.hierarchical)
+            configs[name] = (variant.kind, cfg)
+        return configs
     # ZeRO++ hpZ next to ours at the same secondary memory: hpZ(package size) and hpZ(node size).
     configs = {
         "zero3": ("stock", ds_config(args, topology)),
@@ -202,13 +249,18 @@ def main() -> None:
         f"zero++ hpZ({node})": ("stock", ds_config(args, topology, zero_hpz_partition_size=node)),
         "ours (node)": ("ours", ds_config(args, topology, Level.NODE)),
     }
-    if args.quantized_hops:
-        args.ours_variant.append(f"package, quantized hops={args.quantized_hops}")
     for item in args.ours_variant:
         name, _, keys = item.partition("=")
         cfg = ds_config(args, topology, Level.PACKAGE)
         cfg["hierarchical_zero"].update(json.loads(keys))
         configs[f"ours ({name})"] = ("ours", cfg)
+    return configs
+
+
+def measure(
+    configs: dict[str, tuple[str, dict]], topology: Topology, args: argparse.Namespace, on_cluster: bool
+) -> dict[str, Any]:
+    """Build every engine, interleave their steps, then (unless --no-peak) measure each one's peak."""
     engines = {name: build(kind, copy.deepcopy(cfg), topology, args) for name, (kind, cfg) in configs.items()}
     counters = {name: comm.CommCounter(topology) for name in engines}
     record: dict[str, dict[str, Any]] = {name: {"times": [], "wire": [], "held": []} for name in engines}
@@ -216,7 +268,7 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         for name, engine in engines.items():
             counters[name].reset()
-            before = sent_bytes() if spec else None
+            before = sent_bytes() if on_cluster else None
             with comm.counting(counters[name]):
                 seconds, held = one_step(engine, counters[name], step, args)
             if step >= args.warmup:
@@ -226,20 +278,17 @@ def main() -> None:
                     after = sent_bytes()
                     record[name]["wire"].append({k: after[k] - before[k] for k in after})
                 counts[name] = counters[name].snapshot()
+    del engines  # the next accumulation value's engines replace them
     for name, (kind, cfg) in configs.items():
-        record[name]["peak"] = peak_bytes(kind, cfg, topology, args)
-    from benchmarks.cluster import write_result
-
-    write_result(
-        {
-            "record": record,
-            "counts": counts,
-            "params": param_count(args),
-            "args": vars(args),
-            "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package],
-            "loadavg": os.getloadavg(),
-        }
-    )
+        record[name]["peak"] = None if args.no_peak else peak_bytes(kind, cfg, topology, args)
+    return {
+        "record": record,
+        "counts": counts,
+        "params": param_count(args),
+        "args": dict(vars(args)),  # a copy: args.micro changes per accumulation value
+        "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package],
+        "loadavg": os.getloadavg(),
+    }
 
 
 if __name__ == "__main__":

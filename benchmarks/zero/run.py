@@ -55,7 +55,7 @@ def run_all(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, l
 
     def launch(key: str, start: Callable[[], list]) -> None:
         load = os.getloadavg()
-        result = start()
+        result = [per_rank[0] for per_rank in start()]  # one accumulation value per launch
         runs.setdefault(key, []).append(
             {"loadavg_before": load, "loadavg_after": os.getloadavg(), "ranks": result}
         )
@@ -115,7 +115,7 @@ def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str
     return shape, model, variants
 
 
-def _steps(launches: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
+def step_times(launches: list[dict[str, Any]], name: str) -> tuple[list[float], list[float]]:
     """Pooled step times (each the slowest rank's) and each launch's median."""
     per_launch = []
     for launch in launches:
@@ -153,7 +153,7 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
         row: dict[str, Any] = {}
         for key, launches in (("shaped", shaped), ("unshaped", base)):
             if launches:
-                steps, medians = _steps(launches, name)
+                steps, medians = step_times(launches, name)
                 row[key] = {
                     "median": statistics.median(steps),
                     "min": min(steps),

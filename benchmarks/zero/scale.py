@@ -1,0 +1,223 @@
+"""ZeRO variants side by side on an emulated cluster of many small nodes with per-link latency.
+
+  python -m benchmarks.zero.scale --quick                 (root; 1 launch, 2 timed steps: a smoke test)
+  python -m benchmarks.zero.scale                         (root; the benchmark: 3 launches x 3 steps)
+  python -m benchmarks.zero.scale --nodes 6               (12 ranks)
+  python -m benchmarks.zero.scale --from-json benchmarks/results/zero/scale_8x2.json   (tables again)
+
+The cluster (benchmarks.cluster.spec.frontier_latency): ``--nodes`` nodes of one MI250X each, i.e.
+2 ranks sharing one NIC, links 400 Mbit/s between the two and 50 Mbit/s per NIC, and one-way
+delays in Frontier's latency ratio times ``--latency-scale`` (2 ms inside a package, 10 ms across
+nodes at the default 1000; 0 turns latency off). Every engine of ``benchmarks.zero.variants`` is
+built in one launch and their steps interleave; each launch runs one accumulation value; the
+rounds of launches are pooled. Measured per variant: step time (each step the slowest rank's,
+min / median / max over all launches, and each launch's median), bytes each rank's interface
+sent per link class and step (tc counters), the engine's secondary copy, and the host's
+/proc/loadavg before and after every launch. Targets (benchmark targets, reported met / missed):
+ours pipelined, best algorithm, >= 1.5x hpZ's step throughput and >= 1.2x ours serial, at every
+accumulation value. Writes benchmarks/results/zero/<name>.{json,md}; remaining arguments go to
+``benchmarks.zero.rank``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.cluster.spec import FRONTIER_LATENCY_SCALE, frontier_latency
+from benchmarks.zero.run import OUT, RANK_MODULE, step_times
+from benchmarks.zero.variants import scale_variants
+from deepspeed_ext.comm import LINK_CLASSES
+
+TARGET_VS_HPZ = 1.5
+TARGET_VS_SERIAL = 1.2
+
+
+def _loadavg() -> str:
+    return Path("/proc/loadavg").read_text().strip()
+
+
+def run(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, list], dict[str, Any]]:
+    """All launches on one cluster; returns the launches by accumulation value and the spec."""
+    from benchmarks.cluster import EmulatedCluster
+
+    spec = frontier_latency(nodes=args.nodes, scale=args.latency_scale)
+    runs: dict[str, list] = {}
+    argv = [*RANK_MODULE, "--variant-set", "scale", "--no-peak", "--micro", *map(str, args.micro),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--chunks", str(args.chunks),
+            "--algorithms", *args.algorithms, "--hidden", str(args.hidden), "--layers", str(args.layers),
+            *rank_args]  # fmt: skip
+    with EmulatedCluster(spec, prefix="emzs") as cluster:
+        for round_ in range(args.launches):
+            before, start = _loadavg(), time.monotonic()
+            ranks = cluster.launch(argv, timeout=args.timeout)
+            after, seconds = _loadavg(), time.monotonic() - start
+            # Each rank returns one result per accumulation value, in --micro order.
+            for i, micro in enumerate(args.micro):
+                runs.setdefault(str(micro), []).append(
+                    {
+                        "loadavg_before": before,
+                        "loadavg_after": after,
+                        "seconds": seconds,
+                        "ranks": [per_rank[i] for per_rank in ranks],
+                    }
+                )
+            print(f"launch {round_ + 1}/{args.launches} (accumulation {' and '.join(map(str, args.micro))}): "
+                  f"{seconds:.0f} s; /proc/loadavg {before} -> {after}", flush=True)  # fmt: skip
+    return runs, spec.to_dict() | {"ranks_per_nic": spec.ranks_per_nic}
+
+
+def summarize(launches: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
+    """Per variant: step times, throughput, wire bytes; then the targets."""
+    first = launches[0]["ranks"][0]
+    world = len(launches[0]["ranks"])
+    args = first["args"]
+    roles = {
+        name: v.role
+        for name, v in scale_variants(
+            spec["ranks_per_package"] * spec["packages_per_node"], args["chunks"], args["algorithms"]
+        ).items()
+    }
+    rows = {}
+    for name in first["record"]:
+        steps, medians = step_times(launches, name)
+        wire = {
+            k: statistics.mean(
+                statistics.median(s[k] for s in r["record"][name]["wire"])
+                for launch in launches
+                for r in launch["ranks"]
+            )
+            for k in (*LINK_CLASSES, "total")
+        }
+        rows[name] = {
+            "role": roles[name],
+            "median": statistics.median(steps),
+            "min": min(steps),
+            "max": max(steps),
+            "launch_medians": medians,
+            "samples_per_s": world * args["batch"] * args["micro"] / statistics.median(steps),
+            "wire_bytes": wire,
+            "inter_node_bytes_all_ranks": wire["inter_node"] * world,
+            "secondary_bytes": max(r["record"][name]["held"][-1]["secondary"] for r in launches[0]["ranks"]),
+        }
+    return {"rows": rows, "targets": targets(rows), "args": args, "params": first["params"], "world": world}
+
+
+def targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Best pipelined variant against hpZ and against ours serial: throughput ratios, met or missed."""
+    by_role = {}
+    for name, row in rows.items():
+        best = by_role.get(row["role"])
+        if best is None or row["median"] < rows[best]["median"]:
+            by_role[row["role"]] = name
+    best = by_role["pipelined"]
+    out = []
+    for role, target in (("hpz", TARGET_VS_HPZ), ("serial", TARGET_VS_SERIAL)):
+        ratio = rows[by_role[role]]["median"] / rows[best]["median"]
+        out.append(
+            {"ours": best, "against": by_role[role], "ratio": ratio, "target": target, "met": ratio >= target}
+        )
+    return out
+
+
+def markdown(summaries: dict[str, dict[str, Any]], runs: dict[str, list], spec: dict[str, Any]) -> str:
+    mb = 1e6
+    lat = " / ".join(f"{spec[f'{k}_latency_ms']:g}" for k in LINK_CLASSES)
+    lines = [
+        f"Emulated cluster {spec['nodes']} nodes x {spec['packages_per_node']} package x {spec['ranks_per_package']} "
+        f"ranks ({spec['nodes'] * spec['packages_per_node'] * spec['ranks_per_package']} ranks, one NIC per package), "
+        f"{spec['package_mbit']:g} / {spec['node_mbit']:g} / {spec['inter_node_mbit']:g} Mbit/s and one-way "
+        f"delays {lat} ms (package / node / inter-node).",
+    ]
+    for micro, s in summaries.items():
+        a = s["args"]
+        lines += [
+            "",
+            f"### Gradient accumulation {micro}",
+            "",
+            f"{s['params']:,} fp32 parameters ({a['layers']} x {a['hidden']}), batch {a['batch']} per rank, "
+            f"{len(runs[micro])} launch(es) x {a['steps']} timed steps after {a['warmup']} warm-up.",
+            "",
+            "| variant | step s: median (min-max) | launch medians | samples/s | wire MB per rank and step: "
+            "package / node / inter-node (all) | inter-node MB per step, all ranks | secondary MB per rank |",
+            "|---|---|---|---:|---|---:|---:|",
+        ]
+        for name, r in s["rows"].items():
+            w = r["wire_bytes"]
+            lines.append(
+                f"| {name} | {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) | "
+                + ", ".join(f"{t:.2f}" for t in r["launch_medians"])
+                + f" | {r['samples_per_s']:.1f} | {w['package'] / mb:.2f} / {w['node'] / mb:.2f} / "
+                f"{w['inter_node'] / mb:.2f} ({w['total'] / mb:.2f}) | {r['inter_node_bytes_all_ranks'] / mb:.2f} | "
+                f"{r['secondary_bytes'] / mb:.2f} |"
+            )
+        lines.append("")
+        for t in s["targets"]:
+            lines.append(
+                f"- {t['ours']} vs {t['against']}: {t['ratio']:.2f}x step throughput (target {t['target']:g}x): "
+                + ("**met**" if t["met"] else "**missed**")
+            )
+        lines.append("")
+        lines.append("/proc/loadavg before -> after each launch: " + "; ".join(
+            f"{x['loadavg_before']} -> {x['loadavg_after']}" for x in runs[micro]))  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", type=int, default=8, help="nodes of 2 ranks (default 8: 16 ranks)")
+    parser.add_argument(
+        "--latency-scale",
+        type=float,
+        default=FRONTIER_LATENCY_SCALE,
+        help="emulated per Frontier latency (0: none)",
+    )
+    parser.add_argument("--micro", type=int, nargs="+", default=[1, 4], help="gradient accumulation values")
+    parser.add_argument("--launches", type=int, default=3, help="launches per accumulation value, pooled")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant and launch")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--chunks", type=int, default=4, help="pipeline_chunks of the pipelined variants")
+    parser.add_argument("--algorithms", nargs="+", default=["recursive"], help="inter_node_algorithm values")
+    # Small enough that 16 ranks on 2 cores finish the full benchmark in about 15 minutes.
+    parser.add_argument("--hidden", type=int, default=256, help="width of the MLP's layers")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 launch, 2 timed steps")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--name", help="file name stem (default scale_<nodes>x2, _quick with --quick)")
+    parser.add_argument("--from-json", type=Path, help="rebuild the tables from an earlier result file")
+    args, rank_args = parser.parse_known_args()
+    start = time.monotonic()
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        runs, spec, wall = saved["runs"], saved["spec"], saved["wall_s"]
+    else:
+        if args.quick:
+            args.launches, args.steps = 1, 2
+        runs, spec = run(args, rank_args)
+        wall = time.monotonic() - start
+    summaries = {micro: summarize(launches, spec) for micro, launches in runs.items()}
+    text = markdown(summaries, runs, spec) + f"\nWall time of the whole command: {wall:.0f} s.\n"
+    print(text)
+    stem = (
+        args.from_json.stem
+        if args.from_json
+        else f"scale_{spec['nodes']}x2" + ("_quick" if args.quick else "")
+    )
+    name = args.name or stem
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.json").write_text(
+        json.dumps({"summary": summaries, "spec": spec, "wall_s": wall, "runs": runs}, indent=1)
+    )
+    (args.out / f"{name}.md").write_text(text)
+    print(f"wrote {args.out / name}.{{json,md}}; wall time {wall:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
