@@ -5,7 +5,16 @@ setup(
     version="0.1.0",
     description="Shared-memory node loader, hierarchical ZeRO-3 and Flash-Overlap TP linears for megatron-core + DeepSpeed",
     packages=find_packages(
-        include=["plugin_base", "plugin_base.*", "deepspeed_ext", "deepspeed_ext.*", "megatron_ext", "megatron_ext.*"]
+        include=[
+            "plugin_base",
+            "plugin_base.*",
+            "deepspeed_ext",
+            "deepspeed_ext.*",
+            "megatron_ext",
+            "megatron_ext.*",
+            "trainer",
+            "trainer.*",
+        ]
     ),
     py_modules=["plugin_config"],
     python_requires=">=3.10",

@@ -1,7 +1,8 @@
 """The main job's set-up steps: process groups, DeepSpeed config, data, model and engine.
 
 Each step validates its own inputs and raises :class:`UsageError` with a one-line message that
-names the flag, the value and the fix; ``pretrain_gpt.main`` prints it and exits 2.
+names the flag, the value and the fix (:func:`trainer.main.main` prints it and exits 2), and makes
+its process-wide changes through the job's :class:`~plugin_base.installer.Installer`.
 """
 
 from __future__ import annotations
@@ -10,14 +11,15 @@ import argparse
 import os
 import tempfile
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
 from deepspeed_ext.section import read_ds_config
 from deepspeed_ext.topology import Topology
+from plugin_base.installer import Installer
 from plugin_config import PluginConfig
 
 
@@ -32,7 +34,7 @@ def _env_int(*names: str, default: int) -> int:
     return default
 
 
-def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
+def init_distributed(args: argparse.Namespace, installer: Installer) -> tuple[int, int]:
     """Join the job's process group (torchrun or srun variables; a lone process otherwise).
     Checks the parallel layout against the world size first, so a bad flag fails before any wait."""
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
@@ -53,7 +55,7 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
     if args.sequence_parallel and args.seq_length % tp:
         raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by TP ({tp})")
     local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
-    os.environ.setdefault("LOCAL_RANK", str(local))
+    _set_env(installer, "LOCAL_RANK", str(local))
     if torch.cuda.is_available():
         torch.cuda.set_device(local % torch.cuda.device_count())
         backend = "nccl"
@@ -66,10 +68,18 @@ def init_distributed(args: argparse.Namespace) -> tuple[int, int]:
             raise UsageError(
                 f"world size {world} but MASTER_ADDR is not set: launch with torchrun or the Slurm scripts"
             )
-        os.environ.setdefault("MASTER_PORT", "29500")
+        _set_env(installer, "MASTER_PORT", "29500")
         init = "env://"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    installer.add(__name__, f"the job's {backend} process group", dist.destroy_process_group)
     return world, rank
+
+
+def _set_env(installer: Installer, name: str, value: str) -> None:
+    """``name`` set to ``value`` for the job when the environment does not set it."""
+    if name not in os.environ:
+        os.environ[name] = value
+        installer.add(__name__, f"environment: {name}={value}", lambda: os.environ.pop(name, None))
 
 
 def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
@@ -101,68 +111,22 @@ def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     return config
 
 
-def build_tokenizer(args: argparse.Namespace) -> Any:
-    """megatron-core's NullTokenizer of ``--vocab-size`` ids plus EOD, as Megatron-LM builds it."""
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
-
-    if args.vocab_size < 1:
-        raise UsageError(f"--vocab-size {args.vocab_size} must be positive")
-    if not args.data_path and args.vocab_size < 256:
-        raise UsageError(
-            f"--vocab-size {args.vocab_size} is too small for the generated corpus (byte ids 0-255): "
-            "pass --vocab-size 256 or more, or --data-path"
-        )
-    return NullTokenizer(args.vocab_size)
-
-
-def prepare_data(args: argparse.Namespace, rank: int, tokenizer: Any) -> str:
-    """The dataset prefix: --data-path (its token ids checked against the vocabulary), or a
-    generated local corpus (written by rank 0, documents ended by the tokenizer's EOD)."""
-    from megatron_ext.data.gpt_dataset import (
-        check_indexed_dataset,
-        largest_token_id,
-        synthetic_documents,
-        write_indexed_dataset,
-    )
-
-    if not args.data_path:
-        name = "local_corpus" if tokenizer.eod == 256 else f"local_corpus_eod{tokenizer.eod}"
-        prefix = os.path.join(_cache_dir(args), name)
-        if rank == 0 and not os.path.exists(prefix + ".idx"):
-            write_indexed_dataset(prefix, synthetic_documents(4000), eod=tokenizer.eod)
-        dist.barrier()
-        return prefix
-    check_indexed_dataset(args.data_path)
-    # One rank reads the ids, every rank gets the answer: all stop together on a mismatch, before
-    # megatron-core's embedding silently zeroes out-of-range ids (TP>1) or indexes past its table.
-    largest = [largest_token_id(args.data_path) if rank == 0 else None]
-    dist.broadcast_object_list(largest, src=0)
-    if largest[0] is not None and largest[0] >= tokenizer.vocab_size:
-        raise UsageError(
-            f"--data-path {args.data_path} holds token id {largest[0]} but the vocabulary has {tokenizer.vocab_size} ids "
-            f"(--tokenizer-type {args.tokenizer_type} --vocab-size {args.vocab_size}): pass the --vocab-size of the "
-            f"tokenizer that made the data ({largest[0]} or more)"
-        )
-    return args.data_path
-
-
-def _cache_dir(args: argparse.Namespace) -> str:
-    return args.data_cache_path or os.path.join(os.getcwd(), "runs", "data")
-
-
 def build_model(
-    args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any, topology: Topology
+    args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any, topology: Topology, installer: Installer
 ) -> torch.nn.Module:
     """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled (the
     topology lets their ``backend: auto`` check that the TP group sits in one node)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.cpu import disable_cpu_support, enable_cpu_support
     from megatron_ext.gpt import build_gpt_model, gpt_config, padded_vocab_size
     from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
-    enable_cpu_support()
+    if enable_cpu_support():
+        installer.add(
+            "megatron_ext.cpu", "megatron-core's CUDA device and RNG calls on the CPU", disable_cpu_support
+        )
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
     sequence_parallel = args.sequence_parallel or plugins.flash_overlap.enabled
@@ -177,9 +141,11 @@ def build_model(
     )
     layer_spec = None
     if plugins.flash_overlap.enabled:
+        from megatron_ext.layers.p2p_link import shutdown_posters
         from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
         layer_spec = get_flash_overlap_layer_spec(plugins.flash_overlap, topology=topology)
+        installer.add("megatron_ext.layers", "the P2P poster thread (gloo)", shutdown_posters)
     vocab = padded_vocab_size(
         tokenizer.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
     )
@@ -197,6 +163,7 @@ def build_engine(
     plugins: PluginConfig,
     topology: Topology,
     lr_factor: Callable[[int], float],
+    installer: Installer,
 ) -> Any:
     """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled)."""
     import deepspeed
@@ -219,57 +186,21 @@ def build_engine(
         engine, *_ = hierarchical_initialize(plugin_config=plugins, topology=topology, **kwargs)
     else:
         engine, *_ = deepspeed.initialize(**kwargs)
+    # a hierarchical engine's destroy also drops its dispatchers, hop threads, groups and patches
+    installer.add(
+        "deepspeed_ext.zero", "the engine (hierarchical: its dispatchers, threads, groups)", engine.destroy
+    )
     return engine
 
 
-def build_data_iterator(
-    args: argparse.Namespace,
-    plugins: PluginConfig,
-    topology: Topology,
-    prefix: str,
-    consumed_samples: int,
-    global_batch: int,
-    tokenizer: Any,
-) -> Any:
-    """Micro-batches for this rank from ``consumed_samples`` on: the shared-memory loader when
-    enabled, otherwise Megatron's stock path (TP rank 0 reads, then broadcasts)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_ext.data.gpt_dataset import build_train_dataset
-    from megatron_ext.data.loader import build_batch_iterator
-
-    rank = dist.get_rank()
-    cache = os.path.join(_cache_dir(args), "index-cache")
-    num_samples = args.train_iters * global_batch
-    # Rank 0 writes the index caches; the others then only read them.
-    build = partial(
-        build_train_dataset, prefix, args.seq_length, num_samples, args.seed, cache, tokenizer=tokenizer
-    )
-    dataset = build(is_built_on_rank=True) if rank == 0 else None
-    dist.barrier()
-    if dataset is None:
-        dataset = build()
-    return build_batch_iterator(
-        dataset,
-        micro_batch_size=args.micro_batch_size,
-        consumed_samples=consumed_samples,
-        config=plugins.shm_data_loader,
-        topology=topology,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        # Megatron's cyclic sampler seeds each epoch's permutation with the epoch alone (seed 0 here).
-        sampler="single" if args.dataloader_type == "single" else "random",
-        # On GPUs the loader stages batches in pinned memory and queues the copy: no host wait per step.
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
-    )
-
-
-def comm_counter(topology: Topology) -> Any:
+def comm_counter(topology: Topology, installer: Installer) -> CommCounter:
     """A counter of DeepSpeed's collectives per link class (package, node, inter-node)."""
-    from deepspeed_ext.comm import CommCounter, patch_deepspeed_comm
-
-    patch_deepspeed_comm()
+    if patch_deepspeed_comm():
+        installer.add(
+            "deepspeed_ext.comm",
+            "DeepSpeed's backend collectives wrapped to count bytes",
+            unpatch_deepspeed_comm,
+        )
     return CommCounter(topology)
 
 

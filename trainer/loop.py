@@ -1,0 +1,92 @@
+"""The training loop of the main job: Megatron's learning-rate schedule, micro-batches through the
+engine, one log record per iteration, checkpoints where asked."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from megatron_ext.gpt import gpt_loss
+from trainer.components import plugin_figures
+
+
+def lr_at(args: argparse.Namespace, iteration: int) -> float:
+    """Linear warm-up then cosine decay to --min-lr, as Megatron's default schedule."""
+    if iteration < args.lr_warmup_iters:
+        return args.lr * (iteration + 1) / args.lr_warmup_iters
+    span = max(1, args.train_iters - args.lr_warmup_iters)
+    progress = min(1.0, (iteration - args.lr_warmup_iters) / span)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def train_loop(
+    args: argparse.Namespace,
+    engine: Any,
+    data: Any,
+    counter: Any,
+    start_iteration: int,
+    consumed: int,
+    global_batch: int,
+    log_file: Any,
+) -> None:
+    """Train from ``start_iteration`` to ``--train-iters`` (or ``--exit-interval``), logging each
+    iteration's loss, learning rate, tokens/s and the plugins' figures, saving where asked."""
+    rank, dp = dist.get_rank(), ps.get_data_parallel_world_size()
+    device = next(engine.module.parameters()).device
+    for iteration in range(start_iteration, args.train_iters):
+        counter.reset()
+        t0 = time.perf_counter()
+        lr = engine.get_lr()[0]  # the rate this iteration's step uses
+        losses = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
+            loss = gpt_loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.detach())
+        consumed += global_batch
+        mean = torch.stack(losses).mean().reshape(1).float()
+        dist.all_reduce(mean, group=ps.get_data_parallel_group())
+        mean = mean.item() / dp
+        elapsed = time.perf_counter() - t0
+        figures = plugin_figures(data, counter)
+        done = iteration + 1
+        record = {
+            "iteration": done,
+            "loss": mean,
+            "lr": lr,
+            "tokens_per_s": global_batch * args.seq_length / elapsed,
+            **figures,
+        }
+        if done % args.log_interval == 0:
+            extras = "".join(f" | {k} {v}" for k, v in figures.items())
+            log(
+                rank,
+                f"iteration {done}/{args.train_iters} | loss {mean:.4f} | lr {lr:.3e} | "
+                f"tokens/s {record['tokens_per_s']:.1f}{extras}",
+            )
+        if log_file:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+        stop = done == args.train_iters or bool(args.exit_interval and done % args.exit_interval == 0)
+        if args.save and (stop or (args.save_interval and done % args.save_interval == 0)):
+            engine.save_checkpoint(
+                args.save,
+                tag=f"iter_{done:07d}",
+                client_state={"iteration": done, "consumed_samples": consumed},
+            )
+        if stop:
+            break
+
+
+def log(rank: int, message: str) -> None:
+    """Print on rank 0."""
+    if rank == 0:
+        print(message, flush=True)
