@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.layers.norm import SequenceParallelNorm
+from megatron_ext.layers.spec import local_layer_spec
 
 
 def gpt_config(
@@ -42,14 +40,6 @@ def gpt_config(
         attention_dropout=dropout,
         init_method_std=init_method_std,
     )
-
-
-def local_layer_spec() -> ModuleSpec:
-    """megatron-core's local GPT layer spec with norms that also work under sequence parallelism."""
-    spec = copy.deepcopy(get_gpt_layer_local_spec())
-    spec.submodules.input_layernorm = SequenceParallelNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
-    return spec
 
 
 def build_gpt_model(

@@ -6,7 +6,7 @@ model computes. A slot named in ``flash_overlap.layers`` must hold megatron-core
 / ``TERowParallelLinear`` or our own layers, inside megatron-core's dense ``SelfAttention`` / ``MLP``.
 TransformerEngine's ``TELayerNormColumnParallelLinear`` also carries the norm before it (TE's layer
 spec leaves the norm slot ``IdentityOp``): it is composed, our linear plus the sequence-parallel
-norm of :func:`megatron_ext.gpt.local_layer_spec` in the norm slot, which is megatron-core's local
+norm of :func:`megatron_ext.layers.spec.local_layer_spec` in the norm slot, which is megatron-core's local
 layer, checkpoint key map included. Anything else (mixture of experts, multi-latent attention, TE's
 fused MLP, other subclasses, a fused norm next to a norm of its own) is refused by name. TE classes
 are recognised by module and name, so a TE spec can be checked where TE is not installed.
@@ -18,6 +18,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.identity_op import IdentityOp
@@ -25,9 +26,9 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from deepspeed_ext.topology import Topology
-from megatron_ext.gpt import local_layer_spec
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
+from megatron_ext.layers.norm import SequenceParallelNorm
 
 _TE = "megatron.core.extensions.transformer_engine"
 Kind = Literal["column", "row"]
@@ -43,7 +44,7 @@ PLAIN: dict[Kind, frozenset[str]] = {
 FUSED_NORM = frozenset({f"{_TE}.TELayerNormColumnParallelLinear"})
 FIX = (
     "drop it from flash_overlap.layers (--flash-overlap-layers), or build on a dense local layer spec "
-    "(megatron_ext.gpt.local_layer_spec; in Megatron-LM --transformer-impl local)"
+    "(megatron_ext.layers.spec.local_layer_spec; in Megatron-LM --transformer-impl local)"
 )
 
 
@@ -69,6 +70,14 @@ SLOTS = {
     "fc1": Slot("mlp", MLP, "linear_fc1", "column", "pre_mlp_layernorm"),
     "fc2": Slot("mlp", MLP, "linear_fc2", "row"),
 }
+
+
+def local_layer_spec() -> ModuleSpec:
+    """megatron-core's local GPT layer spec with norms that also work under sequence parallelism."""
+    spec = copy.deepcopy(get_gpt_layer_local_spec())
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    return spec
 
 
 def _describe(obj: Any) -> str:
@@ -129,7 +138,7 @@ def get_flash_overlap_layer_spec(
     config: FlashOverlapConfig, base: ModuleSpec | None = None, topology: Topology | None = None
 ) -> ModuleSpec:
     """A copy of ``base`` (default: megatron-core's local GPT layer spec with sequence-parallel-capable
-    norms, :func:`megatron_ext.gpt.local_layer_spec`) whose linear_qkv / linear_proj / linear_fc1 /
+    norms, :func:`megatron_ext.layers.spec.local_layer_spec`) whose linear_qkv / linear_proj / linear_fc1 /
     linear_fc2 named in ``config.layers`` are the Flash-Overlap layers, a fused norm composed (see
     the module's docstring) and anything unknown refused with a ValueError naming it; ``base``
     unchanged when ``config.enabled`` is false. ``topology`` (where the ranks sit) lets

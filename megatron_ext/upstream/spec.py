@@ -117,7 +117,7 @@ def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | N
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from megatron_ext.gpt import local_layer_spec
+    from megatron_ext.layers.spec import local_layer_spec
 
     spec = local_layer_spec()
     if overlap is None:
