@@ -127,7 +127,7 @@ def _log_plugins(installer: Installer) -> None:
             log.setLevel(lv)
             log.propagate = pr
 
-        installer.add(OWNER, f"a stderr handler at INFO on the {name} logger", restore)
+        installer.add(OWNER, "a stderr handler at INFO on the suite's loggers that have none", restore)
 
 
 def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> None:
@@ -144,7 +144,9 @@ def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> N
         os.environ.update(saved_env)
 
     installer.add(
-        __name__, f"environment ({', '.join(sorted(added))}, and what the script sets)", restore_env
+        __name__,
+        "the environment: rendezvous variables, LOCAL_SIZE and PATH, and what the script sets",
+        restore_env,
     )
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     installer.add(
@@ -162,7 +164,9 @@ def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> N
     enable = cpu_upstream.enable if kind == MEGATRON_LM else cpu_upstream.enable_megatron_deepspeed
     if enable():
         installer.add(
-            "megatron_ext.upstream.cpu", f"{kind}'s CUDA calls mapped to the CPU", cpu_upstream.disable
+            "megatron_ext.upstream.cpu",
+            "the upstream tree's CUDA calls mapped to the CPU (no CUDA)",
+            cpu_upstream.disable,
         )
     installer.enter(OWNER, "the owner of the upstream hooks' changes", hooks.owning(installer))
 

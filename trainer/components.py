@@ -19,6 +19,7 @@ import torch.distributed as dist
 from deepspeed_ext.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
 from deepspeed_ext.section import read_ds_config
 from deepspeed_ext.topology import Topology
+from deepspeed_ext.zero.inject import ENGINE_CHANGES
 from plugin_base.installer import Installer
 from plugin_config import PluginConfig
 
@@ -71,7 +72,9 @@ def init_distributed(args: argparse.Namespace, installer: Installer) -> tuple[in
         _set_env(installer, "MASTER_PORT", "29500")
         init = "env://"
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
-    installer.add(__name__, f"the job's {backend} process group", dist.destroy_process_group)
+    installer.add(
+        "trainer", "the job's process group (gloo on CPU, NCCL on GPUs)", dist.destroy_process_group
+    )
     return world, rank
 
 
@@ -79,7 +82,11 @@ def _set_env(installer: Installer, name: str, value: str) -> None:
     """``name`` set to ``value`` for the job when the environment does not set it."""
     if name not in os.environ:
         os.environ[name] = value
-        installer.add(__name__, f"environment: {name}={value}", lambda: os.environ.pop(name, None))
+        installer.add(
+            "trainer",
+            "LOCAL_RANK and MASTER_PORT, where the launch sets none",
+            lambda: os.environ.pop(name, None),
+        )
 
 
 def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
@@ -186,10 +193,7 @@ def build_engine(
         engine, *_ = hierarchical_initialize(plugin_config=plugins, topology=topology, **kwargs)
     else:
         engine, *_ = deepspeed.initialize(**kwargs)
-    # a hierarchical engine's destroy also drops its dispatchers, hop threads, groups and patches
-    installer.add(
-        "deepspeed_ext.zero", "the engine (hierarchical: its dispatchers, threads, groups)", engine.destroy
-    )
+    installer.add("deepspeed_ext.zero", ENGINE_CHANGES, engine.destroy)
     return engine
 
 

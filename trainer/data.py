@@ -108,5 +108,5 @@ def build_data_iterator(
         # On GPUs the loader stages batches in pinned memory and queues the copy: no host wait per step.
         device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
     )
-    installer.add("megatron_ext.data", "the loader (shm: the node's producer and segment)", iterator.close)
+    installer.add("megatron_ext.data", "a loader (its producer and shared-memory segment)", iterator.close)
     return iterator

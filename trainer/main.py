@@ -85,7 +85,11 @@ def _quiet(installer: Installer) -> None:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
         installer.setattr(
-            "trainer", f"the {name} logger at WARNING", logging.getLogger(name), "level", logging.WARNING
+            "trainer",
+            "DeepSpeed's and torch.distributed's loggers at WARNING",
+            logging.getLogger(name),
+            "level",
+            logging.WARNING,
         )
     root = logging.getLogger()
     if not root.handlers:

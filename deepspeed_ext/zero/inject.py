@@ -65,6 +65,12 @@ class _Route:
         )
 
 
+ENGINE_CHANGES = (
+    "a DeepSpeed engine (hierarchical: DeepSpeed's collectives dispatched to its hops, its hop threads "
+    "and level groups, DeepSpeed's groups.mpu, the byte-counting patch), undone by engine.destroy()"
+)
+"""What an engine changes beyond itself, in the words the installers list it with."""
+
 _routes: dict[int, _Route] = {}
 _originals: dict[str, Any] = {}
 

@@ -69,10 +69,10 @@ def installer() -> Installer:
 
 def own_iterators(iterators: Sequence[Any]) -> None:
     """The loaders' producer processes and shared-memory segments end with the upstream run."""
-    for name, iterator in zip(("train", "valid", "test"), iterators):
+    for iterator in iterators:
         if iterator is not None:
             installer().add(
-                "megatron_ext.data", f"the {name} loader (producer, shared memory)", iterator.close
+                "megatron_ext.data", "a loader (its producer and shared-memory segment)", iterator.close
             )
 
 

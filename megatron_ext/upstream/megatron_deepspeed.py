@@ -148,14 +148,10 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
             "(ZeRO-3 runs without DeepSpeed's pipeline engine)"
         )
     from deepspeed_ext.zero import initialize
+    from deepspeed_ext.zero.inject import ENGINE_CHANGES
 
     result = initialize(plugin_config=config, **kwargs)
-    installer().add(
-        "deepspeed_ext.zero",
-        "the hierarchical engine: DeepSpeed's collectives dispatched to its hops, its hop threads and "
-        "level groups, DeepSpeed's groups.mpu, the byte-counting patch",
-        result[0].destroy,
-    )
+    installer().add("deepspeed_ext.zero", ENGINE_CHANGES, result[0].destroy)
     return result
 
 

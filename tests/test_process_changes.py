@@ -1,0 +1,107 @@
+"""Every process-wide change has one owner: the README's table lists exactly the changes the main
+job's installer records (all three plugins on) and the upstream launcher's, and closing the
+installer undoes them: no process group, no CPU patch, DeepSpeed's own functions back, no hop or
+poster thread, the loader's shared memory gone."""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from plugin_base.installer import Installer
+
+ROOT = Path(__file__).resolve().parents[1]
+EVENTS: list[list[tuple[str, str]]] = []
+
+
+def readme_rows() -> set[tuple[str, str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Process-wide changes") :]
+    section = section[: section.index("\n## ", 4)]
+    return {(m[1], m[2].strip()) for m in re.finditer(r"^\| `([^`]+)` \| (.+?) \| [^|]+ \|$", section, re.M)}
+
+
+@pytest.fixture
+def lone_rank(monkeypatch, tmp_path):
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_the_main_job_records_the_readme_rows_and_undoes_them(lone_rank):
+    import json
+
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import partition_parameters, stage3
+    from megatron.core import parallel_state as ps
+
+    from megatron_ext.cpu import cpu_support_enabled
+    from trainer import main as job
+    from trainer.cli import parse_args
+
+    (lone_rank / "ds.json").write_text(
+        json.dumps(
+            {
+                "zero_optimization": {"stage": 3},
+                "optimizer": {"type": "Adam", "params": {"torch_adam": True}},
+                "hierarchical_zero": {"enabled": True},
+                "shm_data_loader": {"enabled": True},
+                "flash_overlap": {"enabled": True},
+            }
+        )
+    )
+    args = parse_args(
+        "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --train-iters 1 "
+        f"--deepspeed-config ds.json --data-cache-path {lone_rank / 'data'}".split()
+    )
+    stock = (partition_parameters._dist_allgather_fn, stage3.reduce_scatter_coalesced)
+    with Installer() as installer:
+        job._quiet(installer)
+        job.train(args, installer)
+        recorded = {(c.owner, c.what) for c in installer.changes}
+        segments = [p for p in Path("/dev/shm").glob("*") if p.is_dir() and os.stat(p).st_uid == os.getuid()]
+    assert recorded <= readme_rows(), sorted(recorded - readme_rows())
+    assert {owner for owner, _ in recorded} >= {
+        "deepspeed_ext.zero",
+        "megatron_ext.data",
+        "megatron_ext.layers",
+    }
+    assert not dist.is_initialized() and not ps.model_parallel_is_initialized() and not cpu_support_enabled()
+    assert (partition_parameters._dist_allgather_fn, stage3.reduce_scatter_coalesced) == stock
+    assert not [
+        t.name for t in threading.enumerate() if t.name.startswith(("hierarchical-zero", "flash-overlap"))
+    ]
+    assert not [p for p in segments if p.exists()], "the loader's shared memory outlived the job"
+
+
+def test_the_launcher_and_its_hooks_record_the_readme_rows(tmp_path):
+    from megatron_ext import launch
+
+    tree = tmp_path / "mds"
+    (tree / "megatron").mkdir(parents=True)
+    (tree / "megatron" / "training.py").touch()
+    script = tree / "pretrain_gpt.py"
+    script.write_text(
+        "import test_process_changes\n"
+        "from megatron_ext.upstream import hooks\n"
+        "test_process_changes.EVENTS.append([(c.owner, c.what) for c in hooks.installer().changes])\n"
+    )
+    EVENTS.clear()
+    launch.run(str(script), [])
+    (recorded,) = EVENTS
+    assert set(recorded) <= readme_rows(), sorted(set(recorded) - readme_rows())
+    assert sys.argv[0] != str(script)
