@@ -4,7 +4,7 @@ next to the plugin) assembled into one object, validated once.
 The user passes the same JSON (path or dict) to ``deepspeed.initialize`` and to
 :func:`load_plugin_config`; Megatron flags (``megatron_ext.args``) then override fields of the
 result. :func:`validate_against_world` runs the checks that need the world size, once, before any
-collective. Sections: ``topology`` (``deepspeed_ext/topology.py``), ``hierarchical_zero``
+collective. Sections: ``topology`` (``plugin_base/topology.py``), ``hierarchical_zero``
 (``deepspeed_ext/zero/config.py``), ``shm_data_loader`` (``megatron_ext/data/config.py``),
 ``flash_overlap`` (``megatron_ext/layers/config.py``).
 """
@@ -18,11 +18,11 @@ from typing import Any, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from deepspeed_ext.section import ConfigError, Section, read_ds_config
-from deepspeed_ext.topology import TopologyConfig
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.layers.config import FlashOverlapConfig
+from plugin_base.section import ConfigError, Section, read_ds_config
+from plugin_base.topology import TopologyConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,2 +1,4 @@
-"""What every plugin of the suite may import: the owner of process-wide changes
-(:mod:`.installer`). Nothing here imports a plugin."""
+"""What every plugin of the suite may import, and nothing below it: the strict base of a plugin's
+configuration section (:mod:`.section`), where ranks sit and the process groups of each level
+(:mod:`.topology`), the byte counters of collectives (:mod:`.comm`) and the owner of process-wide
+changes (:mod:`.installer`). Nothing here imports a plugin."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.zero import calibration
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero import collective_cost as cc
 from deepspeed_ext.zero.collective_cost import (
     FRONTIER_RCCL,
@@ -19,6 +18,7 @@ from deepspeed_ext.zero.collective_cost import (
     for_topology,
     seconds,
 )
+from plugin_base.topology import LinkClass
 
 AG, RS, AR = Operation.ALL_GATHER, Operation.REDUCE_SCATTER, Operation.ALL_REDUCE
 TOY = CollectiveCosts(

@@ -7,8 +7,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import comm
-from deepspeed_ext.topology import Topology
+from plugin_base import comm
+from plugin_base.topology import Topology
 
 TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
 

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from deepspeed_ext.section import ConfigError
 from megatron_ext.args import extra_args_provider, plugin_config_from_args
+from plugin_base.section import ConfigError
 from plugin_config import PluginConfig, load_plugin_config, validate_against_world
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from deepspeed_ext.section import ConfigError
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.api import largest_collectives
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.planner import HopBuffers, choose_secondary_level, describe, hop_buffers
+from plugin_base.section import ConfigError
 
 FRONTIER_384 = DPShape(nodes=48, packages_per_node=4, per_package=2)
 PSI = 384 * 1_000_000  # parameters, a multiple of the DP size: no padding

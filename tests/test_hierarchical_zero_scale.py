@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from test_hierarchical_zero import TOL, full_params, make_engine, mlp, train
 
-from deepspeed_ext import comm
-from deepspeed_ext.topology import Topology
+from plugin_base import comm
+from plugin_base.topology import Topology
 
 MICRO = 4
 STEPS = 3

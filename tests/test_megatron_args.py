@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from deepspeed_ext.section import ConfigError
 from megatron_ext.args import extra_args_provider, plugin_config_from_args
 from megatron_ext.upstream import hooks
+from plugin_base.section import ConfigError
 from plugin_config import load_plugin_config
 
 DATA = os.path.join(os.path.dirname(__file__), "data")

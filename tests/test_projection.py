@@ -8,7 +8,6 @@ import json
 
 import pytest
 
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero import plan as plan_cli
 from deepspeed_ext.zero.collective_cost import Algorithm, AlgorithmFit, CollectiveCosts, for_topology
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
@@ -25,6 +24,7 @@ from deepspeed_ext.zero.projection import (
     shape,
 )
 from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
+from plugin_base.topology import LinkClass
 
 GPT_20B = Model(layers=44, hidden=6144, heads=64, seq=2048)
 PRESET = Buckets(prefetch=50_000_000, reduce=50_000_000, persistence=100_000, max_live=1_000_000_000)

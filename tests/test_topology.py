@@ -3,8 +3,8 @@
 import pytest
 import torch.distributed as dist
 
-from deepspeed_ext.section import ConfigError
-from deepspeed_ext.topology import (
+from plugin_base.section import ConfigError
+from plugin_base.topology import (
     GroupKind,
     Topology,
     TopologyConfig,

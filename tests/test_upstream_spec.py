@@ -11,8 +11,8 @@ import tarfile
 import pytest
 from upstream_setup import TARBALLS, UPSTREAM
 
-from deepspeed_ext.section import ConfigError
 from megatron_ext.upstream.spec import _REFUSED, check_layer_options
+from plugin_base.section import ConfigError
 
 # What gpt_builder passes to GPTModel itself, whichever spec is used: --spec changes none of it.
 GPT_MODEL_ARGUMENTS = {

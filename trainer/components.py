@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
-from deepspeed_ext.section import read_ds_config
-from deepspeed_ext.topology import Topology
 from deepspeed_ext.zero.inject import ENGINE_CHANGES
+from plugin_base.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
 from plugin_base.installer import Installer
+from plugin_base.section import read_ds_config
+from plugin_base.topology import Topology
 from plugin_config import PluginConfig
 
 
@@ -201,7 +201,7 @@ def comm_counter(topology: Topology, installer: Installer) -> CommCounter:
     """A counter of DeepSpeed's collectives per link class (package, node, inter-node)."""
     if patch_deepspeed_comm():
         installer.add(
-            "deepspeed_ext.comm",
+            "plugin_base.comm",
             "DeepSpeed's backend collectives wrapped to count bytes",
             unpatch_deepspeed_comm,
         )

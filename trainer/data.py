@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.topology import Topology
 from plugin_base.installer import Installer
+from plugin_base.topology import Topology
 from plugin_config import PluginConfig
 from trainer.components import UsageError
 

@@ -13,13 +13,13 @@ import warnings
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from deepspeed_ext import comm
-from deepspeed_ext.section import ConfigError
-from deepspeed_ext.topology import detect_topology
 from megatron_ext.args import plugin_config_from_args
 from megatron_ext.cpu import cpu_support_enabled
 from megatron_ext.data.gpt_dataset import DatasetFileError
+from plugin_base import comm
 from plugin_base.installer import Installer
+from plugin_base.section import ConfigError
+from plugin_base.topology import detect_topology
 from plugin_config import log_effective_config, validate_against_world
 from trainer import components as c
 from trainer import data as d

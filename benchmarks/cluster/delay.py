@@ -24,8 +24,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from deepspeed_ext.comm import LINK_CLASSES
-from deepspeed_ext.topology import LinkClass
+from plugin_base.comm import LINK_CLASSES
+from plugin_base.topology import LinkClass
 
 from .spec import ClusterSpec
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero.cost_model import FRONTIER_LATENCY_US
+from plugin_base.topology import LinkClass
 
 # Shaping through veth + tbf stays accurate up to about this rate on a small host; above it the
 # kernel's packet processing, not the shaper, becomes the limit and measurements stop meaning much.

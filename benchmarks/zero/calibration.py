@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero.collective_cost import FRONTIER_RCCL, H100_NCCL, Operation
 from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.levels import DPShape
@@ -26,6 +25,7 @@ from deepspeed_ext.zero.projection import (
     project,
 )
 from deepspeed_ext.zero.workload import Buckets, Model, Recompute
+from plugin_base.topology import LinkClass
 
 FRONTIER = System(FRONTIER_RCCL)
 H100 = System(H100_NCCL, ranks_per_node=8, ranks_per_package=1, peak_tflops=989.0, memory_gb=80.0)

@@ -32,8 +32,8 @@ from torch.profiler import record_function
 from benchmarks.allocations import AllocationTrace
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.zero.variants import scale_variants
-from deepspeed_ext import comm
-from deepspeed_ext.topology import Level, Topology
+from plugin_base import comm
+from plugin_base.topology import Level, Topology
 
 
 def model(hidden: int, layers: int) -> torch.nn.Module:

@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cluster.loopback import launch_loopback
-from deepspeed_ext.comm import LINK_CLASSES
-from deepspeed_ext.topology import Level, LinkClass
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.planner import variant_for
+from plugin_base.comm import LINK_CLASSES
+from plugin_base.topology import Level, LinkClass
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.zero.rank"]

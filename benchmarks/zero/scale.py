@@ -31,7 +31,7 @@ from typing import Any
 from benchmarks.cluster.spec import FRONTIER_LATENCY_SCALE, frontier_latency
 from benchmarks.zero.run import OUT, RANK_MODULE, step_times
 from benchmarks.zero.variants import scale_variants
-from deepspeed_ext.comm import LINK_CLASSES
+from plugin_base.comm import LINK_CLASSES
 
 TARGET_VS_HPZ = 1.5
 TARGET_VS_SERIAL = 1.2

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from deepspeed_ext.topology import LinkClass
+from plugin_base.topology import LinkClass
 
 
 class Operation(StrEnum):

@@ -6,8 +6,8 @@ from enum import StrEnum
 
 from pydantic import Field, model_validator
 
-from deepspeed_ext.section import ConfigError, Section
-from deepspeed_ext.topology import LinkClass
+from plugin_base.section import ConfigError, Section
+from plugin_base.topology import LinkClass
 
 
 class SecondaryLevel(StrEnum):

@@ -2,9 +2,9 @@
 
 Two byte figures, both computed from the parameter sizes, never measured:
 
-- ``bytes_per_link``: :mod:`deepspeed_ext.comm`'s accounting (per rank, bandwidth-optimal volume,
+- ``bytes_per_link``: :mod:`plugin_base.comm`'s accounting (per rank, bandwidth-optimal volume,
   all of it charged to the slowest link class a group spans), so a prediction can be compared
-  with a :class:`~deepspeed_ext.comm.CommCounter`, which is computed the same way.
+  with a :class:`~plugin_base.comm.CommCounter`, which is computed the same way.
 - ``ring_wire_bytes``: what a ring algorithm puts on each link class, per rank on average (a ring
   over node-contiguous ranks crosses each node boundary once per channel; most of its edges stay
   inside a package or node). This is what interface counters can be compared with.
@@ -25,9 +25,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from deepspeed_ext.comm import LINK_CLASSES, volume
-from deepspeed_ext.topology import Level, LinkClass
 from deepspeed_ext.zero.levels import DPShape
+from plugin_base.comm import LINK_CLASSES, volume
+from plugin_base.topology import Level, LinkClass
 
 PACKAGE, NODE, INTER_NODE = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
 # Frontier: GCD pair 200 GB/s; GCDs on different MI250X 50-100 GB/s; one 25 GB/s NIC per MI250X.

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero import hops, quantize
 from deepspeed_ext.zero.hop_worker import HopWorker
 from deepspeed_ext.zero.levels import HopPlan
+from plugin_base.topology import LinkClass
 
 logger = logging.getLogger(__name__)
 

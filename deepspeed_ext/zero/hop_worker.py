@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import comm
+from plugin_base import comm
 
 
 @dataclass(frozen=True)

@@ -24,13 +24,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import comm
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero import collective_cost, p2p_hops, quantize
 from deepspeed_ext.zero.collective_cost import Algorithm, Operation
 from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.hop_worker import Stage
 from deepspeed_ext.zero.levels import HopPlan
+from plugin_base import comm
+from plugin_base.topology import LinkClass
 
 
 def _digits_outer_first(plan: HopPlan) -> list[int]:

@@ -7,7 +7,7 @@ then the mixed-radix number of its indices in the hop groups, which is what lets
 every rank exactly the block a flat collective would have (see :mod:`.hops`).
 
 The shape of the DP group (:class:`DPShape`) and its level groups live here; the level and link-class
-enums themselves are :mod:`deepspeed_ext.topology`'s, because the byte counter and the node loader
+enums themselves are :mod:`plugin_base.topology`'s, because the byte counter and the node loader
 use them too and ``zero/`` builds on the topology, never the reverse.
 """
 
@@ -19,8 +19,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-from deepspeed_ext.section import ConfigError
-from deepspeed_ext.topology import (
+from deepspeed_ext.zero import collective_cost
+from deepspeed_ext.zero.collective_cost import CollectiveCosts
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from plugin_base.section import ConfigError
+from plugin_base.topology import (
     GroupKind,
     Level,
     LevelGroups,
@@ -32,9 +35,6 @@ from deepspeed_ext.topology import (
     level_members,
     partition_of,
 )
-from deepspeed_ext.zero import collective_cost
-from deepspeed_ext.zero.collective_cost import CollectiveCosts
-from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 
 # The link each hop group's ring runs on.
 HOP_LINKS = {

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import comm
+from plugin_base import comm
 
 
 def schedule(p: int) -> list[tuple[int, int]]:

@@ -20,11 +20,11 @@ import shlex
 from dataclasses import replace
 from pathlib import Path
 
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero.collective_cost import FRONTIER_RCCL, H100_NCCL
 from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.projection import Plan, Projection, Scheme, memory, project, shape
 from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
+from plugin_base.topology import LinkClass
 
 PRESETS = Path(__file__).resolve().parents[2] / "scripts" / "presets"
 MODELS = {"20b": PRESETS / "gpt-20b-frontier.args", "1.3b": PRESETS / "gpt-1.3b.args"}

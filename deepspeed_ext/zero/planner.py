@@ -6,7 +6,6 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-from deepspeed_ext.topology import Level, LinkClass
 from deepspeed_ext.zero import collective_cost, projection
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost_model import (
@@ -18,6 +17,7 @@ from deepspeed_ext.zero.cost_model import (
 )
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.workload import Buckets, System
+from plugin_base.topology import Level, LinkClass
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from deepspeed_ext.topology import LinkClass
 from deepspeed_ext.zero.collective_cost import (
     Algorithm,
     CollectiveCosts,
@@ -28,6 +27,7 @@ from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.cost_model import step_time
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
+from plugin_base.topology import LinkClass
 
 PACKAGE, NODE, INTER = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
 QWZ, QGZ = 0.5, 0.25  # ZeRO++ (arXiv 2306.10209): int8 weights, int4 gradients, per 16-bit byte

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext import comm
+from plugin_base import comm
 
 QMAX = {8: 127, 4: 7}
 

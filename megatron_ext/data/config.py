@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from deepspeed_ext.section import Section
 from megatron_ext.data.ring import MAX_WORKERS
+from plugin_base.section import Section
 
 
 class ShmDataLoaderConfig(Section):

@@ -16,8 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.section import ConfigError
-from deepspeed_ext.topology import Topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.ring import check_platform
@@ -25,6 +23,8 @@ from megatron_ext.data.samplers import SamplerKind, SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from megatron_ext.data.shm_segment import new_token, process_start_time, resolve_job_id, segment_path
 from megatron_ext.data.stock import StockBatchIterator
+from plugin_base.section import ConfigError
+from plugin_base.topology import Topology
 
 
 def indexed_prefixes(dataset: Any) -> list[str]:

@@ -30,7 +30,7 @@ import functools
 import platform
 from typing import Protocol
 
-from deepspeed_ext.section import ConfigError
+from plugin_base.section import ConfigError
 
 
 class Architecture(enum.StrEnum):

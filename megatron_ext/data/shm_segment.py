@@ -29,7 +29,6 @@ import secrets
 import struct
 import time
 
-from deepspeed_ext.section import ConfigError
 from megatron_ext.data.shm_private import (
     SAFE_OPEN,
     ShmSecurityError,
@@ -39,6 +38,7 @@ from megatron_ext.data.shm_private import (
     problem_with,
     refusal,
 )
+from plugin_base.section import ConfigError
 
 PREFIX = "mdsp"
 RING = "ring"  # the segment's file inside its private directory

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from deepspeed_ext.section import Section
+from plugin_base.section import Section
 
 
 class Mode(StrEnum):

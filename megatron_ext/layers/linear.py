@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from deepspeed_ext.topology import Topology
 from megatron_ext.layers import backend as backends
 from megatron_ext.layers import symm_mem
 from megatron_ext.layers.backend import Requested
@@ -40,6 +39,7 @@ from megatron_ext.layers.p2p_linear import P2PAllGatherLinear, P2PLinearReduceSc
 from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits
 from megatron_ext.layers.symm_mem import FusedGroup, SymmMemAllGatherLinear, SymmMemLinearReduceScatter
 from megatron_ext.layers.wgrad import require_main_grad
+from plugin_base.topology import Topology
 
 
 class _GatherLastDim(torch.autograd.Function):

@@ -18,9 +18,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.section import ConfigError
 from megatron_ext.args import extra_args_provider, flag_overrides, plugin_config_from_args
 from plugin_base.installer import Installer
+from plugin_base.section import ConfigError
 from plugin_config import PluginConfig, load_plugin_config, log_effective_config, validate_against_world
 
 logger = logging.getLogger(__name__)
@@ -257,8 +257,8 @@ def external_data_iterators(
     it (middle pipeline stages too: they take part in the set-up and then follow the sampler only)."""
     from megatron.core import parallel_state as mpu
 
-    from deepspeed_ext.topology import detect_topology
     from megatron_ext.data.loader import build_batch_iterator
+    from plugin_base.topology import detect_topology
 
     config = config or plugin_config(args)
     loader = config.shm_data_loader

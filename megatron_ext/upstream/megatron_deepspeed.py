@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.section import ConfigError
 from megatron_ext.upstream.hooks import (
     external_data_iterators,
     installer,
@@ -27,6 +26,7 @@ from megatron_ext.upstream.hooks import (
     shm_loader_enabled,
     with_plugin_args,
 )
+from plugin_base.section import ConfigError
 
 __all__ = [
     "TextSamples",

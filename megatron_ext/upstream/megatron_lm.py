@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepspeed_ext.section import ConfigError
 from megatron_ext.upstream.hooks import (
     LOCAL_SPEC_ATTRIBUTE,
     SPEC_ATTRIBUTE,
@@ -29,6 +28,7 @@ from megatron_ext.upstream.hooks import (
     shm_loader_enabled,
     with_plugin_args,
 )
+from plugin_base.section import ConfigError
 
 __all__ = [
     "DatasetsProvider",

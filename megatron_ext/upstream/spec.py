@@ -23,10 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from deepspeed_ext.section import ConfigError
-from deepspeed_ext.topology import Topology, detect_topology
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.upstream.hooks import SPEC_MODULE, plugin_config
+from plugin_base.section import ConfigError
+from plugin_base.topology import Topology, detect_topology
 
 # (args attribute, is it set?, why the block cannot honour it, what to do)
 _REFUSED = (

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.topology import LinkClass, Topology
+from plugin_base.topology import LinkClass, Topology
 
 LINK_CLASSES = tuple(LinkClass)
 

@@ -17,7 +17,7 @@ from enum import StrEnum
 import torch.distributed as dist
 from pydantic import Field
 
-from deepspeed_ext.section import ConfigError, Section
+from plugin_base.section import ConfigError, Section
 
 FRONTIER_RANKS_PER_NODE = 8
 FRONTIER_RANKS_PER_PACKAGE = 2  # two GCDs per MI250X: (0,1), (2,3), (4,5), (6,7)
