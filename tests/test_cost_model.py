@@ -227,3 +227,15 @@ def test_a_bucket_size_that_is_not_a_whole_number_of_elements_is_refused_by_name
     model = cm.ModelSpec(param_numels=(50, 30, 70))
     with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_size=.* is not a bucket size"):
         largest_collectives({"zero_optimization": {"reduce_bucket_size": size}}, model)
+
+
+def test_pipelined_gathers_reserve_the_cross_node_output_too():
+    """Pieces waiting for the next lane hold their cross-node hop's output: G / (members per node)
+    more than the serial hops' peak (G + G / package size), 16-bit elements."""
+    shape, gather = DPShape(nodes=4, packages_per_node=2, per_package=2), 4_000_000
+    serial = hop_buffers(HierarchicalZeroConfig(enabled=True), shape, MODEL, gather, 0).gather
+    piped = hop_buffers(
+        HierarchicalZeroConfig(enabled=True, pipeline_chunks=4), shape, MODEL, gather, 0
+    ).gather
+    assert serial == 2 * (gather + gather // 2)
+    assert piped - serial == 2 * gather // 4

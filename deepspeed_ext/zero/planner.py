@@ -75,7 +75,8 @@ class HopBuffers:
 
     gather: int
     """One parameter all-gather: the innermost hop's input and output (the flat call writes straight
-    into DeepSpeed's buffer), or the int8 cross-node hop's integers and fp32 values if larger."""
+    into DeepSpeed's buffer), with pipelined hops also the cross-node hop's output (computed, an
+    upper bound), or the int8 cross-node hop's integers and fp32 values if larger."""
     reduce: int
     """One gradient reduce-scatter: nothing unquantized (hops run in place in DeepSpeed's packed
     bucket); the quantized cross-node hop's fp32 copy, working copy and integers; boundary sync's
@@ -97,6 +98,9 @@ def hop_buffers(
         return HopBuffers(0, 0)
     p, wb, gb = shape.size, model.weight_bytes, model.grad_bytes
     gather = gather_elems * wb + gather_elems // sizes[0] * wb
+    if config.pipeline_chunks > 1 and shape.nodes > 1:
+        # pieces waiting for the next lane hold their cross-node hop's output besides the serial peak
+        gather += gather_elems // shape.per_node * wb
     if config.quantized_weights and shape.nodes > 1:
         # int8 hop across nodes on h = G/p elements: input, output, payload, gathered payloads, fp32 values
         h = math.ceil(gather_elems / p)
