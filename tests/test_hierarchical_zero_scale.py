@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-from test_hierarchical_zero import TOL, full_params, make_engine, mlp, train
+from test_hierarchical_zero import TOL, ds_config, full_params, make_engine, mlp, train
 
 from plugin_base import comm
 from plugin_base.topology import Topology
@@ -34,23 +34,11 @@ VARIANTS = {
 """hierarchical_zero keys of each run, on top of a node-level secondary copy."""
 
 
-def ds_config(hierarchical: dict | None) -> dict:
-    cfg = {
-        "train_micro_batch_size_per_gpu": 2,
-        "gradient_accumulation_steps": MICRO,
-        "gradient_clipping": 0.05,  # small enough to clip every step of this model
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": 0,
-        },
-        "steps_per_print": 10**9,
-        "topology": {"ranks_per_node": 2, "ranks_per_package": 1},
-    }
-    if hierarchical is not None:
-        cfg["hierarchical_zero"] = {"enabled": True, "secondary_level": "node", **hierarchical}
+def scale_config(hierarchical: dict | None) -> dict:
+    """test_hierarchical_zero's config at 2 ranks per node, one per package, with clipping."""
+    cfg = ds_config(None if hierarchical is None else {"secondary_level": "node", **hierarchical}, MICRO)
+    cfg["gradient_clipping"] = 0.05  # small enough to clip every step of this model
+    cfg["topology"] = {"ranks_per_node": 2, "ranks_per_package": 1}
     return cfg
 
 
@@ -68,7 +56,7 @@ def _runs(world: int) -> dict:
     for name, hierarchical in {"zero3": None, **VARIANTS}.items():
         senders.clear()
         engine = make_engine(
-            "stock" if hierarchical is None else "ours", ds_config(hierarchical), mlp(), topology=topology
+            "stock" if hierarchical is None else "ours", scale_config(hierarchical), mlp(), topology=topology
         )
         losses, _ = train(engine, range(STEPS), dist.get_rank(), MICRO, topology=topology)
         out[name] = {
