@@ -62,6 +62,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--mbs", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default=OUT, help="folder of attention_mask.json / .md")
     args = parser.parse_args()
     torch.set_num_threads(1)  # the training thread's share; the dataset's build is single-threaded too
     gen = torch.Generator().manual_seed(0)
@@ -86,8 +87,8 @@ def main() -> None:
     result = dict(
         seq=args.seq, repeats=args.repeats, threads=1, load_average=[load_before, os.getloadavg()], rows=rows
     )
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "attention_mask.json"), "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "attention_mask.json"), "w") as f:
         json.dump(result, f, indent=1)
     lines = [
         f"s={args.seq}, {args.repeats} repetitions, 1 thread, load average before/after "
@@ -100,7 +101,7 @@ def main() -> None:
         f"| {r['mbs']} | {r['mask']} | {r['path']} | {r['min']:.1f} | {r['median']:.1f} | {r['max']:.1f} |"
         for r in rows
     ]
-    with open(os.path.join(OUT, "attention_mask.md"), "w") as f:
+    with open(os.path.join(args.out, "attention_mask.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -2,118 +2,92 @@
 
     sudo .venv/bin/python -m benchmarks.run_all            # emulated cluster (needs root, ip, tc)
     .venv/bin/python -m benchmarks.run_all --network loopback --quick
+    .venv/bin/python -m benchmarks.run_all --summary-only  # the summary of the result files as they are
 
-Each step is one benchmark module run as a subprocess (each prints its own progress); this script
-prints which step runs and how long the earlier ones took, then writes
-``benchmarks/results/summary.md`` (every step's markdown table, in order) and
-``benchmarks/results/summary.png`` (a panel per benchmark; Flash-Overlap draws its own timelines). A step that fails is reported and
+Each step is one benchmark entry point run as a subprocess (each prints its own progress); this
+script first prints which entry points under ``benchmarks/`` it runs and why it leaves out the others
+(one rank of another benchmark, a GPU, root), then each step and how long the earlier ones took,
+then writes ``summary.md`` (every step's markdown tables, in order, and the left-out table) and
+``summary.png`` (``benchmarks.summary_plot``) under ``--results``. A step that fails is reported and
 the others still run; the exit code is non-zero if any failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.summary_plot import plot_summary
+from benchmarks.catalog import REPO, Step, entry_points, left_out, steps
+from benchmarks.summary_plot import ResultFormatError, plot_summary
 
-REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
+UNCLASSIFIED = "**not classified in benchmarks/catalog.py**: add a step or a reason to leave it out"
 
 
-@dataclass(frozen=True)
-class Step:
-    """One benchmark run and the markdown table it leaves behind."""
-
-    title: str
-    """Heading of the step in the summary."""
-    argv: list[str]
-    """Arguments after ``python``."""
-    table: Path
-    """The markdown file the step writes."""
+def _shown(step: Step) -> str:
+    # With the default results folder, whatever --results was: a summary of the same files reads the same.
+    return " ".join(["python", *step.argv(RESULTS.relative_to(REPO))])
 
 
-def steps(network: str, quick: bool) -> list[Step]:
-    cluster = network == "cluster"
-    loader_args = ["--steps", "20", "--repeats", "2", "--tokens", "8000000"] if quick else []
-    flash_tp = ["--tp", "2"] if quick else ["--tp", "2", "4"]
-    out = [
-        Step(
-            "Frontier projection of hierarchical ZeRO (computed, 20B preset at TP=4)",
-            ["-m", "benchmarks.zero.project", "--tp", "4", "--name", "projection_tp4_ga1"],
-            RESULTS / "zero" / "projection_tp4_ga1.md",
-        ),
-        Step(
-            f"Hierarchical ZeRO vs ZeRO-3 and ZeRO++ hpZ ({network})",
-            ["-m", "benchmarks.zero.run", "--network", network, "--launches", "1" if quick else "3"],
-            RESULTS / "zero" / f"{network}.md",
-        ),
-        Step(
-            f"Flash-Overlap MLP and layer, forward + backward, vs megatron-core and 4-chunk slicing ({network})",
-            ["-m", "benchmarks.flash_overlap.run", "--network", network, *flash_tp],
-            RESULTS
-            / "flash_overlap"
-            / (f"cluster400_tp{flash_tp[-1]}.md" if cluster else f"loopback_tp{flash_tp[-1]}.md"),
-        ),
-        Step(
-            "Shared-memory node loader vs Megatron's DataLoader path with 0/1/2 workers (one node, 4 ranks)",
-            ["-m", "benchmarks.data_loader.run", *loader_args],
-            RESULTS / "data_loader" / "results.md",
-        ),
-    ]
-    if cluster:
-        calibration = RESULTS / "cluster" / "calibration.json"
-        out.insert(
-            0,
-            Step(
-                "Emulated cluster calibration (frontier profile)",
-                ["-m", "benchmarks.cluster.calibrate", "--profile", "frontier", "--json", str(calibration)],
-                calibration,
-            ),
-        )
-    return out
-
-
-def run(step: Step, index: int, total: int, started: float) -> bool:
+def run(step: Step, results: Path, index: int, total: int, started: float) -> str:
+    """Run one step; returns its status line for the summary."""
     print(f"[{index}/{total}] {step.title}  (elapsed {time.monotonic() - started:.0f} s)", flush=True)
-    step.table.parent.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.run([sys.executable, *step.argv], cwd=REPO)
+    print(f"    python {' '.join(step.argv(results))}", flush=True)
+    begun = time.monotonic()
+    stdout = None
+    if step.stdout is not None:
+        (results / step.stdout).parent.mkdir(parents=True, exist_ok=True)
+        stdout = subprocess.PIPE
+    proc = subprocess.run([sys.executable, *step.argv(results)], cwd=REPO, stdout=stdout, text=True)
+    if step.stdout is not None:
+        print(proc.stdout, end="", flush=True)
+        if proc.returncode == 0:
+            (results / step.stdout).write_text(f"`{_shown(step)}`\n\n```\n{proc.stdout.strip()}\n```\n")
+    took = time.monotonic() - begun
     if proc.returncode != 0:
-        print(f"[{index}/{total}] FAILED with exit code {proc.returncode}: {' '.join(step.argv)}", flush=True)
-    return proc.returncode == 0
+        print(f"[{index}/{total}] FAILED with exit code {proc.returncode} after {took:.0f} s", flush=True)
+        return f"**failed** (exit code {proc.returncode} after {took:.0f} s); tables below are older, if any"
+    return f"ran in {took:.0f} s"
 
 
-def _table_text(step: Step) -> str:
-    if not step.table.exists():
-        return "_no result: the step failed or wrote nothing_"
-    if step.table.suffix == ".json":
-        rows = json.loads(step.table.read_text())
-        rows = rows.get("links", rows) if isinstance(rows, dict) else rows
-        lines = ["| link class | configured Mbit/s | measured Mbit/s | ratio |", "|---|---:|---:|---:|"]
-        for r in rows:
-            lines.append(
-                f"| {r['link']} | {r['configured_mbit']:.0f} | {r['measured_mbit']:.1f} | "
-                f"{r['measured_mbit'] / r['configured_mbit']:.3f} |"
-            )
-        return "\n".join(lines)
-    return step.table.read_text().strip()
+def _tables(step: Step, results: Path) -> str:
+    parts = []
+    for name in step.tables:
+        path = results / name
+        text = path.read_text().strip() if path.exists() else "_no result file_"
+        parts.append(f"`{name}`:\n\n{text}")
+    return "\n\n".join(parts)
 
 
-def write_summary(done: list[tuple[Step, bool]], command: str) -> Path:
-    parts = ["# Benchmark results", "", f"Command: `{command}`", ""]
-    for step, ok in done:
-        parts += [f"## {step.title}", "" if ok else "**this step failed**", _table_text(step), ""]
-    path = RESULTS / "summary.md"
-    path.write_text("\n".join(parts))
+def write_summary(results: Path, done: list[tuple[Step, str]], skipped: dict[str, str], command: str) -> Path:
+    """``summary.md``: each step's status and tables, then every entry point left out and why."""
+    parts = ["# Benchmark results", "", f"Written by `{command}`.", ""]
+    for step, status in done:
+        parts += [f"## {step.title}", "", f"`{_shown(step)}`: {status}", "", _tables(step, results), ""]
+    parts += ["## Entry points not run", "", "| module | why |", "|---|---|"]
+    parts += [f"| `{module}` | {why} |" for module, why in sorted(skipped.items())]
+    path = results / "summary.md"
+    path.write_text("\n".join(parts) + "\n")
     return path
 
 
-def main() -> int:
+def not_run(todo: list[Step], args: argparse.Namespace) -> dict[str, str]:
+    """Every entry point under ``benchmarks/`` that this invocation does not run, with the reason."""
+    skipped = left_out(args.network)
+    for module in set(entry_points()) - {s.module for s in todo} - set(skipped):
+        skipped[module] = UNCLASSIFIED  # a new entry point: said, never dropped silently
+    for step in todo:
+        if step.needs_gpu and not args.summary_only and not _has_gpu():
+            skipped[step.module] = "needs a CUDA GPU (NCCL, bf16); its last result file is shown above"
+        elif args.only and step.module.removeprefix("benchmarks.") not in args.only:
+            skipped[step.module] = "not in `--only`; its last result file is shown above"
+    return skipped
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -124,17 +98,60 @@ def main() -> int:
         help="emulated cluster with shaped links (root), or plain loopback",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="fewer steps and sizes (minutes instead of ~half an hour)"
+        "--quick",
+        action="store_true",
+        help="fewer repetitions and sizes (about half an hour on 2 busy cores)",
     )
-    args = parser.parse_args()
-    todo = steps(args.network, args.quick)
+    parser.add_argument(
+        "--only", nargs="+", metavar="MODULE", help="run these entry points only (e.g. zero.project)"
+    )
+    parser.add_argument(
+        "--summary-only",
+        action="store_true",
+        help="run nothing: write summary.md / summary.png from the result files already there",
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where every step writes")
+    args = parser.parse_args(argv)
     started = time.monotonic()
-    done = [(step, run(step, i + 1, len(todo), started)) for i, step in enumerate(todo)]
-    command = "python -m benchmarks.run_all " + " ".join(sys.argv[1:])
-    summary = write_summary(done, command.strip())
-    plot_summary(RESULTS, args.network)
+    todo = steps(args.network, args.quick)
+    unknown = sorted(set(args.only or ()) - {s.module.removeprefix("benchmarks.") for s in todo})
+    if unknown:
+        parser.error(f"--only: no step runs {unknown} with --network {args.network}")
+    skipped = not_run(todo, args)
+    runnable = [s for s in todo if s.module not in skipped and not args.summary_only]
+    print(f"{len(runnable)} steps to run; entry points not run:", flush=True)
+    for module, why in sorted(skipped.items()):
+        print(f"    {module}: {why}", flush=True)
+
+    done = []
+    for step in todo:
+        if step in runnable:
+            status = run(step, args.results, runnable.index(step) + 1, len(runnable), started)
+        elif args.summary_only:
+            status = "not run (`--summary-only`); the result file as it is"
+        else:
+            status = f"not run: {skipped[step.module]}"
+        done.append((step, status))
+    # The command without --results: the summary of the same files reads the same wherever it was written.
+    only = ["--only", *args.only] if args.only else []
+    flags = ["--quick"] * args.quick + ["--summary-only"] * args.summary_only + only
+    command = " ".join(["python -m benchmarks.run_all --network", args.network, *flags])
+    summary = write_summary(args.results, done, skipped, command)
     print(f"wrote {summary} after {time.monotonic() - started:.0f} s", flush=True)
-    return 0 if all(ok for _, ok in done) else 1
+    try:
+        png = plot_summary(args.results, args.network)
+    except ResultFormatError as e:
+        print(f"summary plot failed: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"wrote {png}" if png else "no result file to plot", flush=True)
+    failed = [step for step, status in done if status.startswith("**failed")]
+    return 1 if failed or any(why.startswith(UNCLASSIFIED) for why in skipped.values()) else 0
+
+
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 if __name__ == "__main__":

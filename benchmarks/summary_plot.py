@@ -1,20 +1,32 @@
-"""One PNG with a panel per plugin benchmark, drawn from the JSON the benchmarks wrote."""
+"""One PNG with a panel per plugin benchmark, drawn from the JSON the benchmarks wrote.
+
+Each panel reads one result file in the format its benchmark writes today; a file in another format
+(an older run, a benchmark changed without this plot) raises :class:`ResultFormatError` naming the
+file and the key, instead of a bare ``KeyError`` at the end of a long run.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
 
 LINKS = ("package", "node", "inter_node")
 
 
-def _zero(ax, path: Path) -> None:
-    by_micro = json.loads(path.read_text())["summary"]
+class ResultFormatError(ValueError):
+    """A result file lacks a key (or holds another type) where its panel reads it."""
+
+
+def _zero(ax: Axes, data: dict[str, Any], name: str) -> None:
+    by_micro = data["summary"]
     micro = max(by_micro, key=int)  # the largest gradient accumulation run
     rows = by_micro[micro]["rows"]
     names = list(rows)
@@ -23,77 +35,132 @@ def _zero(ax, path: Path) -> None:
         [rows[n].get("shaped", rows[n]["unshaped"])["median"] for n in names],
         width=0.4,
         color="tab:blue",
+        label="step time",
     )
-    ax.set_xticks(range(len(names)), names)
+    ax.legend(fontsize=7, loc="upper left")
+    ax.set_xticks(range(len(names)), names, rotation=20, fontsize=7)
     ax.set_ylabel("step time, s (median)")
     twin = ax.twinx()
     bottom = [0.0] * len(names)
     for link, colour in zip(LINKS, ("tab:green", "tab:orange", "tab:red")):
         # Measured wire bytes on the emulated cluster; over loopback only the computed counter bytes exist.
         mb = [rows[n].get("wire_bytes", rows[n]["counter_bytes"])[link] / 1e6 for n in names]
-        twin.bar(
-            [i + 0.2 for i in range(len(names))],
-            mb,
-            width=0.4,
-            bottom=bottom,
-            color=colour,
-            label=f"{link} MB",
-        )
+        twin.bar([i + 0.2 for i in range(len(names))], mb, width=0.4, bottom=bottom, color=colour, label=link)
         bottom = [b + m for b, m in zip(bottom, mb)]
     twin.set_ylabel("MB sent per rank and step")
-    twin.legend(fontsize=7, loc="upper right")
-    ax.set_title(f"hierarchical ZeRO ({path.stem}, accumulation {micro})", fontsize=9)
+    twin.legend(fontsize=7, loc="upper right", title="MB per link class", title_fontsize=7)
+    ax.set_title(f"hierarchical ZeRO ({name}, accumulation {micro})", fontsize=9)
 
 
-def _loader(ax, path: Path) -> None:
-    results = json.loads(path.read_text())["results"]
-    labels = [f"TP{r['tp']} {r['scheme']}" for r in results]
-    ax.bar(labels, [r["summary"]["logical_bytes_per_node"] / 2**20 for r in results], color="tab:blue")
-    ax.set_ylabel("storage MiB asked per node")
-    ax.tick_params(axis="x", rotation=45, labelsize=7)
+def _loader(ax: Axes, data: dict[str, Any], name: str) -> None:
+    rows = data["rows"]
+
+    def median(row: dict[str, Any], key: str) -> float:
+        values = sorted(run[key] for run in row["runs"])
+        return values[len(values) // 2]
+
+    labels = [f"TP{r['tp']} CP{r['cp']}\n{r['label']}" for r in rows]
+    ax.bar(range(len(rows)), [median(r, "cpu_s") for r in rows], color="tab:blue")
+    ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=6)
+    ax.set_ylabel("CPU s of the 4 ranks and their children (median)")
     twin = ax.twinx()
-    twin.plot(labels, [r["summary"]["p99_ms_worst_rank"] for r in results], "o", color="tab:red")
-    twin.set_ylabel("p99 batch latency, ms (worst rank)")
-    twin.set_yscale("log")
-    ax.set_title("shared-memory node loader", fontsize=9)
+    twin.plot(range(len(rows)), [median(r, "wait_ms") for r in rows], "o", color="tab:red")
+    twin.set_ylabel("data wait per step, ms (median)", color="tab:red")
+    ax.set_title("node loader vs Megatron's DataLoader path", fontsize=9)
 
 
-def _calibration(ax, path: Path) -> None:
-    links = json.loads(path.read_text())["links"]
+def _calibration(ax: Axes, data: dict[str, Any], name: str) -> None:
+    links = data["links"]
     names = [r["link"] for r in links]
-    ax.bar(
-        [i - 0.2 for i in range(len(names))],
-        [r["configured_mbit"] for r in links],
-        width=0.4,
-        label="configured",
-    )
-    ax.bar(
-        [i + 0.2 for i in range(len(names))], [r["measured_mbit"] for r in links], width=0.4, label="measured"
-    )
-    ax.set_xticks(range(len(names)), names)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [r["configured_mbit"] for r in links], width=0.4, label="configured")
+    ax.bar([i + 0.2 for i in x], [r["measured_mbit"] for r in links], width=0.4, label="measured")
+    ax.set_xticks(x, names)
     ax.set_ylabel("Mbit/s")
     ax.legend(fontsize=7)
     ax.set_title("emulated cluster calibration", fontsize=9)
 
 
-def plot_summary(results: Path, network: str) -> Path | None:
-    """Draw the panels whose JSON exists; returns the PNG path, or None when there is nothing to draw."""
-    panels = [
-        (p, fn)
-        for p, fn in (
-            (results / "zero" / f"{network}.json", _zero),
-            (results / "data_loader" / "results.json", _loader),
-            (results / "cluster" / "calibration.json", _calibration),
+def _attention_mask(ax: Axes, data: dict[str, Any], name: str) -> None:
+    rows = data["rows"]
+    cases = list(dict.fromkeys((r["mbs"], r["mask"]) for r in rows))
+    for shift, path in ((-0.2, "megatron dataset"), (0.2, "ours")):
+        ms = {(r["mbs"], r["mask"]): r["median"] for r in rows if r["path"] == path}
+        ax.bar([i + shift for i in range(len(cases))], [ms[c] for c in cases], width=0.4, label=path)
+    ax.set_xticks(range(len(cases)), [f"mbs {m}, {mask}" for m, mask in cases], fontsize=7)
+    ax.set_ylabel("ms per micro-batch mask (median)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title(f"attention mask, s={data['seq']}", fontsize=9)
+
+
+def _flash_overlap(ax: Axes, data: dict[str, Any], name: str) -> None:
+    summaries = data["summaries"]
+    methods = list(dict.fromkeys(m for s in summaries for m in s["methods"]))
+    width = 0.8 / len(methods)
+    for j, method in enumerate(methods):
+        ax.bar(
+            [i - 0.4 + width * (j + 0.5) for i in range(len(summaries))],
+            # A method left out of one block or regime (--methods) has no bar there.
+            [
+                s["methods"][method]["step_s"]["median"] * 1e3 if method in s["methods"] else 0.0
+                for s in summaries
+            ],
+            width=width,
+            label=method,
         )
-        if p.exists()
+    ax.set_xticks(range(len(summaries)), [f"{s['block']}\n{s['regime']}" for s in summaries], fontsize=7)
+    ax.set_ylabel("forward + backward, ms (median)")
+    ax.legend(fontsize=6)
+    ax.set_title(f"Flash-Overlap ({name})", fontsize=9)
+
+
+Panel = Callable[[Axes, dict[str, Any], str], None]
+
+
+def panels(results: Path, network: str) -> list[tuple[Path, Panel]]:
+    """The result files the summary draws for ``network``, each with its panel."""
+    fo = "cluster400" if network == "cluster" else "loopback"
+    return [
+        (results / "cluster" / "calibration.json", _calibration),
+        (results / "zero" / f"{network}.json", _zero),
+        (results / "flash_overlap" / f"{fo}_tp2.json", _flash_overlap),
+        (results / "data_loader" / "results.json", _loader),
+        (results / "attention_mask.json", _attention_mask),
     ]
-    if not panels:
+
+
+def _draw(ax: Axes, path: Path, panel: Panel) -> None:
+    try:
+        panel(ax, json.loads(path.read_text()), path.stem)
+    except KeyError as e:
+        raise ResultFormatError(
+            f"{path}: no key {e.args[0]!r} where {panel.__name__.lstrip('_')}'s panel reads it; "
+            "the file is not in the format its benchmark writes now (rerun the benchmark)"
+        ) from e
+    except (TypeError, IndexError, AttributeError, ValueError) as e:
+        raise ResultFormatError(
+            f"{path}: unexpected format for {panel.__name__.lstrip('_')}'s panel ({type(e).__name__}: {e})"
+        ) from e
+
+
+def plot_summary(results: Path, network: str) -> Path | None:
+    """Draw the panels whose JSON exists into ``results/summary.png``; returns its path, or None when
+    there is nothing to draw. Raises :class:`ResultFormatError` for a file it cannot read."""
+    found = [(p, fn) for p, fn in panels(results, network) if p.exists()]
+    if not found:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (path, draw) in zip(axes[0], panels):
-        draw(ax, path)
-    fig.tight_layout()
-    out = results / "summary.png"
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    cols = min(3, len(found))
+    rows = -(-len(found) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 5 * rows), squeeze=False)
+    try:
+        for ax, (path, draw) in zip(axes.flat, found):
+            _draw(ax, path, draw)
+        for ax in list(axes.flat)[len(found) :]:
+            ax.set_visible(False)
+        fig.tight_layout()
+        out = results / "summary.png"
+        fig.savefig(out, dpi=100)
+    finally:
+        plt.close(fig)
     return out

@@ -1,11 +1,13 @@
-"""The multi-rank harness itself: results per rank, a failing rank's traceback, a hang's timeout."""
+"""The multi-rank harness itself (``multirank``): results per rank, a failing rank's traceback, a hang's
+timeout, for the tests' worker pool and for the benchmarks' process launcher."""
 
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from multirank import RankError
+
+from multirank import RankError, launch_ranks
 
 
 def _sum_of_ranks() -> float:
@@ -39,3 +41,31 @@ def test_hung_rank_times_out_and_pool_recovers(run_ranks):
     with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 gave no answer within 2s"):
         run_ranks(2, _rank_zero_hangs, timeout=2)
     assert run_ranks(2, _sum_of_ranks) == [1.0, 1.0]
+
+
+# The benchmarks' launcher: one process per rank of a command, results through write_result.
+def test_launched_ranks_rendezvous_and_return_their_results():
+    code = (
+        "import os, torch, torch.distributed as dist; from multirank import write_result; "
+        "dist.init_process_group('gloo'); t = torch.tensor([float(dist.get_rank())]); dist.all_reduce(t); "
+        "write_result([os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], t.item()])"
+    )
+    assert launch_ranks(["-c", code], world_size=2, timeout=60, ranks_per_node=1) == [
+        ["0", "0", "1", 1.0],
+        ["1", "0", "1", 1.0],
+    ]
+
+
+def test_a_failing_launched_rank_stops_the_others():
+    code = "import os, sys, time; sys.exit(3) if os.environ['RANK'] == '1' else time.sleep(60)"
+    started = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[1\] of 2 exited with \[3\]"):
+        launch_ranks(["-c", code], world_size=2, timeout=60)
+    assert time.monotonic() - started < 30
+
+
+def test_launched_ranks_time_out_and_a_rank_without_result_is_named():
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 still running after 1 s"):
+        launch_ranks(["-c", "import time; time.sleep(60)"], world_size=2, timeout=1)
+    with pytest.raises(RankError, match=r"ranks \[0\] of 1 exited 0 without write_result"):
+        launch_ranks(["-c", "pass"], world_size=1, timeout=30)

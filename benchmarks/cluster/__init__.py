@@ -3,7 +3,9 @@
 Calibration lives in benchmarks.cluster.calibrate (not imported here so `python -m` runs it cleanly).
 """
 
-from .launch import EmulatedCluster, RankFailure, write_result
+from multirank.processes import write_result
+
+from .launch import EmulatedCluster, RankFailure
 from .netns import ClusterUnavailable
 from .spec import ClusterSpec, frontier, generic, profile
 

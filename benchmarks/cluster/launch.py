@@ -18,26 +18,19 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
+from multirank.processes import RESULT_ENV
+
 from . import netns
 from .spec import ClusterSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MASTER_PORT = 29500
-RESULT_ENV = "EMU_RESULT_FILE"
 _TAIL_CHARS = 2000
 _PR_SET_PDEATHSIG = 1
 
 
 class RankFailure(RuntimeError):
     """One or more ranks failed or timed out; the message carries each rank's stderr tail."""
-
-
-def write_result(result: Any) -> None:
-    """From inside a rank: store this rank's JSON-serialisable result for launch() to return."""
-    path = Path(os.environ[RESULT_ENV])
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)  # atomic, so a rank killed mid-write never leaves half a result
 
 
 def _die_with_parent() -> None:

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .launch import write_result
+from multirank.processes import write_result
 
 
 def timed_send(src: int, dst: int, payload: torch.Tensor, ack: torch.Tensor) -> float | None:

@@ -74,7 +74,8 @@ import warnings
 
 from benchmarks.data_loader import node_report
 from benchmarks.data_loader.node_rank import DEFAULT_WORKERS
-from benchmarks.data_loader.run import OUT, RAW, ROOT, make_corpus, rank_env
+from benchmarks.data_loader.run import OUT, QUIET, RAW, ROOT, make_corpus
+from multirank import rank_env
 
 FULL = dict(repeats=3, steps=20, throughput_steps=200, warmup=5, seq_length=8192, step_ms=200.0, mask_calls=3)
 QUICK = dict(repeats=1, steps=6, throughput_steps=40, warmup=4, seq_length=2048, step_ms=100.0, mask_calls=2)
@@ -95,7 +96,7 @@ def launch(
     with tempfile.TemporaryDirectory(prefix="node-bench-") as tmp:
         procs, logs = [], []
         for rank in range(world):
-            env = rank_env(rank, world, **(env_extra or {}))
+            env = rank_env(rank, world, **QUIET, **(env_extra or {}))
             common = {
                 "--mode": mode,
                 "--prefix": args.prefix,
@@ -200,6 +201,7 @@ def main() -> None:
     )
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="results hold these only")
     p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--out", default=OUT, help="folder of node.json / node.md")
     args = p.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
@@ -223,18 +225,18 @@ def main() -> None:
                 results["errors"][part] = f"{type(e).__name__}: {e}"
                 print(f"{part} failed: {e}", file=sys.stderr, flush=True)
     settings = {
-        **{k: v for k, v in vars(args).items() if k != "prefix"},
+        **{k: v for k, v in vars(args).items() if k not in ("prefix", "out")},
         "corpus_bytes": os.path.getsize(args.prefix + ".bin"),
         "cpus": len(os.sched_getaffinity(0)),
         "wall_s": round(time.time() - started, 1),
         "command": " ".join(["python -m benchmarks.data_loader.node", *sys.argv[1:]]),
     }
     results["settings"] = settings
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "node.json"), "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "node.json"), "w") as f:
         json.dump(results, f, indent=1)
     text = node_report.markdown(results, args)
-    with open(os.path.join(OUT, "node.md"), "w") as f:
+    with open(os.path.join(args.out, "node.md"), "w") as f:
         f.write(text)
     print(text)
     sys.exit(1 if results["errors"] else 0)

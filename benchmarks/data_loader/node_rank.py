@@ -45,9 +45,9 @@ from benchmarks.data_loader.node_proc import (
     tree_memory,
 )
 from benchmarks.data_loader.run import drop_cache
-from deepspeed_ext.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import build_batch_iterator
+from plugin_base.topology import Topology
 
 TIMEOUT_S = 300.0
 

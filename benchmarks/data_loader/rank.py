@@ -5,7 +5,7 @@ DataLoader with ``--num-workers`` workers, then broadcasts each key over its TP 
 (the node loader). A fixed CPU computation of about ``--step-ms`` stands in for the training step
 (it competes for the cores as a real step would). The ``.bin`` is read with file reads instead of a
 memory map (megatron-core's ``mmap_bin_files=False``, Megatron-LM's ``--no-mmap-bin-files``) so
-that every byte a scheme asks of the filesystem shows in ``rchar``. Prints one JSON line: per-step
+that every byte a scheme asks of the filesystem shows in ``rchar``. Its result (``write_result``): per-step
 wall time and data wait, /proc I/O and CPU/RSS of this rank, including the children it reaped
 (DataLoader workers, the producer): Linux folds a reaped child's I/O counters and rusage into its
 parent's.
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import resource
 import time
@@ -23,10 +22,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import check_indexed_dataset, gpt_dataset_config
 from megatron_ext.data.loader import build_batch_iterator
+from multirank import write_result
+from plugin_base.topology import Topology
 
 SCHEMES = ("megatron", "shm")
 
@@ -120,24 +120,21 @@ def main() -> None:
     iterator.close()  # reaps the producer / DataLoader workers: their counters join ours
     dist.barrier()
     io1 = proc_io()
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "scheme": args.scheme,
-                "setup_s": setup_s,
-                "wait_s": waits,
-                "step_s": steps,
-                "samples_read": counters["samples_read"],
-                "repeats": repeats,
-                "read_bytes": io1["read_bytes"] - io0["read_bytes"],
-                "rchar": io1["rchar"] - io0["rchar"],
-                "cpu_s": cpu_s(resource.RUSAGE_SELF) + cpu_s(resource.RUSAGE_CHILDREN) - cpu0,
-                "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                "children_max_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
-            }
-        ),
-        flush=True,
+    write_result(
+        {
+            "rank": rank,
+            "scheme": args.scheme,
+            "setup_s": setup_s,
+            "wait_s": waits,
+            "step_s": steps,
+            "samples_read": counters["samples_read"],
+            "repeats": repeats,
+            "read_bytes": io1["read_bytes"] - io0["read_bytes"],
+            "rchar": io1["rchar"] - io0["rchar"],
+            "cpu_s": cpu_s(resource.RUSAGE_SELF) + cpu_s(resource.RUSAGE_CHILDREN) - cpu0,
+            "max_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+            "children_max_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+        }
     )
     ps.destroy_model_parallel()
     dist.destroy_process_group()

@@ -10,7 +10,8 @@ the ranks and every process they reaped asked of the filesystem (``rchar``; the 
 with file reads, not a memory map) and read from the block device (``read_bytes``), CPU seconds of
 all of them, the median step time (data wait + a fixed CPU computation standing in for the training
 step) and data wait, and peak RSS. Reported as min / median / max over the repetitions, with the
-load average before and after. Writes ``benchmarks/results/data_loader/results.{json,md}``.
+load average before and after. Writes ``results.{json,md}`` under ``--out``
+(``benchmarks/results/data_loader``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
 import numpy as np
+
+from multirank import RankError, launch_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RAW = os.path.join(ROOT, "benchmarks", "results", "raw", "data_loader")
@@ -62,18 +63,8 @@ def drop_cache(prefix: str) -> None:
             os.close(fd)
 
 
-def rank_env(rank: int, world: int, **extra: str) -> dict[str, str]:
-    """The environment of one local rank process of a ``world``-rank benchmark launch."""
-    return dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-        **extra,
-    )
+# megatron-core's import warnings, printed once per rank, would bury the progress lines.
+QUIET = {"PYTHONWARNINGS": "ignore"}
 
 
 def launch(
@@ -86,44 +77,31 @@ def launch(
     cpus: set[int],
     timeout_s: float,
 ) -> list[dict]:
+    """One run of ``scheme``: ``WORLD`` fresh rank processes pinned to ``cpus``; their results by rank."""
     with tempfile.TemporaryDirectory(prefix="dl-bench-") as tmp:
-        procs = []
-        for rank in range(WORLD):
-            env = rank_env(rank, WORLD)
-            cmd = [
-                sys.executable,
-                "-m",
-                "benchmarks.data_loader.rank",
-                "--scheme",
-                scheme,
-                "--tp",
-                str(tp),
-                "--cp",
-                str(cp),
-                "--num-workers",
-                str(workers),
-                "--prefix",
-                prefix,
-                "--cache",
-                os.path.join(RAW, "cache"),
-                "--rendezvous",
-                os.path.join(tmp, "rdv"),
-                *extra,
-            ]
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    cwd=ROOT,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    text=True,
-                    preexec_fn=lambda: os.sched_setaffinity(0, cpus),
-                )
-            )
-        outputs = [p.communicate(timeout=timeout_s)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"{scheme} TP={tp} CP={cp}: ranks exited with {[p.returncode for p in procs]}")
-    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+        argv = [
+            "-m",
+            "benchmarks.data_loader.rank",
+            "--scheme",
+            scheme,
+            "--tp",
+            str(tp),
+            "--cp",
+            str(cp),
+            "--num-workers",
+            str(workers),
+            "--prefix",
+            prefix,
+            "--cache",
+            os.path.join(RAW, "cache"),
+            "--rendezvous",
+            os.path.join(tmp, "rdv"),
+            *extra,
+        ]
+        try:
+            return launch_ranks(argv, WORLD, timeout_s, env=QUIET, cpus=cpus)
+        except RankError as e:
+            raise RankError(f"{scheme} TP={tp} CP={cp}: {e}") from None
 
 
 def measure(ranks: list[dict]) -> dict[str, float]:
@@ -187,6 +165,7 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--cpus", type=int, nargs="+", default=sorted(os.sched_getaffinity(0)))
     parser.add_argument("--timeout-s", type=float, default=600)
+    parser.add_argument("--out", default=OUT, help="folder of results.json / results.md")
     args = parser.parse_args()
 
     prefix = os.path.join(RAW, f"random{args.tokens}")
@@ -235,15 +214,15 @@ def main() -> None:
         "corpus_bytes": os.path.getsize(prefix + ".bin"),
         "cpus": sorted(cpus),
         "load_average_min_max": [min(loads), max(loads)],
-        **{k: v for k, v in vars(args).items() if k != "cpus"},
+        **{k: v for k, v in vars(args).items() if k not in ("cpus", "out")},
     }
-    os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "results.json"), "w") as f:
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"settings": meta, "rows": rows}, f, indent=1)
     text = (
         f"Settings: {json.dumps(meta)}\n\nmedian (min-max) over {args.repeats} repetitions\n\n{table(rows)}\n"
     )
-    with open(os.path.join(OUT, "results.md"), "w") as f:
+    with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(text)
     print(text)
 

@@ -152,8 +152,8 @@ def _rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from benchmarks.cluster.launch import write_result
     from megatron_ext.cpu import enable_cpu_support
+    from multirank import write_result
 
     warnings.filterwarnings("ignore")  # gloo's tensor collectives warn on every call in torch 2.13
     torch.set_num_threads(1)
@@ -185,9 +185,9 @@ def main() -> None:
     if args.rank:
         _rank_main(args)
         return
-    from benchmarks.cluster.loopback import launch_loopback
+    from multirank import launch_ranks
 
-    per_rank = launch_loopback([*RANK_MODULE, *sys.argv[1:], "--rank"], world_size=args.tp, timeout=1800)
+    per_rank = launch_ranks([*RANK_MODULE, *sys.argv[1:], "--rank"], world_size=args.tp, timeout=1800)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "rank")}
     label = f"activation_memory_tp{args.tp}_h{args.hidden}_s{args.seq}"
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,8 +18,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster.loopback import launch_loopback
 from benchmarks.flash_overlap.report import markdown, summarize, timeline_png
+from multirank import launch_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.flash_overlap.rank"]
@@ -29,7 +29,7 @@ def run_loopback(
     tp: int, rank_args: list[str], timeout: float, module: list[str] = RANK_MODULE
 ) -> list[dict[str, Any]]:
     """All ranks (``python *module *rank_args``) as local processes talking over 127.0.0.1."""
-    return launch_loopback([*module, *rank_args], world_size=tp, timeout=timeout)
+    return launch_ranks([*module, *rank_args], world_size=tp, timeout=timeout)
 
 
 def run_cluster(

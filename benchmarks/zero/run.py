@@ -26,10 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster.loopback import launch_loopback
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.planner import variant_for
+from multirank import launch_ranks
 from plugin_base.comm import LINK_CLASSES
 from plugin_base.topology import Level, LinkClass
 
@@ -40,7 +40,7 @@ OUT = REPO_ROOT / "benchmarks" / "results" / "zero"
 
 def loopback(rank_args: list[str], timeout: float) -> list[dict[str, Any]]:
     """8 local ranks over 127.0.0.1 laid out as 2 nodes x 2 packages x 2."""
-    return launch_loopback(
+    return launch_ranks(
         [*RANK_MODULE, *rank_args],
         world_size=8,
         timeout=timeout,

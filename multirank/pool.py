@@ -1,4 +1,4 @@
-"""A persistent pool of gloo worker processes per world size, for multi-rank tests.
+"""A persistent pool of gloo worker processes, for multi-rank tests.
 
 Spawning a process group costs seconds; the pool keeps one alive and runs a module-level function
 on every rank per call. Rendezvous is a file (no ports). A call that outlives its timeout kills
@@ -18,6 +18,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .processes import RankError, rank_env
+
 ERROR_GRACE_S = 3.0
 # Workers are forked from one server process that has imported these once: a spawned worker spent
 # seconds of CPU importing them, and every pool started again paid that on each of its ranks.
@@ -32,21 +34,10 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
 
-class RankError(RuntimeError):
-    """A rank raised inside the function the pool ran."""
-
-
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        OMP_NUM_THREADS="1",
-    )
-    for name in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE"):
-        os.environ.pop(name, None)
+    env = rank_env(rank, world_size)
+    os.environ.clear()  # rank_env leaves Slurm's task variables out: they must go here too
+    os.environ.update(env)
     import torch
     import torch.distributed as dist
 

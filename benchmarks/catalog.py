@@ -1,0 +1,193 @@
+"""Every benchmark entry point under ``benchmarks/``: the steps ``benchmarks.run_all`` runs, with the
+arguments of a full and of a ``--quick`` run, and the reason for each one it never runs itself."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_ARG = "{results}"
+"""Stands for the results folder in a step's arguments (``--results`` of run_all)."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One benchmark run and the markdown tables it leaves behind."""
+
+    title: str
+    """Heading of the step in the summary."""
+    module: str
+    """The entry point, ``python -m`` style."""
+    args: tuple[str, ...]
+    """Arguments after the module; ``{results}`` is the results folder."""
+    tables: tuple[str, ...]
+    """The markdown files the step writes, relative to the results folder."""
+    needs_gpu: bool = False
+    stdout: str | None = None
+    """For a benchmark that only prints its figures: where run_all keeps its output (a markdown file)."""
+
+    def argv(self, results: Path) -> list[str]:
+        """The arguments after ``python``."""
+        return ["-m", self.module, *(a.replace(RESULTS_ARG, str(results)) for a in self.args)]
+
+
+# Never a step of their own: each is one rank of another benchmark, started by that benchmark.
+RANKS = {
+    "benchmarks.cluster.p2p": "one rank of the calibration; started by `benchmarks.cluster.calibrate`",
+    "benchmarks.data_loader.node_rank": "one rank of `benchmarks.data_loader.node`, started by it",
+    "benchmarks.data_loader.rank": "one rank of `benchmarks.data_loader.run`, started by it",
+    "benchmarks.flash_overlap.rank": "one rank of `benchmarks.flash_overlap.run` and `.overlap`, started by them",
+    "benchmarks.flash_overlap.ulysses_rank": "one rank of `benchmarks.flash_overlap.overlap`'s UP part, started by it",
+    "benchmarks.run_all": "this script",
+    "benchmarks.zero.rank": "one rank of `benchmarks.zero.run`, started by it",
+}
+
+
+def left_out(network: str) -> dict[str, str]:
+    """Entry points no step of ``network`` runs, with the reason."""
+    out = dict(RANKS)
+    if network != "cluster":
+        out["benchmarks.cluster.calibrate"] = (
+            "measures the emulated cluster's shaped links: `--network cluster` only (root, ip, tc)"
+        )
+        out["benchmarks.zero.scale"] = (
+            "needs the emulated cluster's per-link latency (16 ranks on 8 nodes): `--network cluster` only (root)"
+        )
+    return out
+
+
+def _projections(quick: bool) -> list[Step]:
+    cases = [(4, 1)] if quick else [(4, 1), (4, 4), (1, 1), (1, 4)]
+    return [
+        Step(
+            f"Frontier projection of hierarchical ZeRO (computed, 20B preset at TP={tp}, accumulation {ga})",
+            "benchmarks.zero.project",
+            ("--tp", str(tp), "--grad-accum", str(ga), "--name", f"projection_tp{tp}_ga{ga}")
+            + ("--out", f"{RESULTS_ARG}/zero"),
+            (f"zero/projection_tp{tp}_ga{ga}.md",),
+        )
+        for tp, ga in cases
+    ]
+
+
+def _activation_memory(quick: bool) -> list[Step]:
+    # (tp, hidden, heads, seq, batch, layers): the tiny CPU preset, and the 1.3B preset's layer width.
+    cases = (
+        [(2, 64, 4, 64, 2, 2)]
+        if quick
+        else [(2, 64, 4, 64, 2, 2), (4, 64, 4, 64, 2, 2), (2, 2048, 16, 2048, 1, 1)]
+    )
+    return [
+        Step(
+            f"Flash-Overlap activation memory per backend (TP={tp}, h={h}, s={s})",
+            "benchmarks.flash_overlap.activation_memory",
+            ("--tp", str(tp), "--hidden", str(h), "--heads", str(heads), "--seq", str(s), "--batch", str(b))
+            + ("--layers", str(layers), "--out", f"{RESULTS_ARG}/flash_overlap"),
+            (f"flash_overlap/activation_memory_tp{tp}_h{h}_s{s}.md",),
+        )
+        for tp, h, heads, s, b, layers in cases
+    ]
+
+
+def steps(network: str, quick: bool) -> list[Step]:
+    """Every step of a run on ``network``, in order: the computed ones first, then each plugin's."""
+    cluster = network == "cluster"
+    fo = "cluster400" if cluster else "loopback"  # flash_overlap's file stem at its default 400 Mbit/s
+    tps = ("2",) if quick else ("2", "4")
+    calibration = Step(
+        "Emulated cluster calibration (frontier profile)",
+        "benchmarks.cluster.calibrate",
+        ("--profile", "frontier", "--json", f"{RESULTS_ARG}/cluster/calibration.json"),
+        ("cluster/calibration.md",),
+        stdout="cluster/calibration.md",  # the JSON is for the plot; the printed report is the table
+    )
+    scale = Step(
+        "ZeRO variants at scale: 8 nodes of 2 ranks with per-link latency (emulated cluster)",
+        "benchmarks.zero.scale",
+        ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/zero"),
+        (f"zero/scale_8x2{'_quick' if quick else ''}.md",),
+    )
+    return [
+        *[calibration] * cluster,
+        *_projections(quick),
+        Step(
+            f"Hierarchical ZeRO vs ZeRO-3 and ZeRO++ hpZ ({network})",
+            "benchmarks.zero.run",
+            ("--network", network, "--launches", "1" if quick else "3", "--out", f"{RESULTS_ARG}/zero")
+            + (("--micro", "1") if quick else ()),
+            (f"zero/{network}.md",),
+        ),
+        *[scale] * cluster,
+        Step(
+            f"Flash-Overlap MLP and layer, forward + backward, vs megatron-core and 4-chunk slicing ({network})",
+            "benchmarks.flash_overlap.run",
+            ("--network", network, "--tp", *tps, "--out", f"{RESULTS_ARG}/flash_overlap"),
+            tuple(f"flash_overlap/{fo}_tp{tp}.md" for tp in tps),
+        ),
+        Step(
+            f"Flash-Overlap and UP attention vs TE's split and DistributedAttention, same transport ({network})",
+            "benchmarks.flash_overlap.overlap",
+            ("--network", network, *(("--quick",) if quick else ()), "--out", f"{RESULTS_ARG}/flash_overlap"),
+            (f"flash_overlap/overlap_{fo}{'_quick' if quick else ''}.md",),
+        ),
+        *_activation_memory(quick),
+        Step(
+            "Shared-memory node loader vs Megatron's DataLoader path with 0/1/2 workers (one node, 4 ranks)",
+            "benchmarks.data_loader.run",
+            ("--steps", "20", "--repeats", "2", "--tokens", "8000000") * quick
+            + ("--out", f"{RESULTS_ARG}/data_loader"),
+            ("data_loader/results.md",),
+        ),
+        Step(
+            "Node loader at 8 ranks: producer throughput, CPU and memory per node, mask memory",
+            "benchmarks.data_loader.node",
+            ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/data_loader"),
+            ("data_loader/node.md",),
+        ),
+        Step(
+            "Set-up time and memory of the producer's index streams",
+            "benchmarks.data_loader.sampler_setup",
+            ("--samples", "1000000") * quick,
+            ("data_loader/sampler_setup.md",),
+            stdout="data_loader/sampler_setup.md",
+        ),
+        Step(
+            "Attention mask of a micro-batch: ours vs megatron-core's GPTDataset",
+            "benchmarks.attention_mask",
+            ("--seq", "2048", "--mbs", "1", "--repeats", "3") * quick + ("--out", RESULTS_ARG),
+            ("attention_mask.md",),
+        ),
+        Step(
+            "Main job on one GPU with and without the plugins",
+            "benchmarks.gpu.main_job",
+            ("--launches", "1") * quick + ("--out", f"{RESULTS_ARG}/gpu"),
+            ("gpu/main_job.md",),
+            needs_gpu=True,
+        ),
+        Step(
+            "Node loader's GPU copy path vs Megatron's, one GPU",
+            "benchmarks.gpu.loader_cuda",
+            ("--steps", "20") * quick + ("--out", f"{RESULTS_ARG}/gpu"),
+            ("gpu/loader_cuda.md",),
+            needs_gpu=True,
+        ),
+        Step(
+            "GEMM efficiency kept when the overlap schedules slice a GEMM, one GPU",
+            "benchmarks.gpu.sliced_gemm",
+            ("--reps", "3") * quick + ("--out", f"{RESULTS_ARG}/gpu"),
+            ("gpu/sliced_gemm.md",),
+            needs_gpu=True,
+        ),
+    ]
+
+
+def entry_points() -> list[str]:
+    """Every module under ``benchmarks/`` that runs as a script, ``python -m`` style."""
+    main = re.compile(r"^if __name__ == .__main__.:", re.MULTILINE)
+    return sorted(
+        ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for path in (REPO / "benchmarks").rglob("*.py")
+        if main.search(path.read_text())
+    )
