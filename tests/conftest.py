@@ -61,3 +61,142 @@ def run_ranks() -> Iterator[RunRanks]:
     for pool in _pools.values():
         pool.close(graceful=False)  # nothing is left to check; the leaked groups make an exit slow
     _pools.clear()
+
+
+@pytest.fixture
+def own_ranks() -> Iterator[RunRanks]:
+    """``run_ranks`` on a pool of this test's own, closed after it: for a test that leaves its
+    ranks' groups broken (a timed-out peer), so that the shared pools stay usable whatever runs next."""
+    pools: dict[int, WorkerPool] = {}
+
+    def run(
+        world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any
+    ) -> list[Any]:
+        pool = pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = pools[world_size] = WorkerPool(world_size)
+        return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+    yield run
+    for pool in pools.values():
+        pool.close(graceful=False)
+
+
+@pytest.fixture
+def forked() -> Iterator[Callable[..., Any]]:
+    """``forked(target, *args)`` starts ``target(*args)`` in a child forked from the test; whatever
+    of them still runs once the test is over is killed, so that a failing test leaves none behind
+    (and a child may wait for its end as long as it likes)."""
+    import multiprocessing as mp
+
+    context = mp.get_context("fork")
+    children = []
+
+    def start(target: Callable[..., Any], *args: Any) -> Any:
+        child = context.Process(target=target, args=args)
+        child.start()
+        children.append(child)
+        return child
+
+    yield start
+    for child in children:
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
+# -- the shared-memory loader's data --------------------------------------------------------------
+@pytest.fixture(scope="session")
+def gpt_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(prefix, index cache) of a 60-document corpus: 428 samples of shm_helpers.SEQ tokens, so
+    that one epoch is short and resumes cross epoch boundaries. The cache is built here, once,
+    before any rank reads it (the mask settings are not part of its key: every variant shares it)."""
+    from shm_helpers import gpt_dataset
+
+    from megatron_ext.data.gpt_dataset import synthetic_documents, write_indexed_dataset
+
+    root = tmp_path_factory.mktemp("gpt-corpus")
+    prefix, cache = str(root / "corpus"), str(root / "cache")
+    write_indexed_dataset(prefix, synthetic_documents(60))
+    assert len(gpt_dataset(prefix, cache)) == 428
+    return prefix, cache
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """(prefix, index cache) of a 40-document corpus, its training split's cache built here, once."""
+    from shm_helpers import SEQ
+
+    from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
+
+    root = tmp_path_factory.mktemp("small-corpus")
+    prefix, cache = str(root / "corpus"), str(root / "cache")
+    write_indexed_dataset(prefix, synthetic_documents(40))
+    build_train_dataset(prefix, SEQ, 10, 1234, cache)
+    return prefix, cache
+
+
+@pytest.fixture(scope="session")
+def shm_dataset(small_corpus: tuple[str, str]) -> Any:
+    """The training split of ``small_corpus`` (sequences of shm_helpers.SEQ tokens)."""
+    from shm_helpers import SEQ
+
+    from megatron_ext.data.gpt_dataset import build_train_dataset
+
+    prefix, cache = small_corpus
+    return build_train_dataset(prefix, SEQ, 10, 1234, cache)
+
+
+@pytest.fixture
+def shm_path() -> Iterator[str]:
+    """A fresh segment path in /dev/shm; the test fails if anything of it is left behind."""
+    import glob
+    import uuid
+
+    from megatron_ext.data.shm_segment import segment_path
+
+    path = segment_path("/dev/shm", f"test{uuid.uuid4().hex[:8]}", 0)
+    yield path
+    assert glob.glob(path + "*") == [], "a segment was left behind"
+
+
+# -- attacks on it by another local user (root only) -----------------------------------------------
+@pytest.fixture(scope="session")
+def users() -> Iterator[dict[str, tuple[int, int]]]:
+    """uid and gid of the attacker and of a non-root victim (shm_helpers.ATTACKER, VICTIM); created
+    here when absent, and removed again after the session."""
+    import pwd
+    import subprocess
+
+    from shm_helpers import ATTACKER, VICTIM
+
+    made, ids = [], {}
+    for name in (ATTACKER, VICTIM):
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            try:
+                pw = pwd.getpwnam(name)  # a concurrent run may have made it first
+            except KeyError:
+                pytest.fail(f"useradd {name} failed: {done.stderr}")
+            if done.returncode == 0:
+                made.append(name)
+        ids[name] = (pw.pw_uid, pw.pw_gid)
+    yield ids
+    for name in made:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[str]:
+    """A fresh directory like /dev/shm (root's, mode 1777), so planted files stay out of the real one."""
+    import shutil
+    import uuid
+
+    path = f"/dev/shm/shmsec-{uuid.uuid4().hex[:8]}"
+    os.mkdir(path)
+    os.chmod(path, 0o1777)
+    yield path
+    shutil.rmtree(path)

@@ -10,14 +10,15 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
-import time
+import os
 from functools import partial
 
 import pytest
 import torch
-from multirank import RankError
+from flash_overlap_helpers import setup_tp
 
 from megatron_ext.layers.config import FlashOverlapConfig
+from multirank import RankError
 
 S_LOCAL, BATCH = 3, 5
 COL_IN, COL_OUT = 18, 40  # not powers of two; COL_OUT / (TP * stride 2) whole at TP=4
@@ -38,23 +39,6 @@ CASES = [
 def _case_id(case: tuple) -> str:
     kind, mode, bias, extra = case
     return "-".join([kind, mode, "bias" if bias else "nobias", *(f"{k}={v}" for k, v in extra.items())])
-
-
-def _setup(tp: int, sequence_parallel: bool = True):
-    from megatron.core import parallel_state as ps
-    from megatron.core.model_parallel_config import ModelParallelConfig
-
-    from megatron_ext.cpu import enable_cpu_support
-
-    enable_cpu_support()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
-    config = ModelParallelConfig(
-        tensor_model_parallel_size=tp,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        sequence_parallel=sequence_parallel,
-    )
-    return config, ps.get_tensor_model_parallel_group()
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -163,7 +147,7 @@ def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dic
 
 
 def _all_cases(tp: int) -> list[dict]:
-    config, group = _setup(tp)
+    config, group = setup_tp(tp)
     return [_run_case(tp, config, group, case) for case in CASES]
 
 
@@ -175,7 +159,7 @@ def _symm_mem_cases(tp: int) -> list[dict]:
     from megatron_ext.layers import backend as backends
     from megatron_ext.layers import symm_mem
 
-    config, group = _setup(tp)
+    config, group = setup_tp(tp)
     with (
         mock.patch.object(backends, "group_problem", return_value=None),
         mock.patch.object(symm_mem, "torch_fused_ops", symm_mem.torch_reference_ops),
@@ -196,7 +180,7 @@ def case_results(request, run_ranks):
 def test_matches_dense_and_megatron_core(case_results, case):
     tp, backend, per_rank = case_results
     for rank, results in enumerate(per_rank):
-        result = results[CASES.index(case)]
+        result = dict(results[CASES.index(case)])  # a copy: the module's results stay whole
         # auto picks our P2P schedule on gloo (no symmetric memory)
         assert result.pop("backend") == ("p2p" if backend == "auto" else "symm_mem")
         assert result.pop("weights_equal"), (
@@ -205,7 +189,11 @@ def test_matches_dense_and_megatron_core(case_results, case):
         assert result.pop("attrs_equal"), (
             f"TP={tp} rank {rank}: parameter attributes differ from megatron-core's"
         )
-        assert len(result) >= 6
+        grads = ("x", "w", "b") if case[2] else ("x", "w")  # bias: its gradient too
+        compared = {
+            f"{what}_vs_{ref}" for what in ("out", *(f"grad_{g}" for g in grads)) for ref in ("dense", "ref")
+        }
+        assert set(result) == compared, f"TP={tp} rank {rank}: compared {sorted(result)}"
         bad = {k: v for k, v in result.items() if v > 1e-5}
         assert not bad, f"TP={tp} rank {rank}: {bad}"
 
@@ -218,7 +206,7 @@ def _train_gpt(tp: int, steps: int) -> dict[str, list[float]]:
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
     from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
-    _setup(tp)
+    setup_tp(tp)
     seq, vocab = 12, padded_vocab_size(100, tp)
     tokens = torch.randint(0, 100, (steps, 2, seq + 1), generator=torch.Generator().manual_seed(7))
     specs = {
@@ -269,7 +257,7 @@ def _bad_inputs() -> dict[str, str]:
     from megatron_ext.layers.backend import BackendUnavailableError
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
-    config, _ = _setup(2)
+    config, _ = setup_tp(2)
     init = partial(torch.nn.init.normal_, std=0.1)
     row = FlashOverlapRowParallelLinear(
         8,
@@ -339,7 +327,7 @@ def _backend_log_lines() -> list[str]:
     from megatron_ext.layers import backend as backends
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 
-    config, _ = _setup(2)
+    config, _ = setup_tp(2)
     lines: list[str] = []
     handler = logging.Handler(logging.INFO)
     handler.emit = lambda record: lines.append(record.getMessage())
@@ -388,8 +376,10 @@ def test_symm_mem_needs_cuda_and_is_moot_at_tensor_parallel_size_1():
         resolve_backend("nvshmem", None, torch.device("cpu"))
 
 
-def _silent_peer() -> None:
-    config, _ = _setup(2)
+def _silent_peer(timed_out: str) -> None:
+    """Rank 0 runs the layer, rank 1 never enters it: it stays alive and silent (a peer that leaves
+    would close the link) until rank 0 has raised, which rank 0 marks by creating ``timed_out``."""
+    config, _ = setup_tp(2)
     import torch.distributed as dist
 
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear
@@ -397,16 +387,21 @@ def _silent_peer() -> None:
     layer = FlashOverlapColumnParallelLinear(
         6, 8, config=config, init_method=torch.nn.init.zeros_, tp_comm_buffer_name="fc1", timeout_s=1.0
     )
-    if dist.get_rank() == 0:  # rank 1 never enters the layer
-        layer(torch.randn(3, 2, 6))
+    if dist.get_rank() == 0:
+        try:
+            layer(torch.randn(3, 2, 6))
+        finally:
+            open(timed_out, "w").close()
     else:
-        time.sleep(5)  # alive and silent past rank 0's timeout (a peer that leaves would close the link)
+        from waits import wait_for
+
+        wait_for(lambda: os.path.exists(timed_out), "rank 0's error in the layer", timeout_s=60)
 
 
-def test_a_silent_peer_raises_a_timeout_naming_peer_and_layer(run_ranks):
-    # Last multi-rank test of the file: the timeout leaves the pool's gloo pair closed, the pool is rebuilt.
+def test_a_silent_peer_raises_a_timeout_naming_peer_and_layer(own_ranks, tmp_path):
+    # Ranks of the test's own: the timeout leaves their gloo pair closed, the shared pool stays usable.
     with pytest.raises(RankError) as info:
-        run_ranks(2, _silent_peer, timeout=60)
+        own_ranks(2, _silent_peer, str(tmp_path / "timed-out"), timeout=120)
     message = str(info.value)
     assert "PeerTimeoutError" in message and "layer 'fc1'" in message and "tensor-parallel rank 1" in message
 
@@ -438,10 +433,10 @@ def test_single_rank_layers_need_no_process_group():
 
 
 def test_spec_replaces_the_chosen_linears_and_passes_mode_timeout_backend_and_topology():
-    from deepspeed_ext.topology import Topology
     from megatron_ext.gpt import local_layer_spec
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
+    from plugin_base.topology import Topology
 
     topology = Topology(world_size=16, ranks_per_node=8, ranks_per_package=2)
     spec = get_flash_overlap_layer_spec(

@@ -20,32 +20,18 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from flash_overlap_helpers import FakeGroup
 from torch.distributed import _symmetric_memory
 
-from deepspeed_ext.topology import Topology
 from megatron_ext.layers import backend as backends
 from megatron_ext.layers.backend import BackendUnavailableError, peer_problem, resolve_backend
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear
 from megatron_ext.layers.p2p_link import OverlapGroup, check_nccl_waits
+from plugin_base.topology import Topology
 
 GPU0 = torch.device("cuda", 0)
 ONE_NODE = Topology(world_size=2, ranks_per_node=2, ranks_per_package=1)
-
-
-class _Group:
-    """A tensor-parallel group of the given global ranks, seen from its rank 0."""
-
-    group_name = "tp"
-
-    def __init__(self, ranks: list[int]) -> None:
-        self.ranks = ranks
-
-    def size(self) -> int:
-        return len(self.ranks)
-
-    def rank(self) -> int:
-        return 0
 
 
 @pytest.fixture
@@ -79,7 +65,7 @@ def _logged_reason(caplog) -> str:
 
 def test_p2p_is_the_default_and_needs_no_probe(gpus):
     assert FlashOverlapConfig().backend == "p2p" and FlashOverlapColumnParallelLinear.overlap_backend == "p2p"
-    assert resolve_backend("p2p", _Group([0, 1]), GPU0, ONE_NODE) == "p2p"
+    assert resolve_backend("p2p", FakeGroup([0, 1]), GPU0, ONE_NODE) == "p2p"
     assert gpus["gathers"] == 0
     assert (
         _logged_reason(gpus["log"])
@@ -88,7 +74,7 @@ def test_p2p_is_the_default_and_needs_no_probe(gpus):
 
 
 def test_auto_takes_symm_mem_where_every_check_passes_and_says_what_it_costs(gpus):
-    assert resolve_backend("auto", _Group([0, 1]), GPU0, ONE_NODE) == "symm_mem"
+    assert resolve_backend("auto", FakeGroup([0, 1]), GPU0, ONE_NODE) == "symm_mem"
     assert gpus["gathers"] == 3  # platform, peer access, set-up: each agreed by the group
     assert "the column layers keep their gathered input for backward, 2x what p2p keeps for qkv and fc1" in (
         _logged_reason(gpus["log"])
@@ -97,23 +83,23 @@ def test_auto_takes_symm_mem_where_every_check_passes_and_says_what_it_costs(gpu
 
 def test_auto_keeps_p2p_when_the_group_spans_nodes_and_symm_mem_refuses(gpus):
     two_nodes = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)
-    assert resolve_backend("auto", _Group([1, 2]), GPU0, two_nodes) == "p2p"
+    assert resolve_backend("auto", FakeGroup([1, 2]), GPU0, two_nodes) == "p2p"
     reason = "the tensor-parallel group [1, 2] spans nodes [0, 1] (2 ranks per node)"
     assert reason in _logged_reason(gpus["log"])
     assert gpus["gathers"] == 0  # the same on every rank: decided without talking
     with pytest.raises(BackendUnavailableError, match=r"symm_mem cannot run here: .*spans nodes \[0, 1\]"):
-        resolve_backend("symm_mem", _Group([1, 2]), GPU0, two_nodes)
+        resolve_backend("symm_mem", FakeGroup([1, 2]), GPU0, two_nodes)
 
 
 def test_auto_without_a_topology_keeps_p2p_and_says_how_to_pass_one(gpus):
-    assert resolve_backend("auto", _Group([0, 1]), GPU0, None) == "p2p"
+    assert resolve_backend("auto", FakeGroup([0, 1]), GPU0, None) == "p2p"
     assert "no topology was given" in _logged_reason(gpus["log"])
-    assert "topology=deepspeed_ext.topology.detect_topology(...)" in _logged_reason(gpus["log"])
+    assert "topology=plugin_base.topology.detect_topology(...)" in _logged_reason(gpus["log"])
 
 
 def test_auto_keeps_p2p_when_the_gpus_do_not_reach_each_other(gpus):
     gpus["peer_access"] = False
-    assert resolve_backend("auto", _Group([0, 1]), GPU0, ONE_NODE) == "p2p"
+    assert resolve_backend("auto", FakeGroup([0, 1]), GPU0, ONE_NODE) == "p2p"
     assert "rank 0: cuda:0 has no peer-to-peer access to cuda:1" in _logged_reason(gpus["log"])
 
 
@@ -129,7 +115,7 @@ def test_auto_falls_back_on_any_setup_failure_and_logs_it(gpus, monkeypatch, err
         raise error("no symmetric memory today")
 
     monkeypatch.setattr(_symmetric_memory, "enable_symm_mem_for_group", fail)
-    assert resolve_backend("auto", _Group([0, 1]), GPU0, ONE_NODE) == "p2p"
+    assert resolve_backend("auto", FakeGroup([0, 1]), GPU0, ONE_NODE) == "p2p"
     assert (
         f"rank 0: setting up symmetric memory failed ({error.__name__}: no symmetric memory today)"
         in _logged_reason(gpus["log"])
@@ -141,7 +127,7 @@ def test_auto_falls_back_when_the_probe_itself_fails(gpus, monkeypatch):
         raise ConnectionError("peer closed the connection")
 
     monkeypatch.setattr(dist, "all_gather_object", broken)
-    assert resolve_backend("auto", _Group([0, 1]), GPU0, ONE_NODE) == "p2p"
+    assert resolve_backend("auto", FakeGroup([0, 1]), GPU0, ONE_NODE) == "p2p"
     assert "probing the group failed (ConnectionError: peer closed the connection)" in _logged_reason(
         gpus["log"]
     )
@@ -151,7 +137,7 @@ def test_auto_falls_back_when_the_probe_itself_fails(gpus, monkeypatch):
 def test_blocking_nccl_waits_are_named(monkeypatch, name):
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
     monkeypatch.setenv(name, "1")
-    og = OverlapGroup(group=_Group([0, 1]), name="fc1")
+    og = OverlapGroup(group=FakeGroup([0, 1]), name="fc1")
     with pytest.warns(RuntimeWarning, match=f"{name}=1 makes every wait of layer 'fc1' block the host"):
         check_nccl_waits(og, GPU0)
     with warnings.catch_warnings():

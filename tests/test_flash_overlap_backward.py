@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from test_flash_overlap import _setup
+from flash_overlap_helpers import setup_tp
 
 S_LOCAL, BATCH, IN, OUT = 8, 2, 64, 96
 
@@ -69,7 +69,7 @@ def _dense_wgrad(kind: str, layer, x: torch.Tensor, g: torch.Tensor, group) -> t
 def _wgrad_errors(tp: int) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    config, group = _setup(tp)
+    config, group = setup_tp(tp)
     config = ModelParallelConfig(
         tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
@@ -103,7 +103,7 @@ def test_wgrad_error_vs_float64_is_no_worse_than_megatron_cores_in_bf16(run_rank
 def _fusion(tp: int) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    _, group = _setup(tp)
+    _, group = setup_tp(tp)
     config = ModelParallelConfig(
         tensor_model_parallel_size=tp,
         use_cpu_initialization=True,
@@ -147,7 +147,7 @@ def test_gradient_accumulation_fusion_accumulates_into_main_grad_in_fp32(run_ran
 def _autocast(tp: int) -> dict:
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    _, group = _setup(tp)
+    _, group = setup_tp(tp)
     config = ModelParallelConfig(
         tensor_model_parallel_size=tp,
         use_cpu_initialization=True,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
-from test_flash_overlap import _setup
+from flash_overlap_helpers import setup_tp
 
 from benchmarks.flash_overlap.activation_memory import BACKENDS, SLOTS, measure
 
@@ -18,7 +18,7 @@ GPT = argparse.Namespace(layers=2, hidden=24, heads=4, seq=12, batch=2, vocab=10
 
 
 def _saved_bytes(tp: int) -> dict[str, dict[str, int]]:
-    _setup(tp)
+    setup_tp(tp)
     return {backend: measure(GPT, backend) for backend in BACKENDS}
 
 

@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 import torch
-from test_flash_overlap import _setup
+from flash_overlap_helpers import setup_tp
 
 from megatron_ext.layers.config import FlashOverlapConfig
 
@@ -110,7 +110,7 @@ def _te_composed_against_megatron_core_local(tp: int) -> dict[str, float]:
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
     from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
-    _setup(tp)
+    setup_tp(tp)
     seq, vocab = 12, padded_vocab_size(100, tp)
     tokens = torch.randint(0, 100, (2, seq + 1), generator=torch.Generator().manual_seed(3))
     batch = {

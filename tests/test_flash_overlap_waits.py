@@ -9,17 +9,10 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from flash_overlap_helpers import FakeGroup
 
 from megatron_ext.layers import p2p_link
 from megatron_ext.layers.p2p_link import OverlapGroup
-
-
-class _Group:
-    def size(self) -> int:
-        return 2
-
-    def rank(self) -> int:
-        return 0
 
 
 class _Work:
@@ -48,7 +41,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_cuda_waits_are_stream_ordered_with_no_timeout(fake_cuda):
-    link = p2p_link.Link(OverlapGroup(group=_Group()), torch.device("cuda", 0), "all-gather")
+    link = p2p_link.Link(OverlapGroup(group=FakeGroup([0, 1])), torch.device("cuda", 0), "all-gather")
     work = _Work()
     link.wait(_posted(work), True, 1, "receive of slice 1")
     assert work.waits == [{}]  # no timeout: the host is not held until the transfer ends
@@ -57,7 +50,9 @@ def test_cuda_waits_are_stream_ordered_with_no_timeout(fake_cuda):
 
 def test_gloo_waits_are_bounded_by_timeout_s(monkeypatch):
     monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: rank)
-    link = p2p_link.Link(OverlapGroup(group=_Group(), timeout_s=7), torch.device("cpu"), "all-gather")
+    link = p2p_link.Link(
+        OverlapGroup(group=FakeGroup([0, 1]), timeout_s=7), torch.device("cpu"), "all-gather"
+    )
     work = _Work()
     link.wait(_posted(work), True, 1, "receive of slice 1")
     assert work.waits == [{"timeout": timedelta(seconds=7)}]
@@ -68,7 +63,7 @@ def test_gloo_posting_thread_is_stopped_by_shutdown_posters(monkeypatch):
     posted_ops = []
     monkeypatch.setattr(dist, "P2POp", lambda *args, **kwargs: args)
     monkeypatch.setattr(dist, "batch_isend_irecv", lambda ops: posted_ops.append(ops) or [_Work()])
-    link = p2p_link.Link(OverlapGroup(group=_Group()), torch.device("cpu"), "all-gather")
+    link = p2p_link.Link(OverlapGroup(group=FakeGroup([0, 1])), torch.device("cpu"), "all-gather")
     link.exchange(torch.zeros(1), 1, None, 1, step=0).works.result(timeout=10)
     thread_names = lambda: {t.name for t in threading.enumerate() if t.name.startswith("flash-overlap-p2p")}  # noqa: E731
     assert thread_names(), "gloo transfers are posted from a thread of their own"

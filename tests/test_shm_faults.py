@@ -1,159 +1,117 @@
 """Failures of the shared-memory loader: dead producer, dead consumer, killed rank, stuck reads, a
-broken dataset. Processes here are forked by the test itself (never the multi-rank pool's workers),
-with small timeouts; every test also checks that nothing is left in the shared-memory directory."""
+broken dataset. Processes here are forked by the test itself (never the multi-rank pool's workers);
+every test also checks that nothing is left in the shared-memory directory.
+
+A failure must be noticed from the processes' state, not by a rank's timeout: the loaders here wait
+up to TIMEOUT_S, and the error a rank reports says which it was (a dead or failed peer, or "nothing
+after N s", the timeout's own message). The tests wait on events (a child's report on a queue, a
+process state), with hang bounds that fail naming what they waited for, never on the clock."""
 
 import glob
 import multiprocessing as mp
 import os
 import re
 import signal
-import time
-import uuid
 
 import pytest
+from shm_helpers import node_iterator
+from waits import HANG_S, first_error, receive, wait_for
 
-from megatron_ext.data.batch import ALL_KEYS
-from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.ring import Ring, RingError, State, wait_until
-from megatron_ext.data.samplers import SamplerSettings
-from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_segment import is_alive, process_start_time, segment_path
+from megatron_ext.data.shm_segment import is_alive, process_start_time
 
-TIMEOUT_S = 4.0
+TIMEOUT_S = 2 * HANG_S  # the loaders' own timeout: a failure only it noticed would fail the message checks
+STALL_S = 1.0  # the timeout of the tests about the timeout itself
 ctx = mp.get_context("fork")
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shm-faults")
-    write_indexed_dataset(str(root / "corpus"), synthetic_documents(40))
-    return build_train_dataset(str(root / "corpus"), 32, 10, 1234, str(root / "cache"))
-
-
-@pytest.fixture
-def path():
-    p = segment_path("/dev/shm", f"faults{uuid.uuid4().hex[:8]}", 0)
-    yield p
-    assert glob.glob(p + "*") == [], "a segment was left behind"
-
-
 def _iterator(dataset, path, local, consumers=2, timeout=TIMEOUT_S, workers=1):
-    return ShmBatchIterator(
-        dataset,
-        SamplerSettings(2, 0, consumers, kind="random"),
-        keys=ALL_KEYS,
-        path=path,
-        local_index=local,
-        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=timeout, workers=workers),
-        node_dp_ranks=list(range(consumers)),
-        rank=local,
-    )
+    return node_iterator(dataset, path, local, consumers, timeout, workers)
 
 
-def _consume(dataset, path, local, queue, batches_then_sleep=None):
-    """A rank in a child process: report each batch; report the error that ends it, with its time."""
+def _consume(dataset, path, local, queue, stop_after=None):
+    """A rank in a child process: report each batch, and the error that ends it. ``stop_after``
+    batches: it stays alive but stops reading, until the test kills it."""
     it = _iterator(dataset, path, local)
     try:
         while True:
             next(it)
-            queue.put(("batch", time.monotonic()))
-            if batches_then_sleep is not None and it.counters.batches >= batches_then_sleep:
-                time.sleep(60)  # a rank that stays alive but stops reading
+            queue.put(("batch", it.counters.batches))
+            if stop_after is not None and it.counters.batches >= stop_after:
+                signal.pause()
     except RingError as e:
-        queue.put(("error", time.monotonic(), str(e)))
+        queue.put(("error", str(e)))
     finally:
         it.close()
 
 
-def _first_error(queue, timeout):
-    deadline = time.monotonic() + timeout
-    while True:
-        item = queue.get(timeout=max(0.1, deadline - time.monotonic()))
-        if item[0] == "error":
-            return item
-
-
-def test_killed_producer_fails_every_consumer_in_time(dataset, path):
+def test_killed_producer_fails_every_consumer_in_time(shm_dataset, shm_path, forked):
     queue = ctx.Queue()
-    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
-    child.start()
-    leader = _iterator(dataset, path, 0)
-    assert glob.glob(path + "*") == []  # unlinked as soon as both ranks attached
+    forked(_consume, shm_dataset, shm_path, 1, queue)
+    leader = _iterator(shm_dataset, shm_path, 0)
+    assert glob.glob(shm_path + "*") == []  # unlinked as soon as both ranks attached
     next(leader)
     os.kill(leader.producer.pid, signal.SIGKILL)
-    killed = time.monotonic()
     with pytest.raises(RingError, match=r"producer .* died without a message"):
         for _ in range(10):
             next(leader)
-    assert time.monotonic() - killed < TIMEOUT_S
-    _, when, message = _first_error(queue, TIMEOUT_S)
-    assert "died without a message" in message and when - killed < TIMEOUT_S
-    child.join(10)
+    message = first_error(queue, "rank 1 after the producer was killed")
+    assert "died without a message" in message, message
     leader.close()
 
 
-def test_killed_consumer_makes_the_producer_raise(dataset, path):
+def test_killed_consumer_makes_the_producer_raise(shm_dataset, shm_path, forked):
     queue = ctx.Queue()
-    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue, 1))
-    child.start()
-    leader = _iterator(dataset, path, 0)
-    assert queue.get(timeout=30)[0] == "batch"
+    child = forked(_consume, shm_dataset, shm_path, 1, queue, 1)
+    leader = _iterator(shm_dataset, shm_path, 0)
+    assert receive(queue, "first batch of rank 1")[0] == "batch"
     child.kill()
-    child.join(10)
-    killed = time.monotonic()
+    child.join(HANG_S)
     with pytest.raises(RingError, match=r"local rank 1 of the node \(pid \d+\) died"):
         for _ in range(10):
             next(leader)
-    assert time.monotonic() - killed < TIMEOUT_S
-    assert leader.producer.stop(timeout_s=5) == 1
+    assert leader.producer.stop(timeout_s=HANG_S) == 1  # it failed and left on its own, not killed
     leader.close()
 
 
-def test_killed_first_rank_leaves_nothing_and_fails_the_others(dataset, path):
+def test_killed_first_rank_leaves_nothing_and_fails_the_others(shm_dataset, shm_path, forked):
     queue, leader_queue = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
-    leader = ctx.Process(target=_consume, args=(dataset, path, 0, leader_queue, 2))
-    child.start()
-    leader.start()
-    assert leader_queue.get(timeout=30)[0] == "batch"
+    forked(_consume, shm_dataset, shm_path, 1, queue)
+    leader = forked(_consume, shm_dataset, shm_path, 0, leader_queue, 2)
+    assert receive(leader_queue, "first batch of rank 0")[0] == "batch"
     os.kill(leader.pid, signal.SIGKILL)
-    killed = time.monotonic()
-    _, when, message = _first_error(queue, TIMEOUT_S + 5)
-    assert "local rank 0 of the node" in message and "died" in message
-    assert when - killed < TIMEOUT_S
-    child.join(10)
-    leader.join(10)
+    message = first_error(queue, "rank 1 after rank 0 was killed")
+    assert "local rank 0 of the node" in message and "died" in message, message
 
 
-def test_a_rank_that_stops_reading_stalls_the_others_until_their_timeout(dataset, path):
+def test_a_rank_that_stops_reading_stalls_the_others_until_their_timeout(shm_dataset, shm_path, forked):
     # The producer keeps waiting for a live rank (it may be a validation loader between
     # evaluations); the ranks that wait for data give up after timeout_s, naming the step.
     queue = ctx.Queue()
-    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue, 1))
-    child.start()
-    leader = _iterator(dataset, path, 0, timeout=1.0)
+    child = forked(_consume, shm_dataset, shm_path, 1, queue, 1)
+    leader = _iterator(shm_dataset, shm_path, 0, timeout=STALL_S)
     with pytest.raises(RingError, match=r"waited for step 3 \(slot 1\) .* nothing after 1 s"):
         for _ in range(10):
             next(leader)
     assert leader.producer.poll() is None
     child.kill()
-    child.join(10)
+    child.join(HANG_S)
     leader.close()
 
 
 class _Failing:
-    """Looks like the GPTDataset it wraps, but reading a sample fails or hangs."""
+    """Looks like the GPTDataset it wraps, but reading a sample fails; with ``hang`` (an event), only
+    once the event is set: until then the read is stuck."""
 
-    def __init__(self, dataset, hang):
+    def __init__(self, dataset, hang=None):
         self.config, self.dataset, self._len, self._hang = dataset.config, dataset.dataset, len(dataset), hang
 
     def __len__(self):
         return self._len
 
     def __getitem__(self, idx):
-        if self._hang:
-            time.sleep(60)
+        if self._hang is not None:
+            self._hang.wait(HANG_S)
         raise OSError(f"reading sample {idx}: input/output error")
 
 
@@ -162,8 +120,8 @@ class _Failing:
     [(1, ""), (2, r"RingError: worker \d of 2 \(pid \d+\) failed: ")],
     ids=["producer", "worker"],
 )
-def test_a_producer_error_reaches_the_ranks_with_its_message(dataset, path, workers, via):
-    leader = _iterator(_Failing(dataset, hang=False), path, 0, consumers=1, workers=workers)
+def test_a_producer_error_reaches_the_ranks_with_its_message(shm_dataset, shm_path, workers, via):
+    leader = _iterator(_Failing(shm_dataset), shm_path, 0, consumers=1, workers=workers)
     with pytest.raises(
         RingError, match=rf"(?s)producer of .* failed: {via}OSError: reading sample \d+: input/output error"
     ):
@@ -171,13 +129,15 @@ def test_a_producer_error_reaches_the_ranks_with_its_message(dataset, path, work
     leader.close()
 
 
-def test_a_stuck_producer_times_out_the_consumer(dataset, path):
-    leader = _iterator(_Failing(dataset, hang=True), path, 0, consumers=1, timeout=1.0)
-    start = time.monotonic()
-    with pytest.raises(RingError, match=r"waited for step 0 .* nothing after 1 s"):
-        next(leader)
-    assert time.monotonic() - start < 3
-    leader.close()
+def test_a_stuck_producer_times_out_the_consumer(shm_dataset, shm_path):
+    stuck = ctx.Event()
+    leader = _iterator(_Failing(shm_dataset, hang=stuck), shm_path, 0, consumers=1, timeout=STALL_S)
+    try:
+        with pytest.raises(RingError, match=r"waited for step 0 .* nothing after 1 s"):
+            next(leader)
+    finally:
+        stuck.set()  # the read fails now: the producer leaves on its own
+        leader.close()
 
 
 def test_data_published_before_the_peer_left_still_counts():
@@ -189,33 +149,32 @@ def test_data_published_before_the_peer_left_still_counts():
         published.append(True)
         raise RingError("closed")
 
-    assert wait_until(lambda: bool(published), peer_left, 1.0, "a batch", max_sleep_s=1e-3) >= 0
+    wait_until(lambda: bool(published), peer_left, 1.0, "a batch", max_sleep_s=1e-3)  # no error
+    assert published == [True]  # the batch came during the check that saw the peer leave
     with pytest.raises(RingError, match="closed"):
         wait_until(lambda: False, peer_left, 1.0, "a batch", max_sleep_s=1e-3)
 
 
-def test_the_producers_error_survives_a_parent_that_records_the_producer_after_it(dataset, path, monkeypatch):
+def test_the_producers_error_survives_a_parent_that_records_the_producer_after_it(
+    shm_dataset, shm_path, monkeypatch, forked
+):
     # The parent forks the producer and then records it; a producer that failed in between must
     # still be what every rank reports (the parent here records it only once the failure is there).
     queue = ctx.Queue()
-    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
-    child.start()
+    forked(_consume, shm_dataset, shm_path, 1, queue)
     record = Ring.start_producer
 
     def record_after_the_failure(ring, pid, start):
-        wait_until(
-            lambda: ring.state == State.FAILED, lambda: None, TIMEOUT_S, "the producer's failure", 1e-3
-        )
+        wait_for(lambda: ring.state == State.FAILED, "the producer's failure")
         record(ring, pid, start)
 
     monkeypatch.setattr(Ring, "start_producer", record_after_the_failure)
-    leader = _iterator(_Failing(dataset, hang=False), path, 0)
+    leader = _iterator(_Failing(shm_dataset), shm_path, 0)
     expected = r"(?s)producer of .* failed: .*OSError: reading sample \d+: input/output error"
     with pytest.raises(RingError, match=expected):
         next(leader)
-    _, _, message = _first_error(queue, TIMEOUT_S)
+    message = first_error(queue, "rank 1 after the producer failed")
     assert re.search(expected, message), message
-    child.join(10)
     leader.close()
 
 
@@ -226,42 +185,37 @@ def _workers_of(pid: int, count: int = 2) -> list[int]:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             return [int(p) for p in f.read().split()]
 
-    wait_until(lambda: len(children()) == count, lambda: None, TIMEOUT_S, "the producer's workers", 1e-3)
+    wait_for(lambda: len(children()) == count, f"the producer's {count} workers")
     return children()
 
 
-def _two_ranks_reading(dataset, path):
+def _two_ranks_reading(dataset, path, forked):
     """The node's first rank (here, one batch read; its producer with 2 workers) and a second rank
     reading in a child process."""
     queue = ctx.Queue()
-    child = ctx.Process(target=_consume, args=(dataset, path, 1, queue))
-    child.start()
+    forked(_consume, dataset, path, 1, queue)
     leader = _iterator(dataset, path, 0, workers=2)
     next(leader)
-    return leader, child, queue
+    return leader, queue
 
 
-def test_a_killed_worker_fails_every_rank_naming_the_worker_and_the_signal(dataset, path):
-    leader, child, queue = _two_ranks_reading(dataset, path)
+def test_a_killed_worker_fails_every_rank_naming_the_worker_and_the_signal(shm_dataset, shm_path, forked):
+    leader, queue = _two_ranks_reading(shm_dataset, shm_path, forked)
     workers = _workers_of(leader.producer.pid)
     os.kill(workers[1], signal.SIGKILL)
     expected = rf"worker \d of 2 \(pid {workers[1]}\) failed: killed by signal 9"
     with pytest.raises(RingError, match=expected):
         for _ in range(1000):
             next(leader)
-    _, _, message = _first_error(queue, TIMEOUT_S)
+    message = first_error(queue, "rank 1 after a worker was killed")
     assert re.search(expected, message), message
-    child.join(10)
     leader.close()
 
 
-def test_a_killed_producer_takes_its_workers_with_it(dataset, path):
-    leader, child, _ = _two_ranks_reading(dataset, path)
+def test_a_killed_producer_takes_its_workers_with_it(shm_dataset, shm_path, forked):
+    leader, _ = _two_ranks_reading(shm_dataset, shm_path, forked)
     workers = [(pid, process_start_time(pid)) for pid in _workers_of(leader.producer.pid)]
     os.kill(leader.producer.pid, signal.SIGKILL)
-    assert leader.producer.stop(timeout_s=TIMEOUT_S) == -signal.SIGKILL
-    wait_until(
-        lambda: not any(is_alive(*w) for w in workers), lambda: None, TIMEOUT_S, "the workers' exit", 1e-3
-    )
-    child.join(10)
+    assert leader.producer.stop(timeout_s=HANG_S) == -signal.SIGKILL
+    wait_for(lambda: not any(is_alive(*w) for w in workers), "the exit of the killed producer's workers")
     leader.close()

@@ -1,143 +1,125 @@
 """Leftovers and leaks of the shared-memory loader: a first rank killed while its node's ranks attach,
 a producer that SIGKILL does not end, a loader dropped without close(). Processes are forked by the
-test itself; every test also checks that nothing is left in the shared-memory directory."""
+test itself; every test also checks that nothing is left in the shared-memory directory.
+
+The tests wait on events (a child's report on a queue, a file, a process state) with hang bounds
+(shm_helpers.HANG_S) below the loaders' own TIMEOUT_S: a failure noticed only by that timeout, or
+not at all, fails the test naming what it waited for; the errors are checked for the liveness
+check's message, not the timeout's."""
 
 import gc
-import glob
 import multiprocessing as mp
 import os
 import signal
 import threading
-import time
-import uuid
 
 import pytest
+from shm_helpers import node_iterator
+from waits import HANG_S, first_error, receive, wait_for
 
 from megatron_ext.data import producer as producer_module
-from megatron_ext.data.batch import ALL_KEYS
-from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
+from megatron_ext.data import shm_loader
 from megatron_ext.data.ring import RingError
-from megatron_ext.data.samplers import SamplerSettings
-from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_segment import process_start_time, remove_stale_segments, segment_path
+from megatron_ext.data.shm_segment import process_start_time, remove_stale_segments
 
 ctx = mp.get_context("fork")
-BOUND_S = 5.0  # how soon each failure must be noticed: far below the loaders' 30 s timeout
-
-
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shm-leaks")
-    write_indexed_dataset(str(root / "corpus"), synthetic_documents(40))
-    return build_train_dataset(str(root / "corpus"), 32, 10, 1234, str(root / "cache"))
-
-
-@pytest.fixture
-def path():
-    p = segment_path("/dev/shm", f"leaks{uuid.uuid4().hex[:8]}", 0)
-    yield p
-    assert glob.glob(p + "*") == [], "a segment was left behind"
+TIMEOUT_S = 2 * HANG_S  # the loaders' own timeout: every failure must be noticed before it
 
 
 def _iterator(dataset, path, local, consumers=3, creator=None):
-    return ShmBatchIterator(
-        dataset,
-        SamplerSettings(2, 0, consumers, kind="random"),
-        keys=ALL_KEYS,
-        path=path,
-        local_index=local,
-        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
-        node_dp_ranks=list(range(consumers)),
-        rank=local,
-        creator=creator,
-    )
+    return node_iterator(dataset, path, local, consumers, TIMEOUT_S, creator=creator)
 
 
 def _rank(dataset, path, local, queue, creator=None):
     """A rank in a child process: report how set-up and the first batch end."""
     try:
         it = _iterator(dataset, path, local, creator=creator)
-        queue.put(("attached", time.monotonic()))
+        queue.put(("attached",))
         next(it)
-        queue.put(("batch", time.monotonic()))
+        queue.put(("batch",))
     except RingError as e:
-        queue.put(("error", time.monotonic(), str(e)))
+        queue.put(("error", str(e)))
 
 
-def _wait_for(condition, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
-def _start_first_rank(dataset, path):
+def _start_first_rank(dataset, path, forked):
     """The node's first rank, creating the ring for 3 ranks of which only some come: it stays in set-up."""
-    first = ctx.Process(target=_rank, args=(dataset, path, 0, ctx.Queue()))
-    first.start()
-    _wait_for(lambda: os.path.exists(os.path.join(path, "ring")))
+    first = forked(_rank, dataset, path, 0, ctx.Queue())
+    wait_for(lambda: os.path.exists(os.path.join(path, "ring")), "the first rank's ring file")
     return first, (first.pid, process_start_time(first.pid))
 
 
 def _kill(proc):
     os.kill(proc.pid, signal.SIGKILL)
-    proc.join(10)
-    return time.monotonic()
+    proc.join(HANG_S)
 
 
-def test_first_rank_killed_after_a_peer_attached(dataset, path):
-    first, _ = _start_first_rank(dataset, path)
+def test_first_rank_killed_after_a_peer_attached(shm_dataset, shm_path, forked):
+    first, _ = _start_first_rank(shm_dataset, shm_path, forked)
     queue = ctx.Queue()
-    peer = ctx.Process(target=_rank, args=(dataset, path, 1, queue))
-    peer.start()
-    assert queue.get(timeout=30)[0] == "attached"  # then it waits for step 0, which never comes
-    killed = _kill(first)
-    kind, when, message = queue.get(timeout=BOUND_S + 5)
-    assert kind == "error" and when - killed < BOUND_S
+    peer = forked(_rank, shm_dataset, shm_path, 1, queue)
+    assert receive(queue, "the peer's attach")[0] == "attached"  # then it waits for step 0, which never comes
+    _kill(first)
+    message = first_error(queue, "the peer after the first rank was killed")
     assert "first rank of its node" in message and "died while the node's ranks attached" in message
-    peer.join(10)
-    assert not os.path.exists(path)  # the peer removed it, long before any next start
+    peer.join(HANG_S)
+    assert not os.path.exists(shm_path)  # the peer removed it, long before any next start
 
 
-def test_first_rank_killed_before_a_peer_opens(dataset, path):
-    first, creator = _start_first_rank(dataset, path)
+def test_first_rank_killed_before_a_peer_opens(shm_dataset, shm_path, forked):
+    first, creator = _start_first_rank(shm_dataset, shm_path, forked)
     _kill(first)
     queue = ctx.Queue()
-    peer = ctx.Process(target=_rank, args=(dataset, path, 1, queue, creator))
-    started = time.monotonic()
-    peer.start()
-    kind, when, message = queue.get(timeout=BOUND_S + 5)
-    assert kind == "error" and when - started < BOUND_S and "died while the node's ranks attached" in message
-    peer.join(10)
-    assert not os.path.exists(path)
+    peer = forked(_rank, shm_dataset, shm_path, 1, queue, creator)
+    message = first_error(queue, "the peer of a dead first rank")
+    assert "died while the node's ranks attached" in message
+    peer.join(HANG_S)
+    assert not os.path.exists(shm_path)
 
 
-def test_first_rank_killed_before_creating_fails_the_waiting_peer(dataset, path):
+def _peer_polling_for_the_name(dataset, path, queue, creator):
+    """A second rank as ``_rank``, reporting ("polling",) once it has looked for the segment and not
+    found it (it then polls for the name)."""
+    look = shm_loader.open_segment
+
+    def looking(where):
+        found = look(where)
+        if found is None and not polled:
+            polled.append(True)
+            queue.put(("polling",))
+        return found
+
+    polled = []
+    shm_loader.open_segment = looking
+    _rank(dataset, path, 1, queue, creator)
+
+
+def test_first_rank_killed_before_creating_fails_the_waiting_peer(shm_dataset, shm_path, forked):
     # The peer knows the creator from the collective: it stops waiting for the name when that dies.
-    creator = ctx.Process(target=time.sleep, args=(60,))
-    creator.start()
+    creator = forked(signal.pause)
     queue = ctx.Queue()
-    peer = ctx.Process(
-        target=_rank, args=(dataset, path, 1, queue, (creator.pid, process_start_time(creator.pid)))
+    forked(
+        _peer_polling_for_the_name,
+        shm_dataset,
+        shm_path,
+        queue,
+        (creator.pid, process_start_time(creator.pid)),
     )
-    peer.start()
-    time.sleep(0.5)  # the peer is polling for the name
-    killed = _kill(creator)
-    kind, when, message = queue.get(timeout=BOUND_S + 5)
-    assert kind == "error" and when - killed < BOUND_S and f"(pid {creator.pid})" in message
-    peer.join(10)
+    assert receive(queue, "the peer's first look for the segment") == ("polling",)
+    _kill(creator)
+    message = first_error(queue, "the peer after its first rank was killed")
+    assert f"(pid {creator.pid})" in message and "died while the node's ranks attached" in message, message
 
 
-def test_a_whole_node_killed_during_set_up_is_cleaned_at_the_next_start(dataset, path):
-    first, _ = _start_first_rank(dataset, path)
+def test_a_whole_node_killed_during_set_up_is_cleaned_at_the_next_start(shm_dataset, shm_path, forked):
+    first, _ = _start_first_rank(shm_dataset, shm_path, forked)
     _kill(first)
-    assert os.path.exists(path)  # nobody of the job is left to remove it ...
-    assert path in remove_stale_segments("/dev/shm")  # ... so the same user's next start does
+    assert os.path.exists(shm_path)  # nobody of the job is left to remove it ...
+    assert shm_path in remove_stale_segments("/dev/shm")  # ... so the same user's next start does
 
 
 def test_stop_is_bounded_when_sigkill_does_not_end_the_producer(monkeypatch):
-    child = ctx.Process(target=time.sleep, args=(60,))
+    # Not one of the fixture's children: the producer's poll() reaps it.
+    child = ctx.Process(target=signal.pause, daemon=True)
     child.start()
     stuck = producer_module.ProducerProcess.__new__(producer_module.ProducerProcess)
     stuck.pid, stuck.exitcode = child.pid, None
@@ -147,43 +129,35 @@ def test_stop_is_bounded_when_sigkill_does_not_end_the_producer(monkeypatch):
     thread = threading.Thread(
         target=lambda: result.append(stuck.stop(timeout_s=0.2, kill_wait_s=1.0)), daemon=True
     )
-    start = time.monotonic()
-    with pytest.warns(RuntimeWarning, match=rf"pid {child.pid}\) did not exit within 1 s of SIGKILL"):
-        thread.start()
-        thread.join(BOUND_S)
-    assert not thread.is_alive() and result == [None] and time.monotonic() - start < BOUND_S
-    monkeypatch.undo()
-    os.kill(child.pid, signal.SIGKILL)
-    _wait_for(lambda: stuck.poll() is not None)  # reaped later, once it does die
+    try:
+        with pytest.warns(RuntimeWarning, match=rf"pid {child.pid}\) did not exit within 1 s of SIGKILL"):
+            thread.start()
+            thread.join(HANG_S)
+        assert not thread.is_alive(), f"stop() still waits {HANG_S:.0f} s after a SIGKILL that did not take"
+        assert result == [None]
+    finally:
+        monkeypatch.undo()
+        os.kill(child.pid, signal.SIGKILL)
+    wait_for(lambda: stuck.poll() is not None, "the stuck producer's reaping once it died")
     assert stuck.exitcode == -signal.SIGKILL
 
 
 def _drop_without_close(dataset, path, queue):
-    it = ShmBatchIterator(
-        dataset,
-        SamplerSettings(2, 0, 1, kind="random"),
-        keys=ALL_KEYS,
-        path=path,
-        local_index=0,
-        config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
-        node_dp_ranks=[0],
-        rank=0,
-    )
+    it = _iterator(dataset, path, 0, consumers=1)
     next(it)
     queue.put(it.producer.pid)
     del it
     gc.collect()
     queue.put("dropped")
-    time.sleep(60)  # the rank lives on
+    signal.pause()  # the rank lives on, until the test kills it
 
 
-def test_a_loader_dropped_without_close_stops_its_producer(dataset, path):
+def test_a_loader_dropped_without_close_stops_its_producer(shm_dataset, shm_path, forked):
+    # A producer whose rank lives waits for it (past TIMEOUT_S, even): only the drop ends it.
     queue = ctx.Queue()
-    rank = ctx.Process(target=_drop_without_close, args=(dataset, path, queue))
-    rank.start()
-    producer_pid = queue.get(timeout=30)
-    assert queue.get(timeout=30) == "dropped"
-    dropped = time.monotonic()
-    _wait_for(lambda: process_start_time(producer_pid) is None, timeout=BOUND_S)
-    assert time.monotonic() - dropped < BOUND_S and rank.is_alive()
+    rank = forked(_drop_without_close, shm_dataset, shm_path, queue)
+    producer_pid = receive(queue, "the producer's pid")
+    assert receive(queue, "the rank's drop of its loader") == "dropped"
+    wait_for(lambda: process_start_time(producer_pid) is None, "the exit of the dropped loader's producer")
+    assert rank.is_alive()
     _kill(rank)

@@ -31,11 +31,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_shm_loader import MBS, SEQ
+from shm_helpers import MBS, SEQ
 from upstream_setup import SetupError, prepare
 
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.data.gpt_dataset import gpt_dataset_config
 from plugin_config import PluginConfig
 
 STEPS = 6
@@ -52,17 +52,6 @@ def tree() -> str:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail(f"upstream reference tests cannot run in CI: {exc}")
         pytest.skip(f"upstream reference tests need: {exc}")
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> tuple[str, str]:
-    """A 428-sample corpus; its index cache is built here, once, before the ranks read it (the
-    mask settings are not part of the cache's key, so every variant below shares it)."""
-    root = tmp_path_factory.mktemp("shm-reference-corpus")
-    prefix, cache = str(root / "corpus"), str(root / "cache")
-    write_indexed_dataset(prefix, synthetic_documents(60))
-    assert len(_dataset(prefix, cache, _megatron_args(mask=True))) == 428
-    return prefix, cache
 
 
 def _megatron_args(
@@ -285,7 +274,7 @@ def _compare(tree: str, prefix: str, cache: str, args: argparse.Namespace, cp_sl
 
 @pytest.mark.parametrize("mask", [True, False], ids=["mask", "no-mask"])
 def test_tp2_pp2_every_rank_gets_what_upstreams_get_batch_on_this_tp_rank_returns(
-    run_ranks, tree, corpus, mask
+    run_ranks, tree, gpt_corpus, mask
 ):
     """TP=2 x PP=2 (ranks 0, 1 the first stage, 2, 3 the last), Megatron's single sampler. Upstream's
     ``get_batch_on_this_tp_rank`` at PP > 1 leaves TP rank 0 of each stage the whole micro-batch it
@@ -295,7 +284,7 @@ def test_tp2_pp2_every_rank_gets_what_upstreams_get_batch_on_this_tp_rank_return
     ``create_attention_mask_in_dataloader`` (the dataset builds it); cu_seqlens, max_seqlen and
     local_cp_size are None (no packed sequences)."""
     args = _megatron_args(tp=2, pp=2, mask=mask)
-    results = run_ranks(4, _compare, tree, *corpus, args, False, timeout=180)
+    results = run_ranks(4, _compare, tree, *gpt_corpus, args, False, timeout=180)
     first = ["tokens", "attention_mask", "position_ids"]
     last = ["labels", "loss_mask", "attention_mask"]
     expected = [list(ALL), first, list(ALL), last]
@@ -313,7 +302,7 @@ def test_tp2_pp2_every_rank_gets_what_upstreams_get_batch_on_this_tp_rank_return
     ids=["no-mask", "mask", "documents-apart"],
 )
 def test_cp2_dp2_batches_after_get_batch_on_this_cp_rank_are_upstreams(
-    run_ranks, tree, corpus, mask, documents_apart
+    run_ranks, tree, gpt_corpus, mask, documents_apart
 ):
     """TP=1 x CP=2 x DP=2 (ranks 0, 1 the CP pair of DP rank 0, ranks 2, 3 that of DP rank 1),
     Megatron's cyclic loader (its random sampler, data sharding on) resumed at 10 global batches.
@@ -329,7 +318,7 @@ def test_cp2_dp2_batches_after_get_batch_on_this_cp_rank_are_upstreams(
         dataloader_type="cyclic",
         consumed_train_samples=10 * MBS * 2,  # 10 global batches of MBS x DP
     )
-    results = run_ranks(4, _compare, tree, *corpus, args, True, timeout=180)
+    results = run_ranks(4, _compare, tree, *gpt_corpus, args, True, timeout=180)
     assert [r["upstream_keys"] for r in results] == [[k for k in ALL if mask or k != "attention_mask"]] * 4
     assert all(r["tokens_shape"] == [MBS, SEQ // 2] for r in results)
     assert results[0]["tokens"] != results[1]["tokens"]  # the two halves of one micro-batch

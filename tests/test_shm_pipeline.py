@@ -1,5 +1,6 @@
-"""Pipeline parallelism: every rank's batches from the shared-memory node loader against Megatron's
-stock path, at 4 gloo ranks with megatron-core's own pipeline layout (TP=2 x PP=2, TP=1 x PP=2 x
+"""Pipeline parallelism: every rank's batches from the shared-memory node loader, and from the
+plugin's stock path, against the batches Megatron-LM feeds its model (shm_helpers.megatron_batches:
+its sampler's indices, GPTDataset's samples stacked), at 4 gloo ranks with megatron-core's own pipeline layout (TP=2 x PP=2, TP=1 x PP=2 x
 DP=2 on one node and on two nodes, TP=1 x PP=4 with two middle stages).
 
 The keys each stage must get are written here from Megatron-LM core_v0.16.1, not taken from the
@@ -16,14 +17,12 @@ import uuid
 import pytest
 import torch
 import torch.distributed as dist
-from megatron_samplers import megatron_order
-from test_shm_loader import MBS, _dataset, _take
+from shm_helpers import MBS, batch_differences, gpt_dataset, megatron_batches, take
 
-from deepspeed_ext.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import synthetic_documents, write_indexed_dataset
 from megatron_ext.data.loader import build_batch_iterator
 from megatron_ext.data.shm_loader import ShmBatchIterator
+from plugin_base.topology import Topology
 
 ALL = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 
@@ -40,15 +39,6 @@ def megatron_stage_keys(first: bool, last: bool, mask: bool, tp_rank: int) -> se
     return keys if mask else keys - {"attention_mask"}
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    root = tmp_path_factory.mktemp("shm-pp-corpus")
-    prefix = str(root / "corpus")
-    write_indexed_dataset(prefix, synthetic_documents(60))
-    assert len(_dataset(prefix, str(root / "cache"))) == 428
-    return prefix, str(root / "cache")
-
-
 def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topology=None):
     from megatron.core import parallel_state as ps
 
@@ -56,7 +46,7 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, create_gloo_process_groups=False
     )
     first, last = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
-    dataset = _dataset(prefix, cache)
+    dataset = gpt_dataset(prefix, cache)
     kwargs = dict(
         micro_batch_size=MBS,
         consumed_samples=consumed,
@@ -69,8 +59,11 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
         first_pipeline_stage=first,
         last_pipeline_stage=last,
     )
+    want = megatron_stage_keys(first, last, mask, ps.get_tensor_model_parallel_rank())
+    dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    megatron = megatron_batches(dataset, sampler, consumed, dp_rank, dp, steps, want)
     stock = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=False), **kwargs)
-    expected = _take(stock, steps)
+    expected = take(stock, steps)
     stock.close()
     ours = build_batch_iterator(
         dataset,
@@ -79,32 +72,22 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
         pipeline_stages=pp,
         **kwargs,
     )
-    got = _take(ours, steps)
+    got = take(ours, steps)
     ours.close()
     dist.barrier()
-    want = megatron_stage_keys(first, last, mask, ps.get_tensor_model_parallel_rank())
     listed = [k for k in ALL if mask or k != "attention_mask"]
     for batches in (got, expected):
         for b in batches:
             assert list(b) == (listed if pp > 1 else [k for k in ALL if k in want])
             assert {k for k, v in b.items() if v is not None} == want
             assert all(isinstance(b[k], torch.Tensor) for k in want)
-    for i, (a, b) in enumerate(zip(got, expected)):
-        for key in want:
-            assert torch.equal(a[key], b[key]), f"rank {dist.get_rank()} batch {i} key {key} differs"
-    # and both hold the samples Megatron's own sampler picks (tokens on the first stage, labels on the last)
-    order = megatron_order(
-        sampler, len(dataset), consumed, MBS, ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    )
-    for batch, indices in zip(got, order):
-        for key in {"tokens", "labels"} & want:
-            assert torch.equal(batch[key], torch.stack([dataset[j][key] for j in indices])), key
     return dict(
+        differences=[f"shm loader {d}" for d in batch_differences(got, megatron, want)]
+        + [f"stock path {d}" for d in batch_differences(expected, megatron, want)],
         batches=len(got),
-        stock_batches=len(expected),
         first=first,
         last=last,
-        dp=ps.get_data_parallel_rank(),
+        dp=dp_rank,
         on_ring=isinstance(ours, ShmBatchIterator),
         read=ours.counters.samples_read,
         stock_read=stock.counters.samples_read,
@@ -131,12 +114,13 @@ def _run(run_ranks, corpus, tp, pp, sampler="random", consumed=0, steps=8, mask=
     )
     for r, res in enumerate(results):
         assert res["left"] == [], f"rank {r} saw leftover segments {res['left']}"
-        assert res["batches"] == res["stock_batches"]
+    report = [f"rank {rank}: {line}" for rank, r in enumerate(results) for line in r["differences"]]
+    assert not report, "batches differ from Megatron's:\n" + "\n".join(report)
     return results
 
 
-def test_tp2_pp2_first_stage_gets_tokens_last_stage_labels_from_one_read_per_node(run_ranks, corpus):
-    results = _run(run_ranks, corpus, tp=2, pp=2)
+def test_tp2_pp2_first_stage_gets_tokens_last_stage_labels_from_one_read_per_node(run_ranks, gpt_corpus):
+    results = _run(run_ranks, gpt_corpus, tp=2, pp=2)
     assert [(r["first"], r["last"]) for r in results] == [(True, False)] * 2 + [(False, True)] * 2
     assert all(r["on_ring"] and r["batches"] == 8 for r in results)
     assert results[0]["tokens"] == results[1]["tokens"] and results[2]["labels"] == results[3]["labels"]
@@ -146,9 +130,11 @@ def test_tp2_pp2_first_stage_gets_tokens_last_stage_labels_from_one_read_per_nod
 
 
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_pipeline_stages_of_each_dp_rank_get_megatrons_batches_on_one_or_two_nodes(run_ranks, corpus, nodes):
+def test_pipeline_stages_of_each_dp_rank_get_megatrons_batches_on_one_or_two_nodes(
+    run_ranks, gpt_corpus, nodes
+):
     topology = Topology(world_size=4, ranks_per_node=4 // nodes, ranks_per_package=1)
-    results = _run(run_ranks, corpus, tp=1, pp=2, topology=topology, mask=False)
+    results = _run(run_ranks, gpt_corpus, tp=1, pp=2, topology=topology, mask=False)
     assert [(r["dp"], r["first"]) for r in results] == [(0, True), (1, True), (0, False), (1, False)]
     assert results[0]["tokens"] != results[1]["tokens"]
     leaders = {0} if nodes == 1 else {0, 2}  # each node's ring holds the node's 2 DP streams
@@ -156,9 +142,9 @@ def test_pipeline_stages_of_each_dp_rank_get_megatrons_batches_on_one_or_two_nod
         assert (res["read"] >= 8 * 2 * MBS) if r in leaders else res["read"] == 0
 
 
-def test_tp1_pp4_middle_stages_read_nothing_and_stop_with_the_others(run_ranks, corpus):
+def test_tp1_pp4_middle_stages_read_nothing_and_stop_with_the_others(run_ranks, gpt_corpus):
     consumed = 428 - 5 * MBS - 1  # a single pass with 5 steps left: every stage stops after 5
-    results = _run(run_ranks, corpus, tp=1, pp=4, sampler="single", consumed=consumed, steps=12)
+    results = _run(run_ranks, gpt_corpus, tp=1, pp=4, sampler="single", consumed=consumed, steps=12)
     assert [r["batches"] for r in results] == [5] * 4
     assert [r["on_ring"] for r in results] == [True, False, False, True]  # middle stages never attach
     assert [r["read"] for r in results] == [5 * MBS, 0, 0, 0] and [r["stock_read"] for r in results][1:3] == [

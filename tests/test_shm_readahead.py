@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from megatron_samplers import megatron_order
 
 from megatron_ext.data import readahead
 from megatron_ext.data.gpt_dataset import (
@@ -94,12 +95,11 @@ def test_advice_reaches_the_kernel_for_every_range(corpora, monkeypatch):
     ahead.close()
 
 
-def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, monkeypatch):
+def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, monkeypatch, shm_path):
     from megatron_ext.data.batch import ALL_KEYS
     from megatron_ext.data.config import ShmDataLoaderConfig
-    from megatron_ext.data.samplers import SamplerSettings, random_batches
+    from megatron_ext.data.samplers import SamplerSettings
     from megatron_ext.data.shm_loader import ShmBatchIterator
-    from megatron_ext.data.shm_segment import segment_path
 
     (prefix, _), cache = corpora
     dataset = build_train_dataset(prefix, 32, 10, 1234, cache)
@@ -114,7 +114,7 @@ def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, 
         dataset,
         SamplerSettings(2, 0, 1, kind="random"),
         keys=ALL_KEYS,
-        path=segment_path("/dev/shm", "ra", 0),
+        path=shm_path,
         config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=30),
         local_index=0,
         node_dp_ranks=[0],
@@ -124,7 +124,7 @@ def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, 
         next(it)
     it.close()
     advised = {tuple(map(int, line.split())) for line in log.read_text().splitlines()}
-    order = random_batches(len(dataset), 0, 2, 0, 1)
+    order = megatron_order("random", len(dataset), 0, 2, 0, 1)  # Megatron's, not the plugin's sampler
     steps = [next(order) for _ in range(6)]
     for idx in (i for batch in steps for i in batch):  # the indices are mapped when the dataset is built
         assert {(off, n) for _, off, n in sample_ranges(dataset, idx)} <= advised, f"sample {idx} not advised"

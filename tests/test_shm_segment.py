@@ -2,7 +2,6 @@
 at the entry point. Attacks by another local user: tests/test_shm_security.py."""
 
 import contextlib
-import multiprocessing as mp
 import os
 import platform
 import shutil
@@ -12,9 +11,8 @@ import time
 import uuid
 
 import pytest
+from shm_helpers import dead_pid
 
-from deepspeed_ext.section import ConfigError
-from deepspeed_ext.topology import Topology
 from megatron_ext.data import shm_segment
 from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.config import ShmDataLoaderConfig
@@ -40,6 +38,8 @@ from megatron_ext.data.shm_segment import (
     resolve_job_id,
     segment_path,
 )
+from plugin_base.section import ConfigError
+from plugin_base.topology import Topology
 
 LAYOUT = RingLayout(slots=2, streams=1, micro_batch_size=2, seq_length=32, consumers=1)
 
@@ -53,13 +53,6 @@ def corpus(tmp_path_factory):
 
 def _job():
     return f"segtest{uuid.uuid4().hex[:8]}"
-
-
-def _dead_pid():
-    proc = mp.get_context("fork").Process(target=os._exit, args=(0,))
-    proc.start()
-    proc.join()
-    return proc.pid
 
 
 def test_name_carries_user_job_and_a_random_token(monkeypatch):
@@ -115,7 +108,7 @@ def _make(path, owner_pid, owner_start, tmp_pid=None):
 
 
 def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
-    dead, me = _dead_pid(), os.getpid()
+    dead, me = dead_pid(), os.getpid()
     stale, half_made, live, fresh_empty, old_empty = (segment_path("/dev/shm", _job(), 0) for _ in range(5))
     _make(stale, dead, 12345)
     _make(half_made, dead, 0, tmp_pid=dead)
@@ -211,7 +204,7 @@ def test_clean_up_looks_at_a_bounded_number_of_this_users_entries(tmp_path, monk
         (tmp_path / f"mdsp-{user}-decoy-{i}").mkdir(mode=0o755)  # wrong mode: never opened
         (tmp_path / f"mdsp-someone-else-{i}").mkdir(mode=0o700)
     stale = segment_path(str(tmp_path), _job(), 0)
-    _make(stale, _dead_pid(), 12345)
+    _make(stale, dead_pid(), 12345)
     examined = []
     check = shm_segment.problem_with
 
