@@ -60,12 +60,19 @@ def take(iterator: Iterator, steps: int) -> list:
 
 
 def megatron_batches(
-    dataset: Any, sampler: str, consumed: int, dp_rank: int, dp: int, steps: int, keys: set[str]
+    dataset: Any,
+    sampler: str,
+    consumed: int,
+    dp_rank: int,
+    dp: int,
+    steps: int,
+    keys: set[str],
+    mbs: int = MBS,
 ) -> list[dict[str, torch.Tensor]]:
     """The micro-batches Megatron-LM feeds one DP rank's model for ``steps`` steps: its sampler's
     sample indices (tests/megatron_samplers.py), each key the samples of GPTDataset stacked as
     torch's default collate does, TP peers receiving the same tensors by broadcast. Only ``keys``."""
-    order = megatron_order(sampler, len(dataset), consumed, MBS, dp_rank, dp)
+    order = megatron_order(sampler, len(dataset), consumed, mbs, dp_rank, dp)
     batches = []
     for _, indices in zip(range(steps), order):
         samples = [dataset[j] for j in indices]

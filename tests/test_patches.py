@@ -233,7 +233,9 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
     from megatron.core.rerun_state_machine import RerunDataIterator
 
     from megatron_ext.data.config import ShmDataLoaderConfig
-    from megatron_ext.data.loader import build_batch_iterator
+    from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
+    from megatron_ext.upstream import hooks
+    from plugin_base.installer import Installer
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
     dataset = _dataset(prefix, cache)
@@ -243,22 +245,20 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
     fake.get_args = lambda: args
     sys.modules["megatron.training"] = fake
     os.environ["SLURM_JOB_ID"] = job  # this run's segment names
-    built = []
     try:
-        provider = megatron_lm.DatasetsProvider(lambda sizes: (dataset, dataset, None))
-        assert provider.is_distributed and megatron_lm.shm_loader_enabled()
-        train, valid, test = built = provider([40, 40, 0])
-        assert test is None and args.dataloader_type == "external"
-        wrapped = RerunDataIterator(train)  # what Megatron-LM hands to forward_step
-        got = [megatron_lm.get_batch_on_this_tp_rank(wrapped) for _ in range(STEPS)]
-        got_valid = [megatron_lm.get_batch_on_this_tp_rank(valid) for _ in range(2)]
-        text = megatron_deepspeed.text_batch(["text"], train, torch.int64)
-        after = next(train)
+        with Installer() as owner, hooks.owning(owner):  # as the launcher holds one around the script
+            provider = megatron_lm.DatasetsProvider(lambda sizes: (dataset, dataset, None))
+            assert provider.is_distributed and megatron_lm.shm_loader_enabled()
+            train, valid, test = provider([40, 40, 0])
+            assert test is None and args.dataloader_type == "external"
+            wrapped = RerunDataIterator(train)  # what Megatron-LM hands to forward_step
+            got = [megatron_lm.get_batch_on_this_tp_rank(wrapped) for _ in range(STEPS)]
+            got_valid = [megatron_lm.get_batch_on_this_tp_rank(valid) for _ in range(2)]
+            text = megatron_deepspeed.text_batch(["text"], train, torch.int64)
+            after = next(train)
+            assert [c.owner for c in owner.changes] == ["megatron_ext.data"] * 2  # closed with the run
     finally:
         del sys.modules["megatron.training"], os.environ["SLURM_JOB_ID"]
-        for it in built:
-            if it is not None:
-                it.close()
     kwargs = dict(
         micro_batch_size=MBS,
         config=ShmDataLoaderConfig(enabled=False),
@@ -269,9 +269,11 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
         sampler="random",
         create_attention_mask=True,
     )
-    stock = build_batch_iterator(dataset, consumed_samples=consumed, **kwargs)
+    stock = build_batch_iterator(dataset, LoaderSettings(consumed_samples=consumed, **kwargs))
     expected = [next(stock) for _ in range(STEPS + 2)]
-    stock_valid = build_batch_iterator(dataset, consumed_samples=args.consumed_valid_samples, **kwargs)
+    stock_valid = build_batch_iterator(
+        dataset, LoaderSettings(consumed_samples=args.consumed_valid_samples, **kwargs)
+    )
     expected_valid = [next(stock_valid) for _ in range(2)]
     dist.barrier()
     for i, (a, b) in enumerate(zip(got + got_valid, expected[:STEPS] + expected_valid)):
@@ -293,7 +295,11 @@ def test_hooks_give_the_loader_batches(run_ranks, corpus, tp, consumed):
 @contextlib.contextmanager
 def _megatron_training(args, config):
     """Stand-ins for the two ``megatron.training`` functions the spec reads (upstream's args and its
-    TransformerConfig), installed for the block, removed after."""
+    TransformerConfig), installed for the block, removed after; the hooks' changes go through an
+    installer of the block's own, as the launcher's in an upstream run."""
+    from megatron_ext.upstream import hooks
+    from plugin_base.installer import Installer
+
     fake, fake_arguments = (
         types.ModuleType("megatron.training"),
         types.ModuleType("megatron.training.arguments"),
@@ -302,7 +308,8 @@ def _megatron_training(args, config):
     fake_arguments.core_transformer_config_from_args = lambda _: config
     sys.modules.update({"megatron.training": fake, "megatron.training.arguments": fake_arguments})
     try:
-        yield
+        with Installer() as owner, hooks.owning(owner):
+            yield
     finally:
         del sys.modules["megatron.training"], sys.modules["megatron.training.arguments"]
 
@@ -422,7 +429,7 @@ def _megatron_deepspeed_path(prefix, cache, job):
     from megatron.core import parallel_state as ps
 
     from megatron_ext.data.config import ShmDataLoaderConfig
-    from megatron_ext.data.loader import build_batch_iterator
+    from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
     from megatron_ext.upstream import hooks
     from plugin_base.installer import Installer
 
@@ -463,13 +470,15 @@ def _megatron_deepspeed_path(prefix, cache, job):
     assert (valid, test, args.do_train, args.do_valid) == (None, None, True, False)
     stock = build_batch_iterator(
         dataset,
-        micro_batch_size=MBS,
-        consumed_samples=0,
-        config=ShmDataLoaderConfig(),
-        topology=None,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_rank=0,
-        dp_size=1,
+        LoaderSettings(
+            micro_batch_size=MBS,
+            consumed_samples=0,
+            config=ShmDataLoaderConfig(),
+            topology=None,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_rank=0,
+            dp_size=1,
+        ),
     )
     for i, row in enumerate(rows):
         expected = next(stock)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from shm_helpers import MBS, MEGATRON_KEYS, batch_differences, gpt_dataset, megatron_batches, take
 
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.loader import build_batch_iterator
+from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from plugin_base.topology import Topology
 
 SLOTS = 3
@@ -39,11 +39,14 @@ def _compare(
     )
     keys = {k for k in MEGATRON_KEYS if mask or k != "attention_mask"}
     megatron = megatron_batches(dataset, sampler, consumed, dp_rank, dp, steps, keys)
-    stock = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=False), **kwargs)
+    stock = build_batch_iterator(dataset, LoaderSettings(config=ShmDataLoaderConfig(enabled=False), **kwargs))
     from_stock = take(stock, steps)
     stock.close()
     ours = build_batch_iterator(
-        dataset, config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=60), job_id=job, **kwargs
+        dataset,
+        LoaderSettings(
+            config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=60), job_id=job, **kwargs
+        ),
     )
     dist.barrier()
     attached_left = glob.glob(f"/dev/shm/*{job}*")  # unlinked once the node's ranks attached
@@ -184,14 +187,16 @@ def _rank_with_its_own_rendezvous_label(prefix, cache, job_suffix):
         dataset = gpt_dataset(prefix, cache)
         it = build_batch_iterator(
             dataset,
-            micro_batch_size=MBS,
-            consumed_samples=0,
-            config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=20),
-            topology=Topology(world_size=2, ranks_per_node=2, ranks_per_package=1),
-            tp_group=None,
-            dp_rank=dist.get_rank(),
-            dp_size=2,
-            name=f"label{job_suffix}",
+            LoaderSettings(
+                micro_batch_size=MBS,
+                consumed_samples=0,
+                config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=20),
+                topology=Topology(world_size=2, ranks_per_node=2, ranks_per_package=1),
+                tp_group=None,
+                dp_rank=dist.get_rank(),
+                dp_size=2,
+                name=f"label{job_suffix}",
+            ),
         )
         got = take(it, 3)
         it.close()

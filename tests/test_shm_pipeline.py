@@ -20,7 +20,7 @@ import torch.distributed as dist
 from shm_helpers import MBS, batch_differences, gpt_dataset, megatron_batches, take
 
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.loader import build_batch_iterator
+from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.data.shm_loader import ShmBatchIterator
 from plugin_base.topology import Topology
 
@@ -62,15 +62,17 @@ def _compare(prefix, cache, tp, pp, sampler, consumed, steps, job, mask, topolog
     want = megatron_stage_keys(first, last, mask, ps.get_tensor_model_parallel_rank())
     dp_rank, dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     megatron = megatron_batches(dataset, sampler, consumed, dp_rank, dp, steps, want)
-    stock = build_batch_iterator(dataset, config=ShmDataLoaderConfig(enabled=False), **kwargs)
+    stock = build_batch_iterator(dataset, LoaderSettings(config=ShmDataLoaderConfig(enabled=False), **kwargs))
     expected = take(stock, steps)
     stock.close()
     ours = build_batch_iterator(
         dataset,
-        config=ShmDataLoaderConfig(enabled=True, slots=max(3, pp), timeout_s=60),
-        job_id=job,
-        pipeline_stages=pp,
-        **kwargs,
+        LoaderSettings(
+            config=ShmDataLoaderConfig(enabled=True, slots=max(3, pp), timeout_s=60),
+            job_id=job,
+            pipeline_stages=pp,
+            **kwargs,
+        ),
     )
     got = take(ours, steps)
     ours.close()

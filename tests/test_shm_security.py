@@ -22,7 +22,7 @@ from megatron_ext.data import loader as loader_module
 from megatron_ext.data import ring as ring_module
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import build_train_dataset
-from megatron_ext.data.loader import build_batch_iterator
+from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.data.shm_segment import (
     RING,
     create_segment,
@@ -133,14 +133,16 @@ def _load(prefix, cache, shm_dir, token=None, steps=3):
     try:
         it = build_batch_iterator(
             dataset,
-            micro_batch_size=MBS,
-            consumed_samples=0,
-            topology=Topology(world_size=RANKS, ranks_per_node=RANKS, ranks_per_package=1),
-            tp_group=None,
-            job_id=JOB,
-            config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=TIMEOUT_S, shm_dir=shm_dir),
-            dp_rank=rank,
-            dp_size=RANKS,
+            LoaderSettings(
+                micro_batch_size=MBS,
+                consumed_samples=0,
+                topology=Topology(world_size=RANKS, ranks_per_node=RANKS, ranks_per_package=1),
+                tp_group=None,
+                job_id=JOB,
+                config=ShmDataLoaderConfig(enabled=True, slots=SLOTS, timeout_s=TIMEOUT_S, shm_dir=shm_dir),
+                dp_rank=rank,
+                dp_size=RANKS,
+            ),
         )
         try:
             got = [next(it) for _ in range(steps)]

@@ -22,7 +22,7 @@ from megatron_ext.data.gpt_dataset import (
     synthetic_documents,
     write_indexed_dataset,
 )
-from megatron_ext.data.loader import build_batch_iterator
+from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.data.ordering import UnsupportedPlatformError
 from megatron_ext.data.ring import RingLayout
 from megatron_ext.data.samplers import SamplerSettings
@@ -227,14 +227,16 @@ def test_fewer_slots_than_pipeline_stages_are_refused_before_any_collective(corp
     with pytest.raises(ConfigError, match=r"slots=2 is below the pipeline's 4 stages.*at least 4"):
         build_batch_iterator(  # no process group exists: a collective would fail otherwise
             dataset,
-            micro_batch_size=2,
-            consumed_samples=0,
-            config=ShmDataLoaderConfig(enabled=True, slots=2),
-            topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
-            tp_group=None,
-            dp_rank=0,
-            dp_size=1,
-            pipeline_stages=4,
+            LoaderSettings(
+                micro_batch_size=2,
+                consumed_samples=0,
+                config=ShmDataLoaderConfig(enabled=True, slots=2),
+                topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
+                tp_group=None,
+                dp_rank=0,
+                dp_size=1,
+                pipeline_stages=4,
+            ),
         )
 
 
@@ -262,13 +264,15 @@ def test_machines_whose_ordering_is_not_worked_out_are_refused(corpus, monkeypat
     with pytest.raises(UnsupportedPlatformError, match=machine):
         build_batch_iterator(
             dataset,
-            micro_batch_size=2,
-            consumed_samples=0,
-            config=ShmDataLoaderConfig(enabled=True),
-            topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
-            tp_group=None,
-            dp_rank=0,
-            dp_size=1,
+            LoaderSettings(
+                micro_batch_size=2,
+                consumed_samples=0,
+                config=ShmDataLoaderConfig(enabled=True),
+                topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
+                tp_group=None,
+                dp_rank=0,
+                dp_size=1,
+            ),
         )
 
 
@@ -277,13 +281,15 @@ def test_the_node_loader_without_the_jobs_topology_is_refused_before_any_collect
     with pytest.raises(ValueError, match=r"needs the job's topology: pass topology=detect_topology"):
         build_batch_iterator(
             dataset,
-            micro_batch_size=2,
-            consumed_samples=0,
-            config=ShmDataLoaderConfig(enabled=True),
-            topology=None,
-            tp_group=None,
-            dp_rank=0,
-            dp_size=1,
+            LoaderSettings(
+                micro_batch_size=2,
+                consumed_samples=0,
+                config=ShmDataLoaderConfig(enabled=True),
+                topology=None,
+                tp_group=None,
+                dp_rank=0,
+                dp_size=1,
+            ),
         )
 
 
@@ -301,11 +307,13 @@ def test_corrupt_dataset_named_at_the_entry_point(corpus, tmp_path, damage, culp
     with pytest.raises(DatasetFileError, match=prefix + culprit):
         build_batch_iterator(
             dataset,
-            micro_batch_size=2,
-            consumed_samples=0,
-            config=ShmDataLoaderConfig(enabled=True),
-            topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
-            tp_group=None,
-            dp_rank=0,
-            dp_size=1,
+            LoaderSettings(
+                micro_batch_size=2,
+                consumed_samples=0,
+                config=ShmDataLoaderConfig(enabled=True),
+                topology=Topology(world_size=1, ranks_per_node=1, ranks_per_package=1),
+                tp_group=None,
+                dp_rank=0,
+                dp_size=1,
+            ),
         )

@@ -78,10 +78,8 @@ def build_data_iterator(
 ) -> Any:
     """Micro-batches for this rank from ``consumed_samples`` on: the shared-memory loader when
     enabled, otherwise Megatron's stock path (TP rank 0 reads, then broadcasts)."""
-    from megatron.core import parallel_state as ps
-
     from megatron_ext.data.gpt_dataset import build_train_dataset
-    from megatron_ext.data.loader import build_batch_iterator
+    from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 
     rank = dist.get_rank()
     cache = os.path.join(_cache_dir(args), "index-cache")
@@ -94,19 +92,11 @@ def build_data_iterator(
     dist.barrier()
     if dataset is None:
         dataset = build()
-    iterator = build_batch_iterator(
-        dataset,
-        micro_batch_size=args.micro_batch_size,
-        consumed_samples=consumed_samples,
-        config=plugins.shm_data_loader,
-        topology=topology,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        # Megatron's cyclic sampler seeds each epoch's permutation with the epoch alone (seed 0 here).
-        sampler="single" if args.dataloader_type == "single" else "random",
-        # On GPUs the loader stages batches in pinned memory and queues the copy: no host wait per step.
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None,
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    settings = LoaderSettings.from_megatron_args(
+        args, plugins.shm_data_loader, topology, consumed_samples=consumed_samples, device=device
     )
+    # On GPUs the loader stages batches in pinned memory and queues the copy: no host wait per step.
+    iterator = build_batch_iterator(dataset, settings)
     installer.add("megatron_ext.data", "a loader (its producer and shared-memory segment)", iterator.close)
     return iterator

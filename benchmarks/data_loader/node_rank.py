@@ -46,7 +46,7 @@ from benchmarks.data_loader.node_proc import (
 )
 from benchmarks.data_loader.run import drop_cache
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.loader import build_batch_iterator
+from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from plugin_base.topology import Topology
 
 TIMEOUT_S = 300.0
@@ -106,17 +106,19 @@ class Rank:
     ) -> Any:
         return build_batch_iterator(
             self.dataset,
-            micro_batch_size=self.args.mbs,
-            consumed_samples=0,
-            config=config,
-            topology=Topology(world_size=self.world, ranks_per_node=self.world, ranks_per_package=1),
-            tp_group=self.tp_group,
-            dp_rank=self.dp_rank,
-            dp_size=self.dp,
-            create_attention_mask=mask,
-            job_id=self.args.job,
-            name=name,
-            num_workers=num_workers,
+            LoaderSettings(
+                micro_batch_size=self.args.mbs,
+                consumed_samples=0,
+                config=config,
+                topology=Topology(world_size=self.world, ranks_per_node=self.world, ranks_per_package=1),
+                tp_group=self.tp_group,
+                dp_rank=self.dp_rank,
+                dp_size=self.dp,
+                create_attention_mask=mask,
+                job_id=self.args.job,
+                name=name,
+                num_workers=num_workers,
+            ),
         )
 
     def idle_loader(self) -> Any:

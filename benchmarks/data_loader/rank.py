@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.gpt_dataset import check_indexed_dataset, gpt_dataset_config
-from megatron_ext.data.loader import build_batch_iterator
+from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from multirank import write_result
 from plugin_base.topology import Topology
 
@@ -97,15 +97,17 @@ def main() -> None:
     start = time.perf_counter()
     iterator = build_batch_iterator(
         dataset,
-        micro_batch_size=args.mbs,
-        consumed_samples=0,
-        config=ShmDataLoaderConfig(enabled=args.scheme == "shm", slots=args.slots, timeout_s=300),
-        topology=Topology(world_size=world, ranks_per_node=world, ranks_per_package=1),
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=dp,
-        sampler="random",
-        num_workers=args.num_workers,
+        LoaderSettings(
+            micro_batch_size=args.mbs,
+            consumed_samples=0,
+            config=ShmDataLoaderConfig(enabled=args.scheme == "shm", slots=args.slots, timeout_s=300),
+            topology=Topology(world_size=world, ranks_per_node=world, ranks_per_package=1),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_rank=ps.get_data_parallel_rank(),
+            dp_size=dp,
+            sampler="random",
+            num_workers=args.num_workers,
+        ),
     )
     setup_s = time.perf_counter() - start
     waits, steps = [], []

@@ -99,21 +99,23 @@ def measure(
     from megatron.core import parallel_state as ps
 
     from megatron_ext.data.config import ShmDataLoaderConfig
-    from megatron_ext.data.loader import build_batch_iterator
+    from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 
     it = build_batch_iterator(
         dataset,
-        micro_batch_size=mbs,
-        consumed_samples=0,
-        config=ShmDataLoaderConfig(enabled=scheme == "shm", timeout_s=600),
-        topology=None,
-        tp_group=ps.get_tensor_model_parallel_group(),
-        dp_rank=0,
-        dp_size=1,
-        create_attention_mask=mask,
-        name=f"bench-{scheme}-{workers}-{mask}-{os.getpid()}",
-        device=device,
-        num_workers=workers,
+        LoaderSettings(
+            micro_batch_size=mbs,
+            consumed_samples=0,
+            config=ShmDataLoaderConfig(enabled=scheme == "shm", timeout_s=600),
+            topology=None,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_rank=0,
+            dp_size=1,
+            create_attention_mask=mask,
+            name=f"bench-{scheme}-{workers}-{mask}-{os.getpid()}",
+            device=device,
+            num_workers=workers,
+        ),
     )
     try:
         for _ in range(3):

@@ -10,7 +10,9 @@ and last-stage ranks use the node's ring, middle stages only follow the sampler.
 
 from __future__ import annotations
 
+import argparse
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +27,9 @@ from megatron_ext.data.shm_segment import new_token, process_start_time, resolve
 from megatron_ext.data.stock import StockBatchIterator
 from plugin_base.section import ConfigError
 from plugin_base.topology import Topology
+
+# Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
+MEGATRON_SAMPLERS = {"single": "single", "cyclic": "random"}
 
 
 def indexed_prefixes(dataset: Any) -> list[str]:
@@ -49,46 +54,100 @@ def check_slots(config: ShmDataLoaderConfig, pipeline_stages: int) -> None:
         )
 
 
-def build_batch_iterator(
-    dataset: Any,
-    *,
-    micro_batch_size: int,
-    consumed_samples: int,
-    config: ShmDataLoaderConfig,
-    topology: Topology | None,
-    tp_group: dist.ProcessGroup | None,
-    dp_rank: int,
-    dp_size: int,
-    sampler: SamplerKind = "single",
-    seed: int = 0,
-    data_sharding: bool = True,
-    create_attention_mask: bool = False,
-    job_id: str | None = None,
-    name: str = "train",
-    device: torch.device | str | None = None,
-    num_workers: int = 0,
-    first_pipeline_stage: bool = True,
-    last_pipeline_stage: bool = True,
-    pipeline_stages: int = 1,
-) -> BatchIterator:
-    """This rank's micro-batches in Megatron's sampler order from ``consumed_samples`` on.
+@dataclass(frozen=True)
+class LoaderSettings:
+    """What :func:`build_batch_iterator` needs besides the dataset; every rank of the job gives the
+    same, but for its own ranks and groups."""
+
+    micro_batch_size: int
+    """Samples per micro-batch of one DP rank."""
+    consumed_samples: int
+    """Samples the job consumed before this start (all DP ranks together): where the order resumes."""
+    config: ShmDataLoaderConfig
+    """The ``shm_data_loader`` section: enabled, the node loader; otherwise Megatron's stock path."""
+    topology: Topology | None
+    """The job's rank placement, detected once by the caller; None only with the loader off."""
+    tp_group: dist.ProcessGroup | None
+    """The group that shares a batch on the stock path (its rank 0 reads)."""
+    dp_rank: int
+    """This rank's data-parallel rank."""
+    dp_size: int
+    """Data-parallel ranks of the job."""
+    sampler: SamplerKind = "single"
+    """Megatron's ``single`` loader or its ``cyclic`` one (``random``)."""
+    seed: int = 0
+    """random: added to the epoch as the shuffle's seed (0 is Megatron's)."""
+    data_sharding: bool = True
+    """random: each DP rank shuffles its own bucket (Megatron's default)."""
+    create_attention_mask: bool = False
+    """Batches carry the dataset's attention mask (Megatron's --create-attention-mask-in-dataloader)."""
+    job_id: str | None = None
+    """Labels the shared-memory segment; None: Slurm's job id, or a hash of the rendezvous variables."""
+    name: str = "train"
+    """One per loader of the job (train, valid, test): labels the segment too."""
+    device: torch.device | str | None = None
+    """Where the tensors go (a CUDA device on GPU jobs); None: the CPU."""
+    num_workers: int = 0
+    """DataLoader worker processes of the stock path (the node loader reads in its producer)."""
+    first_pipeline_stage: bool = True
+    """megatron-core's ``is_pipeline_first_stage()`` for this rank."""
+    last_pipeline_stage: bool = True
+    """megatron-core's ``is_pipeline_last_stage()`` for this rank."""
+    pipeline_stages: int = 1
+    """Megatron's pipeline-parallel size: the ring needs at least that many slots."""
+
+    @classmethod
+    def from_megatron_args(
+        cls,
+        args: argparse.Namespace,
+        config: ShmDataLoaderConfig,
+        topology: Topology | None,
+        *,
+        consumed_samples: int,
+        name: str = "train",
+        device: torch.device | str | None = None,
+    ) -> LoaderSettings:
+        """The settings Megatron's flags give (``--micro-batch-size``, ``--dataloader-type`` single or
+        cyclic, ``--no-data-sharding``, ``--create-attention-mask-in-dataloader``, ``--num-workers``),
+        this rank's groups from megatron-core's parallel state: the one mapping, for the main job
+        and the upstream hooks alike."""
+        from megatron.core import parallel_state as mpu
+
+        sampler = MEGATRON_SAMPLERS.get(args.dataloader_type)
+        if sampler is None:
+            raise ConfigError(
+                f"--dataloader-type {args.dataloader_type}: the plugin loader takes "
+                f"{' or '.join(MEGATRON_SAMPLERS)}"
+            )
+        return cls(
+            micro_batch_size=args.micro_batch_size,
+            consumed_samples=consumed_samples,
+            config=config,
+            topology=topology,
+            tp_group=mpu.get_tensor_model_parallel_group(),
+            dp_rank=mpu.get_data_parallel_rank(),
+            dp_size=mpu.get_data_parallel_world_size(),
+            sampler=sampler,
+            data_sharding=getattr(args, "data_sharding", True),
+            create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False),
+            name=name,
+            device=device,
+            num_workers=getattr(args, "num_workers", 0),
+            first_pipeline_stage=mpu.is_pipeline_first_stage(),
+            last_pipeline_stage=mpu.is_pipeline_last_stage(),
+            pipeline_stages=mpu.get_pipeline_model_parallel_world_size(),
+        )
+
+
+def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterator:
+    """This rank's micro-batches in Megatron's sampler order from ``settings.consumed_samples`` on.
 
     ``dataset``: the megatron-core ``GPTDataset`` (built on every rank: each needs its length and
-    config; only one process per node reads from it when ``config.enabled``). ``sampler``: Megatron's
-    ``single`` or its ``cyclic`` loader (``random``; ``seed=0`` and ``data_sharding=True`` are
-    Megatron's own settings). ``topology`` (the job's, detected once by the caller; None only with
-    the loader off) places ranks on nodes; ``tp_group`` is the group that shares a batch on the
-    stock path; ``job_id`` (None: Slurm's, or a hash of the rendezvous variables) and ``name`` (one
-    per loader of the job, e.g. train, valid) label the shared-memory segment, whose name also
-    carries a random token no other user can guess.
-    ``device``: where the tensors go (a CUDA device on GPU jobs).
-    ``num_workers``: DataLoader worker processes of the stock path (Megatron's ``--num-workers``);
-    the node loader reads in its producer process instead.
-    ``first_pipeline_stage``/``last_pipeline_stage``: megatron-core's ``is_pipeline_first_stage()`` /
-    ``is_pipeline_last_stage()`` (both true without pipeline parallelism). With PP > 1 the dict holds
-    every key, None for those the rank does not get (TP rank 0 gets every key, as upstream's
-    ``get_batch_on_this_tp_rank`` leaves it); a middle stage gets None for all. ``pipeline_stages``:
-    Megatron's pipeline-parallel size; the ring needs at least that many slots.
+    config; only one process per node reads from it when the loader is enabled). The shared-memory
+    segment's name carries the job id, the loader's name and a random token no other user can
+    guess. With PP > 1 the dict holds every key, None for those the rank does not get (TP rank 0
+    gets every key, as upstream's ``get_batch_on_this_tp_rank`` leaves it); a middle stage gets
+    None for all.
     """
     for prefix in indexed_prefixes(dataset):
         # Imported here: where Megatron-DeepSpeed's own megatron package comes first on the path,
@@ -96,26 +155,35 @@ def build_batch_iterator(
         from megatron_ext.data.gpt_dataset import check_indexed_dataset
 
         check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
-    tp_source = tp_group is None or dist.get_rank(group=tp_group) == 0
-    keys = StageKeys.of(first_pipeline_stage, last_pipeline_stage, create_attention_mask, tp_source)
-    settings = SamplerSettings(micro_batch_size, consumed_samples, dp_size, sampler, data_sharding, seed)
-    if not config.enabled:
+    tp_source = settings.tp_group is None or dist.get_rank(group=settings.tp_group) == 0
+    keys = StageKeys.of(
+        settings.first_pipeline_stage, settings.last_pipeline_stage, settings.create_attention_mask, tp_source
+    )
+    order = SamplerSettings(
+        settings.micro_batch_size,
+        settings.consumed_samples,
+        settings.dp_size,
+        settings.sampler,
+        settings.data_sharding,
+        settings.seed,
+    )
+    if not settings.config.enabled:
         return StockBatchIterator(
             dataset,
-            settings,
-            tp_group=tp_group,
-            dp_rank=dp_rank,
+            order,
+            tp_group=settings.tp_group,
+            dp_rank=settings.dp_rank,
             keys=keys,
-            device=device,
-            num_workers=num_workers,
+            device=settings.device,
+            num_workers=settings.num_workers,
         )
-    if topology is None:
+    if settings.topology is None:
         raise ValueError(
             "the node loader needs the job's topology: pass "
             "topology=detect_topology(plugin_config.topology, world_size=...) to build_batch_iterator"
         )
     check_platform()  # every rank, before the collective: none is left waiting in it
-    check_slots(config, pipeline_stages)
+    check_slots(settings.config, settings.pipeline_stages)
     rank, world = dist.get_rank(), dist.get_world_size()
     gathered: list[Any] = [None] * world
     # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or
@@ -126,27 +194,36 @@ def build_batch_iterator(
     pid = os.getpid()
     dist.all_gather_object(
         gathered,
-        (dp_rank, new_token(), bool(keys.returned), pid, process_start_time(pid), resolve_job_id(job_id)),
+        (
+            settings.dp_rank,
+            new_token(),
+            bool(keys.returned),
+            pid,
+            process_start_time(pid),
+            resolve_job_id(settings.job_id),
+        ),
     )
     if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
-        return StockBatchIterator(dataset, settings, tp_group=None, dp_rank=dp_rank, keys=keys, device=device)
-    node = topology.node(rank)
-    local = [r for r in range(world) if topology.node(r) == node and gathered[r][2]]
+        return StockBatchIterator(
+            dataset, order, tp_group=None, dp_rank=settings.dp_rank, keys=keys, device=settings.device
+        )
+    node = settings.topology.node(rank)
+    local = [r for r in range(world) if settings.topology.node(r) == node and gathered[r][2]]
     first = gathered[local[0]]
-    path = segment_path(config.shm_dir, f"{first[5]}-{name}", node, token=first[1])
-    if not os.path.isdir(config.shm_dir):
+    path = segment_path(settings.config.shm_dir, f"{first[5]}-{settings.name}", node, token=first[1])
+    if not os.path.isdir(settings.config.shm_dir):
         raise FileNotFoundError(
-            f"shm_data_loader.shm_dir={config.shm_dir!r} is not a directory: point it at a tmpfs"
+            f"shm_data_loader.shm_dir={settings.config.shm_dir!r} is not a directory: point it at a tmpfs"
         )
     return ShmBatchIterator(
         dataset,
-        settings,
-        config=config,
+        order,
+        config=settings.config,
         path=path,
         local_index=local.index(rank),
         node_dp_ranks=[gathered[r][0] for r in local],
         rank=rank,
         keys=keys,
-        device=device,
+        device=settings.device,
         creator=(first[3], first[4]),
     )

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.args import extra_args_provider, flag_overrides, plugin_config_from_args
+from megatron_ext.data.loader import MEGATRON_SAMPLERS
 from plugin_base.installer import Installer
 from plugin_base.section import ConfigError
 from plugin_config import PluginConfig, load_plugin_config, log_effective_config, validate_against_world
@@ -34,8 +35,6 @@ LOCAL_SPEC_ATTRIBUTE = (
 )
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
-# Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
-_SAMPLERS = {"single": "single", "cyclic": "random"}
 
 _iterators: weakref.WeakSet = weakref.WeakSet()  # every iterator built here: get_batch recognises them
 _effective: tuple[argparse.Namespace, PluginConfig] | None = None
@@ -178,7 +177,7 @@ def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
                 raise ConfigError(
                     f"shm_data_loader cannot be combined with --{flag.replace('_', '-')}: drop one of them"
                 )
-        if getattr(args, "dataloader_type", "single") not in _SAMPLERS:
+        if getattr(args, "dataloader_type", "single") not in MEGATRON_SAMPLERS:
             raise ConfigError(
                 f"--dataloader-type {args.dataloader_type} with shm_data_loader: the plugin loader "
                 "replaces the data loader; choose its order with --dataloader-type single or cyclic"
@@ -255,18 +254,11 @@ def external_data_iterators(
     ``--no-data-sharding``, ``--no-create-attention-mask-in-dataloader``, ``--num-workers`` (stock path);
     with pipeline parallelism each stage gets Megatron's keys for it. Collective: every rank calls
     it (middle pipeline stages too: they take part in the set-up and then follow the sampler only)."""
-    from megatron.core import parallel_state as mpu
-
-    from megatron_ext.data.loader import build_batch_iterator
+    from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
     from plugin_base.topology import detect_topology
 
     config = config or plugin_config(args)
     loader = config.shm_data_loader
-    sampler = _SAMPLERS.get(args.dataloader_type)
-    if sampler is None:
-        raise ConfigError(
-            f"--dataloader-type {args.dataloader_type}: the plugin loader takes single or cyclic"
-        )
     topology = detect_topology(config.topology, world_size=dist.get_world_size()) if loader.enabled else None
     consumed = (
         0 if getattr(args, "skip_train", False) else _consumed_train_samples(args),
@@ -279,25 +271,10 @@ def external_data_iterators(
         if dataset is None or (name == "train" and getattr(args, "skip_train", False)):
             iterators.append(None)
             continue
-        iterator = build_batch_iterator(
-            dataset,
-            micro_batch_size=args.micro_batch_size,
-            consumed_samples=start,
-            config=loader,
-            topology=topology,
-            tp_group=mpu.get_tensor_model_parallel_group(),
-            dp_rank=mpu.get_data_parallel_rank(),
-            dp_size=mpu.get_data_parallel_world_size(),
-            sampler=sampler,
-            data_sharding=getattr(args, "data_sharding", True),
-            create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False),
-            name=name,
-            device=device,
-            num_workers=getattr(args, "num_workers", 0),
-            first_pipeline_stage=mpu.is_pipeline_first_stage(),
-            last_pipeline_stage=mpu.is_pipeline_last_stage(),
-            pipeline_stages=mpu.get_pipeline_model_parallel_world_size(),
+        settings = LoaderSettings.from_megatron_args(
+            args, loader, topology, consumed_samples=start, name=name, device=device
         )
+        iterator = build_batch_iterator(dataset, settings)
         _iterators.add(iterator)
         iterators.append(iterator)
     return tuple(iterators)
