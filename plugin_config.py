@@ -18,11 +18,11 @@ from typing import Any, Union
 
 from pydantic import Field, ValidationError, model_validator
 
-from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, check_zero_stage
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.layers.config import FlashOverlapConfig
-from plugin_base.section import ConfigError, Section, read_ds_config
-from plugin_base.topology import TopologyConfig
+from plugin_base.section import ConfigError, Section, describe, read_ds_config
+from plugin_base.topology import TopologyConfig, check_data_parallel, check_layout
 
 logger = logging.getLogger(__name__)
 
@@ -45,32 +45,9 @@ class PluginConfig(Section):
 
     @model_validator(mode="after")
     def _zero_stage_fits(self) -> PluginConfig:
-        if self.hierarchical_zero.enabled and self.zero_stage != 3:
-            raise ValueError(
-                f"hierarchical_zero.enabled=true needs zero_optimization.stage 3, got stage {self.zero_stage}: "
-                'set "zero_optimization": {"stage": 3} or disable hierarchical_zero'
-            )
+        if self.hierarchical_zero.enabled:
+            check_zero_stage(self.zero_stage)
         return self
-
-
-def _describe(error: ValidationError) -> str:
-    lines = []
-    for item in error.errors():
-        key = ".".join(str(p) for p in item["loc"]) or "<root>"
-        if item["type"] == "extra_forbidden":
-            section = item["loc"][0] if item["loc"] else ""
-            model = PluginConfig.model_fields.get(section)
-            valid = (
-                sorted(model.annotation.model_fields)
-                if model is not None and len(item["loc"]) > 1
-                else SECTIONS
-            )
-            lines.append(f"unknown key {key!r}; valid keys here: {', '.join(valid)}")
-        elif not item["loc"]:
-            lines.append(item["msg"].removeprefix("Value error, "))
-        else:
-            lines.append(f"{key}={item.get('input')!r}: {item['msg']}")
-    return "invalid plugin config: " + "; ".join(lines)
 
 
 def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrides: Any) -> PluginConfig:
@@ -94,23 +71,13 @@ def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrid
     try:
         return PluginConfig(**sections, zero_stage=stage)
     except ValidationError as e:
-        raise ConfigError(_describe(e)) from None
+        raise ConfigError(describe(e, PluginConfig)) from None
 
 
 def validate_against_world(config: PluginConfig, world_size: int, data_parallel_size: int) -> None:
     """Checks that need the job's size; run once at start-up, before any collective."""
-    topo = config.topology
-    if topo.ranks_per_node and topo.ranks_per_package and topo.ranks_per_node % topo.ranks_per_package:
-        raise ConfigError(
-            f"topology.ranks_per_node({topo.ranks_per_node}) is not a multiple of "
-            f"topology.ranks_per_package({topo.ranks_per_package})"
-        )
-    if topo.ranks_per_node and world_size % topo.ranks_per_node and world_size > topo.ranks_per_node:
-        raise ConfigError(
-            f"world({world_size}) is not a whole number of nodes of topology.ranks_per_node({topo.ranks_per_node})"
-        )
-    if data_parallel_size < 1 or world_size % data_parallel_size:
-        raise ConfigError(f"data-parallel size {data_parallel_size} does not divide world({world_size})")
+    check_layout(world_size, config.topology.ranks_per_node, config.topology.ranks_per_package)
+    check_data_parallel(world_size, data_parallel_size)
 
 
 def log_effective_config(config: PluginConfig, rank: int) -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Union
+from typing import Any, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class ConfigError(ValueError):
@@ -23,6 +23,36 @@ class Section(BaseModel):
     field's docstring is its description (the README's key table is tested against it)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+    @classmethod
+    def parse(cls, raw: dict | None, name: str) -> Section:
+        """The section ``name`` of a DeepSpeed config (None: every default); a bad key or value
+        raises ConfigError naming it."""
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigError(f'{name}={raw!r}: must be a JSON object like {{"enabled": true}}')
+        try:
+            return cls.model_validate(raw or {})
+        except ValidationError as e:
+            raise ConfigError(describe(e, cls, name)) from None
+
+
+def describe(error: ValidationError, model: type[BaseModel], prefix: str = "") -> str:
+    """A validation error as one line per problem: the dotted key, the value, what is wrong, and for
+    an unknown key the valid keys of the section it sits in."""
+    lines = []
+    for item in error.errors():
+        loc = [str(p) for p in item["loc"]]
+        key = ".".join([prefix, *loc] if prefix else loc) or "<root>"
+        if item["type"] == "extra_forbidden":
+            owner: Any = model
+            for part in loc[:-1]:
+                owner = owner.model_fields[part].annotation
+            lines.append(f"unknown key {key!r}; valid keys here: {', '.join(sorted(owner.model_fields))}")
+        elif not loc:
+            lines.append(item["msg"].removeprefix("Value error, "))
+        else:
+            lines.append(f"{key}={item.get('input')!r}: {item['msg']}")
+    return "invalid plugin config: " + "; ".join(lines)
 
 
 def read_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:

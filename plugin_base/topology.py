@@ -57,6 +57,26 @@ class TopologyConfig(Section):
     """Ranks sharing one package (2 GCDs of an MI250X on Frontier, 1 elsewhere); null detects it."""
 
 
+def check_layout(world_size: int, ranks_per_node: int | None, ranks_per_package: int | None) -> None:
+    """Whole packages per node and whole nodes per job (None: not given, nothing to check)."""
+    if ranks_per_node and ranks_per_package and ranks_per_node % ranks_per_package:
+        raise ConfigError(
+            f"topology.ranks_per_node({ranks_per_node}) is not a multiple of "
+            f"topology.ranks_per_package({ranks_per_package}): set ranks per package to a divisor"
+        )
+    if ranks_per_node and world_size > ranks_per_node and world_size % ranks_per_node:
+        raise ConfigError(
+            f"world({world_size}) is not a whole number of nodes of topology.ranks_per_node({ranks_per_node}): "
+            "launch whole nodes or set topology.ranks_per_node"
+        )
+
+
+def check_data_parallel(world_size: int, data_parallel_size: int) -> None:
+    """The data-parallel size divides the world (every rank in one DP group of that size)."""
+    if data_parallel_size < 1 or world_size % data_parallel_size:
+        raise ConfigError(f"data-parallel size {data_parallel_size} does not divide world({world_size})")
+
+
 @dataclass(frozen=True)
 class Topology:
     """The job's layout: ``world_size`` ranks in nodes of ``ranks_per_node``, packages of ``ranks_per_package``."""
@@ -69,15 +89,7 @@ class Topology:
     """Ranks sharing one package (fast link), 1 where a package is one GPU."""
 
     def __post_init__(self) -> None:
-        if self.ranks_per_node % self.ranks_per_package:
-            raise ConfigError(
-                f"ranks_per_node({self.ranks_per_node}) % ranks_per_package({self.ranks_per_package}) != 0"
-            )
-        if self.world_size > self.ranks_per_node and self.world_size % self.ranks_per_node:
-            raise ConfigError(
-                f"world({self.world_size}) is not nodes * ranks_per_node({self.ranks_per_node}); "
-                "launch whole nodes or set topology.ranks_per_node"
-            )
+        check_layout(self.world_size, self.ranks_per_node, self.ranks_per_package)
 
     @property
     def num_nodes(self) -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from deepspeed_ext.zero import cost_model as cm
-from deepspeed_ext.zero.api import largest_collectives
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.contract import largest_collectives
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.planner import HopBuffers, choose_secondary_level, describe, hop_buffers
 from plugin_base.section import ConfigError

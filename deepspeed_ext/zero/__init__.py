@@ -12,11 +12,11 @@ from typing import Any
 
 _EXPORTS = {
     "HierarchicalPlan": "api",
-    "check_deepspeed_version": "api",
+    "check_deepspeed_version": "contract",
     "initialize": "api",
-    "model_spec": "api",
+    "model_spec": "contract",
     "prepare": "api",
-    "validate_deepspeed_config": "api",
+    "validate_deepspeed_config": "contract",
     "Init": "inject",
     "LevelMPU": "inject",
     "uninstall_dispatchers": "inject",
@@ -24,7 +24,18 @@ _EXPORTS = {
     "dp_shape": "levels",
 }
 
-_SUBMODULES = ("api", "cost_model", "hops", "inject", "levels", "planner")
+_SUBMODULES = (
+    "api",
+    "collective_cost",
+    "contract",
+    "cost_model",
+    "hops",
+    "inject",
+    "levels",
+    "planner",
+    "plan",
+    "projection",
+)
 
 __all__ = sorted(_EXPORTS)
 

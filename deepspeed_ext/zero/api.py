@@ -5,17 +5,22 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as ds_groups
 
-from deepspeed_ext import comm
-from deepspeed_ext.section import ConfigError, read_ds_config
-from deepspeed_ext.topology import Topology, detect_topology
-from deepspeed_ext.zero import inject
+from deepspeed_ext.zero import collective_cost, inject, known_plans
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.contract import (
+    check_before_collectives,
+    check_deepspeed_version,
+    largest_collectives,
+    model_spec,
+)
 from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, step_hops
 from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
 from deepspeed_ext.zero.planner import (
@@ -26,16 +31,37 @@ from deepspeed_ext.zero.planner import (
     links_for,
     variant_for,
 )
-from plugin_config import PluginConfig, load_plugin_config, validate_against_world
+from deepspeed_ext.zero.workload import Buckets
+from plugin_base import comm
+from plugin_base.section import ConfigError, read_ds_config
+from plugin_base.topology import Topology, TopologyConfig, check_data_parallel, detect_topology
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_DEEPSPEED = ("0.19.",)
-_CONFLICTS = {
-    "zero_quantized_weights": "qwZ",
-    "zero_quantized_nontrainable_weights": "qwZ for frozen weights",
-    "zero_quantized_gradients": "qgZ",
-}
+
+class Sections(Protocol):
+    """What the variant reads of the effective configuration: its own section and the topology's
+    (``plugin_config.PluginConfig`` is one; without one they are read from the DeepSpeed JSON)."""
+
+    hierarchical_zero: HierarchicalZeroConfig
+    topology: TopologyConfig
+
+
+@dataclass(frozen=True)
+class JsonSections:
+    """The two sections as the DeepSpeed JSON gives them."""
+
+    hierarchical_zero: HierarchicalZeroConfig
+    """The ``hierarchical_zero`` section."""
+    topology: TopologyConfig
+    """The ``topology`` section."""
+
+    @classmethod
+    def of(cls, ds: dict) -> JsonSections:
+        return cls(
+            HierarchicalZeroConfig.parse(ds.get("hierarchical_zero"), "hierarchical_zero"),
+            TopologyConfig.parse(ds.get("topology"), "topology"),
+        )
 
 
 @dataclass
@@ -57,96 +83,10 @@ class HierarchicalPlan:
         return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))
 
 
-def check_deepspeed_version(version: str | None = None) -> None:
-    version = version or deepspeed.__version__
-    if not version.startswith(SUPPORTED_DEEPSPEED):
-        raise ConfigError(
-            f"hierarchical_zero supports DeepSpeed {', '.join(v + 'x' for v in SUPPORTED_DEEPSPEED)}, found {version}: "
-            "install deepspeed>=0.19,<0.20 or disable hierarchical_zero"
-        )
-
-
-def validate_deepspeed_config(ds: dict) -> None:
-    """Reject DeepSpeed settings that cannot work with the variant (no collective runs here)."""
-    zero = ds.get("zero_optimization") or {}
-    if zero.get("stage", 0) != 3:
-        raise ConfigError(
-            f"hierarchical_zero needs zero_optimization.stage 3, got {zero.get('stage', 0)}: "
-            'set "zero_optimization": {"stage": 3} or disable hierarchical_zero'
-        )
-    if (zero.get("zero_hpz_partition_size") or 1) > 1:
-        raise ConfigError(
-            f"zero_optimization.zero_hpz_partition_size={zero['zero_hpz_partition_size']} conflicts with hierarchical_zero, "
-            "which places the secondary weight copy itself (hierarchical_zero.secondary_level): remove zero_hpz_partition_size"
-        )
-    for key, name in _CONFLICTS.items():
-        if zero.get(key):
-            raise ConfigError(
-                f"zero_optimization.{key}=true ({name}) cannot be combined with hierarchical_zero: "
-                f"set it to false or disable hierarchical_zero"
-            )
-    if zero.get("reduce_scatter") is False:
-        raise ConfigError(
-            "zero_optimization.reduce_scatter=false makes ZeRO-3 all-reduce gradients, which bypasses "
-            "the hierarchical reduce-scatter: remove it or disable hierarchical_zero"
-        )
-    if zero.get("stage3_use_all_reduce_for_fetch_params") or zero.get("use_all_reduce_for_fetch_params"):
-        raise ConfigError(
-            "zero_optimization.stage3_use_all_reduce_for_fetch_params=true replaces the parameter "
-            "all-gather that hierarchical_zero splits into hops: remove it or disable hierarchical_zero"
-        )
-    offload = zero.get("offload_param") or {}
-    if zero.get("cpu_offload_param") or offload.get("device", "none") != "none":
-        raise ConfigError(
-            "zero_optimization.offload_param is not supported with hierarchical_zero "
-            "(the secondary copy would be offloaded too): remove it or disable hierarchical_zero"
-        )
-
-
-def model_spec(model: torch.nn.Module, ds: dict) -> ModelSpec:
-    """This rank's parameters (a TP shard under TP) and the element sizes ZeRO-3 sends them in."""
-    params = list(model.parameters())
-    if not params:
-        raise ConfigError("the model has no parameters: nothing for ZeRO-3 to partition")
-    numels = tuple(int(getattr(p, "ds_numel", p.numel())) for p in params)
-    half = (ds.get("bf16") or {}).get("enabled") or (ds.get("fp16") or {}).get("enabled")
-    weight = 2 if half else params[0].element_size()
-    grad = {"fp32": 4, "fp16": 2, "bf16": 2}.get(ds.get("communication_data_type") or "", weight)
-    owners = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
-    return ModelSpec(param_numels=numels, weight_bytes=weight, grad_bytes=grad, gathers_per_pass=owners)
-
-
-def largest_collectives(ds: dict, model: ModelSpec) -> tuple[int, int]:
-    """Elements of the largest parameter all-gather and gradient reduce-scatter ZeRO-3 issues: a
-    prefetch (reduce) bucket, which DeepSpeed closes after the parameter that fills it, so up to one
-    parameter more; never more than the model. DeepSpeed's defaults where the config is silent."""
-    zero = ds.get("zero_optimization") or {}
-    prefetch_key = (
-        "stage3_prefetch_bucket_size" if "stage3_prefetch_bucket_size" in zero else "prefetch_bucket_size"
-    )
-    prefetch = _bucket_elems(zero, prefetch_key, 5e7)
-    bucket = _bucket_elems(zero, "reduce_bucket_size", 5e8)
-    total, largest = sum(model.param_numels), max(model.param_numels)
-    return min(total, prefetch + largest), min(total, bucket + largest)
-
-
-def _bucket_elems(zero: dict, key: str, default: float) -> int:
-    """A bucket size in elements; a whole non-negative number, as DeepSpeed requires ("auto" is
-    for the Hugging Face trainer to fill in before DeepSpeed sees the config)."""
-    value = zero.get(key, default)
-    whole = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-    if isinstance(value, bool) or not whole or value < 0:
-        raise ConfigError(
-            f"zero_optimization.{key}={value!r} is not a bucket size: give a whole number of elements "
-            f"such as {int(default)}, or remove the key for DeepSpeed's default"
-        )
-    return int(value)
-
-
 def prepare(
     model: torch.nn.Module | ModelSpec,
     config: Union[str, os.PathLike, dict],
-    plugin_config: PluginConfig | None = None,
+    plugin_config: Sections | None = None,
     mpu: Any = None,
     topology: Topology | None = None,
 ) -> HierarchicalPlan:
@@ -154,22 +94,13 @@ def prepare(
     collective). Pass the result to :func:`initialize` and to :class:`~.inject.Init`; before a model
     exists (to build it under ``Init``) pass a :class:`ModelSpec` of its parameters instead."""
     ds = read_ds_config(config)
-    plugin_config = plugin_config or load_plugin_config(ds)
+    plugin_config = plugin_config or JsonSections.of(ds)
     hz = plugin_config.hierarchical_zero
-    if not hz.enabled:
-        raise ConfigError("hierarchical_zero.enabled is false: call deepspeed.initialize directly")
-    check_deepspeed_version()
-    validate_deepspeed_config(ds)
-    if hz.grad_sync == "accumulation_boundary" and ds.get("managed_gradient_accumulation") is False:
-        raise ConfigError(
-            "hierarchical_zero.grad_sync=accumulation_boundary needs DeepSpeed to know the boundary during "
-            "backward, which managed_gradient_accumulation=false hides: remove that key or set grad_sync "
-            "to every_micro_batch"
-        )
+    check_before_collectives(ds, hz)
     world = dist.get_world_size()
     dp_group = mpu.get_data_parallel_group() if mpu is not None else None
     dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(world))
-    validate_against_world(plugin_config, world, len(dp_ranks))
+    check_data_parallel(world, len(dp_ranks))  # the mpu's group, which no flag checked
     topology = topology or detect_topology(plugin_config.topology, world_size=world)
     shape = dp_shape(topology, dp_ranks)
     spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
@@ -177,11 +108,18 @@ def prepare(
     micro = int(ds.get("gradient_accumulation_steps") or 1)
     gather, reduce = largest_collectives(ds, spec)
     buffers = hop_buffers(hz, shape, spec, gather, reduce)
-    choice = choose_secondary_level(hz, shape, spec, links, micro_batches=micro, buffers=buffers)
+    choice = choose_secondary_level(
+        hz, shape, spec, links, micro_batches=micro, buffers=buffers, buckets=Buckets.from_json(ds)
+    )
     if dist.get_rank() == 0:
         logger.info(describe(choice, shape))
-    levels = build_levels(topology, dp_group, choice.level, hz)
-    return HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
+    costs = collective_cost.with_bandwidths(
+        collective_cost.for_topology(topology.ranks_per_package), hz.link_bandwidth_gbps
+    )
+    levels = build_levels(topology, dp_group, choice.level, hz, costs)
+    plan = HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
+    known_plans.remember(plan)
+    return plan
 
 
 def _config_source(
@@ -199,7 +137,7 @@ def _config_source(
 def initialize(
     model: torch.nn.Module,
     config: Union[str, os.PathLike, dict, None] = None,
-    plugin_config: PluginConfig | None = None,
+    plugin_config: Sections | None = None,
     mpu: Any = None,
     topology: Topology | None = None,
     plan: HierarchicalPlan | None = None,
@@ -209,22 +147,30 @@ def initialize(
     (else exactly ``deepspeed.initialize``). ``kwargs`` go to ``deepspeed.initialize`` unchanged.
     Returns what it returns; the engine carries the plan as ``engine.hierarchical_zero``."""
     source = _config_source(config, kwargs)
-    plugin_config = plugin_config or load_plugin_config(read_ds_config(source))
+    plugin_config = plugin_config or JsonSections.of(read_ds_config(source))
     if not plugin_config.hierarchical_zero.enabled:
         return deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)
     check_deepspeed_version()
-    plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
+    # what deepspeed.initialize does first: a caller may leave creating the process group to it
+    deepspeed.comm.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=kwargs.get("distributed_port", 29500),
+        dist_init_required=kwargs.get("dist_init_required"),
+    )
+    known = known_plans.plan_of_partition(model, plan)
+    if known is not None:
+        if plan is None and known.plan.levels.config != plugin_config.hierarchical_zero:
+            raise ConfigError(
+                "the model's parameters are partitioned by an earlier hierarchical engine (or Init) whose "
+                "hierarchical_zero section differs from this config's: give the same section, or build the "
+                "model again"
+            )
+        check_before_collectives(read_ds_config(source), plugin_config.hierarchical_zero)
+        plan = known.plan
+    else:
+        plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
+        known = known_plans.remember(plan)
     levels = plan.levels
-    foreign = [
-        p
-        for p in model.parameters()
-        if hasattr(p, "ds_process_group") and p.ds_process_group is not levels.dp_group
-    ]
-    if foreign:
-        raise ConfigError(
-            "the model was partitioned by another zero.Init: build it under "
-            "deepspeed_ext.zero.Init(plan.levels) with the same plan, or without zero.Init"
-        )
     previous_mpu = ds_groups.mpu
     patched_comm = comm.patch_deepspeed_comm()
     reducer = inject.register(levels)
@@ -232,24 +178,49 @@ def initialize(
     with inject.hierarchical_stage3(levels, reducer):
         result = deepspeed.initialize(model=model, config=config, mpu=level_mpu, **kwargs)
     engine = result[0]
+    _drop_secondary_copies(engine.module)
     engine.hierarchical_zero = plan
-    _undo_on_destroy(engine, level_mpu, previous_mpu, patched_comm)
+    known.engines += 1
+    _undo_on_destroy(engine, known, level_mpu, previous_mpu, patched_comm)
     return result
 
 
-def _undo_on_destroy(engine: Any, level_mpu: inject.LevelMPU, previous_mpu: Any, patched_comm: bool) -> None:
-    """``engine.destroy()`` then also undoes what :func:`initialize` made: the engine's hop plans
-    (and the dispatchers when no engine has any), its process groups, DeepSpeed's ``groups.mpu``
-    where it is still ours, and the communication patch if this engine applied it."""
+def _drop_secondary_copies(model: torch.nn.Module) -> None:
+    """Partitioning (the engine's or ``Init``'s) also fills the secondary copy, and DeepSpeed gathers
+    from that copy while it exists: a primary partition written after ``initialize`` (DeepSpeed's
+    own ZeRO-3 tests do that) would not be seen until the first optimizer step drops the copy.
+    Dropping it here, as that step does, gives stock ZeRO-3's behaviour: the first forward gathers
+    the primary partition and makes the copy again when it releases each module."""
+    for param in model.parameters():
+        if getattr(param, "ds_secondary_tensor", None) is not None:
+            param.ds_secondary_tensor = None
+
+
+def _undo_on_destroy(
+    engine: Any,
+    known: known_plans.KnownPlan,
+    level_mpu: inject.LevelMPU,
+    previous_mpu: Any,
+    patched_comm: bool,
+) -> None:
+    """``engine.destroy()`` then also undoes what :func:`initialize` made: DeepSpeed's ``groups.mpu``
+    where it is still ours, the communication patch if this engine applied it, and, when it is the
+    last live engine of its plan, the plan's hop routes (and the dispatchers when no plan has any)
+    and its process groups."""
     destroy = engine.destroy
+    destroyed = False
 
     def destroy_and_undo() -> None:
+        nonlocal destroyed
         destroy()
         levels = engine.hierarchical_zero.levels
-        if not levels.groups.groups:  # destroyed already
+        if destroyed or not levels.groups.groups:  # destroyed already
             return
-        inject.unregister(levels)
-        levels.destroy_groups()
+        destroyed = True
+        known.engines -= 1
+        if known.engines == 0:  # engines built on one module share its plan's groups: the last one frees them
+            inject.unregister(levels)
+            levels.destroy_groups()
         if ds_groups.mpu is level_mpu:
             ds_groups.mpu = previous_mpu
         if patched_comm:

@@ -50,6 +50,15 @@ class GradientQuantization(StrEnum):
     """Blockwise int4 with error feedback."""
 
 
+def check_zero_stage(stage: int) -> None:
+    """The variant is a ZeRO-3 engine: any other stage is refused, naming the fix."""
+    if stage != 3:
+        raise ConfigError(
+            f"hierarchical_zero.enabled=true needs zero_optimization.stage 3, got stage {stage}: "
+            'set "zero_optimization": {"stage": 3} or disable hierarchical_zero'
+        )
+
+
 class InterNodeAlgorithm(StrEnum):
     """How a hop across nodes moves its blocks."""
 

@@ -166,19 +166,20 @@ class Projection:
 
 
 def gather_calls(modules: list[int], buckets: Buckets) -> list[int]:
-    """Elements of each all-gather of one pass: a module per call, split at the prefetch bucket;
-    parameters under the persistence threshold stay whole and are never gathered."""
+    """Elements of each all-gather of one pass: a module per call, split at the prefetch bucket (0:
+    no prefetching, a module per call); parameters under the persistence threshold stay whole and
+    are never gathered."""
     calls = []
     for m in modules:
         if m > buckets.persistence:
-            pieces = math.ceil(m / buckets.prefetch)
+            pieces = math.ceil(m / buckets.prefetch) if buckets.prefetch > 0 else 1
             calls += [m // pieces] * pieces
     return calls
 
 
 def reduce_calls(total: int, buckets: Buckets) -> list[int]:
     """Elements of each reduce-scatter of one micro-batch: ``total`` gradients in reduce buckets."""
-    count = math.ceil(total / buckets.reduce)
+    count = math.ceil(total / buckets.reduce) if buckets.reduce > 0 else 1
     return [total // count] * count
 
 
