@@ -113,7 +113,7 @@ def gpt_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     before any rank reads it (the mask settings are not part of its key: every variant shares it)."""
     from shm_helpers import gpt_dataset
 
-    from megatron_ext.data.gpt_dataset import synthetic_documents, write_indexed_dataset
+    from trainer.corpus import synthetic_documents, write_indexed_dataset
 
     root = tmp_path_factory.mktemp("gpt-corpus")
     prefix, cache = str(root / "corpus"), str(root / "cache")
@@ -127,7 +127,7 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(prefix, index cache) of a 40-document corpus, its training split's cache built here, once."""
     from shm_helpers import SEQ
 
-    from megatron_ext.data.gpt_dataset import build_train_dataset, synthetic_documents, write_indexed_dataset
+    from trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
 
     root = tmp_path_factory.mktemp("small-corpus")
     prefix, cache = str(root / "corpus"), str(root / "cache")
@@ -141,7 +141,7 @@ def shm_dataset(small_corpus: tuple[str, str]) -> Any:
     """The training split of ``small_corpus`` (sequences of shm_helpers.SEQ tokens)."""
     from shm_helpers import SEQ
 
-    from megatron_ext.data.gpt_dataset import build_train_dataset
+    from trainer.corpus import build_train_dataset
 
     prefix, cache = small_corpus
     return build_train_dataset(prefix, SEQ, 10, 1234, cache)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from megatron_samplers import megatron_order
 
-from megatron_ext.data.gpt_dataset import ByteTokenizer, gpt_dataset_config
+from trainer.corpus import ByteTokenizer, gpt_dataset_config
 
 SEQ, MBS = 32, 2
 ATTACKER, VICTIM = "mdspattacker", "mdspvictim"  # local users of the attacks (conftest's ``users``)

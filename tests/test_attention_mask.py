@@ -9,12 +9,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, _get_ltor_masks_and_position_ids
 
 from megatron_ext.data.documents import RawTokens, attention_mask, document_ids
-from megatron_ext.data.gpt_dataset import (
-    ByteTokenizer,
-    gpt_dataset_config,
-    synthetic_documents,
-    write_indexed_dataset,
-)
+from trainer.corpus import ByteTokenizer, gpt_dataset_config, synthetic_documents, write_indexed_dataset
 
 EOD = 7
 

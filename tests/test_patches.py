@@ -183,7 +183,7 @@ SEQ, MBS, STEPS = 32, 2, 5
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from megatron_ext.data.gpt_dataset import synthetic_documents, write_indexed_dataset
+    from trainer.corpus import synthetic_documents, write_indexed_dataset
 
     root = tmp_path_factory.mktemp("hooks-corpus")
     prefix = str(root / "corpus")
@@ -196,7 +196,7 @@ def _dataset(prefix, cache):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from megatron_ext.data.gpt_dataset import gpt_dataset_config
+    from trainer.corpus import gpt_dataset_config
 
     config = gpt_dataset_config(prefix, SEQ, 1234, cache, create_attention_mask=True)
     return BlendedMegatronDatasetBuilder(GPTDataset, [40, 0, 0], lambda: True, config).build()[0]

@@ -35,8 +35,8 @@ from shm_helpers import MBS, SEQ
 from upstream_setup import SetupError, prepare
 
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import gpt_dataset_config
 from plugin_config import PluginConfig
+from trainer.corpus import gpt_dataset_config
 
 STEPS = 6
 ALL = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")

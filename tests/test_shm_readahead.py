@@ -10,13 +10,8 @@ import torch
 from megatron_samplers import megatron_order
 
 from megatron_ext.data import readahead
-from megatron_ext.data.gpt_dataset import (
-    build_train_dataset,
-    gpt_dataset_config,
-    synthetic_documents,
-    write_indexed_dataset,
-)
 from megatron_ext.data.readahead import ReadAhead, sample_ranges
+from trainer.corpus import build_train_dataset, gpt_dataset_config, synthetic_documents, write_indexed_dataset
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from shm_helpers import ATTACKER, VICTIM, dead_pid
 from megatron_ext.data import loader as loader_module
 from megatron_ext.data import ring as ring_module
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import build_train_dataset
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.data.shm_segment import (
     RING,
@@ -34,6 +33,7 @@ from megatron_ext.data.shm_segment import (
     segment_path,
 )
 from plugin_base.topology import Topology
+from trainer.corpus import build_train_dataset
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creating a second local user needs root")
 

@@ -16,12 +16,7 @@ from shm_helpers import dead_pid
 from megatron_ext.data import shm_segment
 from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import (
-    DatasetFileError,
-    build_train_dataset,
-    synthetic_documents,
-    write_indexed_dataset,
-)
+from megatron_ext.data.indexed import DatasetFileError
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.data.ordering import UnsupportedPlatformError
 from megatron_ext.data.ring import RingLayout
@@ -40,6 +35,7 @@ from megatron_ext.data.shm_segment import (
 )
 from plugin_base.section import ConfigError
 from plugin_base.topology import Topology
+from trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
 
 LAYOUT = RingLayout(slots=2, streams=1, micro_batch_size=2, seq_length=32, consumers=1)
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from upstream_setup import SetupError, prepare
 
-from megatron_ext.data.gpt_dataset import DatasetFileError, check_indexed_dataset
+from megatron_ext.data.indexed import DatasetFileError, check_indexed_dataset
 
 
 @pytest.fixture(scope="module")

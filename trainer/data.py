@@ -34,12 +34,8 @@ def build_tokenizer(args: argparse.Namespace) -> Any:
 def prepare_data(args: argparse.Namespace, rank: int, tokenizer: Any) -> str:
     """The dataset prefix: --data-path (its token ids checked against the vocabulary), or a
     generated local corpus (written by rank 0, documents ended by the tokenizer's EOD)."""
-    from megatron_ext.data.gpt_dataset import (
-        check_indexed_dataset,
-        largest_token_id,
-        synthetic_documents,
-        write_indexed_dataset,
-    )
+    from megatron_ext.data.indexed import check_indexed_dataset
+    from trainer.corpus import largest_token_id, synthetic_documents, write_indexed_dataset
 
     if not args.data_path:
         name = "local_corpus" if tokenizer.eod == 256 else f"local_corpus_eod{tokenizer.eod}"
@@ -78,8 +74,8 @@ def build_data_iterator(
 ) -> Any:
     """Micro-batches for this rank from ``consumed_samples`` on: the shared-memory loader when
     enabled, otherwise Megatron's stock path (TP rank 0 reads, then broadcasts)."""
-    from megatron_ext.data.gpt_dataset import build_train_dataset
     from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
+    from trainer.corpus import build_train_dataset
 
     rank = dist.get_rank()
     cache = os.path.join(_cache_dir(args), "index-cache")

@@ -15,7 +15,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_ext.args import plugin_config_from_args
 from megatron_ext.cpu import cpu_support_enabled
-from megatron_ext.data.gpt_dataset import DatasetFileError
+from megatron_ext.data.indexed import DatasetFileError
 from plugin_base import comm
 from plugin_base.installer import Installer
 from plugin_base.section import ConfigError

@@ -57,7 +57,8 @@ def build_dataset(prefix: str, seq_length: int, num_samples: int, cache: str, ma
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from megatron_ext.data.gpt_dataset import check_indexed_dataset, gpt_dataset_config
+    from megatron_ext.data.indexed import check_indexed_dataset
+    from trainer.corpus import gpt_dataset_config
 
     check_indexed_dataset(prefix)
     config = dataclasses.replace(

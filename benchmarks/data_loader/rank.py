@@ -23,10 +23,11 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import check_indexed_dataset, gpt_dataset_config
+from megatron_ext.data.indexed import check_indexed_dataset
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from multirank import write_result
 from plugin_base.topology import Topology
+from trainer.corpus import gpt_dataset_config
 
 SCHEMES = ("megatron", "shm")
 

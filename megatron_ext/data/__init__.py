@@ -1,3 +1,5 @@
-"""Data for the main job: the local corpus and GPTDataset (``gpt_dataset``), Megatron's sampler
-order (``samplers``), its TP-rank-0 loader + broadcast (``stock``) and the shared-memory node loader
-(``shm_private``, ``shm_segment``, ``ring``, ``producer``, ``readahead``, ``shm_loader``); ``loader.build_batch_iterator`` picks one."""
+"""The shared-memory node data loader (a plugin): Megatron's sampler order (``samplers``), its
+TP-rank-0 loader + broadcast as the fallback (``stock``), the node loader (``shm_private``,
+``shm_segment``, ``ring``, ``producer``, ``readahead``, ``shm_loader``), the check of indexed
+dataset files (``indexed``); ``loader.build_batch_iterator`` picks one. The main job's generated
+corpus lives with the main job (``trainer.corpus``)."""

@@ -152,7 +152,7 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
     for prefix in indexed_prefixes(dataset):
         # Imported here: where Megatron-DeepSpeed's own megatron package comes first on the path,
         # megatron-core's datasets are absent (and its datasets carry no prefix, so this never runs).
-        from megatron_ext.data.gpt_dataset import check_indexed_dataset
+        from megatron_ext.data.indexed import check_indexed_dataset
 
         check_indexed_dataset(prefix)  # every rank: a corrupt file fails everywhere at once, by name
     tp_source = settings.tp_group is None or dist.get_rank(group=settings.tp_group) == 0

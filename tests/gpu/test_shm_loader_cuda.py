@@ -10,8 +10,8 @@ from megatron.core import parallel_state as ps
 from shm_helpers import megatron_batches
 
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.gpt_dataset import gpt_dataset_config, synthetic_documents, write_indexed_dataset
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
+from trainer.corpus import gpt_dataset_config, synthetic_documents, write_indexed_dataset
 
 SEQ, MBS, STEPS = 64, 4, 12
 

@@ -1,9 +1,6 @@
-"""The local corpus, its ``.bin/.idx`` files, and megatron-core ``GPTDataset`` over them.
-
-The demo needs no download: :func:`synthetic_documents` writes a small corpus of generated
-English-like sentences, tokenised byte by byte (:class:`ByteTokenizer`). Real runs point
-``--data-path`` at files made by Megatron's preprocessing; both are read by the same code.
-"""
+"""The main job's data without a download: a generated corpus of English-like sentences, tokenised
+byte by byte (:class:`ByteTokenizer`), written as megatron-core ``.bin/.idx`` files, and
+megatron-core ``GPTDataset`` over those or over ``--data-path`` (Megatron's preprocessing)."""
 
 from __future__ import annotations
 
@@ -19,12 +16,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-_IDX_MAGIC = b"MMIDIDX\x00\x00"
-_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 8, 8: 2}  # megatron-core's DType codes -> bytes
-
-
-class DatasetFileError(ValueError):
-    """A ``.bin``/``.idx`` pair is missing, truncated or corrupt; the message names the file."""
+from megatron_ext.data.indexed import IDX_MAGIC, check_indexed_dataset
 
 
 class ByteTokenizer:
@@ -76,36 +68,6 @@ def write_indexed_dataset(prefix: str, documents: Iterable[str], eod: int = Byte
     builder.finalize(prefix + ".idx")
 
 
-def check_indexed_dataset(prefix: str) -> None:
-    """Fail with the file's name when a ``.bin``/``.idx`` pair is missing, truncated or corrupt,
-    instead of an assertion or a crash deep inside numpy's memory map."""
-    idx, bin_ = prefix + ".idx", prefix + ".bin"
-    for path in (idx, bin_):
-        if not os.path.isfile(path):
-            raise DatasetFileError(f"{path} does not exist: check --data-path (a prefix without .bin/.idx)")
-    with open(idx, "rb") as f:
-        head = f.read(len(_IDX_MAGIC) + 8 + 1 + 16)
-    if len(head) < len(_IDX_MAGIC) + 25 or head[: len(_IDX_MAGIC)] != _IDX_MAGIC:
-        raise DatasetFileError(f"{idx} is not a megatron-core index file (bad or short header)")
-    (dtype_code,) = struct.unpack("<B", head[17:18])
-    n_seq, n_doc = struct.unpack("<QQ", head[18:34])
-    if dtype_code not in _DTYPE_SIZES:
-        raise DatasetFileError(f"{idx} has an unknown token dtype code {dtype_code}")
-    expected_idx = 34 + n_seq * (4 + 8) + n_doc * 8
-    if os.path.getsize(idx) != expected_idx:
-        raise DatasetFileError(
-            f"{idx} is truncated or corrupt: {os.path.getsize(idx)} bytes, expected {expected_idx}"
-        )
-    lengths = np.fromfile(idx, dtype=np.int32, count=n_seq, offset=34)
-    expected_bin = int(lengths.astype(np.int64).sum()) * _DTYPE_SIZES[dtype_code]
-    # A larger .bin is valid: Megatron-DeepSpeed's tools/preprocess_data.py --append-eod writes each EOD
-    # but leaves it out of the recorded sizes, and every reader reads only the bytes the index describes.
-    if os.path.getsize(bin_) < expected_bin or os.path.getsize(bin_) % _DTYPE_SIZES[dtype_code]:
-        raise DatasetFileError(
-            f"{bin_} holds {os.path.getsize(bin_)} bytes but {idx} describes {expected_bin}: truncated or mismatched pair"
-        )
-
-
 def gpt_dataset_config(
     prefix: str,
     seq_length: int,
@@ -150,7 +112,7 @@ def build_train_dataset(
 def largest_token_id(prefix: str) -> int | None:
     """The largest token id in ``prefix.bin`` (one pass through a memory map), None if it is empty."""
     with open(prefix + ".idx", "rb") as f:
-        f.seek(len(_IDX_MAGIC) + 8)
+        f.seek(len(IDX_MAGIC) + 8)
         (code,) = struct.unpack("<B", f.read(1))
     dtype = DType.dtype_from_code(code)
     if os.path.getsize(prefix + ".bin") == 0:
