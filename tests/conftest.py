@@ -200,3 +200,21 @@ def shm_dir() -> Iterator[str]:
     os.chmod(path, 0o1777)
     yield path
     shutil.rmtree(path)
+
+
+@pytest.fixture
+def lone_rank(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Any:
+    """This process as a job of one rank: no launcher's variables, the test's directory as the
+    working directory (returned)."""
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "SLURM_NTASKS",
+        "SLURM_PROCID",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path

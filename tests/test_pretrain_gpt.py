@@ -93,23 +93,12 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
 
 
 @pytest.fixture
-def pretrain_main(monkeypatch, tmp_path):
+def pretrain_main(lone_rank):
     """The main job's ``main(argv)`` in this process, as a lone rank with a clean environment."""
-    for name in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
     sys.path.insert(0, ROOT)
     from scripts.pretrain_gpt import main
 
-    return lambda *flags: main([*SMALL, "--data-cache-path", str(tmp_path / "data"), *flags])
+    return lambda *flags: main([*SMALL, "--data-cache-path", str(lone_rank / "data"), *flags])
 
 
 @pytest.mark.parametrize(

@@ -10,8 +10,6 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
-
 from plugin_base.installer import Installer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,22 +30,6 @@ def _children() -> set[int]:
         for task in Path("/proc/self/task").iterdir()
         for pid in (task / "children").read_text().split()
     }
-
-
-@pytest.fixture
-def lone_rank(monkeypatch, tmp_path):
-    for name in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "SLURM_NTASKS",
-        "SLURM_PROCID",
-    ):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.chdir(tmp_path)
-    return tmp_path
 
 
 def test_the_main_job_records_the_readme_rows_and_undoes_them(lone_rank):
