@@ -199,11 +199,16 @@ def test_planner_counts_gradients_held_for_the_cross_node_hop_in_the_budget():
 
 def test_planner_counts_transient_hop_buffers_in_every_level():
     """An all-gather of G 16-bit elements in hops holds the innermost hop's input and output at
-    once: G x 2 bytes x (1 + 1/2) at 2 GCDs per package. Unquantized reduce-scatter hops run in
-    place in DeepSpeed's bucket: nothing. Both count against the budget at every level."""
+    once: G x 2 bytes x (1 + 1/2) at 2 GCDs per package. Unquantized ring reduce-scatter hops run
+    in place in DeepSpeed's bucket: nothing; the recursive one (auto may choose it) receives its
+    largest step, 16 of the 48 nodes' blocks of ceil(G / 384) elements, into one buffer. Both count
+    against the budget at every level."""
     g = 1_000_000
-    buffers = hop_buffers(HierarchicalZeroConfig(enabled=True), FRONTIER_384, MODEL, g, g)
+    ring = HierarchicalZeroConfig(enabled=True, inter_node_algorithm="ring")
+    buffers = hop_buffers(ring, FRONTIER_384, MODEL, g, g)
     assert buffers == HopBuffers(gather=3_000_000, reduce=0)
+    auto = hop_buffers(HierarchicalZeroConfig(enabled=True), FRONTIER_384, MODEL, g, g)
+    assert auto == HopBuffers(gather=3_000_000, reduce=16 * -(-g // 384) * 2)
     one_node = DPShape(nodes=1, packages_per_node=1, per_package=8)  # one hop: the flat collective
     assert hop_buffers(HierarchicalZeroConfig(enabled=True), one_node, MODEL, g, g) == HopBuffers(0, 0)
     big = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=1e3)

@@ -10,6 +10,7 @@ reserves memory that is never used."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 from benchmarks.allocations import AllocationTrace
 from deepspeed_ext.zero import cost_model as cm
-from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.planner import hop_buffers
 from plugin_base import comm
@@ -31,7 +32,8 @@ SHAPE = DPShape(nodes=2, packages_per_node=2, per_package=2)
 BUCKET = (300_001, 1_000, 500_003, 200_000)  # gradient tensors of one reduce bucket
 GATHER = 8 * 100_000  # elements of one parameter all-gather
 CONFIGS = {
-    "plain": HierarchicalZeroConfig(enabled=True),
+    "plain": HierarchicalZeroConfig(enabled=True, inter_node_algorithm="ring"),
+    "recursive": HierarchicalZeroConfig(enabled=True, inter_node_algorithm="recursive"),
     "int8": HierarchicalZeroConfig(enabled=True, quantized_weights=True, quantized_gradients="int8"),
     "int4": HierarchicalZeroConfig(enabled=True, quantized_weights=True, quantized_gradients="int4"),
 }
@@ -61,6 +63,7 @@ def _measure() -> dict:
     comm.patch_deepspeed_comm()
     levels = build_levels(TOPOLOGY, None, "global", CONFIGS["plain"])
     plan, dp = levels.dp_plan(), levels.dp_group
+    recursive = dataclasses.replace(plan, inter_node=InterNodeAlgorithm.RECURSIVE)
     g = torch.Generator().manual_seed(dist.get_rank())
     grads = [torch.randn(n, generator=g) for n in BUCKET]
     block = torch.randn(GATHER // 8, generator=g)
@@ -68,6 +71,7 @@ def _measure() -> dict:
     out_ = {
         "reduce stock": peak_bytes(lambda: ds_rs(grads, dp)),
         "reduce plain": peak_bytes(lambda: hops.reduce_scatter_coalesced(plan, grads)),
+        "reduce recursive": peak_bytes(lambda: hops.reduce_scatter_coalesced(recursive, grads)),
         "gather stock": peak_bytes(lambda: comm.all_gather_into_tensor(out, block, group=dp)),
         "gather plain": peak_bytes(lambda: hops.all_gather(plan, block, out)),
         "gather int8": peak_bytes(lambda: hops.all_gather(plan, block, out, 256)),
@@ -97,8 +101,10 @@ def test_reduce_scatter_hops_take_no_more_memory_than_deepspeeds_flat_call(measu
         assert _computed("plain").reduce == 0
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
-def test_quantized_reduce_extra_is_the_planners_figure(measured, name):
+@pytest.mark.parametrize("name", ["recursive", "int8", "int4"])
+def test_recursive_and_quantized_reduce_extra_is_the_planners_figure(measured, name):
+    """Recursive: the distance-halving steps receive into one buffer of the largest step's blocks
+    (half the cross-node hop's input at 2 nodes)."""
     computed = _computed(name).reduce
     for rank in measured:
         extra = rank[f"reduce {name}"] - rank["reduce stock"]

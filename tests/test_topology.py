@@ -57,7 +57,9 @@ def test_non_block_rank_order_is_rejected():
 
 
 def test_partial_nodes_are_rejected_with_every_factor():
-    with pytest.raises(ConfigError, match=r"world\(12\) is not nodes \* ranks_per_node\(8\)"):
+    with pytest.raises(
+        ConfigError, match=r"world\(12\) is not a whole number of nodes of topology.ranks_per_node\(8\)"
+    ):
         Topology(12, 8, 2)
 
 

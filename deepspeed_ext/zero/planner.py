@@ -6,8 +6,8 @@ import logging
 import math
 from dataclasses import dataclass, replace
 
-from deepspeed_ext.zero import collective_cost, projection
-from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero import collective_cost, p2p_hops, projection
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost_model import (
     FRONTIER_BANDWIDTH_GBPS,
     Links,
@@ -78,9 +78,9 @@ class HopBuffers:
     into DeepSpeed's buffer), with pipelined hops also the cross-node hop's output (computed, an
     upper bound), or the int8 cross-node hop's integers and fp32 values if larger."""
     reduce: int
-    """One gradient reduce-scatter: nothing unquantized (hops run in place in DeepSpeed's packed
-    bucket); the quantized cross-node hop's fp32 copy, working copy and integers; boundary sync's
-    zeros handed to DeepSpeed."""
+    """One gradient reduce-scatter: nothing for ring hops (they run in place in DeepSpeed's packed
+    bucket); the recursive cross-node hop's receive buffer; the quantized cross-node hop's fp32
+    copy, working copy and integers; boundary sync's zeros handed to DeepSpeed."""
 
     @property
     def total(self) -> int:
@@ -108,8 +108,12 @@ def hop_buffers(
     reduce = 0
     if config.grad_reduce == "hierarchical" and shape.nodes > 1:
         node_elems = math.ceil(reduce_elems / p) * shape.nodes  # the block that crosses nodes
-        if config.grad_sync == "accumulation_boundary":
-            reduce = math.ceil(reduce_elems / p) * gb
+        if config.inter_node_algorithm != InterNodeAlgorithm.RING:
+            # distance halving receives the largest step's blocks into one buffer
+            most = max(blocks for _, blocks in p2p_hops.schedule(shape.nodes))
+            reduce = most * math.ceil(reduce_elems / p) * gb
+        if config.grad_sync == "accumulation_boundary":  # zeros handed to DeepSpeed between boundaries
+            reduce = max(reduce, math.ceil(reduce_elems / p) * gb)
         if config.grad_bits:
             padded = -(-node_elems // config.quantization_block) * config.quantization_block
             # fp32 copy of the block (the next residual), then 6 bytes per padded element at once
