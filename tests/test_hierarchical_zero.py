@@ -271,7 +271,7 @@ def expected_bytes(name: str) -> dict[tuple[str, str], dict[str, int]]:
 @pytest.mark.parametrize("name", ["zero3", "hpz", "package", "boundary", "node"])
 def test_bytes_per_link_class_are_the_hand_derived_ones(runs, name):
     for rank_runs in runs:
-        steady = rank_runs[name]["counts"][1:]  # step 0 runs on the secondary copy made at partitioning
+        steady = rank_runs[name]["counts"][1:]  # step 0, DeepSpeed's first, differs for stock ZeRO-3 too
         assert all(c == steady[0] for c in steady)
         for (phase, kind), want in expected_bytes(name).items():
             measured = steady[0].get(phase, {}).get(kind, dict.fromkeys(comm.LINK_CLASSES, 0))

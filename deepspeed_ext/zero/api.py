@@ -13,7 +13,7 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as ds_groups
 
-from deepspeed_ext.zero import collective_cost, inject, known_plans
+from deepspeed_ext.zero import inject, known_plans
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.contract import (
     check_before_collectives,
@@ -28,7 +28,6 @@ from deepspeed_ext.zero.planner import (
     choose_secondary_level,
     describe,
     hop_buffers,
-    links_for,
     variant_for,
 )
 from deepspeed_ext.zero.workload import Buckets
@@ -75,7 +74,7 @@ class HierarchicalPlan:
     model: ModelSpec
     """This rank's parameters as the cost model sees them."""
     links: Links
-    """Link speeds the planner used."""
+    """How the node's ranks share its NICs, as the planner counted them (its speeds: ``collective_cost.for_topology``)."""
 
     def predicted_bytes(self, micro_batches: int = 1) -> dict[str, int]:
         """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
@@ -104,7 +103,7 @@ def prepare(
     topology = topology or detect_topology(plugin_config.topology, world_size=world)
     shape = dp_shape(topology, dp_ranks)
     spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
-    links = links_for(hz, ranks_per_nic=topology.ranks_per_package)
+    links = Links(ranks_per_nic=topology.ranks_per_package)
     micro = int(ds.get("gradient_accumulation_steps") or 1)
     gather, reduce = largest_collectives(ds, spec)
     buffers = hop_buffers(hz, shape, spec, gather, reduce)
@@ -113,10 +112,7 @@ def prepare(
     )
     if dist.get_rank() == 0:
         logger.info(describe(choice, shape))
-    costs = collective_cost.with_bandwidths(
-        collective_cost.for_topology(topology.ranks_per_package), hz.link_bandwidth_gbps
-    )
-    levels = build_levels(topology, dp_group, choice.level, hz, costs)
+    levels = build_levels(topology, dp_group, choice.level, hz)
     plan = HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
     known_plans.remember(plan)
     return plan

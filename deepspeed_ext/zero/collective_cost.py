@@ -184,7 +184,8 @@ def with_bandwidths(costs: CollectiveCosts, gbps: Mapping[LinkClass, float] | No
     return replace(costs, fits=fits, nic_gbps=gbps.get(LinkClass.INTER_NODE, costs.nic_gbps))
 
 
-def for_topology(ranks_per_package: int) -> CollectiveCosts:
-    """The fitted costs ``inter_node_algorithm: auto`` uses: Frontier's RCCL where a package holds
-    several ranks (MI250X), NCCL on H100 nodes otherwise."""
-    return FRONTIER_RCCL if ranks_per_package > 1 else H100_NCCL
+def for_topology(ranks_per_package: int, gbps: Mapping[LinkClass, float] | None = None) -> CollectiveCosts:
+    """The fitted costs the planner charges and ``inter_node_algorithm: auto`` compares: Frontier's
+    RCCL where a package holds several ranks (MI250X), NCCL on H100 nodes otherwise; with ``gbps``
+    (``hierarchical_zero.link_bandwidth_gbps``) the link speeds a config gives."""
+    return with_bandwidths(FRONTIER_RCCL if ranks_per_package > 1 else H100_NCCL, gbps)

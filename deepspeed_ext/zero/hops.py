@@ -113,13 +113,19 @@ def _gathered_view(plan: HopPlan, out: torch.Tensor) -> torch.Tensor:
     return out.view(*_digits_outer_first(plan), -1).permute(_reversed_axes(plan))
 
 
-def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None) -> None:
-    """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order; with
-    ``int8_block``, hops across nodes send blockwise int8 with that many elements per scale."""
+def _gather_source(plan: HopPlan, block: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A copy of ``block`` (it may be a view into ``out``, which the last copy overwrites), once
+    ``out`` is checked to hold every member's block."""
     p = math.prod(plan.sizes)
     if out.numel() != p * block.numel():
         raise ValueError(f"output of {out.numel()} elements is not {p} blocks of {block.numel()}")
-    held = block.reshape(-1).clone()  # ``block`` may be a view into ``out``, which the last copy overwrites
+    return block.reshape(-1).clone()
+
+
+def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None) -> None:
+    """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order; with
+    ``int8_block``, hops across nodes send blockwise int8 with that many elements per scale."""
+    held = _gather_source(plan, block, out)
     for i in reversed(range(len(plan.sizes))):
         if plan.sizes[i] == 1:
             continue
@@ -136,10 +142,7 @@ def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block
 def all_gather_stages(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, pieces: int) -> list[Stage]:
     """:func:`all_gather` (unquantized) cut along the block into ``pieces`` chains of hops,
     outermost first, each piece copied into ``out`` by its last hop."""
-    p, n = math.prod(plan.sizes), block.numel()
-    if out.numel() != p * n:
-        raise ValueError(f"output of {out.numel()} elements is not {p} blocks of {n}")
-    source = block.reshape(-1).clone()  # taken now: ``block`` may be a view into ``out``
+    source, n = _gather_source(plan, block, out), block.numel()
     hops = [i for i in reversed(range(len(plan.sizes))) if plan.sizes[i] > 1]
     target, width = _gathered_view(plan, out), max(1, math.ceil(n / pieces))
     if not hops:

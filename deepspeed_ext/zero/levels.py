@@ -190,11 +190,9 @@ def build_levels(
     dp_group: dist.ProcessGroup | None,
     secondary_level: Level,
     config: HierarchicalZeroConfig,
-    costs: CollectiveCosts | None = None,
 ) -> ZeroLevels:
     """Create the level groups of every data-parallel group of the job. Collective over the whole job
-    (each rank learns the others' DP groups, then all create the same groups in the same order).
-    ``costs``: what ``inter_node_algorithm: auto`` compares the algorithms with."""
+    (each rank learns the others' DP groups, then all create the same groups in the same order)."""
     mine = sorted(
         dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size())
     )
@@ -223,5 +221,5 @@ def build_levels(
         secondary_level=Level(secondary_level),
         config=config,
         self_group=made[(dist.get_rank(),)],
-        costs=costs if costs is not None else collective_cost.for_topology(topology.ranks_per_package),
+        costs=collective_cost.for_topology(topology.ranks_per_package, config.link_bandwidth_gbps),
     )

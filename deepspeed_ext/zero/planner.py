@@ -9,7 +9,6 @@ from dataclasses import dataclass, replace
 from deepspeed_ext.zero import collective_cost, p2p_hops, projection
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost_model import (
-    FRONTIER_BANDWIDTH_GBPS,
     Links,
     ModelSpec,
     Variant,
@@ -40,13 +39,6 @@ class SecondaryChoice:
     """Transient hop buffers, counted in every level's extra bytes."""
     reason: str
     """One line on why this level."""
-
-
-def links_for(config: HierarchicalZeroConfig, ranks_per_nic: int) -> Links:
-    """The cost model's links from the config (Frontier's figures where it gives none)."""
-    bandwidth = dict(FRONTIER_BANDWIDTH_GBPS)
-    bandwidth.update({LinkClass(k): v for k, v in (config.link_bandwidth_gbps or {}).items()})
-    return Links(bandwidth_gbps=bandwidth, ranks_per_nic=ranks_per_nic)
 
 
 def variant_for(config: HierarchicalZeroConfig, level: Level, model: ModelSpec) -> Variant:
@@ -140,9 +132,7 @@ def level_seconds(
     several ranks, H100's otherwise)."""
     buckets = buckets or Buckets()
     system = System(
-        collective_cost.with_bandwidths(
-            collective_cost.for_topology(links.ranks_per_nic), config.link_bandwidth_gbps
-        ),
+        collective_cost.for_topology(links.ranks_per_nic, config.link_bandwidth_gbps),
         ranks_per_node=max(links.ranks_per_node, shape.per_node),
         ranks_per_package=links.ranks_per_nic,
     )
