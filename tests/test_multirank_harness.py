@@ -48,7 +48,9 @@ def test_launched_ranks_rendezvous_and_return_their_results():
     code = (
         "import os, torch, torch.distributed as dist; from multirank import write_result; "
         "dist.init_process_group('gloo'); t = torch.tensor([float(dist.get_rank())]); dist.all_reduce(t); "
-        "write_result([os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], t.item()])"
+        "write_result([os.environ['RANK'], os.environ['LOCAL_RANK'], os.environ['LOCAL_WORLD_SIZE'], t.item()]); "
+        # a gloo group left to the interpreter's finalization can abort the rank after it succeeded
+        "dist.destroy_process_group()"
     )
     assert launch_ranks(["-c", code], world_size=2, timeout=60, ranks_per_node=1) == [
         ["0", "0", "1", 1.0],
