@@ -1,64 +1,72 @@
-"""Node benchmark: the node loader where its gain shows (8 ranks of one node), against Megatron's path.
+"""Node benchmark: the node loader against Megatron's data path as upstream runs it, 8 ranks of one
+node, TP = 1, 2, 4, 8 (DP = 8 / TP), cold reads from a slowed filesystem.
 
-    .venv/bin/python -m benchmarks.data_loader.node [--repeats 3] [--steps 20] [--quick]
+    sudo .venv/bin/python -m benchmarks.data_loader.node [--repeats 5] [--steps 30] [--quick]
 
-Every rank is a fresh process (``benchmarks.data_loader.node_rank``, gloo over a file rendezvous)
-reading a synthetic corpus of random byte tokens (``run.make_corpus``) through megatron-core's
-GPTDataset. The corpus is dropped from the page cache before each loader starts (``--warm-cache``
-keeps it) and is large enough (``--tokens``) that no run reads a sample twice. All parts run in one
-invocation; figures are min / median / max over ``--repeats`` repetitions, with the load average
-(``os.getloadavg``) before and after each launch.
+Every launch is 8 fresh rank processes (``benchmarks.data_loader.node_rank``, gloo over a file
+rendezvous) reading a synthetic corpus of random byte tokens (``run.make_corpus``, 64M tokens,
+122 MiB) through megatron-core's GPTDataset (memory-mapped ``.bin``, Megatron's default).
 
-(A) Producer throughput against demand. 8 ranks, TP=1 x DP=8: the producer fills 8 streams of
-    mbs x seq tokens per step. Ranks do no compute, calling ``next()`` back to back, so the producer
-    sets the pace unless copying out does. Measured: steps the producer published per second of
-    wall clock over ``--throughput-steps`` steps after ``--warmup`` (the samples it reports over
-    8 x mbs), the ranks' own steps per second, and the CPU time of the producer's process tree:
-    utime + stime + cutime + cstime of the producer and of each live descendant (its workers) from
-    ``/proc/<pid>/stat``, read by the node's first rank (the producer's parent) at both ends of the
-    window (``node_proc``); as a cross-check, that rank's getrusage(RUSAGE_CHILDREN) over the
-    loader's whole life, start-up and warm-up included (it reaps the producer, which reaps its
-    workers). Computed: throughput over ``--demand`` steps/s (target >= 3), and the window's
-    producer CPU time per published step and per second (cores kept busy). One launch runs every
-    repetition and worker count (``--workers``), each with a fresh loader and producer, in an order
-    rotated per repetition.
-(B) Data-path CPU and memory per node, TP=8 x DP=1 (one TP group of 8). Megatron's path: this
-    project's stock path (TP rank 0 iterates a DataLoader with ``--num-workers`` workers, then
-    broadcasts each key over the TP group) plus, on the 7 other TP ranks, a DataLoader iterator with
-    as many workers that is started but never read: upstream Megatron-LM builds the dataset and the
-    loaders on every rank (the GPT provider is ``is_distributed``) and starts their workers, but
-    uses only TP rank 0's batches. Ours: the node loader (one producer of ``--node-workers``
-    processes). Ranks compute nothing: each step is ``next()`` then a fixed sleep, so the CPU time
-    of the ranks and their descendants is the data path's plus the ranks' own, which a third launch
-    of ranks that only sleep (no loader) measures. Measured, summed over the 8 rank trees: CPU
-    seconds per step over the steady-state window (``/proc`` as in A); CPU seconds over the
-    loader's whole life (getrusage of each rank and its reaped children, start-up and shut-down
-    included); RSS and PSS (``/proc/<pid>/smaps_rollup``) at the end of the window, in total and
-    above the same trees just before the loader was built (each rank has imported torch and built
-    its dataset by then, on every path). Computed: ours over Megatron's (target <= 0.5), as
-    measured and, for CPU, less the sleeping ranks' figure on both sides. PSS splits a shared
-    library's pages between all processes mapping it, unrelated ones included, so PSS totals move
-    with whatever else runs; the "added" columns compare each launch with itself.
-(C) Step time, from the same runs as B: the sleep (``--step-ms``) stands in for compute done off
-    the loader's cores. Measured: median step time, and median data wait per rank.
-(D) Peak memory of ``next()`` on one rank, node loader, mbs x seq with create_attention_mask and
-    reset_attention_mask. Measured: the rise of the process's VmHWM above its VmRSS just before the
-    call (VmHWM reset through ``/proc/self/clear_refs``). It counts every page the call touches,
-    torch's and numpy's alike, once warm-up has mapped every ring slot; glibc's mmap threshold is
-    fixed at 64 KiB for that rank, so a block is mapped when allocated and unmapped when freed
-    rather than reusing freed heap pages, which VmHWM would not see. On separate calls, the peak of
-    torch's CPU allocator (``benchmarks.allocations``; torch tensors only). Computed: over the
-    mask's own size, mbs x seq x seq bytes (target <= 1.1).
+Paths compared, both through ``megatron_ext.data.loader.build_batch_iterator``:
 
-Caveats: on a 2-core machine the ranks, the producer and its workers (or the 2 x 8 DataLoader
-workers) all share those cores: more producer workers add parallel reads and copies but no cores,
-and A's ranks poll on the same cores. Megatron's path here has upstream's train loader only
-(upstream also starts valid and test loaders with workers on every rank) and no attention mask
-(Megatron's default builds one per sample in the dataset, a far larger cost). Per-process CPU time
-is read in clock ticks (10 ms). With a ``shm_data_loader`` section that has no ``workers`` field,
-A runs the 1-worker case only and says why the others are missing. Rank logs:
-``benchmarks/results/raw/data_loader/node-*.log``; results: ``benchmarks/results/data_loader/
-node.{json,md}``.
+* **Megatron**: the loader disabled, i.e. the project's stock path (``megatron_ext.data.stock``), which
+  does what upstream's ``build_pretraining_data_loader`` + ``get_batch_on_this_tp_rank`` do: TP
+  rank 0 of each TP group iterates a torch DataLoader with ``--num-workers`` workers (default 2,
+  Megatron-LM's) over its DP rank's sampler, then broadcasts each key over the TP group. On the
+  other TP ranks upstream's GPT dataset provider builds no dataset (``is_dataset_built_on_rank``
+  holds on TP rank 0 only), so ``build_pretraining_data_loader(None)`` returns None: they start no
+  DataLoader and no worker, and neither does the stock path (the report prints the processes found
+  under those ranks: 0). At TP=1 that is 8 DataLoaders with 2 workers each, 16 readers.
+* **node loader**: one producer per node (``--node-workers`` processes, the config's default) fills
+  a ring in shared memory; every rank copies its DP rank's batch out.
+
+Ranks compute nothing: each step is ``next()`` then a fixed sleep (``--step-ms``) standing in for
+work done off the host cores, so the CPU measured is the data path's. A third kind of launch runs
+ranks that only sleep (no loader): their CPU, per second of window, is taken off both paths'.
+
+Storage (``node_storage``): as root, the corpus is copied onto an ext4 filesystem on a loop device
+whose reads the ranks' processes may take at ``--throttle-mib-s`` MiB/s at most (default 16), via
+the cgroup v1 blkio controller's ``blkio.throttle.read_bps_device`` (cgroup v2's ``io.max`` and
+device-mapper's delay target are not available on the machine the results come from; a FUSE
+pass-through would add CPU of its own: see ``node_storage``). The device's read-ahead is the
+kernel's default 128 KiB (``--readahead-kb``); it also sets how much a page fault on the
+memory-mapped ``.bin`` reads around the faulting page, which is how upstream's DataLoader workers
+read. Before each launch the launcher drops the corpus from the page cache
+(``posix_fadvise(POSIX_FADV_DONTNEED)`` on the ``.bin`` and ``.idx``), and rank 0 drops it again
+once the ranks have built their datasets, right before the loader is built (``--warm-cache``
+keeps it). Without root, or with ``--no-throttle``, the corpus stays where it was written and is
+read unslowed (still dropped from the page cache); the results say "unthrottled" with the reason.
+
+Measured per launch, per rank: the time in ``next()`` (data wait) and the step time over the
+``--steps`` steps after ``--warmup``; over the same window the CPU time of the rank's process tree
+(the rank, its DataLoader workers, on rank 0 the producer and its workers), from the first field of
+``/proc/<pid>/task/<tid>/schedstat`` (ns on CPU) of every thread, read at both ends of the window
+(``node_proc``); the tree's Rss and Pss (``/proc/<pid>/smaps_rollup``) at the end of the window
+and just before the loader was built; the number of processes. Per launch: bytes read from the
+slowed device by the launch's processes (the cgroup's blkio counters), the 1, 5 and 15 minute load
+average before and after. Per path and layout, over ``--repeats`` launches: min / median / max of
+the node totals (CPU, memory, processes, device bytes) and of the mean per rank (data wait, step
+time). Ours / Megatron is stated as a ratio only where the two min-max ranges do not overlap, else
+"not separated". Targets (TP=1, cold reads): data wait <= 0.5x and data-path CPU <= 0.5x
+Megatron's, ranges separated: reported as met or missed with the figures.
+
+Launch order: each repetition runs every (TP, path) and one ranks-only launch; the layouts' order
+rotates with the repetition, the path that goes first alternates, and the baseline moves through
+the positions.
+
+A second part (``--parts mask``), one rank, measures the rise of VmHWM in ``next()`` with
+create_attention_mask + reset_attention_mask against the mask's own size (target <= 1.1x; see
+``node_rank``).
+
+Caveats: 8 ranks and their loaders share 2 cores, so a path that spends more CPU also slows the
+other processes; the wait is measured while the rank sleeps between steps, as a GPU job would.
+Every rank builds the dataset (the loader's entry point needs its length on every rank; upstream
+builds it on TP rank 0 only): that is before the window and in both paths' "before" memory.
+Megatron's path here has the train loader only (upstream also builds valid and test loaders) and no
+attention mask (``--no-create-attention-mask-in-dataloader``). PSS splits a shared library's pages
+between all processes mapping it, unrelated ones included, so PSS totals move with what else runs.
+Rank logs: ``benchmarks/results/raw/data_loader/node-*.log``; results:
+``benchmarks/results/data_loader/node.{json,md}``.
 """
 
 from __future__ import annotations
@@ -72,15 +80,15 @@ import tempfile
 import time
 import warnings
 
-from benchmarks.data_loader import node_report
+from benchmarks.data_loader import node_report, node_storage
 from benchmarks.data_loader.node_rank import DEFAULT_WORKERS
-from benchmarks.data_loader.run import OUT, QUIET, RAW, ROOT, make_corpus
+from benchmarks.data_loader.run import OUT, QUIET, RAW, ROOT, drop_cache, make_corpus
 from multirank import rank_env
 
-FULL = dict(repeats=3, steps=20, throughput_steps=200, warmup=5, seq_length=8192, step_ms=200.0, mask_calls=3)
-QUICK = dict(repeats=1, steps=6, throughput_steps=40, warmup=4, seq_length=2048, step_ms=100.0, mask_calls=2)
-PARTS = ("throughput", "footprint", "mask")
-MMAP_THRESHOLD = 64 * 1024  # glibc's, fixed for part D's rank
+FULL = dict(repeats=5, steps=30, warmup=5, seq_length=4096, step_ms=100.0, mask_calls=3, tps=[1, 2, 4, 8])
+QUICK = dict(repeats=1, steps=8, warmup=3, seq_length=2048, step_ms=100.0, mask_calls=2, tps=[1, 8])
+PARTS = ("layouts", "mask")
+MMAP_THRESHOLD = 64 * 1024  # glibc's, fixed for the mask part's rank
 
 
 def launch(
@@ -89,17 +97,22 @@ def launch(
     options: list[str],
     args: argparse.Namespace,
     tag: str,
+    storage: node_storage.Storage,
     env_extra: dict | None = None,
 ) -> dict:
-    """``world`` rank processes of ``mode``; their results and the load average around them."""
-    load_before, started = os.getloadavg()[0], time.monotonic()
+    """``world`` rank processes of ``mode``; their results, the load average and the device reads
+    around them."""
+    if args.cold:
+        drop_cache(storage.prefix)
+    load_before, started, t0 = list(os.getloadavg()), time.monotonic(), time.time()
+    device0 = storage.device_read()
     with tempfile.TemporaryDirectory(prefix="node-bench-") as tmp:
         procs, logs = [], []
         for rank in range(world):
             env = rank_env(rank, world, **QUIET, **(env_extra or {}))
             common = {
                 "--mode": mode,
-                "--prefix": args.prefix,
+                "--prefix": storage.prefix,
                 "--cache": os.path.join(RAW, "cache"),
                 "--rendezvous": os.path.join(tmp, "rdv"),
                 "--out": os.path.join(tmp, f"rank{rank}.json"),
@@ -108,11 +121,21 @@ def launch(
                 "--seq-length": args.seq_length,
                 "--warmup": args.warmup,
                 "--slots": args.slots,
+                "--node-workers": args.node_workers,
             }
             cmd = [sys.executable, "-m", "benchmarks.data_loader.node_rank"]
             cmd += [str(x) for kv in common.items() for x in kv] + options + (["--cold"] if args.cold else [])
             logs.append(open(os.path.join(RAW, f"node-{tag}-rank{rank}.log"), "w"))  # noqa: SIM115
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=logs[-1], stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=ROOT,
+                    env=env,
+                    stdout=logs[-1],
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=storage.enter if storage.throttled else None,
+                )
+            )
         deadline = time.monotonic() + args.timeout_s
         ended = {}
         try:
@@ -131,71 +154,100 @@ def launch(
         if any(codes):
             raise RuntimeError(f"{tag}: ranks exited with {codes}; see {RAW}/node-{tag}-rank*.log")
         ranks = []
-        for rank in range(world):
+        for rank, p in zip(range(world), procs):
             with open(os.path.join(tmp, f"rank{rank}.json")) as f:
                 ranks.append(json.load(f))
+            # Phases, seconds from the launch: imports done, set up (gloo, dataset), measured, exited.
+            phases = {**ranks[-1]["times"], "exited": ended[p.pid]}
+            ranks[-1]["times"] = {k: round(v - t0, 1) for k, v in phases.items()}
+    device1 = storage.device_read()
     wall = time.monotonic() - started
-    print(f"{tag}: {world} ranks, {wall:.1f} s", flush=True)
-    t0 = time.time() - wall  # phases per rank, seconds from the launch (the exit as the launcher saw it)
-    for rank, p in zip(ranks, procs):
-        rank["times"] = {k: round(v - t0, 1) for k, v in {**rank["times"], "exited": ended[p.pid]}.items()}
-    return {"ranks": ranks, "load_average": [load_before, os.getloadavg()[0]], "wall_s": wall}
+    return {
+        "ranks": ranks,
+        "load_before": load_before,
+        "load_after": list(os.getloadavg()),
+        "wall_s": wall,
+        "device": {k: device1[k] - device0[k] for k in device0},
+    }
 
 
-def run_throughput(args: argparse.Namespace) -> dict:
-    options = ["--tp", "1", "--steps", str(args.throughput_steps), "--repeats", str(args.repeats)]
-    options += ["--workers", *map(str, args.workers)]
-    out = launch(args.ranks, "throughput", options, args, "throughput")
-    return node_report.throughput_rows(out, args)
+def order(tps: list[int], rep: int) -> list[tuple[int, str]]:
+    """Repetition ``rep``'s launches: layouts rotated, the first path alternating, the baseline moving."""
+    shift = rep % len(tps)
+    paths = node_report.SCHEMES if rep % 2 == 0 else node_report.SCHEMES[::-1]
+    cases = [(tp, scheme) for tp in tps[shift:] + tps[:shift] for scheme in paths]
+    cases.insert(rep % (len(cases) + 1), (tps[0], "none"))
+    return cases
 
 
-def run_footprint(args: argparse.Namespace) -> dict:
-    schemes = ["megatron", "shm", "none"]
-    rows = {scheme: {"runs": [], "load_average": []} for scheme in schemes}
+def run_layouts(args: argparse.Namespace, storage: node_storage.Storage) -> dict:
+    launches = []
     for rep in range(args.repeats):
-        shift = rep % len(schemes)
-        for scheme in schemes[shift:] + schemes[:shift]:  # order rotated per repetition
-            options = ["--tp", str(args.ranks), "--steps", str(args.steps), "--scheme", scheme]
+        for tp, scheme in order(args.tps, rep):
+            options = ["--tp", str(tp), "--steps", str(args.steps), "--scheme", scheme]
             options += ["--step-ms", str(args.step_ms), "--num-workers", str(args.num_workers)]
-            options += ["--node-workers", str(args.node_workers)]
-            out = launch(args.ranks, "footprint", options, args, f"footprint-{scheme}")
-            rows[scheme]["runs"].append(node_report.footprint_run(out))
-            rows[scheme]["load_average"].append(out["load_average"])
+            tag = f"tp{tp}-{scheme}"
+            out = launch(args.ranks, "layout", options, args, tag, storage)
+            x = {
+                "index": len(launches),
+                "repeat": rep,
+                "tp": tp,
+                "scheme": scheme,
+                "load_before": out["load_before"],
+                "load_after": out["load_after"],
+                "launch_s": out["wall_s"],
+                "rank_times_s": [r["times"] for r in sorted(out["ranks"], key=lambda r: r["rank"])],
+                **node_report.launch_figures(out["ranks"], out["device"], args.ranks),
+            }
+            launches.append(x)
+            f = x["figures"]
             print(
-                f"footprint rep {rep} {scheme}: {json.dumps(rows[scheme]['runs'][-1]['summary'])}", flush=True
+                f"rep {rep} TP={tp} {scheme}: {out['wall_s']:.1f} s, wait {f['wait_ms']:.2f} ms, "
+                f"step {f['step_ms']:.1f} ms, CPU {f['cpu_us_per_step']:.0f} us/step, "
+                f"{f['processes']} processes, device {f['device_read_mib']:.1f} MiB, "
+                f"load {out['load_before'][0]:.2f} -> {out['load_after'][0]:.2f}",
+                flush=True,
             )
-    return rows
+    rate = node_report.subtract_baseline(launches)
+    table = node_report.rows(launches, args.tps)
+    return {
+        "storage": storage.label,
+        "throttled": storage.throttled,
+        "read_mib_s": storage.read_bps / 2**20 if storage.throttled else None,
+        "readahead_kb": storage.readahead_kb or None,
+        "baseline_cpu_us_per_s": rate,
+        "rows": table,
+        "comparisons": node_report.comparisons(table),
+        "targets": node_report.targets(table, args.cold, storage.throttled),
+    }
 
 
-def run_mask(args: argparse.Namespace) -> dict:
-    options = ["--steps", "1", "--mask-calls", str(args.mask_calls), "--node-workers", str(args.node_workers)]
+def run_mask(args: argparse.Namespace, storage: node_storage.Storage) -> dict:
+    options = ["--steps", "1", "--mask-calls", str(args.mask_calls), "--tp", "1"]
     # Every block of 64 KiB or more mapped when allocated and unmapped when freed: else glibc's
     # dynamic threshold (up to 32 MiB) serves a block from freed heap pages, unseen by VmHWM.
-    out = launch(1, "mask", options, args, "mask", {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
-    return {**out["ranks"][0]["result"], "load_average": out["load_average"]}
+    out = launch(1, "mask", options, args, "mask", storage, {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)})
+    return {**out["ranks"][0]["result"], "load_average": [out["load_before"][0], out["load_after"][0]]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 repetition, few steps, seq 2048")
-    for name in ("--repeats", "--steps", "--throughput-steps", "--warmup", "--seq-length", "--mask-calls"):
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 launch per row, TP 1 and 8, seq 2048")
+    for name in ("--repeats", "--steps", "--warmup", "--seq-length", "--mask-calls"):
         p.add_argument(name, type=int, default=None)
-    p.add_argument(
-        "--step-ms", type=float, default=None, help="sleep per step standing in for compute (B, C)"
-    )
+    p.add_argument("--step-ms", type=float, default=None, help="sleep per step standing in for compute")
+    p.add_argument("--tps", type=int, nargs="+", default=None, help="TP sizes (DP = ranks / TP)")
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--mbs", type=int, default=4)
     p.add_argument("--slots", type=int, default=4)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4], help="producer workers (A)")
     p.add_argument(
-        "--node-workers",
-        type=int,
-        default=DEFAULT_WORKERS,
-        help="producer workers (B, C, D): the config's default",
+        "--node-workers", type=int, default=DEFAULT_WORKERS, help="the node loader's producer workers"
     )
-    p.add_argument("--num-workers", type=int, default=2, help="Megatron's DataLoader workers (B, C)")
-    p.add_argument("--demand", type=float, default=1.0, help="steps/s the training step asks for (A)")
+    p.add_argument("--num-workers", type=int, default=2, help="Megatron's DataLoader workers (--num-workers)")
     p.add_argument("--tokens", type=int, default=64_000_000, help="corpus size (2 bytes each)")
+    p.add_argument("--throttle-mib-s", type=float, default=16.0, help="read limit of the slowed device")
+    p.add_argument("--readahead-kb", type=int, default=node_storage.DEFAULT_READAHEAD_KB)
+    p.add_argument("--no-throttle", action="store_true", help="read the corpus where it is, unslowed")
     p.add_argument(
         "--warm-cache", dest="cold", action="store_false", help="keep the corpus in the page cache"
     )
@@ -206,27 +258,41 @@ def main() -> None:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.prefix = os.path.join(RAW, f"random{args.tokens}")
+    if any(args.ranks % tp for tp in args.tps):
+        p.error(f"--tps {args.tps}: each must divide --ranks {args.ranks}")
+    prefix = os.path.join(RAW, f"random{args.tokens}")
     os.makedirs(RAW, exist_ok=True)
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex")  # megatron-core's import
-    make_corpus(args.prefix, args.tokens)
-    steps = args.warmup + max(args.throughput_steps, args.steps) + args.slots + 8  # + the producer's lead
+    make_corpus(prefix, args.tokens)
+    steps = args.warmup + args.steps + args.slots + 16
     needed = steps * args.ranks * args.mbs * (args.seq_length + 1)
     if needed > args.tokens:
-        print(f"--tokens {args.tokens}: A re-reads samples (cached); {needed} avoids it", file=sys.stderr)
+        print(f"--tokens {args.tokens}: a launch re-reads samples; {needed} avoids it", file=sys.stderr)
 
+    if args.no_throttle:
+        storage = node_storage.plain(prefix, "--no-throttle")
+    else:
+        try:
+            storage = node_storage.throttled(prefix, RAW, args.throttle_mib_s, args.readahead_kb)
+        except node_storage.StorageError as e:
+            print(f"no slowed filesystem: {e}; reading the corpus unthrottled", file=sys.stderr, flush=True)
+            storage = node_storage.plain(prefix, str(e))
+    print(f"storage: {storage.label}", flush=True)
     started = time.time()
     results: dict = {"errors": {}}
-    for part, fn in (("throughput", run_throughput), ("footprint", run_footprint), ("mask", run_mask)):
-        if part in args.parts:
-            try:
-                results[part] = fn(args)
-            except Exception as e:  # a part that fails is reported; the others still run
-                results["errors"][part] = f"{type(e).__name__}: {e}"
-                print(f"{part} failed: {e}", file=sys.stderr, flush=True)
+    try:
+        for part, fn in (("layouts", run_layouts), ("mask", run_mask)):
+            if part in args.parts:
+                try:
+                    results[part] = fn(args, storage)
+                except Exception as e:  # a part that fails is reported; the others still run
+                    results["errors"][part] = f"{type(e).__name__}: {e}"
+                    print(f"{part} failed: {e}", file=sys.stderr, flush=True)
+    finally:
+        storage.close()
     settings = {
-        **{k: v for k, v in vars(args).items() if k not in ("prefix", "out")},
-        "corpus_bytes": os.path.getsize(args.prefix + ".bin"),
+        **{k: v for k, v in vars(args).items() if k != "out"},
+        "corpus_bytes": os.path.getsize(prefix + ".bin"),
         "cpus": len(os.sched_getaffinity(0)),
         "wall_s": round(time.time() - started, 1),
         "command": " ".join(["python -m benchmarks.data_loader.node", *sys.argv[1:]]),
@@ -235,7 +301,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "node.json"), "w") as f:
         json.dump(results, f, indent=1)
-    text = node_report.markdown(results, args)
+    text = node_report.markdown(results)
     with open(os.path.join(args.out, "node.md"), "w") as f:
         f.write(text)
     print(text)

@@ -1,34 +1,34 @@
 """CPU time and memory of a process tree, read from ``/proc`` (Linux), for the node benchmark.
 
-* :func:`tree_cpu_s`: utime + stime of a process and every live descendant (all threads of each:
-  ``/proc/<pid>/stat`` sums them), plus cutime + cstime of each, which hold the descendants it
-  already reaped. The sum grows with the tree's CPU time as long as every process is reaped by its
-  own parent (the producer reaps its workers, a DataLoader joins its workers). Two readings bound a
-  window, both over the processes listed at its start (the listing's own scan of ``/proc`` then
-  falls outside it); exact to a clock tick per process as long as no process joins the tree inside
-  the window, which the callers check and report.
-* :func:`tree_memory`: VmRSS (``/proc/<pid>/status``) and Pss (``/proc/<pid>/smaps_rollup``) of the
-  same processes, summed. RSS counts a page once per process mapping it (forked workers, the
-  shared-memory ring); PSS splits each page between the processes sharing it, so its sum is the
-  tree's share of physical memory.
+* :func:`descendants`: a process and every live process below it (the ranks' DataLoader workers,
+  the node loader's producer and its workers).
+* :func:`cpu_ns`: nanoseconds on CPU of every thread of the given processes, from the first field of
+  ``/proc/<pid>/task/<tid>/schedstat`` (the scheduler's ``sum_exec_runtime``, in ns; not the
+  clock-tick ``utime``/``stime`` of ``/proc/<pid>/stat``), keyed by (pid, tid).
+  :func:`window_cpu` turns two readings into the CPU spent between them: threads present at both
+  ends count their difference, threads born inside the window (or in a process born inside it)
+  their whole time; a thread that ended inside the window loses its time since the first reading,
+  and is counted in ``lost_threads`` so the caller can say so. The kernel needs schedstats for the
+  field (``/proc/<pid>/schedstat`` exists whenever ``CONFIG_SCHED_INFO`` is set; it is on every
+  distribution kernel).
+* :func:`tree_memory`: Rss and Pss of ``/proc/<pid>/smaps_rollup`` of the same processes, summed.
+  RSS counts a page once per process mapping it (forked workers, the shared-memory ring); PSS
+  splits each page between the processes sharing it, so its sum is the tree's share of physical
+  memory.
 * :func:`reset_peak_rss` / :func:`status_kib`: ``/proc/self/clear_refs`` ("5") sets VmHWM to the
-  current VmRSS; VmHWM then holds the highest RSS reached since.
+  current VmRSS; VmHWM then holds the highest RSS reached since (the mask part).
 """
 
 from __future__ import annotations
 
 import os
-import resource
 from collections.abc import Iterable
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
-
-def _stat(pid: int) -> list[str]:
-    """Fields of ``/proc/<pid>/stat`` from field 3 (state) on; the name may hold spaces."""
+def _ppid(pid: int) -> int:
     with open(f"/proc/{pid}/stat") as f:
         text = f.read()
-    return text[text.rindex(")") + 2 :].split()
+    return int(text[text.rindex(")") + 2 :].split()[1])  # the name may hold spaces and ')'
 
 
 def descendants(root: int) -> list[int]:
@@ -37,7 +37,7 @@ def descendants(root: int) -> list[int]:
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
-                children.setdefault(int(_stat(int(name))[1]), []).append(int(name))
+                children.setdefault(_ppid(int(name)), []).append(int(name))
             except (OSError, IndexError, ValueError):  # exited while we looked
                 continue
     tree = [root]
@@ -46,61 +46,71 @@ def descendants(root: int) -> list[int]:
     return tree
 
 
-def tree_cpu_s(pids: Iterable[int]) -> float:
-    """CPU seconds so far of the processes ``pids`` (a tree from :func:`descendants`, listed once
-    before the window so that its own scan of ``/proc`` falls outside it); see the module's note."""
-    ticks = 0
+def cpu_ns(pids: Iterable[int]) -> dict[tuple[int, int], int]:
+    """Nanoseconds on CPU so far of every live thread of ``pids``, keyed by (pid, tid)."""
+    out: dict[tuple[int, int], int] = {}
     for pid in pids:
         try:
-            ticks += sum(int(x) for x in _stat(pid)[11:15])  # utime, stime, cutime, cstime
-        except OSError:  # reaped since: its time is in its parent's cutime/cstime now
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:  # the process is gone
             continue
-    return ticks / CLOCK_TICKS
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    out[(pid, int(tid))] = int(f.read().split()[0])
+            except (OSError, IndexError, ValueError):  # the thread ended while we looked
+                continue
+    return out
 
 
-def _field_kib(path: str, key: str) -> int:
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0  # gone, or a zombie (no memory left)
-
-
-def tree_memory(root: int) -> dict[str, int]:
-    """Summed VmRSS and Pss (KiB) of ``root``'s tree, and how many processes it holds."""
-    pids = descendants(root)
+def window_cpu(start: dict[tuple[int, int], int], end: dict[tuple[int, int], int]) -> dict[str, int]:
+    """CPU ns between two :func:`cpu_ns` readings (see the module's note), and the threads that
+    ended inside the window (their time after ``start`` is missing) or began in it."""
+    spent = sum(ns - start.get(key, 0) for key, ns in end.items())
     return {
-        "rss_kib": sum(_field_kib(f"/proc/{p}/status", "VmRSS") for p in pids),
-        "pss_kib": sum(_field_kib(f"/proc/{p}/smaps_rollup", "Pss") for p in pids),
+        "cpu_ns": spent,
+        "lost_threads": sum(1 for key in start if key not in end),
+        "new_threads": sum(1 for key in end if key not in start),
+    }
+
+
+def _rollup_kib(pid: int) -> dict[str, int]:
+    out = {"Rss": 0, "Pss": 0}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key = line.split(":", 1)[0]
+                if key in out:
+                    out[key] = int(line.split()[1])
+    except OSError:  # gone, or a zombie (no memory left)
+        pass
+    return out
+
+
+def tree_memory(pids: Iterable[int]) -> dict[str, int]:
+    """Summed Rss and Pss (KiB, ``smaps_rollup``) of ``pids``, and how many processes they are."""
+    pids = list(pids)
+    rollups = [_rollup_kib(p) for p in pids]
+    return {
+        "rss_kib": sum(r["Rss"] for r in rollups),
+        "pss_kib": sum(r["Pss"] for r in rollups),
         "processes": len(pids),
     }
 
 
 def status_kib(key: str) -> int:
     """A ``/proc/self/status`` figure in KiB (VmRSS, VmHWM)."""
-    return _field_kib("/proc/self/status", key)
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def reset_peak_rss() -> None:
     """Set this process's VmHWM to its current VmRSS."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-def own_cpu_s() -> float:
-    """utime + stime of this process (every thread)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def children_cpu_s() -> float:
-    """utime + stime of this process's reaped descendants (each reaped by its own parent)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def cpu_rusage_s() -> float:
-    return own_cpu_s() + children_cpu_s()

@@ -1,19 +1,18 @@
 """One rank of the node benchmark (``benchmarks.data_loader.node``); writes its figures to ``--out``.
 
-Modes (the launcher's parts A-D):
+Modes:
 
-* ``throughput``: TP=1, every rank its own DP stream; for each repetition and producer worker count
-  a fresh node loader, ranks calling ``next()`` back to back with no compute. Each rank records its
-  window (the wall clock from the end of warm-up to its last step) and its data wait; the node's
-  first rank also reads the samples the producer has published (``counters.samples_read``) and the
-  CPU time of the producer's process tree (``node_proc.tree_cpu_s``) at both ends of its window.
-* ``footprint``: one loader (``--scheme megatron``: the stock path, a DataLoader with
-  ``--num-workers`` workers on TP rank 0, and on every other TP rank an idle DataLoader iterator
-  with as many workers, as upstream Megatron-LM starts one on every rank; ``shm``: the node loader;
-  ``none``: no loader, the ranks' own baseline),
-  each step ``next()`` then ``time.sleep(--step-ms)``. Records step time and data wait per step,
-  this rank's tree CPU over the steady-state window, its tree's RSS and PSS before the loader and
-  at the end of the window, and its own + reaped children's rusage over the loader's whole life.
+* ``layout``: one loader at TP=``--tp`` (DP = world / TP), each step ``next()`` then
+  ``time.sleep(--step-ms)``, no compute. ``--scheme megatron``: ``build_batch_iterator`` with the
+  node loader disabled, i.e. the project's stock path (``megatron_ext.data.stock``), which is
+  upstream's: TP rank 0 of each TP group iterates a DataLoader with ``--num-workers`` workers and
+  broadcasts each key over the TP group; the other TP ranks start no DataLoader and no worker.
+  ``shm``: the node loader (one producer of ``--node-workers`` processes per node). ``none``: no
+  loader, the ranks' own baseline. Records per step the data wait (the time in ``next()``) and the
+  step time; over the steady window (the ``--steps`` steps after ``--warmup``) the CPU ns of this
+  rank's process tree (``node_proc``: schedstat of every thread of the rank, its DataLoader workers,
+  and on the node's first rank the producer and its workers); the tree's Rss and Pss just before the
+  loader is built and at the end of the window; and how many processes the tree holds.
 * ``mask``: one rank, the node loader with ``create_attention_mask`` and ``reset_attention_mask``;
   after warm-up, per ``next()``: the rise of VmHWM above the VmRSS just before the call (VmHWM reset
   through ``/proc/self/clear_refs``), then, on separate calls, the peak of torch's CPU allocator
@@ -35,14 +34,12 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.data_loader.node_proc import (
-    children_cpu_s,
-    cpu_rusage_s,
+    cpu_ns,
     descendants,
-    own_cpu_s,
     reset_peak_rss,
     status_kib,
-    tree_cpu_s,
     tree_memory,
+    window_cpu,
 )
 from benchmarks.data_loader.run import drop_cache
 from megatron_ext.data.config import ShmDataLoaderConfig
@@ -50,6 +47,7 @@ from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from plugin_base.topology import Topology
 
 TIMEOUT_S = 300.0
+PREFETCH_MARGIN = 16  # steps a loader may read past the last one (producer lead, DataLoader prefetch)
 
 
 def build_dataset(prefix: str, seq_length: int, num_samples: int, cache: str, mask: bool) -> Any:
@@ -92,8 +90,12 @@ class Rank:
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        samples = (args.warmup + args.steps + args.slots + 8 + 2 * args.mask_calls) * args.mbs * self.dp
-        self.dataset = build_dataset(args.prefix, args.seq_length, samples, args.cache, args.mode == "mask")
+        steps = args.warmup + args.steps + args.slots + PREFETCH_MARGIN + 2 * args.mask_calls
+        # Every rank builds the dataset: the loader's entry point needs its length on every rank.
+        # Upstream builds it on TP rank 0 only; the build ends before anything is measured.
+        self.dataset = build_dataset(
+            args.prefix, args.seq_length, steps * args.mbs * self.dp, args.cache, args.mode == "mask"
+        )
 
     def fresh_cache(self) -> None:
         """Every rank idle, the corpus out of the page cache (``--cold``), every rank on its way."""
@@ -122,75 +124,20 @@ class Rank:
             ),
         )
 
-    def idle_loader(self) -> Any:
-        """Upstream's DataLoader on a TP rank other than 0: started (its workers prefetch), never read."""
-        from torch.utils.data import DataLoader
 
-        from megatron_ext.data.samplers import BatchSampler, SamplerSettings
-
-        settings = SamplerSettings(micro_batch_size=self.args.mbs, consumed_samples=0, dp_size=self.dp)
-        sampler = BatchSampler(settings, len(self.dataset), self.dp_rank)
-        workers = self.args.num_workers
-        return iter(
-            DataLoader(
-                self.dataset, batch_sampler=sampler, num_workers=workers, persistent_workers=workers > 0
-            )
-        )
-
-
-def throughput(r: Rank) -> list[dict]:
-    args, runs = r.args, []
-    for rep in range(args.repeats):
-        shift = rep % len(args.workers)
-        for workers in args.workers[shift:] + args.workers[:shift]:  # order rotated per repetition
-            config = shm_config(workers, args.slots)
-            run: dict[str, Any] = {"repeat": rep, "workers": workers}
-            runs.append(run)
-            r.fresh_cache()
-            reaped0 = children_cpu_s()
-            it = r.iterator(config, name=f"a{rep}w{workers}")
-            producer = getattr(it, "producer", None)
-            marks, wait, tree = [], 0.0, []
-            for i in range(args.warmup + args.steps):
-                t0 = time.perf_counter()
-                next(it)
-                t1 = time.perf_counter()
-                wait += (t1 - t0) if i >= args.warmup else 0.0
-                if i + 1 == args.warmup and producer is not None:
-                    tree = descendants(producer.pid)  # the producer and its workers, listed once
-                if i + 1 in (args.warmup, args.warmup + args.steps):
-                    mark = {"t": t1}
-                    if producer is not None:
-                        mark["samples"], mark["cpu_s"] = it.counters.samples_read, tree_cpu_s(tree)
-                    marks.append(mark)
-            if producer is not None:
-                run.update(
-                    published_steps=(marks[1]["samples"] - marks[0]["samples"]) / (r.dp * args.mbs),
-                    producer_cpu_s=marks[1]["cpu_s"] - marks[0]["cpu_s"],
-                    producer_processes=len(tree),
-                    tree_changed=sorted(descendants(producer.pid)) != sorted(tree),
-                )
-            it.close()  # the first rank reaps the producer, which reaped its workers
-            run.update(window_s=marks[1]["t"] - marks[0]["t"], wait_s=wait, steps=args.steps)
-            if producer is not None:
-                run["producer_lifetime_cpu_s"] = children_cpu_s() - reaped0
-    dist.barrier()
-    return runs
-
-
-def footprint(r: Rank) -> dict:
-    args = r.args
+def layout(r: Rank) -> dict:
+    args, me = r.args, os.getpid()
+    phases = {}
     r.fresh_cache()
     gc.collect()
-    before = tree_memory(os.getpid())
-    life0 = cpu_rusage_s()
+    before = tree_memory(descendants(me))
     it: Any = None  # scheme none: no loader, the ranks' own CPU and memory while they sleep
     if args.scheme == "shm":
-        it = r.iterator(shm_config(args.node_workers, args.slots), name="footprint")
+        it = r.iterator(shm_config(args.node_workers, args.slots), name="layout")
     elif args.scheme == "megatron":
-        it = r.iterator(ShmDataLoaderConfig(enabled=False), name="footprint", num_workers=args.num_workers)
-    idle = r.idle_loader() if args.scheme == "megatron" and r.tp_rank != 0 else None
-    waits, steps, cpu0, t0w, probe, tree = [], [], 0.0, 0.0, 0.0, []
+        it = r.iterator(ShmDataLoaderConfig(enabled=False), name="layout", num_workers=args.num_workers)
+    phases["loader_built"] = time.time()
+    waits, steps, tree, cpu0, t0w = [], [], [me], {}, 0.0
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         if it is not None:
@@ -200,31 +147,30 @@ def footprint(r: Rank) -> dict:
         waits.append(t1 - t0)
         steps.append(time.perf_counter() - t0)
         if i + 1 == args.warmup:
-            probe = own_cpu_s()
-            tree = descendants(os.getpid())  # this rank and its loader's processes, listed once
-            cpu0, t0w = tree_cpu_s(tree), time.perf_counter()
-            probe = own_cpu_s() - probe
-    cpu1, window = tree_cpu_s(tree), time.perf_counter() - t0w
-    probe -= own_cpu_s()
-    changed = sorted(descendants(os.getpid())) != sorted(tree)
-    during = tree_memory(os.getpid())
-    probe += own_cpu_s()  # this rank's CPU for the readings, taken out of its lifetime figure
+            tree = descendants(me)  # this rank and its loader's processes, listed before the window
+            cpu0, t0w = cpu_ns(tree), time.perf_counter()
+            phases["window_start"] = time.time()
+    cpu1, window = cpu_ns(tree), time.perf_counter() - t0w
+    phases["window_end"] = time.time()
+    now = descendants(me)
+    born = [p for p in now if p not in tree]
+    cpu1.update(cpu_ns(born))  # a process born inside the window: all its time is in it
+    during = tree_memory(now)
     if it is not None:
         it.close()
-    del it, idle  # a DataLoader iterator shuts its workers down and joins them as it goes
-    lifetime = cpu_rusage_s() - life0 - probe  # before gc.collect(), whose cost is no loader's
-    left = len(descendants(os.getpid())) - 1  # processes not reaped yet: their CPU is missing
+    del it
     gc.collect()
+    phases["closed"] = time.time()
     dist.barrier()
     return {
+        "phases": phases,
         "wait_s": waits[args.warmup :],
         "step_s": steps[args.warmup :],
         "window_s": window,
-        "cpu_s": cpu1 - cpu0,
-        "tree_changed": changed,
-        "probe_cpu_s": probe,
-        "lifetime_cpu_s": lifetime,
-        "unreaped": left,
+        **window_cpu(cpu0, cpu1),
+        "processes": len(tree),
+        "processes_born": len(born),
+        "processes_gone": len([p for p in tree if p not in now]),
         "before": before,
         "during": during,
     }
@@ -263,28 +209,23 @@ def mask_peak(r: Rank) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("throughput", "footprint", "mask"), required=True)
+    p.add_argument("--mode", choices=("layout", "mask"), required=True)
     p.add_argument("--scheme", choices=("megatron", "shm", "none"), default="shm")
     for name in ("--prefix", "--cache", "--rendezvous", "--out", "--job"):
         p.add_argument(name, required=True)
     for name, default in (
         ("--tp", 1),
         ("--mbs", 4),
-        ("--seq-length", 8192),
-        ("--steps", 20),
+        ("--seq-length", 4096),
+        ("--steps", 30),
         ("--warmup", 5),
-    ):
-        p.add_argument(name, type=int, default=default)
-    for name, default in (
-        ("--repeats", 1),
         ("--slots", 4),
         ("--num-workers", 2),
         ("--node-workers", DEFAULT_WORKERS),
+        ("--mask-calls", 0),
     ):
         p.add_argument(name, type=int, default=default)
-    p.add_argument("--mask-calls", type=int, default=3)
-    p.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--step-ms", type=float, default=200.0)
+    p.add_argument("--step-ms", type=float, default=100.0)
     p.add_argument("--cold", action="store_true")
     args = p.parse_args()
     from megatron.core import parallel_state as ps
@@ -292,7 +233,8 @@ def main() -> None:
     times = {"imported": time.time()}
     r = Rank(args)
     times["set_up"] = time.time()
-    result = {"throughput": throughput, "footprint": footprint, "mask": mask_peak}[args.mode](r)
+    result = {"layout": layout, "mask": mask_peak}[args.mode](r)
+    times.update(result.pop("phases", {}))
     times["measured"] = time.time()
     with open(args.out, "w") as f:
         json.dump({"rank": r.rank, "tp_rank": r.tp_rank, "result": result, "times": times}, f)
