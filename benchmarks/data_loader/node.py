@@ -15,8 +15,8 @@ Paths compared, both through ``megatron_ext.data.loader.build_batch_iterator``:
   Megatron-LM's) over its DP rank's sampler, then broadcasts each key over the TP group. On the
   other TP ranks upstream's GPT dataset provider builds no dataset (``is_dataset_built_on_rank``
   holds on TP rank 0 only), so ``build_pretraining_data_loader(None)`` returns None: they start no
-  DataLoader and no worker, and neither does the stock path (the report prints the processes found
-  under those ranks: 0). At TP=1 that is 8 DataLoaders with 2 workers each, 16 readers.
+  DataLoader and no worker, and neither does the stock path (the report prints how many processes
+  it found under those ranks). At TP=1 that is 8 DataLoaders with 2 workers each, 16 readers.
 * **node loader**: one producer per node (``--node-workers`` processes, the config's default) fills
   a ring in shared memory; every rank copies its DP rank's batch out.
 
@@ -25,13 +25,18 @@ work done off the host cores, so the CPU measured is the data path's. A third ki
 ranks that only sleep (no loader): their CPU, per second of window, is taken off both paths'.
 
 Storage (``node_storage``): as root, the corpus is copied onto an ext4 filesystem on a loop device
-whose reads the ranks' processes may take at ``--throttle-mib-s`` MiB/s at most (default 16), via
+whose reads the ranks' processes may take at ``--throttle-mib-s`` MiB/s at most (default 16, about
+6x the payload the TP=1 layout asks for: 8 DP ranks x 4 x 4097 tokens x 2 bytes per 100 ms step is
+2.5 MiB/s), via
 the cgroup v1 blkio controller's ``blkio.throttle.read_bps_device`` (cgroup v2's ``io.max`` and
 device-mapper's delay target are not available on the machine the results come from; a FUSE
 pass-through would add CPU of its own: see ``node_storage``). The device's read-ahead is the
 kernel's default 128 KiB (``--readahead-kb``); it also sets how much a page fault on the
 memory-mapped ``.bin`` reads around the faulting page, which is how upstream's DataLoader workers
-read. Before each launch the launcher drops the corpus from the page cache
+read (megatron-core maps the ``.bin`` by default, ``--mmap-bin-files``); the node loader's producer
+first asks the kernel for each sample's exact byte ranges (``posix_fadvise(POSIX_FADV_WILLNEED)``,
+``megatron_ext/data/readahead.py``). The "device MiB read" column shows what each path took from the
+device. Before each launch the launcher drops the corpus from the page cache
 (``posix_fadvise(POSIX_FADV_DONTNEED)`` on the ``.bin`` and ``.idx``), and rank 0 drops it again
 once the ranks have built their datasets, right before the loader is built (``--warm-cache``
 keeps it). Without root, or with ``--no-throttle``, the corpus stays where it was written and is
@@ -171,6 +176,22 @@ def launch(
     }
 
 
+def revision() -> str:
+    """The checkout measured: its commit, and whether tracked files differ from it."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "-uno"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown (no git)"
+    if head.returncode:
+        return "unknown (not a git checkout)"
+    return head.stdout.strip() + (" with uncommitted changes" if dirty.stdout.strip() else "")
+
+
 def order(tps: list[int], rep: int) -> list[tuple[int, str]]:
     """Repetition ``rep``'s launches: layouts rotated, the first path alternating, the baseline moving."""
     shift = rep % len(tps)
@@ -296,6 +317,7 @@ def main() -> None:
         "cpus": len(os.sched_getaffinity(0)),
         "wall_s": round(time.time() - started, 1),
         "command": " ".join(["python -m benchmarks.data_loader.node", *sys.argv[1:]]),
+        "revision": revision(),
     }
     results["settings"] = settings
     os.makedirs(args.out, exist_ok=True)

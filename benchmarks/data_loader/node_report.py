@@ -214,7 +214,8 @@ def layouts_md(part: dict, settings: dict) -> list[str]:
         )
         + " RSS / PSS: smaps_rollup summed over the trees at the end of the window; 'added': less the "
         "same trees just before the loader was built. Device MiB: read from the slowed device by the "
-        "launch's processes (blkio counters; 0 when unthrottled).",
+        "launch's processes (blkio counters; 0 when unthrottled): a page fault on the memory-mapped .bin "
+        "reads up to read_ahead_kb around the page; the producer advises each sample's exact byte ranges first.",
         "",
         "| TP x DP | path | " + " | ".join(name for _, name, _ in FIGURES) + " |",
         "|---" * (len(FIGURES) + 2) + "|",
@@ -317,7 +318,7 @@ def markdown(results: dict) -> str:
     lines = [
         "# Node loader benchmark",
         "",
-        f"`{s['command']}`: {s['cpus']} CPUs, corpus {s['corpus_bytes'] / 2**20:.0f} MiB, "
+        f"`{s['command']}` at {s.get('revision', 'an unrecorded revision')}: {s['cpus']} CPUs, corpus {s['corpus_bytes'] / 2**20:.0f} MiB, "
         f"{s['wall_s']:.0f} s in all. Method and caveats: the docstring of `benchmarks/data_loader/node.py`.",
         "",
     ]
