@@ -104,7 +104,6 @@ def node_iterator(
     consumers: int,
     timeout_s: float,
     workers: int = 1,
-    creator: Any = None,
 ) -> Any:
     """Local rank ``local`` of a node of ``consumers`` ranks (each its own DP rank) on the ring at
     ``path``: micro-batches of 2 in Megatron's random order, 2 slots, no attention mask."""
@@ -122,7 +121,6 @@ def node_iterator(
         config=ShmDataLoaderConfig(enabled=True, slots=2, timeout_s=timeout_s, workers=workers),
         node_dp_ranks=list(range(consumers)),
         rank=local,
-        creator=creator,
     )
 
 
@@ -133,3 +131,19 @@ def dead_pid() -> int:
         os._exit(0)
     os.waitpid(pid, 0)
     return pid
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of ``pid`` in clock ticks since boot; None when it is gone or a zombie (tests
+    watch their own children with it: pid plus start time names a process of this namespace)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat_line = f.read()
+    except OSError:
+        return None
+    fields = stat_line[stat_line.rindex(b")") + 2 :].split()  # the name may hold spaces and parentheses
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def is_alive(pid: int, start_time: int | None) -> bool:
+    return pid > 0 and start_time is not None and process_start_time(pid) == start_time

@@ -8,7 +8,8 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, _get_ltor_masks_and_position_ids
 
-from megatron_ext.data.documents import RawTokens, attention_mask, document_ids
+from megatron_ext.data.documents import MaskBuilder, attention_mask, document_ids
+from megatron_ext.data.token_ids import TextReader, TextRules, derive_batch
 from trainer.corpus import ByteTokenizer, gpt_dataset_config, synthetic_documents, write_indexed_dataset
 
 EOD = 7
@@ -62,12 +63,13 @@ def test_masks_follow_the_tokens_the_dataset_read_when_pad_is_eod(tmp_path):
     )  # else megatron-core drops the pad id
     dataset = BlendedMegatronDatasetBuilder(GPTDataset, [40, 0, 0], lambda: True, config).build()[0]
     expected = [dataset[i] for i in range(len(dataset))]
-    raw = RawTokens(dataset)
+    reader, rules, masks = TextReader(dataset), TextRules.of(dataset), MaskBuilder(torch.device("cpu"))
     differing = 0
     for i, want in enumerate(expected):
         got = dataset[i]
         assert torch.equal(got["tokens"], want["tokens"])  # the dataset's items are unchanged
-        mask = attention_mask(1, 64, torch.device("cpu"), torch.from_numpy(raw.documents(got))[None])
+        text = torch.from_numpy(reader.read(i))[None]
+        mask = derive_batch(text, rules, ("attention_mask",), masks)["attention_mask"]
         assert torch.equal(mask[0], want["attention_mask"]), f"sample {i}"
         from_tokens = attention_mask(
             1, 64, torch.device("cpu"), document_ids(got["tokens"], ByteTokenizer.eod)[None]

@@ -17,7 +17,6 @@ from megatron_ext.data.shm_segment import (
     ShmSecurityError,
     create_segment,
     open_segment,
-    process_start_time,
     remove_segment,
     remove_stale_segments,
     segment_path,
@@ -36,7 +35,7 @@ def _ring_variant(path, variant, attacker_uid, victim_file):
         os.symlink(victim_file, ring)
     else:
         with open(ring, "wb") as f:
-            f.write(LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
+            f.write(LAYOUT.header(os.getpid()))
         os.chmod(ring, 0o666 if variant == "mode" else 0o600)
         if variant == "links":
             os.link(ring, f"{path}/second-name")
@@ -78,7 +77,7 @@ def test_each_ring_check_names_the_file(users, shm_dir, tmp_path, variant, probl
 def test_each_directory_check_names_the_directory(users, shm_dir, variant, problem):
     path = segment_path(shm_dir, "check", 0)
     own = segment_path(shm_dir, "own", 0)
-    create_segment(own, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid()))).close()
+    held = create_segment(own, LAYOUT.size, LAYOUT.header(os.getpid()))  # live: the clean-up keeps it
     if variant == "symlink":
         os.symlink(own, path)
     elif variant == "file":
@@ -93,12 +92,13 @@ def test_each_directory_check_names_the_directory(users, shm_dir, variant, probl
         open_segment(path)
     assert os.stat(path, follow_symlinks=False)  # refused, not removed
     assert remove_stale_segments(shm_dir) == []  # nor judged by the clean-up
+    held.close()
     remove_segment(own)
 
 
 def test_shm_dir_writable_by_others_without_sticky_bit_is_refused(shm_dir):
     os.chmod(shm_dir, 0o777)
     with pytest.raises(ShmSecurityError, match=rf"shm_dir='{shm_dir}' .*mode 0777.*sticky bit"):
-        create_segment(segment_path(shm_dir, "x", 0), LAYOUT.size, LAYOUT.header(os.getpid(), 1))
+        create_segment(segment_path(shm_dir, "x", 0), LAYOUT.size, LAYOUT.header(os.getpid()))
     assert os.listdir(shm_dir) == []
     assert stat.S_IMODE(os.stat(shm_dir).st_mode) == 0o777

@@ -14,11 +14,10 @@ import re
 import signal
 
 import pytest
-from shm_helpers import node_iterator
+from shm_helpers import is_alive, node_iterator, process_start_time
 from waits import HANG_S, first_error, receive, wait_for
 
-from megatron_ext.data.ring import Ring, RingError, State, wait_until
-from megatron_ext.data.shm_segment import is_alive, process_start_time
+from megatron_ext.data.ring import Ring, RingError, State, Writer, wait_until
 
 TIMEOUT_S = 2 * HANG_S  # the loaders' own timeout: a failure only it noticed would fail the message checks
 STALL_S = 1.0  # the timeout of the tests about the timeout itself
@@ -67,7 +66,7 @@ def test_killed_consumer_makes_the_producer_raise(shm_dataset, shm_path, forked)
     assert receive(queue, "first batch of rank 1")[0] == "batch"
     child.kill()
     child.join(HANG_S)
-    with pytest.raises(RingError, match=r"local rank 1 of the node \(pid \d+\) died"):
+    with pytest.raises(RingError, match=r"local rank 1 of the node \(pid \d+ in its PID namespace\) died"):
         for _ in range(10):
             next(leader)
     assert leader.producer.stop(timeout_s=HANG_S) == 1  # it failed and left on its own, not killed
@@ -109,7 +108,7 @@ class _Failing:
     def __len__(self):
         return self._len
 
-    def __getitem__(self, idx):
+    def _query_document_sample_shuffle_indices(self, idx):
         if self._hang is not None:
             self._hang.wait(HANG_S)
         raise OSError(f"reading sample {idx}: input/output error")
@@ -164,9 +163,9 @@ def test_the_producers_error_survives_a_parent_that_records_the_producer_after_i
     forked(_consume, shm_dataset, shm_path, 1, queue)
     record = Ring.start_producer
 
-    def record_after_the_failure(ring, pid, start):
+    def record_after_the_failure(ring, pid):
         wait_for(lambda: ring.state == State.FAILED, "the producer's failure")
-        record(ring, pid, start)
+        record(ring, pid)
 
     monkeypatch.setattr(Ring, "start_producer", record_after_the_failure)
     leader = _iterator(_Failing(shm_dataset), shm_path, 0)
@@ -218,4 +217,27 @@ def test_a_killed_producer_takes_its_workers_with_it(shm_dataset, shm_path, fork
     os.kill(leader.producer.pid, signal.SIGKILL)
     assert leader.producer.stop(timeout_s=HANG_S) == -signal.SIGKILL
     wait_for(lambda: not any(is_alive(*w) for w in workers), "the exit of the killed producer's workers")
+    leader.close()
+
+
+def test_a_producer_that_records_its_error_and_exits_between_two_checks_is_reported_by_its_error(
+    shm_dataset, shm_path, monkeypatch
+):
+    # The interleaving: a rank reads the ring's state (running), the producer then records an IOError
+    # and exits, and the rank finds it dead. The recorded error must win over "died without a message".
+    leader = _iterator(shm_dataset, shm_path, 0, consumers=1)
+    next(leader)
+    os.kill(leader.producer.pid, signal.SIGKILL)
+    leader.producer.stop(timeout_s=HANG_S)
+    found_dead = Ring.producer_alive
+
+    def records_its_error_then_is_found_dead(ring):
+        ring.fail("the producer failed: OSError: reading sample 9: input/output error", Writer.PRODUCER)
+        return found_dead(ring)
+
+    monkeypatch.setattr(Ring, "producer_alive", records_its_error_then_is_found_dead)
+    with pytest.raises(RingError, match=r"OSError: reading sample 9: input/output error") as raised:
+        for _ in range(10):
+            next(leader)
+    assert "died without a message" not in str(raised.value)
     leader.close()

@@ -14,26 +14,26 @@ import signal
 import threading
 
 import pytest
-from shm_helpers import node_iterator
+from shm_helpers import node_iterator, process_start_time
 from waits import HANG_S, first_error, receive, wait_for
 
 from megatron_ext.data import producer as producer_module
-from megatron_ext.data import shm_loader
+from megatron_ext.data import shm_loader, shm_segment
 from megatron_ext.data.ring import RingError
-from megatron_ext.data.shm_segment import process_start_time, remove_stale_segments
+from megatron_ext.data.shm_segment import remove_stale_segments
 
 ctx = mp.get_context("fork")
 TIMEOUT_S = 2 * HANG_S  # the loaders' own timeout: every failure must be noticed before it
 
 
-def _iterator(dataset, path, local, consumers=3, creator=None):
-    return node_iterator(dataset, path, local, consumers, TIMEOUT_S, creator=creator)
+def _iterator(dataset, path, local, consumers=3):
+    return node_iterator(dataset, path, local, consumers, TIMEOUT_S)
 
 
-def _rank(dataset, path, local, queue, creator=None):
+def _rank(dataset, path, local, queue):
     """A rank in a child process: report how set-up and the first batch end."""
     try:
-        it = _iterator(dataset, path, local, creator=creator)
+        it = _iterator(dataset, path, local)
         queue.put(("attached",))
         next(it)
         queue.put(("batch",))
@@ -45,7 +45,7 @@ def _start_first_rank(dataset, path, forked):
     """The node's first rank, creating the ring for 3 ranks of which only some come: it stays in set-up."""
     first = forked(_rank, dataset, path, 0, ctx.Queue())
     wait_for(lambda: os.path.exists(os.path.join(path, "ring")), "the first rank's ring file")
-    return first, (first.pid, process_start_time(first.pid))
+    return first
 
 
 def _kill(proc):
@@ -54,7 +54,7 @@ def _kill(proc):
 
 
 def test_first_rank_killed_after_a_peer_attached(shm_dataset, shm_path, forked):
-    first, _ = _start_first_rank(shm_dataset, shm_path, forked)
+    first = _start_first_rank(shm_dataset, shm_path, forked)
     queue = ctx.Queue()
     peer = forked(_rank, shm_dataset, shm_path, 1, queue)
     assert receive(queue, "the peer's attach")[0] == "attached"  # then it waits for step 0, which never comes
@@ -66,17 +66,17 @@ def test_first_rank_killed_after_a_peer_attached(shm_dataset, shm_path, forked):
 
 
 def test_first_rank_killed_before_a_peer_opens(shm_dataset, shm_path, forked):
-    first, creator = _start_first_rank(shm_dataset, shm_path, forked)
+    first = _start_first_rank(shm_dataset, shm_path, forked)
     _kill(first)
     queue = ctx.Queue()
-    peer = forked(_rank, shm_dataset, shm_path, 1, queue, creator)
+    peer = forked(_rank, shm_dataset, shm_path, 1, queue)
     message = first_error(queue, "the peer of a dead first rank")
     assert "died while the node's ranks attached" in message
     peer.join(HANG_S)
     assert not os.path.exists(shm_path)
 
 
-def _peer_polling_for_the_name(dataset, path, queue, creator):
+def _peer_polling_for_the_name(dataset, path, queue):
     """A second rank as ``_rank``, reporting ("polling",) once it has looked for the segment and not
     found it (it then polls for the name)."""
     look = shm_loader.open_segment
@@ -90,28 +90,52 @@ def _peer_polling_for_the_name(dataset, path, queue, creator):
 
     polled = []
     shm_loader.open_segment = looking
-    _rank(dataset, path, 1, queue, creator)
+    _rank(dataset, path, 1, queue)
 
 
-def test_first_rank_killed_before_creating_fails_the_waiting_peer(shm_dataset, shm_path, forked):
-    # The peer knows the creator from the collective: it stops waiting for the name when that dies.
-    creator = forked(signal.pause)
+def _first_rank_stuck_creating(dataset, path):
+    """The node's first rank, stopped half-way through creating its ring (directory and locked
+    ``ring.tmp*`` made, nothing written): it stays there until killed."""
+    shm_segment._fill_ring = lambda *args: signal.pause()
+    _rank(dataset, path, 0, ctx.Queue())
+
+
+def test_first_rank_killed_while_creating_fails_the_waiting_peer(shm_dataset, shm_path, forked):
     queue = ctx.Queue()
-    forked(
-        _peer_polling_for_the_name,
-        shm_dataset,
-        shm_path,
-        queue,
-        (creator.pid, process_start_time(creator.pid)),
-    )
+    forked(_peer_polling_for_the_name, shm_dataset, shm_path, queue)
     assert receive(queue, "the peer's first look for the segment") == ("polling",)
+    creator = forked(_first_rank_stuck_creating, shm_dataset, shm_path)
+    wait_for(lambda: os.path.isdir(shm_path) and os.listdir(shm_path), "the first rank's ring.tmp file")
     _kill(creator)
     message = first_error(queue, "the peer after its first rank was killed")
-    assert f"(pid {creator.pid})" in message and "died while the node's ranks attached" in message, message
+    assert "which had begun to create it" in message and "died while the node's ranks attached" in message, (
+        message
+    )
+    wait_for(lambda: not os.path.exists(shm_path), "the peer's removal of the abandoned segment")
+
+
+def _first_rank_out_of_space(dataset, path, queue):
+    shm_segment.free_bytes = lambda shm_dir: 0  # /dev/shm full at the moment the ring is sized
+    try:
+        _iterator(dataset, path, 0)
+    except shm_segment.ShmSpaceError as e:
+        queue.put(("error", str(e)))
+
+
+def test_a_first_rank_out_of_space_fails_its_peers_at_once(shm_dataset, shm_path, forked):
+    peers = ctx.Queue()
+    forked(_peer_polling_for_the_name, shm_dataset, shm_path, peers)
+    assert receive(peers, "the peer's first look for the segment") == ("polling",)
+    first = ctx.Queue()
+    forked(_first_rank_out_of_space, shm_dataset, shm_path, first)
+    assert "only 0 bytes are free" in first_error(first, "the first rank's own error")
+    message = first_error(peers, "the peer of a first rank that ran out of space")
+    assert "failed or died while the node's ranks attached" in message, message
+    wait_for(lambda: not os.path.exists(shm_path), "the peer's removal of the abandoned segment")
 
 
 def test_a_whole_node_killed_during_set_up_is_cleaned_at_the_next_start(shm_dataset, shm_path, forked):
-    first, _ = _start_first_rank(shm_dataset, shm_path, forked)
+    first = _start_first_rank(shm_dataset, shm_path, forked)
     _kill(first)
     assert os.path.exists(shm_path)  # nobody of the job is left to remove it ...
     assert shm_path in remove_stale_segments("/dev/shm")  # ... so the same user's next start does

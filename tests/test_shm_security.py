@@ -23,11 +23,12 @@ from megatron_ext.data import ring as ring_module
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.data.shm_segment import (
+    OWNER_LOCK,
     RING,
+    SegmentFile,
     create_segment,
     current_user,
     open_segment,
-    process_start_time,
     remove_segment,
     remove_stale_segments,
     segment_path,
@@ -96,7 +97,7 @@ def _plant_leftovers(shm_dir, victims, victim_file, dead):
         fake = f"{shm_dir}/mdsp-{victim}-fake-node0-{'0' * 32}"
         os.mkdir(fake, 0o700)
         with open(f"{fake}/{RING}", "wb") as f:
-            f.write(LAYOUT.header(dead, 1))
+            f.write(LAYOUT.header(dead))
 
 
 def _plant_forged_ring(path):
@@ -108,19 +109,17 @@ def _plant_forged_ring(path):
     os.fchmod(fd, 0o666)
     os.ftruncate(fd, LAYOUT.size)
     mm = mmap.mmap(fd, LAYOUT.size)
-    me, start = os.getpid(), process_start_time(os.getpid())
-    mm[: LAYOUT.data_offset] = LAYOUT.header(me, start)
-    forged = ring_module.Ring(mm, LAYOUT)
-    forged.start_producer(me, start)
+    mm[: LAYOUT.data_offset] = LAYOUT.header(os.getpid())
+    forged = ring_module.Ring(SegmentFile(fd, mm), LAYOUT)
+    forged.segment.lock(OWNER_LOCK)
+    forged.lock_for_producer(fd)
+    forged.start_producer(os.getpid())
     for slot in range(SLOTS):
         for stream in range(RANKS):
-            views = forged.arrays(slot, stream)
-            views["tokens"][...] = views["labels"][...] = FORGED
-            views["loss_mask"][...] = 1.0
+            forged.tokens(slot, stream)[...] = FORGED
+            forged.seal(slot, stream)
         forged.publish(slot, slot)
-    del views
-    mm.close()
-    os.close(fd)
+    forged.close()
 
 
 # -- the victim job (gloo ranks) -------------------------------------------------------------------
@@ -198,9 +197,9 @@ def test_planted_leftovers_neither_block_nor_hang_and_stay_untouched(
 def _victim_lifecycle(shm_dir):
     assert remove_stale_segments(shm_dir) == []
     path = segment_path(shm_dir, "victim", 0)
-    mm = create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
+    mm = create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid()))
     other = open_segment(path)
-    assert other is not None and other[:8] == mm[:8]
+    assert other is not None and other.mm[:8] == mm.mm[:8]
     remove_segment(path)
     other.close()
     mm.close()
@@ -232,8 +231,8 @@ def test_symlink_to_the_victims_own_segment_is_not_followed(run_ranks, small_cor
     # The victim's own live segment of another job: following the link would register this job's
     # ranks in it (a write) and wait there for batches that never come.
     own = segment_path(shm_dir, "other-job", 0)
-    mm = create_segment(own, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
-    before = bytes(mm)
+    mm = create_segment(own, LAYOUT.size, LAYOUT.header(os.getpid()))
+    before = bytes(mm.mm)
     token = uuid.uuid4().hex
     path = segment_path(shm_dir, f"{JOB}-train", 0, token)
     try:
@@ -241,7 +240,7 @@ def test_symlink_to_the_victims_own_segment_is_not_followed(run_ranks, small_cor
         results = run_ranks(RANKS, _load, *small_corpus, shm_dir, token, timeout=60)
         _refused_naming(results, path)
         assert "it is a symlink, not a directory" in results[1]["error"]
-        assert bytes(mm) == before, "the victim's own segment was written through the link"
+        assert bytes(mm.mm) == before, "the victim's own segment was written through the link"
     finally:
         mm.close()
         remove_segment(own)

@@ -27,7 +27,6 @@ from megatron_ext.data.shm_segment import (
     ShmSpaceError,
     create_segment,
     open_segment,
-    process_start_time,
     remove_segment,
     remove_stale_segments,
     resolve_job_id,
@@ -77,7 +76,7 @@ def test_segment_is_private_whatever_the_umask():
     path = segment_path("/dev/shm", _job(), 0)
     old = os.umask(0o277)  # would leave the directory 0500 and the ring 0400 without the explicit chmod
     try:
-        mm = create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid(), process_start_time(os.getpid())))
+        mm = create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid()))
     finally:
         os.umask(old)
     try:
@@ -86,7 +85,7 @@ def test_segment_is_private_whatever_the_umask():
         assert stat.S_IMODE(ring.st_mode) == 0o600 and ring.st_size == LAYOUT.size
         assert os.listdir(path) == [RING]  # the temporary name is gone
         other = open_segment(path)
-        assert other is not None and other[:16] == mm[:16]
+        assert other is not None and other.mm[:16] == mm.mm[:16]
         other.close()
     finally:
         mm.close()
@@ -94,21 +93,21 @@ def test_segment_is_private_whatever_the_umask():
     assert not os.path.exists(path)
 
 
-def _make(path, owner_pid, owner_start, tmp_pid=None):
-    """A private directory as a run of ours leaves it when killed: its ring, or a half-made one."""
+def _make(path, tmp_pid=None):
+    """A private directory as a run of ours leaves it when killed: its ring, or a half-made one,
+    locked by no one (the process that held the lock is gone)."""
     if tmp_pid is None:
-        create_segment(path, LAYOUT.size, LAYOUT.header(owner_pid, owner_start)).close()
+        create_segment(path, LAYOUT.size, LAYOUT.header(12345)).close()
     else:
         os.mkdir(path, 0o700)
         os.close(os.open(os.path.join(path, f"{RING}.tmp{tmp_pid}"), os.O_CREAT | os.O_WRONLY, 0o600))
 
 
 def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
-    dead, me = dead_pid(), os.getpid()
     stale, half_made, live, fresh_empty, old_empty = (segment_path("/dev/shm", _job(), 0) for _ in range(5))
-    _make(stale, dead, 12345)
-    _make(half_made, dead, 0, tmp_pid=dead)
-    _make(live, me, process_start_time(me))
+    _make(stale)
+    _make(half_made, tmp_pid=dead_pid())
+    held = create_segment(live, LAYOUT.size, LAYOUT.header(os.getpid()))  # its creator lives: locked
     os.mkdir(fresh_empty, 0o700)  # its creator is between mkdir and creating the ring
     os.mkdir(old_empty, 0o700)
     os.utime(old_empty, (time.time() - 3600, time.time() - 3600))
@@ -118,7 +117,7 @@ def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
         assert os.path.exists(os.path.join(live, RING)) and os.path.isdir(fresh_empty)
         assert not any(os.path.exists(p) for p in (stale, half_made, old_empty))
         # the loader's first rank does the same at start-up
-        _make(stale, dead, 12345)
+        _make(stale)
         dataset = build_train_dataset(str(corpus / "corpus"), 32, 10, 1234, str(corpus / "cache"))
         it = ShmBatchIterator(
             dataset,
@@ -134,6 +133,7 @@ def test_dead_jobs_segments_are_removed_live_ones_kept(corpus):
         next(it)
         it.close()
     finally:
+        held.close()
         remove_segment(live)
         os.rmdir(fresh_empty)
 
@@ -144,7 +144,7 @@ def test_space_is_checked_before_allocating(monkeypatch):
     with pytest.raises(
         ShmSpaceError, match=rf"needs {LAYOUT.size} bytes in /dev/shm but only 1000 bytes are free.*slots"
     ):
-        create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid(), 1))
+        create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid()))
     assert not [p for p in os.listdir("/dev/shm") if os.path.basename(path) in p]
 
 
@@ -171,7 +171,7 @@ def test_full_tmpfs_gives_a_clear_error_not_sigbus(tmp_path, monkeypatch):
         with pytest.raises(
             ShmSpaceError, match=rf"needs {big.size} bytes in {mnt} but only \d+ bytes are free"
         ):
-            create_segment(path, big.size, big.header(os.getpid(), 1))
+            create_segment(path, big.size, big.header(os.getpid()))
         assert os.listdir(mnt) == []
 
 
@@ -188,7 +188,7 @@ def test_a_tmpfs_out_of_inodes_gives_a_clear_error(tmp_path):
             ShmSpaceError,
             match=rf"needs 2 inodes in {mnt} .a directory and its ring. but all \d+ are in use.*nr_inodes",
         ):
-            create_segment(segment_path(str(mnt), _job(), 0), LAYOUT.size, LAYOUT.header(os.getpid(), 1))
+            create_segment(segment_path(str(mnt), _job(), 0), LAYOUT.size, LAYOUT.header(os.getpid()))
         assert len(os.listdir(mnt)) == taken  # nothing of ours left
 
 
@@ -200,7 +200,7 @@ def test_clean_up_looks_at_a_bounded_number_of_this_users_entries(tmp_path, monk
         (tmp_path / f"mdsp-{user}-decoy-{i}").mkdir(mode=0o755)  # wrong mode: never opened
         (tmp_path / f"mdsp-someone-else-{i}").mkdir(mode=0o700)
     stale = segment_path(str(tmp_path), _job(), 0)
-    _make(stale, dead_pid(), 12345)
+    _make(stale)
     examined = []
     check = shm_segment.problem_with
 

@@ -10,23 +10,16 @@ later row from the columns up to ``i``.
 The ids must come from the tokens the dataset built its mask from. ``GPTDataset.__getitem__``
 replaces padding tokens by 0 *after* building the mask, so when the tokenizer's pad id equals its
 EOD (common for Hugging Face tokenizers) the returned tokens hold no EOD at all and a mask rebuilt
-from them keeps documents together. :class:`RawTokens` keeps the token ids each dataset read for
-its last sample, before that replacement; the producer computes the ids from them.
+from them keeps documents together. The ring therefore carries the ids as read, before that
+replacement (``token_ids``), and ranks compute the document ids from those.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
-
-
-def _gpt_datasets(dataset: Any) -> Iterator[Any]:
-    """The dataset and, for a BlendedDataset, the datasets it draws from."""
-    yield dataset
-    yield from getattr(dataset, "datasets", ())
 
 
 def separates_documents(dataset: Any) -> bool:
@@ -77,40 +70,3 @@ def attention_mask(
 ) -> torch.Tensor:
     """One mask, as :class:`MaskBuilder` builds it (no triangle kept)."""
     return MaskBuilder(device).build(micro_batch_size, seq_length, documents)
-
-
-class RawTokens:
-    """Keeps the token ids a GPTDataset read for its last sample, before ``__getitem__`` replaced
-    padding by 0. Wraps ``_query_document_sample_shuffle_indices`` on these dataset *instances*
-    (the producer's forked copies, never the ranks'); a dataset without it keeps its returned
-    tokens, which are then what its mask was built from."""
-
-    def __init__(self, dataset: Any) -> None:
-        self._last: np.ndarray | None = None
-        self.eod = int(dataset.config.tokenizer.eod)
-        self._wrapped = 0
-        for d in _gpt_datasets(dataset):
-            query = getattr(d, "_query_document_sample_shuffle_indices", None)
-            if query is not None:
-                d._query_document_sample_shuffle_indices = self._keeping(query, int(d.config.sequence_length))
-                self._wrapped += 1
-
-    def _keeping(self, query: Any, seq_length: int) -> Any:
-        def query_and_keep(idx: int) -> tuple[np.ndarray, np.ndarray]:
-            text, documents = query(idx)
-            # Now: __getitem__ then rewrites the padding in ``text`` in place (its tokens are a view).
-            self._last = document_ids(text[:seq_length], self.eod)
-            return text, documents
-
-        return query_and_keep
-
-    def documents(self, sample: dict[str, torch.Tensor]) -> np.ndarray:
-        """Document ids of ``sample``, the dataset item just read."""
-        if not self._wrapped:
-            return document_ids(sample["tokens"].numpy(), self.eod)
-        if self._last is None:
-            raise RuntimeError(
-                "the dataset returned a sample without reading its tokens: cannot tell its documents"
-            )
-        documents, self._last = self._last, None
-        return documents

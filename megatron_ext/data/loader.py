@@ -23,7 +23,7 @@ from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.ring import check_platform
 from megatron_ext.data.samplers import SamplerKind, SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_segment import new_token, process_start_time, resolve_job_id, segment_path
+from megatron_ext.data.shm_segment import new_token, resolve_job_id, segment_path
 from megatron_ext.data.stock import StockBatchIterator
 from plugin_base.section import ConfigError
 from plugin_base.topology import Topology
@@ -190,18 +190,9 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
     # other), and a random token per rank: that of the node's first rank names the node's segment, so
     # the name appears nowhere another user can read before that rank creates it; with it goes that
     # rank's label, so the name depends on nothing a rank computes for itself. Each rank also
-    # says whether its stage reads batches, and who it is, so that peers can tell its death.
-    pid = os.getpid()
+    # says whether its stage reads batches.
     dist.all_gather_object(
-        gathered,
-        (
-            settings.dp_rank,
-            new_token(),
-            bool(keys.returned),
-            pid,
-            process_start_time(pid),
-            resolve_job_id(settings.job_id),
-        ),
+        gathered, (settings.dp_rank, new_token(), bool(keys.returned), resolve_job_id(settings.job_id))
     )
     if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
         return StockBatchIterator(
@@ -210,7 +201,7 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
     node = settings.topology.node(rank)
     local = [r for r in range(world) if settings.topology.node(r) == node and gathered[r][2]]
     first = gathered[local[0]]
-    path = segment_path(settings.config.shm_dir, f"{first[5]}-{settings.name}", node, token=first[1])
+    path = segment_path(settings.config.shm_dir, f"{first[3]}-{settings.name}", node, token=first[1])
     if not os.path.isdir(settings.config.shm_dir):
         raise FileNotFoundError(
             f"shm_data_loader.shm_dir={settings.config.shm_dir!r} is not a directory: point it at a tmpfs"
@@ -225,5 +216,4 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
         rank=rank,
         keys=keys,
         device=settings.device,
-        creator=(first[3], first[4]),
     )

@@ -15,9 +15,16 @@ order. Every worker walks the whole sampler (index arithmetic only) and reads ju
 samples, so the order is Megatron's whatever the number of workers. For each of its steps a worker
 waits until every rank of the node has released the slot it is about to overwrite, and fills it.
 
-A failure is written into the header, where every rank of the node finds and raises it: by the
-producer itself, or, for a worker, by the producer from the message the worker sent it through a
-pipe (one writer per message area). A worker dies with the producer (``PR_SET_PDEATHSIG``).
+Each sample's token ids go into the ring as read (``token_ids.TextReader``), in the ring's narrow
+type, and each stream's ids of a step are sealed with a checksum before the step is published.
+
+The producer is alive for the ranks while it holds the ring's producer lock (``ring``): the rank
+that forks it takes that lock on a new open file description of the ring file, the child keeps it
+and closes every descriptor it inherited from the rank (whose locks say the rank lives), and its
+workers inherit the producer's. A failure is written into the header, where every rank of the node
+finds and raises it: by the producer itself, or, for a worker, by the producer from the message the
+worker sent it through a pipe (one writer per message area). A worker dies with the producer
+(``PR_SET_PDEATHSIG``).
 """
 
 from __future__ import annotations
@@ -37,13 +44,11 @@ from typing import Any
 import torch
 
 from megatron_ext.data.batch import sample_bytes
-from megatron_ext.data.documents import RawTokens, separates_documents
 from megatron_ext.data.readahead import READ_AHEAD_STEPS, ReadAhead
-from megatron_ext.data.ring import STREAM_ARRAYS, Ring, RingError, State, Writer, wait_until
+from megatron_ext.data.ring import Ring, RingError, State, Writer, wait_until
 from megatron_ext.data.samplers import EpochPermutations, SamplerSettings
-from megatron_ext.data.shm_segment import is_alive
+from megatron_ext.data.token_ids import TextReader, TokenCodec
 
-STORED = tuple(key for key, _ in STREAM_ARRAYS if key != "documents")  # copied from the dataset's item as is
 _MESSAGE_BYTES = 1024  # a worker's failure message, through its pipe (the ring keeps less)
 _PR_SET_PDEATHSIG = 1  # prctl option, <linux/prctl.h>
 KILL_WAIT_S = 5.0  # SIGKILL takes effect at once unless the process sits in an uninterruptible read
@@ -61,13 +66,23 @@ class ProducerProcess:
         label: str,
         workers: int = 1,
     ) -> None:
-        """Fork and run; ``dp_ranks[k]`` is the DP rank whose samples go to stream k."""
+        """Fork and run; ``dp_ranks[k]`` is the DP rank whose samples go to stream k. Returns once
+        the child holds the producer's lock and the ring says it started."""
         self.exitcode: int | None = None
-        self.pid = os.fork()
+        lock_fd = ring.segment.new_description()
+        try:
+            ring.lock_for_producer(lock_fd)
+            self.pid = os.fork()
+        except BaseException:
+            os.close(lock_fd)
+            raise
         if self.pid:
+            os.close(lock_fd)  # the lock is the child's alone now: it lives exactly as long as the child
+            ring.start_producer(self.pid)
             return
         code = 1
         try:  # the child: never returns into the caller's stack
+            ring.segment.adopt(lock_fd)
             torch.set_num_threads(1)  # one reader per process; the node's cores belong to training
             _skip_dataset_masks(dataset)
             job = _Job(ring, dataset, dp_ranks, settings, label)
@@ -198,20 +213,19 @@ def _produce(job: _Job, worker: int, worker_count: int) -> None:
     lay = ring.layout
     shared = EpochPermutations()  # every DP rank shuffles alike: one permutation per epoch for the node
     streams = [job.settings.batches(len(dataset), r, shared) for r in job.dp_ranks]
-    views = [[ring.arrays(slot, k) for k in range(lay.streams)] for slot in range(lay.slots)]
-    consumers = [ring.consumer(c) for c in range(lay.consumers)]
+    rows = [[ring.tokens(slot, k) for k in range(lay.streams)] for slot in range(lay.slots)]
     per_sample = sample_bytes(dataset)
-    raw = RawTokens(dataset) if separates_documents(dataset) else None  # else masks are causal only
+    reader, codec = TextReader(dataset), TokenCodec.of(dataset)
     samples = 0
 
     def check() -> None:
         if ring.state == State.CLOSING:
             raise _Stop
-        for c, (pid, start) in enumerate(consumers):
-            if not ring.has_left(c) and not is_alive(pid, start):
+        for c in range(lay.consumers):
+            if not ring.has_left(c) and not ring.consumer_alive(c):
                 raise RingError(
-                    f"{label}: local rank {c} of the node (pid {pid}) died without closing the loader; "
-                    "its error is in that rank's log"
+                    f"{label}: local rank {c} of the node (pid {ring.consumer_pid(c)} in its PID namespace) "
+                    "died without closing the loader; its error is in that rank's log"
                 )
 
     # This worker's steps run READ_AHEAD_STEPS ahead of the one being filled; each step's samples are
@@ -247,11 +261,8 @@ def _produce(job: _Job, worker: int, worker_count: int) -> None:
                 return
             for k, batch in enumerate(batches):
                 for j, idx in enumerate(batch):
-                    sample = dataset[idx]
-                    for key in STORED:
-                        views[slot][k][key][j] = sample[key].numpy()
-                    if raw is not None:
-                        views[slot][k]["documents"][j] = raw.documents(sample)
+                    codec.encode(reader.read(idx), rows[slot][k][j], where=f"sample {idx}")
+                ring.seal(slot, k)
                 samples += len(batch)
             ring.set_progress(worker, samples, samples * per_sample)
             ring.publish(slot, step)

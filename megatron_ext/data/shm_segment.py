@@ -8,18 +8,27 @@ directory exists, and once it exists nobody else can create, replace or open any
 (and, ``/dev/shm`` being sticky, nobody else can rename or remove it). Every open goes through
 ``shm_private``: no symlink followed, no blocking on a FIFO, type, owner, mode and links checked.
 
-Inside the directory the ring is created mode 0600 as ``ring.tmp{pid}``, sized with
-``posix_fallocate`` (a full tmpfs gives ENOSPC at once, not a SIGBUS at first touch) and renamed to
-``ring`` once its header is written, so a reader never sees a half-made ring. Files are opened with
-``os.open`` and mapped with ``mmap``: ``multiprocessing.shared_memory`` would register them with
-Python's resource tracker, which may unlink a live segment when an unrelated process that attached
-exits. The owner's pid and start time sit in the header, so a later run can tell a dead job's
-leftover from a live one; the clean-up touches only directories that pass the same checks.
+Inside the directory the ring is created mode 0600 as ``ring.tmp{pid}``, locked at once (below),
+sized with ``posix_fallocate`` (a full tmpfs gives ENOSPC at once, not a SIGBUS at first touch) and
+renamed to ``ring`` once its header is written, so a reader never sees a half-made ring. Files are
+opened with ``os.open`` and mapped with ``mmap``: ``multiprocessing.shared_memory`` would register
+them with Python's resource tracker, which may unlink a live segment when an unrelated process that
+attached exits.
+
+Liveness is a lock, never a pid. Every process that uses a ring holds an open-file-description
+lock (``fcntl`` ``F_OFD_SETLK``) on a byte of the ring file for its whole life, through a
+descriptor it keeps open (:class:`SegmentFile`); the kernel drops the lock when the last descriptor
+of that open file description closes, i.e. when the process (and any child that inherited the
+descriptor) is gone, however it ended. Anyone with a descriptor of the file asks the kernel whether
+a byte is held (``F_OFD_GETLK``). Unlike pid plus start time this holds across PID namespaces
+(containers that share ``/dev/shm``, one rank per container, pid 1 in each), and a reused pid can
+never pass for a live process. A leftover is stale when no one holds any lock on any of its files.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import mmap
 import os
@@ -28,6 +37,7 @@ import re
 import secrets
 import struct
 import time
+import weakref
 
 from megatron_ext.data.shm_private import (
     SAFE_OPEN,
@@ -43,9 +53,10 @@ from plugin_base.section import ConfigError
 PREFIX = "mdsp"
 RING = "ring"  # the segment's file inside its private directory
 MAGIC = 0x4D44535052494E47  # "MDSPRING": marks a header this module wrote
-OWNER_FIELDS = struct.Struct("qqq")  # magic, owner pid, owner start time: the first words of every header
-EMPTY_DIR_GRACE_S = 60.0
-STALE_CHECKS_PER_START = 64  # entries a start inspects for leftovers (each costs a few syscalls)  # an empty private dir older than this lost its creator between two calls
+EMPTY_DIR_GRACE_S = 60.0  # an empty private dir older than this lost its creator between two calls
+STALE_CHECKS_PER_START = 64  # entries a start inspects for leftovers (each costs a few syscalls)
+OWNER_LOCK = 0  # the byte of the ring file its creator (the node's first rank) holds locked
+_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (x86-64, aarch64): type, whence, start, len, pid
 
 
 class ShmSpaceError(ConfigError):
@@ -79,26 +90,6 @@ def segment_path(shm_dir: str, label: str, node: int, token: str | None = None) 
         raise ValueError(f"segment token {token!r} is not 32 lowercase hex digits: draw it with new_token()")
     label = re.sub(r"[^A-Za-z0-9_.-]", "_", label)
     return os.path.join(shm_dir, f"{PREFIX}-{current_user()}-{label}-node{node}-{token}")
-
-
-def process_start_time(pid: int) -> int | None:
-    """Start time of ``pid`` in clock ticks since boot; None when it is gone or a zombie.
-    Pid plus start time names a process unambiguously, even after the pid is reused."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat_line = f.read()
-    except OSError:
-        return None
-    fields = stat_line[
-        stat_line.rindex(b")") + 2 :
-    ].split()  # the command name may hold spaces and parentheses
-    if fields[0] in (b"Z", b"X"):
-        return None
-    return int(fields[19])
-
-
-def is_alive(pid: int, start_time: int) -> bool:
-    return pid > 0 and process_start_time(pid) == start_time
 
 
 def free_bytes(shm_dir: str) -> int:
@@ -143,35 +134,107 @@ def remove_stale_segments(shm_dir: str, limit: int = STALE_CHECKS_PER_START) -> 
 
 
 def _is_stale(dfd: int) -> bool:
+    """No one holds a lock on any of the directory's files (its ring, or an unfinished ``ring.tmp*``)."""
     names = os.listdir(dfd)
-    if RING in names:
-        fd = open_checked(RING, os.O_RDONLY, directory=False, dir_fd=dfd)
+    if not names:  # its creator sits between mkdir and creating the ring (microseconds) or died there
+        return time.time() - os.fstat(dfd).st_mtime > EMPTY_DIR_GRACE_S
+    for name in names:
+        if name != RING and not re.fullmatch(re.escape(RING) + r"\.tmp\d+", name):
+            return False  # not a file this module makes: left to whoever made it
+        fd = open_checked(name, os.O_RDONLY, directory=False, dir_fd=dfd)
         if fd is None:
-            return False
+            return False  # renamed or removed since the listing: someone is at work on it
         try:
-            head = os.pread(fd, OWNER_FIELDS.size, 0)
+            if name == RING and struct.unpack("q", os.pread(fd, 8, 0).ljust(8, b"\0"))[0] != MAGIC:
+                return False
+            if lock_holder(fd, 0, 0):
+                return False
         finally:
             os.close(fd)
-        if len(head) < OWNER_FIELDS.size:
+    return True
+
+
+# -- liveness ------------------------------------------------------------------------------------
+def lock_holder(fd: int, byte: int, length: int = 1) -> bool:
+    """Another open file description holds a lock on ``length`` bytes from ``byte`` of ``fd``'s file
+    (0: to its end). Asked as a read lock, so a descriptor opened read-only may ask too."""
+    query = _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, byte, length, 0)
+    return _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query))[0] != fcntl.F_UNLCK
+
+
+def take_lock(fd: int, byte: int) -> bool:
+    """Lock ``byte`` of ``fd``'s file for ``fd``'s open file description; False when another holds it."""
+    request = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
+    except OSError as e:
+        if e.errno in (errno.EAGAIN, errno.EACCES):
             return False
-        magic, pid, start = OWNER_FIELDS.unpack(head)
-        return magic == MAGIC and not is_alive(pid, start)
-    pids = [re.fullmatch(RING + r"\.tmp(\d+)", n) for n in names]
-    if pids and all(pids):  # a creation that never finished: only its creator's pid is known
-        return all(process_start_time(int(m.group(1))) is None for m in pids)
-    # Empty: its creator sits between mkdir and creating the ring (microseconds) or died there.
-    return not names and time.time() - os.fstat(dfd).st_mtime > EMPTY_DIR_GRACE_S
+        raise
+    return True
+
+
+class SegmentFile:
+    """A ring file mapped read-write, and the descriptor whose open file description holds this
+    process's locks on it: they last until :meth:`close`, or until the process is gone."""
+
+    def __init__(self, fd: int, mm: mmap.mmap) -> None:
+        self.fd = fd
+        self.mm = mm
+        _open_files.add(self)
+
+    def adopt(self, fd: int) -> None:
+        """In a forked child (the producer): close every segment descriptor inherited from the
+        parent, whose locks must keep saying only whether the parent lives (a child holding the
+        parent's descriptor of another loader's ring would keep the parent alive there), and hold
+        this file through ``fd`` instead."""
+        for inherited in list(_open_files):
+            if inherited.fd >= 0:
+                os.close(inherited.fd)
+                inherited.fd = -1
+        self.fd = fd
+
+    def lock(self, byte: int) -> bool:
+        """Hold ``byte`` for this process's life; False when another process holds it."""
+        return take_lock(self.fd, byte)
+
+    def held(self, byte: int) -> bool:
+        """Another process holds ``byte``: the one that locked it is alive."""
+        return lock_holder(self.fd, byte)
+
+    def new_description(self) -> int:
+        """A second open file description of the same file (the name may be gone already), for a
+        child whose locks must not be this process's: a forked child shares the parent's."""
+        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+
+    def close(self) -> None:
+        """Unmap (unless a view still pins the map: it is unmapped when that dies) and drop the locks."""
+        fd, self.fd = self.fd, -1
+        _open_files.discard(self)
+        try:
+            self.mm.close()
+        except BufferError:
+            pass
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+
+# The segment files this process has open: a forked producer closes the descriptors it inherited.
+_open_files: weakref.WeakSet[SegmentFile] = weakref.WeakSet()
 
 
 # -- life cycle ----------------------------------------------------------------------------------
-def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
+def create_segment(path: str, size: int, header: bytes, peers: bool = False) -> SegmentFile:
     """Create the private directory ``path`` (0700) holding the ring (0600, ``size`` bytes starting
-    with ``header``), mapped read-write. The space is checked and reserved before anything is written."""
+    with ``header``), mapped read-write, its byte :data:`OWNER_LOCK` locked by this process. The
+    file is locked before its space is reserved, the space before anything is written.
+
+    ``peers``: other processes wait for this ring. A failed creation then leaves the directory and
+    its unfinished, unlocked ``ring.tmp*`` behind, so they see at once that it was abandoned
+    (:func:`creation_abandoned`) instead of waiting for their timeout; they remove it."""
     shm_dir = os.path.dirname(path)
     check_shm_dir(shm_dir)
-    available = free_bytes(shm_dir)
-    if size > available:
-        raise ShmSpaceError(_space_message(shm_dir, size, available))
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
@@ -180,23 +243,28 @@ def create_segment(path: str, size: int, header: bytes) -> mmap.mmap:
         ) from None
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise ShmSpaceError(_space_message(shm_dir, size, available)) from None
+            raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
         raise
+    fd = -1
     try:
         dfd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | SAFE_OPEN)
         try:
             os.fchmod(dfd, 0o700)  # the umask may have cleared bits
             if problem := problem_with(os.fstat(dfd), directory=True):
                 raise refusal(path, problem)
-            return _create_ring(dfd, path, size, header)
+            fd = _open_locked_tmp(dfd, path, size)
+            return SegmentFile(fd, _fill_ring(dfd, fd, path, size, header))
         finally:
             os.close(dfd)
     except BaseException:
-        remove_segment(path)
+        if fd >= 0:
+            os.close(fd)  # drops the lock: peers see the creation abandoned
+        if not peers or fd < 0:
+            remove_segment(path)
         raise
 
 
-def _create_ring(dfd: int, path: str, size: int, header: bytes) -> mmap.mmap:
+def _open_locked_tmp(dfd: int, path: str, size: int) -> int:
     shm_dir, tmp = os.path.dirname(path), f"{RING}.tmp{os.getpid()}"
     try:
         fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
@@ -208,21 +276,43 @@ def _create_ring(dfd: int, path: str, size: int, header: bytes) -> mmap.mmap:
         os.fchmod(fd, 0o600)  # the umask may have cleared bits
         if problem := problem_with(os.fstat(fd), directory=False):
             raise refusal(f"{path}/{tmp}", problem)
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EFBIG):
-                raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
-            raise
-        mm = mmap.mmap(fd, size)
-        mm[: len(header)] = header
-        os.rename(tmp, RING, src_dir_fd=dfd, dst_dir_fd=dfd)
-        return mm
+        if not take_lock(fd, OWNER_LOCK):
+            raise refusal(f"{path}/{tmp}", "another process locked it the moment it was created")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _fill_ring(dfd: int, fd: int, path: str, size: int, header: bytes) -> mmap.mmap:
+    shm_dir = os.path.dirname(path)
+    available = free_bytes(shm_dir)
+    if size > available:
+        raise ShmSpaceError(_space_message(shm_dir, size, available))
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG):
+            raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
+        raise
+    mm = _map_apart(fd, size)
+    mm[: len(header)] = header
+    os.rename(f"{RING}.tmp{os.getpid()}", RING, src_dir_fd=dfd, dst_dir_fd=dfd)
+    return mm
+
+
+def _map_apart(fd: int, size: int) -> mmap.mmap:
+    """Map ``fd``'s file read-write through an open file description of its own: ``mmap`` keeps a
+    duplicate of the descriptor it maps, and a duplicate of the locking descriptor would share its
+    locks, and keep them held in every forked child (the producer) after this process is gone."""
+    map_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(map_fd, size)
     finally:
-        os.close(fd)  # the mapping stays valid without the descriptor
+        os.close(map_fd)
 
 
-def open_segment(path: str) -> mmap.mmap | None:
+def open_segment(path: str) -> SegmentFile | None:
     """Map the ring of the private directory ``path`` read-write; None while it does not exist yet.
     Raises :class:`ShmSecurityError` naming the culprit when either is not this user's own."""
     dfd = open_checked(path, os.O_RDONLY, directory=True)
@@ -235,9 +325,36 @@ def open_segment(path: str) -> mmap.mmap | None:
     if fd is None:
         return None
     try:
-        return mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
+        return SegmentFile(fd, _map_apart(fd, os.fstat(fd).st_size))
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def creation_abandoned(path: str) -> bool:
+    """The private directory ``path`` holds no ring but an unfinished ``ring.tmp*`` that no one
+    holds locked: its creator failed (or died) while making it."""
+    try:
+        dfd = open_checked(path, os.O_RDONLY, directory=True)
+    except ShmSecurityError:
+        return False  # not ours: the attach itself refuses it by name
+    if dfd is None:
+        return False
+    try:
+        names = os.listdir(dfd)
+        if RING in names:
+            return False
+        for name in names:
+            if name.startswith(RING + ".tmp"):
+                fd = open_checked(name, os.O_RDONLY, directory=False, dir_fd=dfd)
+                if fd is not None:
+                    try:
+                        return not lock_holder(fd, OWNER_LOCK)
+                    finally:
+                        os.close(fd)
+        return False
+    finally:
+        os.close(dfd)
 
 
 def remove_segment(path: str) -> None:

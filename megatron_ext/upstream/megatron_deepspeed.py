@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -65,14 +66,21 @@ class TextSamples:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        text = torch.as_tensor(self.samples[idx]["text"], dtype=torch.int64)
+    def _query_document_sample_shuffle_indices(self, idx: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sample's ``seq_length + 1`` ids (and no document ids), named as GPTDataset names its
+        reader: the node loader reads samples through it."""
+        text = np.asarray(self.samples[idx]["text"], dtype=np.int64)
         seq = self.config.sequence_length
         if text.shape != (seq + 1,):
             raise ValueError(
                 f"sample {idx} has {tuple(text.shape)} tokens, expected ({seq + 1},) for --seq-length "
                 f"{seq}: rebuild the dataset index for this sequence length"
             )
+        return text, np.empty(0, dtype=np.int64)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        text = torch.from_numpy(self._query_document_sample_shuffle_indices(idx)[0])
+        seq = self.config.sequence_length
         return {
             "tokens": text[:-1],
             "labels": text[1:],
