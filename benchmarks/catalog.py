@@ -154,6 +154,13 @@ def steps(network: str, quick: bool) -> list[Step]:
             stdout="data_loader/sampler_setup.md",
         ),
         Step(
+            "Node loader ring: bytes per token and per slot before and after it carried only token ids (computed)",
+            "benchmarks.data_loader.ring_bytes",
+            (),
+            ("data_loader/ring_bytes.md",),
+            stdout="data_loader/ring_bytes.md",
+        ),
+        Step(
             "Attention mask of a micro-batch: ours vs megatron-core's GPTDataset",
             "benchmarks.attention_mask",
             ("--seq", "2048", "--mbs", "1", "--repeats", "3") * quick + ("--out", RESULTS_ARG),

@@ -241,3 +241,16 @@ def test_a_producer_that_records_its_error_and_exits_between_two_checks_is_repor
             next(leader)
     assert "died without a message" not in str(raised.value)
     leader.close()
+
+
+def test_a_slot_written_after_the_producer_sealed_it_is_a_clear_error(shm_dataset, shm_path):
+    leader = _iterator(shm_dataset, shm_path, 0, consumers=1)
+    next(leader)
+    ring = leader._ring
+    wait_for(lambda: ring.holds(1, 1), "step 1 in slot 1")
+    ring.tokens(1, 0)[0, 3] ^= 1  # another process of this user writing into the mapped ring
+    with pytest.raises(
+        RingError, match=r"slot 1 \(step 1\) of stream 0 is corrupt: its token ids have CRC-32"
+    ):
+        next(leader)
+    leader.close()

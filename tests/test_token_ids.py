@@ -137,3 +137,28 @@ def test_a_dataset_without_gpt_datasets_reader_is_refused_by_name():
 
     with pytest.raises(TypeError, match="Items lacks: pass a megatron-core GPTDataset"):
         TextReader(Items())
+
+
+class LargeVocabularyTokenizer(ByteTokenizer):
+    """A vocabulary past uint16 (Llama 3's size): the ring must store 4-byte ids."""
+
+    vocab_size = 128_256
+
+
+def test_a_vocabulary_past_uint16_goes_through_the_ring_in_int32_unchanged(corpus, shm_path):
+    from shm_helpers import megatron_batches, node_iterator, take
+
+    dataset = _dataset(corpus, tokenizer=LargeVocabularyTokenizer(), reset_position_ids=True)
+    assert TokenCodec.of(dataset).dtype == np.int32
+    loader = node_iterator(dataset, shm_path, 0, 1, timeout_s=60)
+    try:
+        got = take(loader, 6)
+    finally:
+        loader.close()
+    dataset.masks_and_position_ids_are_cached = False
+    keys = {"tokens", "labels", "loss_mask", "position_ids"}
+    expected = megatron_batches(dataset, "random", 0, 0, 1, 6, keys, mbs=2)
+    assert len(got) == 6
+    for step, (ours, want) in enumerate(zip(got, expected)):
+        for key in keys:
+            assert torch.equal(ours[key], want[key]), f"step {step} {key}"

@@ -8,8 +8,9 @@ Schemes, each over the same samples of one random-token corpus, TP=1 (no broadca
 * ``megatron, N workers``: Megatron's path as ``get_batch`` runs it on TP rank 0: a DataLoader with
   ``pin_memory=True`` and N workers, then ``.cuda(non_blocking=True)`` of every key; the attention
   mask, when asked for, comes from the dataset (built per sample on the CPU, copied to the GPU);
-* ``shm loader``: our producer fills the node's ring; ``next()`` stages the batch in pinned memory,
-  queues the copies and builds the mask on the GPU.
+* ``shm loader``: our producer fills the node's ring with token ids; ``next()`` copies them straight
+  from the ring (registered as pinned host memory) to the GPU without a host copy, releases the slot
+  once that copy's event completes, and derives every key and the mask on the GPU.
 
 Per scheme and mask setting (none; Megatron's default causal mask; with ``reset_attention_mask``):
 host milliseconds per ``next()`` (min / median / max over ``--steps`` back-to-back calls after a

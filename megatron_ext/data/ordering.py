@@ -13,10 +13,14 @@ calls :meth:`Fences.release` before each such store and :meth:`Fences.acquire` a
   ``atomic_thread_fence(memory_order_release / memory_order_acquire)`` from the system's libatomic
   (GCC's runtime, present wherever GCC-built software runs: ``libatomic1`` on Debian/Ubuntu,
   ``libatomic`` on RHEL), called through ctypes. A ctypes call is an opaque function call, so
-  neither the interpreter's C compiler nor the CPU moves the surrounding stores or loads across it;
-  on aarch64 it issues ``dmb ish`` / ``dmb ishld``. No compiler is needed at install time, which a
-  tiny extension module would require on every node image; a call costs about a microsecond, and
-  the ring makes two or three per step and rank.
+  neither the interpreter's C compiler nor the CPU moves the surrounding stores or loads across it.
+  libatomic's out-of-line fence does not look at its order argument: both calls issue a full
+  barrier (``dmb ish``), stronger than release or acquire need, and as correct. No compiler is
+  needed at install time, which a tiny extension module would require on every node image; a call
+  costs about a microsecond, and the ring makes two or three per step and rank. Whether this
+  machine reorders, and whether the fences stop it, is what ``python -m megatron_ext.data.litmus``
+  shows on the node itself; the suite's stress tests run on x86-64, where a missing fence cannot
+  show, so they are no evidence for aarch64.
 - Each word is written with one aligned 8-byte store, which both architectures make single-copy
   atomic. Other architectures (POWER, RISC-V, ...) are refused: nobody has run the ring there.
 """
