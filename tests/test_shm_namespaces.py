@@ -26,7 +26,6 @@ process trees are killed and the test fails with their output."""
 from __future__ import annotations
 
 import functools
-import inspect
 import json
 import os
 import re
@@ -176,20 +175,6 @@ class Process:
 
 
 # -- 1. the clean-up at a start --------------------------------------------------------------------
-def _start_time() -> int:
-    """This process's start time in clock ticks since boot (/proc/self/stat, field 22)."""
-    with open("/proc/self/stat", "rb") as f:
-        stat = f.read()
-    return int(stat[stat.rindex(b")") + 2 :].split()[19])
-
-
-def ring_header(layout) -> bytes:
-    """The header a creator writes into a new ring: the one place that follows RingLayout.header's
-    signature, which names the creator by its pid and start time, by its pid alone, or not at all."""
-    creator = (os.getpid(), _start_time())
-    return layout.header(*creator[: len(inspect.signature(layout.header).parameters)])
-
-
 def hold_a_live_segment(path: str) -> None:
     """A creator: make the segment at ``path``, say "ready", then live (holding what create_segment
     returned, unclosed) until killed. Run in a child process."""
@@ -197,7 +182,7 @@ def hold_a_live_segment(path: str) -> None:
     from megatron_ext.data.shm_segment import create_segment
 
     layout = RingLayout(slots=2, streams=1, micro_batch_size=1, seq_length=8, consumers=1)
-    _held = create_segment(path, layout.size, ring_header(layout))  # referenced until the process dies
+    _held = create_segment(path, layout.size, layout.header(os.getpid()))  # referenced until the process dies
     print("ready", flush=True)
     while True:
         signal.pause()
