@@ -25,8 +25,9 @@ from megatron_ext.data.ordering import (
     architecture,
     fences_for,
 )
-from megatron_ext.data.ring import Ring, RingLayout, State, Writer, wait_until
-from megatron_ext.data.shm_segment import SegmentFile
+from megatron_ext.data.polling import wait_until
+from megatron_ext.data.ring import Ring, RingLayout, State, Writer
+from megatron_ext.data.segment_file import SegmentFile
 
 
 @pytest.mark.parametrize(

@@ -22,10 +22,9 @@ from megatron_ext.data import loader as loader_module
 from megatron_ext.data import ring as ring_module
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
+from megatron_ext.data.segment_file import OWNER_LOCK, SegmentFile
 from megatron_ext.data.shm_segment import (
-    OWNER_LOCK,
     RING,
-    SegmentFile,
     create_segment,
     current_user,
     open_segment,

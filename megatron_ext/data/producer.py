@@ -44,8 +44,9 @@ from typing import Any
 import torch
 
 from megatron_ext.data.batch import sample_bytes
+from megatron_ext.data.polling import wait_until
 from megatron_ext.data.readahead import READ_AHEAD_STEPS, ReadAhead
-from megatron_ext.data.ring import Ring, RingError, State, Writer, wait_until
+from megatron_ext.data.ring import Ring, RingError, State, Writer
 from megatron_ext.data.samplers import EpochPermutations, SamplerSettings
 from megatron_ext.data.token_ids import TextReader, TokenCodec
 

@@ -7,7 +7,7 @@ registered; it then removes the names (the mappings stay valid, so neither a nor
 leaves a file behind) and forks the producer. The other ranks wait for the name to appear, refuse
 anything that is not their user's own (``shm_segment``) or whose creator is gone, and register.
 Whether a peer lives is always the kernel's answer about that peer's lock on the ring file, never a
-pid (``shm_segment``): ranks in different PID namespaces (one container per rank) judge each other
+pid (``segment_file``): ranks in different PID namespaces (one container per rank) judge each other
 right. Every wait is bounded by ``timeout_s`` and tied to the peer's life: a rank that finds the
 creator gone (its lock dropped, or its creation abandoned half-way) removes its segment (its name
 came from this job's collective, so it is this job's) and raises at once. x86-64 and aarch64 run it
@@ -41,6 +41,7 @@ import torch
 from megatron_ext.data.batch import LoaderCounters, StageKeys, sequence_length
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.documents import MaskBuilder
+from megatron_ext.data.polling import wait_until
 from megatron_ext.data.producer import ProducerProcess
 from megatron_ext.data.ring import (
     VERSION,
@@ -50,7 +51,6 @@ from megatron_ext.data.ring import (
     State,
     Writer,
     check_platform,
-    wait_until,
 )
 from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_segment import (
@@ -93,7 +93,7 @@ class _PinnedRing:
         self._ring = ring
         self._pages = np.frombuffer(ring.segment.mm, dtype=np.uint8)  # pins the map until close
         self._ptr = self._pages.ctypes.data
-        torch.cuda.cudart().cudaHostRegister(self._ptr, self._pages.nbytes, 0)
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self._ptr, self._pages.nbytes, 0))
         self.in_flight: collections.deque[tuple[int, torch.cuda.Event]] = collections.deque()
 
     def release_copied(self, consumer: int, through: int) -> None:
@@ -108,7 +108,7 @@ class _PinnedRing:
         for _, event in self.in_flight:
             event.synchronize()
         self.in_flight.clear()
-        torch.cuda.cudart().cudaHostUnregister(self._ptr)
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._ptr))
         self._pages = None
 
 

@@ -15,20 +15,13 @@ opened with ``os.open`` and mapped with ``mmap``: ``multiprocessing.shared_memor
 them with Python's resource tracker, which may unlink a live segment when an unrelated process that
 attached exits.
 
-Liveness is a lock, never a pid. Every process that uses a ring holds an open-file-description
-lock (``fcntl`` ``F_OFD_SETLK``) on a byte of the ring file for its whole life, through a
-descriptor it keeps open (:class:`SegmentFile`); the kernel drops the lock when the last descriptor
-of that open file description closes, i.e. when the process (and any child that inherited the
-descriptor) is gone, however it ended. Anyone with a descriptor of the file asks the kernel whether
-a byte is held (``F_OFD_GETLK``). Unlike pid plus start time this holds across PID namespaces
-(containers that share ``/dev/shm``, one rank per container, pid 1 in each), and a reused pid can
-never pass for a live process. A leftover is stale when no one holds any lock on any of its files.
+Liveness is a lock, never a pid (``segment_file``): a leftover is stale when no one holds any lock
+on any of its files.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import mmap
 import os
@@ -37,8 +30,8 @@ import re
 import secrets
 import struct
 import time
-import weakref
 
+from megatron_ext.data.segment_file import OWNER_LOCK, SegmentFile, lock_holder, map_apart, take_lock
 from megatron_ext.data.shm_private import (
     SAFE_OPEN,
     ShmSecurityError,
@@ -55,8 +48,6 @@ RING = "ring"  # the segment's file inside its private directory
 MAGIC = 0x4D44535052494E47  # "MDSPRING": marks a header this module wrote
 EMPTY_DIR_GRACE_S = 60.0  # an empty private dir older than this lost its creator between two calls
 STALE_CHECKS_PER_START = 64  # entries a start inspects for leftovers (each costs a few syscalls)
-OWNER_LOCK = 0  # the byte of the ring file its creator (the node's first rank) holds locked
-_FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (x86-64, aarch64): type, whence, start, len, pid
 
 
 class ShmSpaceError(ConfigError):
@@ -154,76 +145,6 @@ def _is_stale(dfd: int) -> bool:
     return True
 
 
-# -- liveness ------------------------------------------------------------------------------------
-def lock_holder(fd: int, byte: int, length: int = 1) -> bool:
-    """Another open file description holds a lock on ``length`` bytes from ``byte`` of ``fd``'s file
-    (0: to its end). Asked as a read lock, so a descriptor opened read-only may ask too."""
-    query = _FLOCK.pack(fcntl.F_RDLCK, os.SEEK_SET, byte, length, 0)
-    return _FLOCK.unpack(fcntl.fcntl(fd, fcntl.F_OFD_GETLK, query))[0] != fcntl.F_UNLCK
-
-
-def take_lock(fd: int, byte: int) -> bool:
-    """Lock ``byte`` of ``fd``'s file for ``fd``'s open file description; False when another holds it."""
-    request = _FLOCK.pack(fcntl.F_WRLCK, os.SEEK_SET, byte, 1, 0)
-    try:
-        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, request)
-    except OSError as e:
-        if e.errno in (errno.EAGAIN, errno.EACCES):
-            return False
-        raise
-    return True
-
-
-class SegmentFile:
-    """A ring file mapped read-write, and the descriptor whose open file description holds this
-    process's locks on it: they last until :meth:`close`, or until the process is gone."""
-
-    def __init__(self, fd: int, mm: mmap.mmap) -> None:
-        self.fd = fd
-        self.mm = mm
-        _open_files.add(self)
-
-    def adopt(self, fd: int) -> None:
-        """In a forked child (the producer): close every segment descriptor inherited from the
-        parent, whose locks must keep saying only whether the parent lives (a child holding the
-        parent's descriptor of another loader's ring would keep the parent alive there), and hold
-        this file through ``fd`` instead."""
-        for inherited in list(_open_files):
-            if inherited.fd >= 0:
-                os.close(inherited.fd)
-                inherited.fd = -1
-        self.fd = fd
-
-    def lock(self, byte: int) -> bool:
-        """Hold ``byte`` for this process's life; False when another process holds it."""
-        return take_lock(self.fd, byte)
-
-    def held(self, byte: int) -> bool:
-        """Another process holds ``byte``: the one that locked it is alive."""
-        return lock_holder(self.fd, byte)
-
-    def new_description(self) -> int:
-        """A second open file description of the same file (the name may be gone already), for a
-        child whose locks must not be this process's: a forked child shares the parent's."""
-        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
-
-    def close(self) -> None:
-        """Unmap (unless a view still pins the map: it is unmapped when that dies) and drop the locks."""
-        fd, self.fd = self.fd, -1
-        _open_files.discard(self)
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        finally:
-            if fd >= 0:
-                os.close(fd)
-
-
-# The segment files this process has open: a forked producer closes the descriptors it inherited.
-_open_files: weakref.WeakSet[SegmentFile] = weakref.WeakSet()
-
-
 # -- life cycle ----------------------------------------------------------------------------------
 def create_segment(path: str, size: int, header: bytes, peers: bool = False) -> SegmentFile:
     """Create the private directory ``path`` (0700) holding the ring (0600, ``size`` bytes starting
@@ -295,21 +216,10 @@ def _fill_ring(dfd: int, fd: int, path: str, size: int, header: bytes) -> mmap.m
         if e.errno in (errno.ENOSPC, errno.EFBIG):
             raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
         raise
-    mm = _map_apart(fd, size)
+    mm = map_apart(fd, size)
     mm[: len(header)] = header
     os.rename(f"{RING}.tmp{os.getpid()}", RING, src_dir_fd=dfd, dst_dir_fd=dfd)
     return mm
-
-
-def _map_apart(fd: int, size: int) -> mmap.mmap:
-    """Map ``fd``'s file read-write through an open file description of its own: ``mmap`` keeps a
-    duplicate of the descriptor it maps, and a duplicate of the locking descriptor would share its
-    locks, and keep them held in every forked child (the producer) after this process is gone."""
-    map_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
-    try:
-        return mmap.mmap(map_fd, size)
-    finally:
-        os.close(map_fd)
 
 
 def open_segment(path: str) -> SegmentFile | None:
@@ -325,7 +235,7 @@ def open_segment(path: str) -> SegmentFile | None:
     if fd is None:
         return None
     try:
-        return SegmentFile(fd, _map_apart(fd, os.fstat(fd).st_size))
+        return SegmentFile(fd, map_apart(fd, os.fstat(fd).st_size))
     except BaseException:
         os.close(fd)
         raise
