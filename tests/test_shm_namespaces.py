@@ -39,26 +39,13 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from test_pretrain_gpt import SMALL  # its model (the main job's dropout is 0: runs are deterministic)
 from waits import HANG_S, wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
-SMALL = [  # tests/test_pretrain_gpt.py's model (the main job's dropout is 0: runs are deterministic)
-    "--num-layers",
-    "2",
-    "--hidden-size",
-    "32",
-    "--num-attention-heads",
-    "4",
-    "--seq-length",
-    "32",
-    "--micro-batch-size",
-    "2",
-    "--lr",
-    "3e-3",
-]
 ITERATIONS = 3
 JOB_S = 240.0  # hang bound of one job (a cold start imports torch, DeepSpeed and megatron-core on 2 cores)
 STOP_S = 30.0  # how soon the other ranks must stop after a failure (the loader's timeout is 600 s)
