@@ -386,6 +386,7 @@ def test_a_death_in_one_namespace_stops_the_other_ranks_within_seconds(
         start = time.monotonic()
         _wait_all([ranks[r] for r in survivors], STOP_S, f"after {fault}, rank(s) {survivors}")
         took = time.monotonic() - start
+        print(f"rank(s) {survivors} stopped {took:.1f} s after {fault}")  # shown by pytest -rP
     except AssertionError as e:
         _kill_and_fail(ranks, str(e))
     finally:
