@@ -185,3 +185,22 @@ def test_a_loader_dropped_without_close_stops_its_producer(shm_dataset, shm_path
     wait_for(lambda: process_start_time(producer_pid) is None, "the exit of the dropped loader's producer")
     assert rank.is_alive()
     _kill(rank)
+
+
+class _BrokenPinnedRing:
+    """The GPU path's pinned ring when the CUDA context failed (a sticky error after a device
+    fault): waiting for its copies raises."""
+
+    def close(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_close_leaves_the_ring_and_stops_the_producer_even_when_cuda_fails(shm_dataset, shm_path):
+    leader = _iterator(shm_dataset, shm_path, 0, consumers=1)
+    next(leader)
+    producer, segment = leader.producer, leader._ring.segment
+    leader._handle.pinned = _BrokenPinnedRing()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        leader.close()
+    assert producer.poll() is not None, "the producer outlived a close that CUDA failed"
+    assert segment.fd < 0, "the rank still holds its lock: its peers would take it for alive"

@@ -7,11 +7,13 @@ import platform
 import shutil
 import stat
 import subprocess
+import threading
 import time
 import uuid
 
 import pytest
 from shm_helpers import dead_pid
+from waits import HANG_S
 
 from megatron_ext.data import shm_segment
 from megatron_ext.data.batch import ALL_KEYS
@@ -313,3 +315,46 @@ def test_corrupt_dataset_named_at_the_entry_point(corpus, tmp_path, damage, culp
                 dp_size=1,
             ),
         )
+
+
+def _creator_paused_before_its_lock(monkeypatch, path):
+    """create_segment in a thread, stopped after its file exists and before it is locked (where any
+    scheduler may preempt a rank); returns (thread, resume event, outcome)."""
+    real_take_lock = shm_segment.take_lock
+    created, resume, outcome = threading.Event(), threading.Event(), {}
+
+    def slow_take_lock(fd, byte):
+        created.set()
+        resume.wait(HANG_S)
+        return real_take_lock(fd, byte)
+
+    monkeypatch.setattr(shm_segment, "take_lock", slow_take_lock)
+
+    def create():
+        try:
+            outcome["segment"] = create_segment(path, LAYOUT.size, LAYOUT.header(os.getpid()), peers=True)
+        except BaseException as e:
+            outcome["error"] = e
+
+    thread = threading.Thread(target=create)
+    thread.start()
+    assert created.wait(HANG_S) and os.listdir(path), "the creator's file"
+    return thread, resume, outcome
+
+
+@pytest.mark.parametrize("who", ["a waiting peer", "another job's clean-up"])
+def test_a_creation_in_progress_is_neither_abandoned_nor_stale(monkeypatch, who):
+    path = segment_path("/dev/shm", _job(), 0)
+    thread, resume, outcome = _creator_paused_before_its_lock(monkeypatch, path)
+    try:
+        if who == "a waiting peer":
+            assert not shm_segment.creation_abandoned(path)
+        else:
+            assert path not in remove_stale_segments("/dev/shm", limit=10**6)
+    finally:
+        resume.set()
+        thread.join(HANG_S)
+        if "segment" in outcome:
+            outcome["segment"].close()
+        remove_segment(path)
+    assert "error" not in outcome, outcome  # the creation went on to completion

@@ -11,7 +11,6 @@ and last-stage ranks use the node's ring, middle stages only follow the sampler.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +22,7 @@ from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.ring import check_platform
 from megatron_ext.data.samplers import SamplerKind, SamplerSettings
 from megatron_ext.data.shm_loader import ShmBatchIterator
+from megatron_ext.data.shm_private import check_shm_dir
 from megatron_ext.data.shm_segment import new_token, resolve_job_id, segment_path
 from megatron_ext.data.stock import StockBatchIterator
 from plugin_base.section import ConfigError
@@ -202,10 +202,9 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
     local = [r for r in range(world) if settings.topology.node(r) == node and gathered[r][2]]
     first = gathered[local[0]]
     path = segment_path(settings.config.shm_dir, f"{first[3]}-{settings.name}", node, token=first[1])
-    if not os.path.isdir(settings.config.shm_dir):
-        raise FileNotFoundError(
-            f"shm_data_loader.shm_dir={settings.config.shm_dir!r} is not a directory: point it at a tmpfs"
-        )
+    check_shm_dir(
+        settings.config.shm_dir
+    )  # every rank: the node's ranks fail together, none waits for another
     return ShmBatchIterator(
         dataset,
         order,

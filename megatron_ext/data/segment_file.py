@@ -8,8 +8,8 @@ descriptor of the file asks the kernel whether a byte is held (``F_OFD_GETLK``).
 start time this holds across PID namespaces (containers that share ``/dev/shm``, one rank per
 container, pid 1 in each), and a reused pid can never pass for a live process.
 
-Two things keep a lock honest: the map goes through an open file description of its own
-(:func:`map_apart`), since ``mmap`` keeps a duplicate of the descriptor it maps and a forked child
+Two things keep a lock honest: the map goes through an open file description of its own, opened by
+name (:func:`map_apart`; no ``/proc`` needed), since ``mmap`` keeps a duplicate of the descriptor it maps and a forked child
 would inherit that duplicate; and a forked producer closes every lock descriptor it inherited
 (:meth:`SegmentFile.adopt`).
 """
@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import mmap
 import os
 import struct
 import weakref
+
+from megatron_ext.data.shm_private import SAFE_OPEN
 
 OWNER_LOCK = 0  # the byte of the ring file its creator (the node's first rank) holds locked
 _FLOCK = struct.Struct("hhqqi4x")  # struct flock on Linux (x86-64, aarch64): type, whence, start, len, pid
@@ -50,9 +53,11 @@ class SegmentFile:
     """A ring file mapped read-write, and the descriptor whose open file description holds this
     process's locks on it: they last until :meth:`close`, or until the process is gone."""
 
-    def __init__(self, fd: int, mm: mmap.mmap) -> None:
+    def __init__(self, fd: int, mm: mmap.mmap, path: str | None = None) -> None:
         self.fd = fd
         self.mm = mm
+        self.path = path
+        """Where the file was opened (it may be unlinked since)."""
         _open_files.add(self)
 
     def adopt(self, fd: int) -> None:
@@ -75,9 +80,12 @@ class SegmentFile:
         return lock_holder(self.fd, byte)
 
     def new_description(self) -> int:
-        """A second open file description of the same file (the name may be gone already), for a
-        child whose locks must not be this process's: a forked child shares the parent's."""
-        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        """A second open file description of the same file, opened by its name (before the name is
+        removed), for a child whose locks must not be this process's: a forked child shares the
+        parent's."""
+        if self.path is None:
+            raise ValueError("this segment file was opened without a path: it cannot be opened again")
+        return _reopen(os.open, self.path, self.fd)
 
     def close(self) -> None:
         """Unmap (unless a view still pins the map: it is unmapped when that dies) and drop the locks."""
@@ -96,12 +104,25 @@ class SegmentFile:
 _open_files: weakref.WeakSet[SegmentFile] = weakref.WeakSet()
 
 
-def map_apart(fd: int, size: int) -> mmap.mmap:
-    """Map ``fd``'s file read-write through an open file description of its own: ``mmap`` keeps a
-    duplicate of the descriptor it maps, and a duplicate of the locking descriptor would share its
-    locks, and keep them held in every forked child (the producer) after this process is gone."""
-    map_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+def map_apart(dfd: int, name: str, fd: int, size: int) -> mmap.mmap:
+    """Map ``fd``'s file (``name`` in the directory ``dfd``) read-write through an open file
+    description of its own: ``mmap`` keeps a duplicate of the descriptor it maps, and a duplicate of
+    the locking descriptor would share its locks, and keep them held in every forked child (the
+    producer) after this process is gone."""
+    map_fd = _reopen(functools.partial(os.open, dir_fd=dfd), name, fd)
     try:
         return mmap.mmap(map_fd, size)
     finally:
         os.close(map_fd)
+
+
+def _reopen(opener, name: str, fd: int) -> int:
+    """Open ``name`` again (read-write, no symlink followed), and check it is ``fd``'s file."""
+    again = opener(name, os.O_RDWR | SAFE_OPEN)
+    mine, theirs = os.fstat(fd), os.fstat(again)
+    if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        os.close(again)
+        raise RuntimeError(
+            f"{name} was replaced while this process had it open: the segment is not this job's alone"
+        )
+    return again

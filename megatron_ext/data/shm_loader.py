@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -76,25 +77,41 @@ class _Handle:
         ring, self.ring = self.ring, None
         if ring is None:
             return
-        if self.pinned is not None:
-            self.pinned.close()  # copies in flight finish before the pages are unregistered
-        ring.leave(self.local)
-        if self.producer is not None:
-            ring.close_for_all()
-            self.producer.stop(timeout_s=2)  # past that it is stuck in a read: its work is moot now
-        ring.close()
+        try:
+            if self.pinned is not None:
+                self.pinned.close()  # copies in flight finish before the pages are unregistered
+        finally:  # whatever CUDA says, the ring is left and the producer stopped
+            ring.leave(self.local)
+            if self.producer is not None:
+                ring.close_for_all()
+                self.producer.stop(timeout_s=2)  # past that it is stuck in a read: its work is moot now
+            ring.close()  # a map the pinned pages still hold stays mapped (never freed under a copy)
 
 
 class _PinnedRing:
     """The ring's pages registered as pinned host memory for this rank's CUDA copies, and the
     copies whose slots wait for their event before they are released."""
 
-    def __init__(self, ring: Ring) -> None:
+    def __init__(self, ring: Ring, device: torch.device) -> None:
         self._ring = ring
+        self.device = device
+        self.stream = torch.cuda.current_stream(device)
+        """The stream the copies are queued on and their events recorded on."""
         self._pages = np.frombuffer(ring.segment.mm, dtype=np.uint8)  # pins the map until close
         self._ptr = self._pages.ctypes.data
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self._ptr, self._pages.nbytes, 0))
+        with torch.cuda.device(device):
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self._ptr, self._pages.nbytes, 0))
         self.in_flight: collections.deque[tuple[int, torch.cuda.Event]] = collections.deque()
+
+    def copy(self, step: int, rows: np.ndarray) -> torch.Tensor:
+        """Queue the copy of ``rows`` (a slot's ids, in the pinned ring) to the device; the slot is
+        released once the event recorded after it has completed."""
+        with torch.cuda.stream(self.stream):
+            on_device = torch.from_numpy(rows).to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.in_flight.append((step, event))
+        return on_device
 
     def release_copied(self, consumer: int, through: int) -> None:
         """Release, in order, every step whose copy has completed, and every step up to ``through``
@@ -105,10 +122,22 @@ class _PinnedRing:
             self._ring.release(consumer, step)
 
     def close(self) -> None:
-        for _, event in self.in_flight:
-            event.synchronize()
+        """Wait for the copies in flight, then unregister the pages. If CUDA cannot say the copies
+        are done (a failed context), the pages stay registered and mapped: a copy may still read them."""
+        try:
+            for _, event in self.in_flight:
+                event.synchronize()
+        except RuntimeError as e:
+            warnings.warn(
+                f"copies from the node loader's ring may still be running ({e}): its pages stay registered "
+                "and mapped until the process ends",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return  # _pages stays referenced: the map is never unmapped under a copy
         self.in_flight.clear()
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._ptr))
+        with torch.cuda.device(self.device):
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(self._ptr))
         self._pages = None
 
 
@@ -166,7 +195,7 @@ class ShmBatchIterator:
             self._attach()
         self._rows = [self._ring.tokens(slot, self._stream) for slot in range(config.slots)]
         if self._device.type == "cuda":
-            self._handle.pinned = _PinnedRing(self._ring)
+            self._handle.pinned = _PinnedRing(self._ring, self._device)
 
     # -- set-up ---------------------------------------------------------------------------------
     def _create_and_start(self, dataset: Any, streams: list[int], settings: SamplerSettings) -> None:
@@ -190,12 +219,14 @@ class ShmBatchIterator:
                 f"rank {self._rank} waited for the {lay.consumers} ranks of its node to attach to {self.path}",
                 max_sleep_s=10e-3,
             )
-            remove_segment(self.path)
             label = (
                 f"the shared-memory producer of {os.path.basename(self.path)} (started by rank {self._rank})"
             )
+            # Forked while the ring still has its name: the producer's lock goes on a description
+            # opened by that name.
             self.producer = ProducerProcess(ring, dataset, streams, settings, label, self._workers)
             self._handle.producer = self.producer
+            remove_segment(self.path)
         except BaseException as e:
             ring.fail(
                 f"rank {self._rank}, the first of its node, failed to set up {self.path}: {e}",
@@ -308,10 +339,7 @@ class ShmBatchIterator:
             stored = torch.from_numpy(ids)
         else:
             ring.check_sealed(slot, self._stream, self._rows[slot], step)  # read in place, before the copy
-            stored = torch.from_numpy(self._rows[slot]).to(self._device, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            pinned.in_flight.append((step, event))
+            stored = pinned.copy(step, self._rows[slot])
         self._step += 1
         batch = derive_batch(self._codec.decode(stored), self._rules, self._keys.returned, self._mask)
         self.counters.batches += 1

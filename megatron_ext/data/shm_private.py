@@ -76,7 +76,6 @@ def refusal(path: str, problem: str) -> ShmSecurityError:
 
 def open_checked(path: str, flags: int, directory: bool, dir_fd: int | None = None) -> int | None:
     """Open without following symlinks or blocking, then check what was opened; None when absent."""
-    shown = path if dir_fd is None else f"{os.readlink(f'/proc/self/fd/{dir_fd}')}/{path}"
     try:
         fd = os.open(path, flags | SAFE_OPEN | (os.O_DIRECTORY if directory else 0), dir_fd=dir_fd)
     except FileNotFoundError:
@@ -87,21 +86,36 @@ def open_checked(path: str, flags: int, directory: bool, dir_fd: int | None = No
         try:  # say what it is instead of the bare errno
             kind = _kind(os.lstat(path, dir_fd=dir_fd).st_mode)
             raise refusal(
-                shown, f"it is {kind}, not {'a directory' if directory else 'a regular file'}"
+                _shown(path, dir_fd), f"it is {kind}, not {'a directory' if directory else 'a regular file'}"
             ) from None
         except FileNotFoundError:
             return None
     problem = problem_with(os.fstat(fd), directory)
     if problem:
         os.close(fd)
-        raise refusal(shown, problem)
+        raise refusal(_shown(path, dir_fd), problem)
     return fd
+
+
+def _shown(path: str, dir_fd: int | None) -> str:
+    """``path`` as a message names it: with its directory where /proc can tell it."""
+    if dir_fd is None:
+        return path
+    try:
+        return f"{os.readlink(f'/proc/self/fd/{dir_fd}')}/{path}"
+    except OSError:  # no /proc in this container
+        return path
 
 
 def check_shm_dir(shm_dir: str) -> None:
     """The parent of the private directories: if others may write to it without the sticky bit,
     they could rename our directory away and slip theirs in."""
-    st = os.stat(shm_dir)
+    try:
+        st = os.stat(shm_dir)
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"shm_data_loader.shm_dir={shm_dir!r} is not a directory: point it at a tmpfs"
+        ) from None
     if not stat.S_ISDIR(st.st_mode):
         raise FileNotFoundError(
             f"shm_data_loader.shm_dir={shm_dir!r} is not a directory: point it at a tmpfs"

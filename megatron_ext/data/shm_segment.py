@@ -130,8 +130,10 @@ def _is_stale(dfd: int) -> bool:
     if not names:  # its creator sits between mkdir and creating the ring (microseconds) or died there
         return time.time() - os.fstat(dfd).st_mtime > EMPTY_DIR_GRACE_S
     for name in names:
-        if name != RING and not re.fullmatch(re.escape(RING) + r"\.tmp\d+", name):
+        if not re.fullmatch(re.escape(RING) + r"(\.(tmp|new)\d+)?", name):
             return False  # not a file this module makes: left to whoever made it
+        if name.startswith(RING + ".new") and time.time() - os.fstat(dfd).st_mtime <= EMPTY_DIR_GRACE_S:
+            return False  # being made: its creator locks it within microseconds, or died there
         fd = open_checked(name, os.O_RDONLY, directory=False, dir_fd=dfd)
         if fd is None:
             return False  # renamed or removed since the listing: someone is at work on it
@@ -174,7 +176,7 @@ def create_segment(path: str, size: int, header: bytes, peers: bool = False) -> 
             if problem := problem_with(os.fstat(dfd), directory=True):
                 raise refusal(path, problem)
             fd = _open_locked_tmp(dfd, path, size)
-            return SegmentFile(fd, _fill_ring(dfd, fd, path, size, header))
+            return SegmentFile(fd, _fill_ring(dfd, fd, path, size, header), os.path.join(path, RING))
         finally:
             os.close(dfd)
     except BaseException:
@@ -186,9 +188,12 @@ def create_segment(path: str, size: int, header: bytes, peers: bool = False) -> 
 
 
 def _open_locked_tmp(dfd: int, path: str, size: int) -> int:
-    shm_dir, tmp = os.path.dirname(path), f"{RING}.tmp{os.getpid()}"
+    """Make ``ring.tmp<pid>``, locked before it has that name: it is made as ``ring.new<pid>`` and
+    renamed once locked (the lock stays with the open file description), so a peer or a clean-up
+    never finds a ``ring.tmp*`` without its creator's lock, which would mean "abandoned"."""
+    shm_dir, new, tmp = os.path.dirname(path), f"{RING}.new{os.getpid()}", f"{RING}.tmp{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
+        fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
@@ -198,7 +203,8 @@ def _open_locked_tmp(dfd: int, path: str, size: int) -> int:
         if problem := problem_with(os.fstat(fd), directory=False):
             raise refusal(f"{path}/{tmp}", problem)
         if not take_lock(fd, OWNER_LOCK):
-            raise refusal(f"{path}/{tmp}", "another process locked it the moment it was created")
+            raise refusal(f"{path}/{new}", "another process locked it the moment it was created")
+        _rename(dfd, path, new, tmp)
     except BaseException:
         os.close(fd)
         raise
@@ -216,10 +222,21 @@ def _fill_ring(dfd: int, fd: int, path: str, size: int, header: bytes) -> mmap.m
         if e.errno in (errno.ENOSPC, errno.EFBIG):
             raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
         raise
-    mm = map_apart(fd, size)
+    mm = map_apart(dfd, f"{RING}.tmp{os.getpid()}", fd, size)
     mm[: len(header)] = header
-    os.rename(f"{RING}.tmp{os.getpid()}", RING, src_dir_fd=dfd, dst_dir_fd=dfd)
+    _rename(dfd, path, f"{RING}.tmp{os.getpid()}", RING)
     return mm
+
+
+def _rename(dfd: int, path: str, old: str, new: str) -> None:
+    try:
+        os.rename(old, new, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except FileNotFoundError:
+        raise RuntimeError(
+            f"{path}/{old} was removed while this rank created it: another process of user {current_user()} "
+            "removed the segment (a clean-up that took it for a leftover, or a peer that gave up on it); "
+            "check for several jobs sharing one job id and shm_dir"
+        ) from None
 
 
 def open_segment(path: str) -> SegmentFile | None:
@@ -230,15 +247,16 @@ def open_segment(path: str) -> SegmentFile | None:
         return None
     try:
         fd = open_checked(RING, os.O_RDWR, directory=False, dir_fd=dfd)
+        if fd is None:
+            return None
+        try:
+            mm = map_apart(dfd, RING, fd, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            raise
     finally:
         os.close(dfd)
-    if fd is None:
-        return None
-    try:
-        return SegmentFile(fd, map_apart(fd, os.fstat(fd).st_size))
-    except BaseException:
-        os.close(fd)
-        raise
+    return SegmentFile(fd, mm, os.path.join(path, RING))
 
 
 def creation_abandoned(path: str) -> bool:
