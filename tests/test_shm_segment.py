@@ -7,6 +7,7 @@ import platform
 import shutil
 import stat
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from plugin_base.section import ConfigError
 from plugin_base.topology import Topology
 from trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = RingLayout(slots=2, streams=1, micro_batch_size=2, seq_length=32, consumers=1)
 
 
@@ -358,3 +360,29 @@ def test_a_creation_in_progress_is_neither_abandoned_nor_stale(monkeypatch, who)
             outcome["segment"].close()
         remove_segment(path)
     assert "error" not in outcome, outcome  # the creation went on to completion
+
+
+_WITHOUT_PROC = """
+import os
+from megatron_ext.data.ring import RingLayout
+from megatron_ext.data.shm_segment import create_segment, open_segment, remove_segment, segment_path
+layout = RingLayout(2, 1, 2, 32, 2)
+path = segment_path("/dev/shm", "noproc", 0)
+mine = create_segment(path, layout.size, layout.header(os.getpid()), peers=True)
+theirs = open_segment(path)
+spare = mine.new_description()  # what the producer gets
+assert theirs.held(0) and theirs.mm[:8] == mine.mm[:8]
+os.close(spare); theirs.close(); mine.close(); remove_segment(path)
+print("ok without /proc")
+"""
+
+
+def test_the_ring_needs_no_proc():
+    # Some containers mount no /proc: creating, opening and handing over a ring must not need it.
+    script = f"mount -t tmpfs none /proc && {sys.executable} -c '{_WITHOUT_PROC}'"
+    proc = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", script], capture_output=True, text=True, cwd=ROOT
+    )
+    if "mount:" in proc.stderr or "unshare:" in proc.stderr:
+        pytest.skip(f"cannot hide /proc here (needs root): {proc.stderr.strip()[:200]}")
+    assert proc.returncode == 0 and "ok without /proc" in proc.stdout, proc.stderr[-3000:]
