@@ -201,14 +201,38 @@ def order(tps: list[int], rep: int) -> list[tuple[int, str]]:
     return cases
 
 
+def log_causes(tag: str, world: int) -> list[str]:
+    """The last error line of each rank's log of launch ``tag``."""
+    causes: list[str] = []
+    for rank in range(world):
+        try:
+            with open(os.path.join(RAW, f"node-{tag}-rank{rank}.log")) as f:
+                lines = [line.strip() for line in f if "Error" in line or "error:" in line]
+        except OSError:
+            continue
+        if lines:
+            causes.append(f"rank {rank}: {lines[-1].split(']: ', 1)[-1]}")
+    return causes
+
+
 def run_layouts(args: argparse.Namespace, storage: node_storage.Storage) -> dict:
-    launches = []
+    launches, failures = [], []
     for rep in range(args.repeats):
         for tp, scheme in order(args.tps, rep):
             options = ["--tp", str(tp), "--steps", str(args.steps), "--scheme", scheme]
             options += ["--step-ms", str(args.step_ms), "--num-workers", str(args.num_workers)]
             tag = f"tp{tp}-{scheme}"
-            out = launch(args.ranks, "layout", options, args, tag, storage)
+            out = None
+            for attempt in range(1 + args.retries):
+                try:
+                    out = launch(args.ranks, "layout", options, args, tag, storage)
+                    break
+                except RuntimeError as e:  # recorded and reported; the launch is run again
+                    failure = {"repeat": rep, "tp": tp, "scheme": scheme, "attempt": attempt, "error": str(e)}
+                    failures.append({**failure, "causes": log_causes(tag, args.ranks)})
+                    print(f"rep {rep} TP={tp} {scheme} failed: {e}; {failures[-1]['causes']}", flush=True)
+            if out is None:
+                continue
             x = {
                 "index": len(launches),
                 "repeat": rep,
@@ -238,6 +262,7 @@ def run_layouts(args: argparse.Namespace, storage: node_storage.Storage) -> dict
         "readahead_kb": storage.readahead_kb or None,
         "baseline_cpu_us_per_s": rate,
         "rows": table,
+        "failures": failures,
         "comparisons": node_report.comparisons(table),
         "targets": node_report.targets(table, args.cold, storage.throttled),
     }
@@ -273,7 +298,8 @@ def main() -> None:
         "--warm-cache", dest="cold", action="store_false", help="keep the corpus in the page cache"
     )
     p.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="results hold these only")
-    p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--timeout-s", type=float, default=240, help="per launch")
+    p.add_argument("--retries", type=int, default=1, help="launches run again after a failure (reported)")
     p.add_argument("--out", default=OUT, help="folder of node.json / node.md")
     args = p.parse_args()
     for key, value in (QUICK if args.quick else FULL).items():

@@ -46,7 +46,7 @@ from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from plugin_base.topology import Topology
 
-TIMEOUT_S = 300.0
+TIMEOUT_S = 60.0  # the node loader's timeout_s: a launch's ranks wait seconds at most when all is well
 PREFETCH_MARGIN = 16  # steps a loader may read past the last one (producer lead, DataLoader prefetch)
 
 

@@ -268,6 +268,13 @@ def layouts_md(part: dict, settings: dict) -> list[str]:
                 f"- {t['target']}: **{verdict}**{cond}: ours {three(t['ours'], 2)}, Megatron "
                 f"{three(t['megatron'], 2)}; {how}."
             )
+    for f in part.get("failures", []):
+        lines += [
+            "",
+            f"**Launch failed** (repetition {f['repeat']}, TP={f['tp']}, {LABELS[f['scheme']]}, attempt "
+            f"{f['attempt'] + 1}; run again, its figures are not in the table): {f['error']}",
+            "",
+        ] + [f"- {c}" for c in f["causes"]]
     notes = sorted(
         {f"{LABELS[r['scheme']]} TP={r['tp']}: {n}" for r in table for x in r["runs"] for n in x["notes"]}
     )
