@@ -141,7 +141,7 @@ def steps(network: str, quick: bool) -> list[Step]:
             ("data_loader/results.md",),
         ),
         Step(
-            "Node loader at 8 ranks: producer throughput, CPU and memory per node, mask memory",
+            "Node loader vs Megatron's TP-rank-0 DataLoader path at 8 ranks, TP=1/2/4/8, cold reads from a slowed filesystem; mask memory",
             "benchmarks.data_loader.node",
             ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/data_loader"),
             ("data_loader/node.md",),

@@ -69,6 +69,30 @@ def _loader(ax: Axes, data: dict[str, Any], name: str) -> None:
     ax.set_title("node loader vs Megatron's DataLoader path", fontsize=9)
 
 
+def _node_loader(ax: Axes, data: dict[str, Any], name: str) -> None:
+    rows, ranks = data["layouts"]["rows"], data["settings"]["ranks"]
+    tps = sorted({r["tp"] for r in rows if r["scheme"] != "none"})
+
+    def median(scheme: str, tp: int, key: str) -> float:
+        runs = [r for r in rows if r["scheme"] == scheme and r["tp"] == tp]
+        values = sorted(x["figures"][key] for x in runs[0]["runs"]) if runs else [float("nan")]
+        return values[len(values) // 2]
+
+    for shift, scheme, colour in ((-0.2, "megatron", "tab:orange"), (0.2, "shm", "tab:blue")):
+        label = "Megatron" if scheme == "megatron" else "node loader"
+        cpu = [median(scheme, tp, "data_cpu_us_per_step") / 1e3 for tp in tps]
+        ax.bar([i + shift for i in range(len(tps))], cpu, width=0.4, color=colour, label=f"{label}: CPU")
+    ax.set_xticks(range(len(tps)), [f"TP{tp} x DP{ranks // tp}" for tp in tps], fontsize=7)
+    ax.set_ylabel("data-path CPU ms per step, node (median)")
+    ax.legend(fontsize=7, loc="upper right")
+    twin = ax.twinx()
+    for scheme, marker in (("megatron", "o"), ("shm", "s")):
+        waits = [median(scheme, tp, "wait_ms") for tp in tps]
+        twin.plot(range(len(tps)), waits, marker, color="tab:red")
+    twin.set_ylabel("data wait ms per rank and step (o Megatron, s ours)", color="tab:red")
+    ax.set_title("node loader vs Megatron's path at 8 ranks, cold reads", fontsize=9)
+
+
 def _calibration(ax: Axes, data: dict[str, Any], name: str) -> None:
     links = data["links"]
     names = [r["link"] for r in links]
@@ -126,6 +150,7 @@ def panels(results: Path, network: str) -> list[tuple[Path, Panel]]:
         (results / "zero" / f"{network}.json", _zero),
         (results / "flash_overlap" / f"{fo}_tp2.json", _flash_overlap),
         (results / "data_loader" / "results.json", _loader),
+        (results / "data_loader" / "node.json", _node_loader),
         (results / "attention_mask.json", _attention_mask),
     ]
 

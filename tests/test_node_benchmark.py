@@ -1,20 +1,23 @@
 """The node benchmark's own pieces (``benchmarks.data_loader.node*``), without launching ranks: the
 /proc readings, the launch order, the figures of a launch, the baseline subtraction, when a ratio is
-stated, the targets and the report."""
+stated, the targets, the report and the summary panel."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from benchmarks.data_loader import node_report, node_storage
 from benchmarks.data_loader.node import order
 from benchmarks.data_loader.node_proc import cpu_ns, descendants, tree_memory, window_cpu
+from benchmarks.summary_plot import plot_summary
 
 
 def _spin(seconds: float) -> None:
@@ -175,3 +178,10 @@ def test_report_says_not_separated_and_lists_every_launch() -> None:
     assert "| 4 | 1 | ranks only (sleep, no loader) | 1.00 1.00 1.00 | 2.00 1.00 1.00 |" in text
     unthrottled = node_report.markdown(_results(table, throttled=False))
     assert "unthrottled (test)" in unthrottled and "**not evaluated**" in unthrottled
+
+
+def test_summary_panel_reads_the_results(tmp_path: Path) -> None:
+    table = _table([(1.0, 10.0), (1.2, 11.0)], [(20.0, 40.0), (25.0, 45.0)])
+    (tmp_path / "data_loader").mkdir()
+    (tmp_path / "data_loader" / "node.json").write_text(json.dumps(_results(table)))
+    assert plot_summary(tmp_path, "loopback") == tmp_path / "summary.png"
