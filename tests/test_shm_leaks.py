@@ -48,6 +48,14 @@ def _start_first_rank(dataset, path, forked):
     return first
 
 
+def _only_the_marker_is_left(path):
+    """The segment is gone, its memory freed; an empty marker tells ranks that come later that the
+    first rank failed (this user's next start removes it: it is emptied here for the fixture)."""
+    wait_for(lambda: not os.path.exists(path), "the removal of the dead first rank's segment")
+    assert os.listdir(path + shm_segment.ABANDONED) == []
+    os.rmdir(path + shm_segment.ABANDONED)
+
+
 def _kill(proc):
     os.kill(proc.pid, signal.SIGKILL)
     proc.join(HANG_S)
@@ -62,7 +70,7 @@ def test_first_rank_killed_after_a_peer_attached(shm_dataset, shm_path, forked):
     message = first_error(queue, "the peer after the first rank was killed")
     assert "first rank of its node" in message and "died while the node's ranks attached" in message
     peer.join(HANG_S)
-    assert not os.path.exists(shm_path)  # the peer removed it, long before any next start
+    _only_the_marker_is_left(shm_path)  # the peer removed it, long before any next start
 
 
 def test_first_rank_killed_before_a_peer_opens(shm_dataset, shm_path, forked):
@@ -73,7 +81,22 @@ def test_first_rank_killed_before_a_peer_opens(shm_dataset, shm_path, forked):
     message = first_error(queue, "the peer of a dead first rank")
     assert "died while the node's ranks attached" in message
     peer.join(HANG_S)
-    assert not os.path.exists(shm_path)
+    _only_the_marker_is_left(shm_path)
+
+
+def test_a_rank_that_comes_after_the_segment_was_removed_fails_at_once(shm_dataset, shm_path, forked):
+    # Several ranks of the node wait; the first to see the first rank dead removes its segment. The
+    # others, even one that only starts looking now, must not wait for their timeout.
+    first = _start_first_rank(shm_dataset, shm_path, forked)
+    _kill(first)
+    early = ctx.Queue()
+    forked(_rank, shm_dataset, shm_path, 1, early)
+    assert "died while the node's ranks attached" in first_error(early, "the peer that finds it dead")
+    late = ctx.Queue()
+    forked(_rank, shm_dataset, shm_path, 2, late)
+    message = first_error(late, "a peer that comes after the segment was removed")
+    assert "died while the node's ranks attached" in message, message
+    _only_the_marker_is_left(shm_path)
 
 
 def _peer_polling_for_the_name(dataset, path, queue):
@@ -112,6 +135,7 @@ def test_first_rank_killed_while_creating_fails_the_waiting_peer(shm_dataset, sh
         message
     )
     wait_for(lambda: not os.path.exists(shm_path), "the peer's removal of the abandoned segment")
+    _only_the_marker_is_left(shm_path)
 
 
 def _first_rank_out_of_space(dataset, path, queue):
@@ -132,6 +156,7 @@ def test_a_first_rank_out_of_space_fails_its_peers_at_once(shm_dataset, shm_path
     message = first_error(peers, "the peer of a first rank that ran out of space")
     assert "failed or died while the node's ranks attached" in message, message
     wait_for(lambda: not os.path.exists(shm_path), "the peer's removal of the abandoned segment")
+    _only_the_marker_is_left(shm_path)
 
 
 def test_a_whole_node_killed_during_set_up_is_cleaned_at_the_next_start(shm_dataset, shm_path, forked):

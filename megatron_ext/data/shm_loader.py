@@ -55,11 +55,13 @@ from megatron_ext.data.ring import (
 )
 from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm_segment import (
+    abandon_segment,
     create_segment,
     creation_abandoned,
     open_segment,
     remove_segment,
     remove_stale_segments,
+    was_abandoned,
 )
 from megatron_ext.data.token_ids import TextRules, TokenCodec, check_readable, derive_batch
 
@@ -232,7 +234,7 @@ class ShmBatchIterator:
                 f"rank {self._rank}, the first of its node, failed to set up {self.path}: {e}",
                 Writer.FIRST_RANK,
             )
-            remove_segment(self.path)
+            abandon_segment(self.path)  # ranks that have not opened it yet see the marker at once
             self.close()
             raise
 
@@ -258,7 +260,7 @@ class ShmBatchIterator:
             return True
 
         def creator_alive() -> None:
-            if creation_abandoned(self.path):
+            if creation_abandoned(self.path) or was_abandoned(self.path):
                 self._creator_died("which had begun to create it")
 
         wait_until(
@@ -278,9 +280,10 @@ class ShmBatchIterator:
             )
 
     def _creator_died(self, who: str) -> None:
-        """The node's first rank died before its producer took over: nobody else would remove its
-        segment while the job lives, so this rank does (the checks refuse anything not this user's)."""
-        remove_segment(
+        """The node's first rank failed or died before its producer took over: nobody else would
+        remove its segment while the job lives, so this rank does, leaving the marker the node's
+        other ranks find (the checks refuse anything not this user's)."""
+        abandon_segment(
             self.path
         )  # a map stays open: a poll may still read it; close() or the finalizer ends it
         raise RingError(

@@ -45,6 +45,7 @@ from plugin_base.section import ConfigError
 
 PREFIX = "mdsp"
 RING = "ring"  # the segment's file inside its private directory
+ABANDONED = ".abandoned"  # suffix of a segment whose first rank failed, left as a marker for its peers
 MAGIC = 0x4D44535052494E47  # "MDSPRING": marks a header this module wrote
 EMPTY_DIR_GRACE_S = 60.0  # an empty private dir older than this lost its creator between two calls
 STALE_CHECKS_PER_START = 64  # entries a start inspects for leftovers (each costs a few syscalls)
@@ -288,6 +289,15 @@ def creation_abandoned(path: str) -> bool:
 def remove_segment(path: str) -> None:
     """Unlink the ring and remove its private directory (the mappings stay valid). Touches nothing
     that fails the checks, so a path another user planted is left to its owner."""
+    _empty(path)
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+
+
+def _empty(path: str) -> None:
+    """Unlink the ring files of the private directory ``path`` (if it is this user's own)."""
     try:
         dfd = open_checked(path, os.O_RDONLY, directory=True)
     except ShmSecurityError:
@@ -296,14 +306,34 @@ def remove_segment(path: str) -> None:
         return
     try:
         for name in os.listdir(dfd):
-            if name == RING or name.startswith(RING + ".tmp"):
+            if name == RING or name.startswith((RING + ".tmp", RING + ".new")):
                 os.unlink(name, dir_fd=dfd)
     finally:
         os.close(dfd)
+
+
+def abandon_segment(path: str) -> None:
+    """Mark the segment of a first rank that failed or died for the node's other ranks, and free
+    its memory: the directory is renamed to ``path + ABANDONED``, where a rank still waiting for the
+    segment finds it (:func:`was_abandoned`) instead of waiting for its timeout, and emptied; the
+    empty marker goes at this user's next start (an empty directory, after its grace)."""
     try:
-        os.rmdir(path)
+        os.rename(path, path + ABANDONED)
     except FileNotFoundError:
-        pass
+        pass  # another rank marked it already, or it never existed
+    _empty(path + ABANDONED)
+
+
+def was_abandoned(path: str) -> bool:
+    """A rank of this job marked the segment at ``path`` as its first rank's failure."""
+    try:
+        dfd = open_checked(path + ABANDONED, os.O_RDONLY, directory=True)
+    except ShmSecurityError:
+        return False  # not ours: the attach itself refuses what sits at the real name
+    if dfd is None:
+        return False
+    os.close(dfd)
+    return True
 
 
 def _space_message(shm_dir: str, needed: int, available: int) -> str:
