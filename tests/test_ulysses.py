@@ -110,7 +110,10 @@ def test_ulysses_attention_matches_deepspeeds_distributed_attention_forward_and_
     run_ranks, world, heads, kv_heads
 ):
     for errors in run_ranks(world, _compare, heads, kv_heads, timeout=120):
-        assert max(errors.values()) < 1e-6, errors  # fp32: the same sums up to their order
+        # fp32: the same sums in another order. Reordering a sum of n terms moves it by up to about
+        # n ulps of its magnitude; the weight gradients sum over SEQ x BATCH tokens. (1e-6 before:
+        # on some CPUs the GQA case at 4 ranks measures 1.35e-6.)
+        assert max(errors.values()) < SEQ * BATCH * torch.finfo(torch.float32).eps, errors
 
 
 def test_heads_that_do_not_split_evenly_are_refused_naming_every_factor():
