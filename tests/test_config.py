@@ -42,7 +42,7 @@ def test_json_file_and_dict_give_the_same_config(tmp_path):
     [
         (
             {"shm_data_loader": {"slotz": 3}},
-            "unknown key 'shm_data_loader.slotz'; valid keys here: enabled, shm_dir, slots",
+            "unknown key 'shm_data_loader.slotz'; valid keys here: enabled, pinned_ring, shm_dir, slots",
         ),
         (
             {"shm_data_loader": {"slots": 0}},

@@ -119,6 +119,7 @@ CASES = [
     (["--shm-data-loader-timeout", "30"], {"shm_data_loader": {"timeout_s": 30.0}}),
     (["--shm-data-loader-workers", "3"], {"shm_data_loader": {"workers": 3}}),
     (["--shm-data-loader-dir", "/tmp"], {"shm_data_loader": {"shm_dir": "/tmp"}}),
+    (["--shm-data-loader-pinned-ring"], {"shm_data_loader": {"pinned_ring": True}}),
     (["--hierarchical-zero"], {"hierarchical_zero": {"enabled": True}}),
     (["--hierarchical-zero-secondary-level", "node"], {"hierarchical_zero": {"secondary_level": "node"}}),
     (

@@ -21,3 +21,5 @@ class ShmDataLoaderConfig(Section):
     ranks receive them in order whatever the number. Raise it where one process cannot keep up."""
     shm_dir: str = "/dev/shm"
     """Directory of the shared-memory segments (a tmpfs)."""
+    pinned_ring: bool = False
+    """CUDA: copy each step's ids straight from the ring, registered as pinned memory, instead of through a pinned staging buffer (not yet run on a GPU)."""

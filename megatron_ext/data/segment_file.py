@@ -9,9 +9,9 @@ start time this holds across PID namespaces (containers that share ``/dev/shm``,
 container, pid 1 in each), and a reused pid can never pass for a live process.
 
 Two things keep a lock honest: the map goes through an open file description of its own, opened by
-name (:func:`map_apart`; no ``/proc`` needed), since ``mmap`` keeps a duplicate of the descriptor it maps and a forked child
-would inherit that duplicate; and a forked producer closes every lock descriptor it inherited
-(:meth:`SegmentFile.adopt`).
+name (:func:`map_apart`; no ``/proc`` needed), since ``mmap`` keeps a duplicate of the descriptor
+it maps and a forked child would inherit that duplicate; and a forked producer closes every lock
+descriptor it inherited (:meth:`SegmentFile.adopt`).
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ is closed by its finalizer when it is collected, so its producer never outlives 
 
 Per step, a rank waits for its slot's sequence word and takes its stream's token ids. On the CPU it
 copies them into a fresh array (a tensor must never view the map: reading it after the map closes
-would crash), checks the checksum and releases the slot. On a GPU the ring is registered once as
-pinned host memory (``cudaHostRegister``), so the ids go straight from the ring to the device with
-``non_blocking=True`` (no host copy, no host wait); the slot is released once a CUDA event recorded
-after that copy has completed. Either way the rank then derives Megatron's batch from the ids on its
+would crash), checks the checksum and releases the slot; for a CUDA device that array is a pinned
+staging buffer whose copy is queued with ``non_blocking=True``. With ``pinned_ring`` (opt-in: not
+yet run on a GPU) the ring is instead registered once as pinned host memory (``cudaHostRegister``),
+so the ids go straight from the ring to the device (no host copy, no host wait); the slot is
+released once a CUDA event recorded after that copy has completed. Either way the rank then derives Megatron's batch from the ids on its
 device (``token_ids.derive_batch``), attention mask included when asked.
 """
 
@@ -64,6 +65,8 @@ from megatron_ext.data.shm_segment import (
     was_abandoned,
 )
 from megatron_ext.data.token_ids import TextRules, TokenCodec, check_readable, derive_batch
+
+_TORCH_DTYPES = {np.dtype(np.uint16): torch.uint16, np.dtype(np.int32): torch.int32}  # the ring's id types
 
 
 class _Handle:
@@ -196,7 +199,7 @@ class ShmBatchIterator:
         else:
             self._attach()
         self._rows = [self._ring.tokens(slot, self._stream) for slot in range(config.slots)]
-        if self._device.type == "cuda":
+        if self._device.type == "cuda" and config.pinned_ring:
             self._handle.pinned = _PinnedRing(self._ring, self._device)
 
     # -- set-up ---------------------------------------------------------------------------------
@@ -336,10 +339,10 @@ class ShmBatchIterator:
             self._ended = True
             raise StopIteration
         if pinned is None:
-            ids = self._rows[slot].copy()
-            ring.check_sealed(slot, self._stream, ids, step)
+            ids = self._copy_out(self._rows[slot])
+            ring.check_sealed(slot, self._stream, ids.numpy(), step)
             ring.release(self._local, step)
-            stored = torch.from_numpy(ids)
+            stored = ids.to(self._device, non_blocking=True)
         else:
             ring.check_sealed(slot, self._stream, self._rows[slot], step)  # read in place, before the copy
             stored = pinned.copy(step, self._rows[slot])
@@ -350,6 +353,16 @@ class ShmBatchIterator:
         if self._local == 0:
             self.counters.samples_read, self.counters.bytes_read = ring.progress()
         return self._keys.batch(batch)
+
+    def _copy_out(self, rows: np.ndarray) -> torch.Tensor:
+        """A slot's ids in memory of their own: on the CPU a fresh array; for a CUDA device a pinned
+        staging buffer, whose copy to the device is then queued without a host wait (the caching
+        host allocator keeps the buffer until that copy has run, so the slot is released at once)."""
+        if self._device.type == "cpu":
+            return torch.from_numpy(rows.copy())
+        staged = torch.empty(rows.shape, dtype=_TORCH_DTYPES[rows.dtype], pin_memory=True)
+        staged.numpy()[...] = rows
+        return staged
 
     def close(self) -> None:
         """Leave the ring. On the node's first rank, also stop the producer."""

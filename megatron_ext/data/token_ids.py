@@ -190,7 +190,6 @@ def check_readable(dataset: Any) -> None:
     if not hasattr(dataset, "_query_document_sample_shuffle_indices"):
         for d in _gpt_datasets(dataset):
             _query(d)
-    TextRules.of(dataset)
 
 
 def derive_batch(

@@ -1,7 +1,7 @@
 """The node loader's GPU path: batches land on the device equal to the batches Megatron's rules give,
-copied with non_blocking=True straight from the ring (registered once as pinned host memory, no host
-copy), every key derived and the attention mask built on the device, and ``next()`` makes no
-synchronising CUDA call."""
+copied with non_blocking=True through a pinned staging buffer (the default) or, with ``pinned_ring``,
+straight from the ring (registered once as pinned host memory, no host copy); every key derived and
+the attention mask built on the device; ``next()`` makes no synchronising CUDA call."""
 
 import dataclasses
 
@@ -33,13 +33,13 @@ def dataset(tmp_path_factory):
     return BlendedMegatronDatasetBuilder(GPTDataset, [STEPS * MBS, 0, 0], lambda: True, config).build()[0]
 
 
-def _iterator(dataset, device, enabled, mask):
+def _iterator(dataset, device, enabled, mask, pinned_ring=False):
     return build_batch_iterator(
         dataset,
         LoaderSettings(
             micro_batch_size=MBS,
             consumed_samples=0,
-            config=ShmDataLoaderConfig(enabled=enabled, timeout_s=60),
+            config=ShmDataLoaderConfig(enabled=enabled, timeout_s=60, pinned_ring=pinned_ring),
             topology=None,
             tp_group=ps.get_tensor_model_parallel_group(),
             dp_rank=0,
@@ -51,12 +51,13 @@ def _iterator(dataset, device, enabled, mask):
     )
 
 
+@pytest.mark.parametrize("pinned_ring", [False, True], ids=["staged", "pinned ring"])
 @pytest.mark.parametrize("mask", [False, True])
-def test_batches_on_the_device_equal_megatrons_path(cuda_rank, dataset, mask):
+def test_batches_on_the_device_equal_megatrons_path(cuda_rank, dataset, mask, pinned_ring):
     keys = {"tokens", "labels", "loss_mask", "position_ids", *(["attention_mask"] if mask else [])}
     megatron = megatron_batches(dataset, "single", 0, 0, 1, STEPS, keys, mbs=MBS)
     expected = [{k: v.to(cuda_rank) for k, v in batch.items()} for batch in megatron]
-    ours = _iterator(dataset, cuda_rank, True, mask)
+    ours = _iterator(dataset, cuda_rank, True, mask, pinned_ring)
     try:
         got = [next(ours) for _ in range(STEPS)]
     finally:
@@ -73,9 +74,10 @@ def test_batches_on_the_device_equal_megatrons_path(cuda_rank, dataset, mask):
         assert any(not torch.equal(b["attention_mask"][0, 0], causal) for b in got)
 
 
+@pytest.mark.parametrize("pinned_ring", [False, True], ids=["staged", "pinned ring"])
 @pytest.mark.parametrize("mask", [False, True])
-def test_next_makes_no_synchronising_cuda_call(cuda_rank, dataset, mask):
-    ours = _iterator(dataset, cuda_rank, True, mask)
+def test_next_makes_no_synchronising_cuda_call(cuda_rank, dataset, mask, pinned_ring):
+    ours = _iterator(dataset, cuda_rank, True, mask, pinned_ring)
     try:
         next(ours)  # the first call builds the causal triangle on the device
         torch.cuda.synchronize()
@@ -90,7 +92,7 @@ def test_next_makes_no_synchronising_cuda_call(cuda_rank, dataset, mask):
 
 
 def test_the_ring_itself_is_pinned_and_its_slots_return_after_their_copies(cuda_rank, dataset):
-    ours = _iterator(dataset, cuda_rank, True, False)
+    ours = _iterator(dataset, cuda_rank, True, False, pinned_ring=True)
     try:
         rows = ours._rows  # the ring's own pages, registered with cudaHostRegister: no staging buffer
         assert all(torch.from_numpy(row).is_pinned() for row in rows)
