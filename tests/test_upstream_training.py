@@ -139,6 +139,7 @@ class Variant:
     plugins: tuple[str, ...] = ()  # the plugins its log must show enabled
     baseline: str | None = "unpatched"  # the run whose losses it must print; None: a baseline itself
     logs: str = ""  # a line its log must hold: the plugin's own path ran
+    nodes: int = 1  # torchrun launches (one per emulated node) sharing the 4 ranks
 
 
 # (upstream, variant) -> how it runs; 4 ranks each
@@ -170,6 +171,23 @@ VARIANTS = {
         "sp2-patched-off",
         "flash_overlap: Ulysses attention with overlapped all-to-alls over 2 ranks",
     ),
+    # stock ZeRO-3 partitions and reduces over sequence x data parallel ranks: the levels too
+    ("megatron-deepspeed", "sp2-hierarchical-zero"): Variant(
+        True,
+        (*SP2, "--hierarchical-zero"),
+        ("hierarchical_zero",),
+        "sp2-patched-off",
+        "hierarchical ZeRO: DP group 4 = 2 node(s)",
+        nodes=2,
+    ),
+    ("megatron-deepspeed", "sp2-hierarchical-zero-flash-overlap"): Variant(
+        True,
+        (*SP2, "--hierarchical-zero", "--flash-overlap"),
+        ("hierarchical_zero", "flash_overlap"),
+        "sp2-patched-off",
+        "hierarchical ZeRO: DP group 4 = 2 node(s)",
+        nodes=2,
+    ),
 }
 _runs: dict[tuple[str, str], tuple[list[tuple[int, str]], str]] = {}
 
@@ -192,13 +210,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _command(tree: Tree, kind: str, patched: bool, flags: list[str], work: Path, port: int) -> list[str]:
+def _command(
+    tree: Tree, kind: str, patched: bool, flags: list[str], work: Path, port: int, node: tuple[int, int] = (0, 1)
+) -> list[str]:
+    """The launch of node ``node[0]`` of ``node[1]`` (4 ranks in all)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--nnodes",
+        str(node[1]),
+        "--node-rank",
+        str(node[0]),
         "--nproc-per-node",
-        "4",
+        str(4 // node[1]),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
@@ -230,25 +255,32 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
         "PYTHONFAULTHANDLER": "1",  # a rank killed by a signal prints every thread's Python stack
     }
-    try:
-        done = subprocess.run(
-            _command(upstream[kind], kind, how.patched, list(how.flags), work, port),
+    launches = [
+        subprocess.Popen(
+            _command(upstream[kind], kind, how.patched, list(how.flags), work, port, (node, how.nodes)),
             cwd=work,
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # one stream in time order: a failure's tail shows what came before it
             text=True,
-            timeout=RUN_TIMEOUT_S,
         )
-    except subprocess.TimeoutExpired as exc:
-        out = (exc.stdout or b"")[-4000:]
-        pytest.fail(f"{kind} {variant} did not finish in {RUN_TIMEOUT_S}s; output ends:\n{out!r}")
+        for node in range(how.nodes)
+    ]
+    logs, codes = [], []
+    try:
+        for launch in launches:
+            logs.append(launch.communicate(timeout=RUN_TIMEOUT_S)[0])
+            codes.append(launch.returncode)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{kind} {variant} did not finish in {RUN_TIMEOUT_S}s")
     finally:
+        for launch in launches:
+            launch.kill()
         # DeepSpeed's CPU all-reduce leaves a buffer per rank in /dev/shm, named after the port.
         for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             leftover.unlink(missing_ok=True)
-    log = done.stdout
-    assert done.returncode == 0, f"{kind} {variant} exited {done.returncode}; output ends:\n{log[-6000:]}"
+    log = "\n".join(logs)
+    assert codes == [0] * how.nodes, f"{kind} {variant} exited {codes}; output ends:\n{log[-6000:]}"
     losses = sorted({int(it): loss for it, total, loss in LOSS.findall(log)}.items())
     print(f"{kind} {variant}: lm loss {[loss for _, loss in losses]}")
     _runs[(kind, variant)] = (losses, log)

@@ -82,6 +82,18 @@ class HierarchicalPlan:
         return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))
 
 
+def partition_group(mpu: Any) -> dist.ProcessGroup | None:
+    """The group stock ZeRO-3 partitions over, which the levels are cut from: the mpu's
+    sequence-data-parallel group where it has one (Ulysses, ``--ds-sequence-parallel-size`` > 1:
+    DeepSpeed's engine shards and reduces gradients over sequence x data parallel ranks, since each
+    sequence rank holds other tokens' gradients), else its data-parallel group; None: the world."""
+    if mpu is None:
+        return None
+    if hasattr(mpu, "get_sequence_data_parallel_group"):
+        return mpu.get_sequence_data_parallel_group()
+    return mpu.get_data_parallel_group()
+
+
 def prepare(
     model: torch.nn.Module | ModelSpec,
     config: Union[str, os.PathLike, dict],
@@ -97,7 +109,7 @@ def prepare(
     hz = plugin_config.hierarchical_zero
     check_before_collectives(ds, hz)
     world = dist.get_world_size()
-    dp_group = mpu.get_data_parallel_group() if mpu is not None else None
+    dp_group = partition_group(mpu)
     dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(world))
     check_data_parallel(world, len(dp_ranks))  # the mpu's group, which no flag checked
     topology = topology or detect_topology(plugin_config.topology, world_size=world)

@@ -241,7 +241,13 @@ class Init(deepspeed.zero.Init):
 
 
 class LevelMPU:
-    """DeepSpeed's ``mpu`` with our data-parallel group; model parallel from ``base`` (or size 1)."""
+    """DeepSpeed's ``mpu`` with our partition group; model parallel from ``base`` (or size 1).
+
+    DeepSpeed partitions over ``get_data_parallel_group()`` when it converts a model built whole,
+    and over the sequence-data-parallel group in its optimizer: both are the levels' parent here.
+    With Ulysses (a base whose sequence-data-parallel group is larger than its data-parallel
+    group) the data-parallel size and rank stay the base's, because DeepSpeed reads them for batch
+    arithmetic only (train_batch_size = micro batch x accumulation x data-parallel ranks)."""
 
     def __init__(self, levels: ZeroLevels, base: Any = None, single: dist.ProcessGroup | None = None) -> None:
         if base is None and single is None:
@@ -249,6 +255,7 @@ class LevelMPU:
         self._levels = levels
         self._base = base
         self._single = single
+        self._batch = base if base is not None and hasattr(base, "get_sequence_data_parallel_group") else None
 
     def __getattr__(self, name: str) -> Any:  # what DeepSpeed probes with hasattr goes to the base
         if name.startswith("_") or self._base is None:
@@ -259,13 +266,23 @@ class LevelMPU:
         return self._levels.dp_group
 
     def get_data_parallel_rank(self) -> int:
+        if self._batch is not None:
+            return self._batch.get_data_parallel_rank()
         return dist.get_rank(self._levels.dp_group)
 
     def get_data_parallel_world_size(self) -> int:
+        if self._batch is not None:
+            return self._batch.get_data_parallel_world_size()
         return len(self._levels.dp_ranks)
 
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return list(self._levels.dp_ranks)
+    def get_sequence_data_parallel_group(self) -> dist.ProcessGroup:
+        return self._levels.dp_group
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._levels.dp_group)
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return len(self._levels.dp_ranks)
 
     def get_model_parallel_group(self) -> dist.ProcessGroup:
         return self._single if self._base is None else self._base.get_model_parallel_group()
