@@ -127,7 +127,9 @@ def test_planner_cli_refuses_an_incomplete_model():
 
 def test_secondary_level_auto_times_levels_with_the_clis_projection():
     """The engine's choice (planner.choose_secondary_level) and the CLI cost a level the same way:
-    a model of 4 equal modules of 1e8 elements (one bucket each), 48 nodes x 4 x 2, one reduce bucket."""
+    a model of 4 equal modules of 1e8 elements (one bucket each), 48 nodes x 4 x 2, one reduce bucket.
+    Without a measured profile inter_node_algorithm auto runs the library's collective, so the
+    engine charges its hops across nodes as rings."""
     s = DPShape(48, 4, 2)
     spec = ModelSpec(param_numels=(100_000_000,) * 4, gathers_per_pass=4)
     buckets = Buckets(prefetch=100_000_000, reduce=400_000_000)
@@ -135,6 +137,13 @@ def test_secondary_level_auto_times_levels_with_the_clis_projection():
     choice = choose_secondary_level(config, s, spec, Links(), micro_batches=2, buckets=buckets)
     frontier = System(for_topology(2))
     for level, link in ((LinkClass.PACKAGE, LinkClass.PACKAGE), (LinkClass.NODE, LinkClass.NODE)):
-        plan = Plan(Scheme.OURS, grad_accum=2, secondary=link, pipeline_chunks=2, buckets=buckets)
+        plan = Plan(
+            Scheme.OURS,
+            grad_accum=2,
+            secondary=link,
+            inter_node=InterNodeAlgorithm.RING,
+            pipeline_chunks=2,
+            buckets=buckets,
+        )
         assert choice.step_seconds[level] == comm_seconds(frontier, [100_000_000] * 4, [400_000_000], s, plan)
     assert choice.level == "package"  # the smallest backward gathers, with memory to spare

@@ -14,7 +14,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.utils import groups as ds_groups
 
 from deepspeed_ext.zero import inject, known_plans
-from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.contract import (
     check_before_collectives,
     check_deepspeed_version,
@@ -23,6 +23,8 @@ from deepspeed_ext.zero.contract import (
 )
 from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, step_hops
 from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
+from deepspeed_ext.zero.profile import Profile, ProfileError
+from deepspeed_ext.zero.profile import load as load_profile
 from deepspeed_ext.zero.planner import (
     SecondaryChoice,
     choose_secondary_level,
@@ -94,6 +96,30 @@ def partition_group(mpu: Any) -> dist.ProcessGroup | None:
     return mpu.get_data_parallel_group()
 
 
+def measured_profile(config: HierarchicalZeroConfig, topology: Topology) -> Profile | None:
+    """The probe profile ``auto`` and the planner read, or None, with the reason logged: without a
+    usable profile every hop runs the library's collective. A profile that does not fit this job
+    (another topology, other library versions, corrupt) is reported as an error, not used. Rank 0
+    reads it and every rank gets rank 0's answer (collective), so all ranks pick alike."""
+    answer: list[Profile | None] = [None]
+    if dist.get_rank() == 0:
+        if config.profile is None:
+            if config.inter_node_algorithm == InterNodeAlgorithm.AUTO:
+                logger.info(
+                    "hierarchical ZeRO: no profile measured on this cluster (hierarchical_zero.profile): "
+                    "every hop runs the library's collective; python -m deepspeed_ext.zero.probe measures one"
+                )
+        else:
+            try:
+                answer[0] = load_profile(config.profile, topology)
+                logger.info(f"hierarchical ZeRO: auto and the planner read the profile {config.profile}")
+            except ProfileError as exc:
+                logger.error(f"hierarchical ZeRO: {exc}. This job runs every hop on the library's collectives.")
+    if config.profile is not None:
+        dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
 def prepare(
     model: torch.nn.Module | ModelSpec,
     config: Union[str, os.PathLike, dict],
@@ -119,12 +145,20 @@ def prepare(
     micro = int(ds.get("gradient_accumulation_steps") or 1)
     gather, reduce = largest_collectives(ds, spec)
     buffers = hop_buffers(hz, shape, spec, gather, reduce)
+    measured = measured_profile(hz, topology)
     choice = choose_secondary_level(
-        hz, shape, spec, links, micro_batches=micro, buffers=buffers, buckets=Buckets.from_json(ds)
+        hz,
+        shape,
+        spec,
+        links,
+        micro_batches=micro,
+        buffers=buffers,
+        buckets=Buckets.from_json(ds),
+        profile=measured,
     )
     if dist.get_rank() == 0:
         logger.info(describe(choice, shape))
-    levels = build_levels(topology, dp_group, choice.level, hz)
+    levels = build_levels(topology, dp_group, choice.level, hz, measured)
     plan = HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
     known_plans.remember(plan)
     return plan

@@ -63,7 +63,8 @@ class InterNodeAlgorithm(StrEnum):
     """How a hop across nodes moves its blocks."""
 
     AUTO = "auto"
-    """Per call, whichever the cost model projects faster for its message size and node count."""
+    """Per call, the algorithm the probe profile (``profile``) measured faster at that message size;
+    without a profile, ring: the point-to-point steps run only where measured on this cluster."""
     RING = "ring"
     """The backend's own collective (NCCL/RCCL rings; gloo's algorithm on CPU)."""
     RECURSIVE = "recursive"
@@ -91,9 +92,11 @@ class HierarchicalZeroConfig(Section):
     quantization_block: int = Field(default=256, ge=2, multiple_of=2)
     """Elements per quantization scale (one fp32 scale each) in the quantized hops."""
     inter_node_algorithm: InterNodeAlgorithm = InterNodeAlgorithm.AUTO
-    """Algorithm of the hops across nodes: recursive (log-latency P2P), ring (the backend's collective) or auto (cost model, per call)."""
+    """Algorithm of the hops across nodes: recursive (log-latency P2P), ring (the backend's collective) or auto (per call, the faster in the profile; ring without one)."""
+    profile: str | None = None
+    """Path of a profile measured on this cluster by python -m deepspeed_ext.zero.probe: auto and the planner read it (null: ring everywhere, fitted costs for the planner)."""
     pipeline_chunks: int = Field(default=1, ge=1, le=64)
-    """Pieces each unquantized hop gather / reduce-scatter is cut into so that its levels run at once (a thread or stream per group); 1 runs them one after another."""
+    """Pieces each unquantized hop gather / reduce-scatter is cut into so that its levels run at once (a thread or stream per group); 1 (the default) runs them one after another on the caller's stream."""
 
     @property
     def grad_bits(self) -> int | None:

@@ -9,7 +9,8 @@ the hops in the opposite order and undoes the reordering at the end. Each hop cr
 link with less data: the outermost (inter-node) hop carries ``1/(s_0 * ... * s_{m-1})`` of it.
 
 A hop across nodes runs the library's collective (ring) or the log-latency point-to-point
-algorithm of :mod:`.p2p_hops` (``HopPlan.inter_node``; auto asks the cost model per call). With
+algorithm of :mod:`.p2p_hops` (``HopPlan.inter_node``; auto takes, per call, the one the probe
+profile measured faster at that size, and ring without a profile). With
 ``pieces > 1`` an operation is cut along the block into pieces, each its own chain of hops, as
 :class:`~.hop_worker.Stage` s a worker runs a lane per group: while one piece crosses nodes the
 previous one crosses packages, so the levels' links work at once.
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.zero import collective_cost, p2p_hops, quantize
+from deepspeed_ext.zero import p2p_hops, quantize
 from deepspeed_ext.zero.collective_cost import Algorithm, Operation
 from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.hop_worker import Stage
@@ -62,14 +63,10 @@ def algorithm(plan: HopPlan, i: int, operation: Operation, nbytes: int) -> Algor
         return Algorithm.RING
     if plan.inter_node == InterNodeAlgorithm.RECURSIVE:
         return Algorithm.RECURSIVE
-    if plan.costs is None:
-        raise ValueError("inter_node_algorithm auto needs the plan's collective costs (HopPlan.costs)")
-    # the hops inside the node come first: their sizes multiply to the node's rank-aligned groups,
-    # all of which cross nodes at once over the node's NICs
-    concurrent = math.prod(plan.sizes[:i])
-    return collective_cost.fastest(
-        plan.costs, operation, plan.sizes[i], nbytes, LinkClass.INTER_NODE, concurrent=concurrent
-    )
+    if plan.profile is None:  # no measurement on this cluster: the library's collective
+        return Algorithm.RING
+    # measured with the node's rank-aligned groups crossing at once, as this hop's do
+    return plan.profile.fastest(LinkClass.INTER_NODE, operation, plan.sizes[i], nbytes)
 
 
 def gather_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:

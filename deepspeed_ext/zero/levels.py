@@ -19,9 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from deepspeed_ext.zero import collective_cost
-from deepspeed_ext.zero.collective_cost import CollectiveCosts
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.profile import Profile
 from plugin_base.section import ConfigError
 from plugin_base.topology import (
     GroupKind,
@@ -95,9 +94,9 @@ class HopPlan:
     links: tuple[LinkClass, ...]
     """Link class each hop runs on."""
     inter_node: InterNodeAlgorithm = InterNodeAlgorithm.RING
-    """Algorithm of the hops that cross nodes (auto: chosen per call from ``costs``)."""
-    costs: CollectiveCosts | None = None
-    """The collective costs ``auto`` compares the algorithms with."""
+    """Algorithm of the hops that cross nodes (auto: chosen per call from ``profile``)."""
+    profile: Profile | None = None
+    """The probe's timings ``auto`` compares the algorithms with (None: auto runs ring)."""
     row_cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Per device, the hop-order row of each parent member that :func:`.hops.pack` writes to, made
     on the device at the first pack there and freed with the plan (so no pack copies an index to
@@ -126,8 +125,8 @@ class ZeroLevels:
     self_group: dist.ProcessGroup
     """A group of this rank alone: the model-parallel group when the model has no mpu (the same
     object as a level group of this rank alone, e.g. the package group at one member per package)."""
-    costs: CollectiveCosts | None = None
-    """The collective costs ``inter_node_algorithm: auto`` compares the algorithms with."""
+    profile: Profile | None = None
+    """The probe's timings ``inter_node_algorithm: auto`` compares the algorithms with."""
 
     def destroy_groups(self) -> None:
         """Destroy the process groups made for these levels that hold this rank (each rank its own;
@@ -166,7 +165,7 @@ class ZeroLevels:
             groups=tuple(self.groups.groups[k] for k in kinds),
             links=tuple(HOP_LINKS[k] for k in kinds),
             inter_node=self.config.inter_node_algorithm,
-            costs=self.costs,
+            profile=self.profile,
         )
 
     def dp_plan(self) -> HopPlan:
@@ -190,6 +189,7 @@ def build_levels(
     dp_group: dist.ProcessGroup | None,
     secondary_level: Level,
     config: HierarchicalZeroConfig,
+    profile: Profile | None = None,
 ) -> ZeroLevels:
     """Create the level groups of every data-parallel group of the job. Collective over the whole job
     (each rank learns the others' DP groups, then all create the same groups in the same order)."""
@@ -221,5 +221,5 @@ def build_levels(
         secondary_level=Level(secondary_level),
         config=config,
         self_group=made[(dist.get_rank(),)],
-        costs=collective_cost.for_topology(topology.ranks_per_package, config.link_bandwidth_gbps),
+        profile=profile,
     )

@@ -15,6 +15,7 @@ from deepspeed_ext.zero.cost_model import (
     hierarchical,
 )
 from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.profile import Profile
 from deepspeed_ext.zero.workload import Buckets, System
 from plugin_base.topology import Level, LinkClass
 
@@ -124,23 +125,29 @@ def level_seconds(
     level: Level,
     micro_batches: int = 1,
     buckets: Buckets | None = None,
+    profile: Profile | None = None,
 ) -> float:
     """Communication of one step with the secondary copy at ``level`` (global: none), computed
     by the projection the planner CLI uses: DeepSpeed's gathers (one per parameter-owning module
     and pass, split at the prefetch bucket) and reduce buckets, each charged through
-    collective_cost with the fitted costs of this topology (Frontier's where packages hold
-    several ranks, H100's otherwise)."""
+    collective_cost with the costs the probe's ``profile`` fits, else the fitted costs of this
+    topology (Frontier's where packages hold several ranks, H100's otherwise). Hops across nodes
+    are charged the algorithm the runtime runs: auto is ring without a profile."""
     buckets = buckets or Buckets()
+    costs = collective_cost.for_topology(links.ranks_per_nic, config.link_bandwidth_gbps)
     system = System(
-        collective_cost.for_topology(links.ranks_per_nic, config.link_bandwidth_gbps),
+        costs if profile is None else profile.costs(costs),
         ranks_per_node=max(links.ranks_per_node, shape.per_node),
         ranks_per_package=links.ranks_per_nic,
     )
+    inter_node = config.inter_node_algorithm
+    if inter_node == InterNodeAlgorithm.AUTO and profile is None:
+        inter_node = InterNodeAlgorithm.RING
     plan = projection.Plan(
         projection.Scheme.OURS,
         grad_accum=micro_batches,
         secondary=None if level == Level.GLOBAL else LinkClass(level),
-        inter_node=config.inter_node_algorithm,
+        inter_node=inter_node,
         quantized_weights=config.quantized_weights,
         quantized_gradients=config.grad_bits is not None,
         boundary_sync=config.grad_sync == "accumulation_boundary",
@@ -173,6 +180,7 @@ def choose_secondary_level(
     micro_batches: int = 1,
     buffers: HopBuffers = HopBuffers(0, 0),
     buckets: Buckets | None = None,
+    profile: Profile | None = None,
 ) -> SecondaryChoice:
     """Fastest level whose extra memory fits the budget (auto), or the configured level; timed
     with DeepSpeed's ``buckets`` (its defaults when None)."""
@@ -180,7 +188,7 @@ def choose_secondary_level(
     held = held_bytes(config, shape, model) + buffers.total
     extra = {level: full // size + held for level, size in candidate_sizes(shape).items()}
     seconds = {
-        level: level_seconds(config, shape, model, links, level, micro_batches, buckets)
+        level: level_seconds(config, shape, model, links, level, micro_batches, buckets, profile)
         for level in (*extra, Level.GLOBAL)
     }
     extra[Level.GLOBAL] = held

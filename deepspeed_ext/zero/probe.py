@@ -1,0 +1,193 @@
+"""Measure this cluster's collectives per link class and write a profile for hierarchical ZeRO.
+
+    torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.probe --out profile.json
+    srun -m block ... python -m deepspeed_ext.zero.probe --out profile.json   (scripts/slurm)
+
+Every rank takes part. The level groups are cut from the whole job as the variant cuts them from
+a data-parallel group (package, across the node's packages, across nodes), and for each link
+class every group of that class runs at once, so the node's rank-aligned groups cross nodes
+together as the job's hops do. For each message size it times the library's all-gather and
+reduce-scatter on every level, and across nodes also the point-to-point recursive algorithm the
+variant can run there: ``--repeats`` timed calls after one warm-up, each the slowest rank's time
+from a barrier. Sizes grow by 4x from ``--smallest`` and stop per collective once a call takes
+``--max-call-s``, and for all once ``--budget-s`` has passed (each rank agrees: the elapsed time
+is the slowest rank's). Point the job at the result with ``hierarchical_zero.profile`` or
+``--hierarchical-zero-profile``; a profile is valid for its topology and library versions only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.zero import p2p_hops
+from deepspeed_ext.zero.collective_cost import Algorithm, Operation
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.levels import build_levels
+from deepspeed_ext.zero.profile import Profile, Timing, library_versions, sizes_sweep, topology_key
+from plugin_base import comm
+from plugin_base.topology import Level, LinkClass, Topology, TopologyConfig, detect_topology
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective the probe times: on which hop group, what, how."""
+
+    link: LinkClass
+    """Link class of the hop group."""
+    group: dist.ProcessGroup
+    """This rank's group of that hop."""
+    members: int
+    """Ranks in the group."""
+    concurrent: int
+    """Groups of this hop per node, all running at once."""
+    operation: Operation
+    """all_gather or reduce_scatter."""
+    algorithm: Algorithm
+    """ring (the library's collective) or recursive (point-to-point steps)."""
+
+
+def collectives(topology: Topology) -> Iterator[Collective]:
+    """The collectives of every hop of the job's level groups, innermost link first."""
+    plan = build_levels(topology, None, Level.GLOBAL, HierarchicalZeroConfig(enabled=True)).dp_plan()
+    for i, (members, group, link) in enumerate(zip(plan.sizes, plan.groups, plan.links)):
+        if members < 2:
+            continue
+        algorithms = [Algorithm.RING] + ([Algorithm.RECURSIVE] if link == LinkClass.INTER_NODE else [])
+        for operation in (Operation.ALL_GATHER, Operation.REDUCE_SCATTER):
+            for algorithm in algorithms:
+                yield Collective(link, group, members, math.prod(plan.sizes[:i]), operation, algorithm)
+
+
+def call(c: Collective, nbytes: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """One call of ``c`` on a message of ``nbytes`` (gathered output / reduce-scatter input)."""
+    full = torch.zeros(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
+    mine = full.view(c.members, -1)[dist.get_rank(c.group)]
+    if c.operation == Operation.ALL_GATHER:
+        block = mine.clone()
+        if c.algorithm == Algorithm.RECURSIVE:
+            return lambda: p2p_hops.all_gather(full, block, c.group)
+        return lambda: comm.all_gather_into_tensor(full, block, group=c.group)
+    if c.algorithm == Algorithm.RECURSIVE:
+        return lambda: p2p_hops.reduce_scatter(full, c.group)
+    out = torch.empty_like(mine)
+    return lambda: comm.reduce_scatter_tensor(out, full, group=c.group)
+
+
+def timed(run: Callable[[], None], repeats: int, device: torch.device, started: float) -> tuple[list[float], float]:
+    """Each repeat's slowest-rank seconds (after one warm-up call), and the slowest rank's elapsed
+    time since ``started``: one all-reduce, so every rank takes the same decisions from them."""
+    seconds = []
+    for repeat in range(repeats + 1):
+        dist.barrier()
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if repeat:
+            seconds.append(time.perf_counter() - start)
+    slowest = torch.tensor([*seconds, time.monotonic() - started], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    values = slowest.tolist()
+    return values[:-1], values[-1]
+
+
+def measure(topology: Topology, args: argparse.Namespace, device: torch.device) -> tuple[Profile, list[str]]:
+    """Time every collective at every size within the limits; returns the profile and what was cut."""
+    dtype = getattr(torch, args.dtype)
+    element = torch.tensor([], dtype=dtype).element_size()
+    active = list(collectives(topology))
+    timings: list[Timing] = []
+    cut: list[str] = []
+    started = time.monotonic()
+    for size in args.sizes or sizes_sweep(args.smallest, args.largest):
+        for c in list(active):
+            unit = c.members * element
+            nbytes = max(1, size // unit) * unit
+            seconds, elapsed = timed(call(c, nbytes, dtype, device), args.repeats, device, started)
+            timings.append(
+                Timing(c.link, c.operation, c.algorithm, c.members, c.concurrent, nbytes, tuple(seconds))
+            )
+            if max(seconds) > args.max_call_s:
+                active.remove(c)  # larger sizes would take longer still
+            if elapsed > args.budget_s:
+                cut.append(f"sizes above {nbytes} bytes: the {args.budget_s:.0f} s budget was spent")
+                return Profile(library_versions(), topology_key(topology), tuple(timings)), cut
+    return Profile(library_versions(), topology_key(topology), tuple(timings)), cut
+
+
+def summary(profile: Profile) -> str:
+    """A table per collective: its sizes' medians and the fitted step latency and bandwidth."""
+    keys = sorted({(t.link, t.operation, t.algorithm, t.members) for t in profile.timings}, key=str)
+    lines = ["link        operation       algorithm  ranks  sizes  median at smallest..largest   step us   bus GB/s"]
+    for link, operation, algorithm, members in keys:
+        series = profile.series(link, operation, algorithm, members)
+        fit = profile.fit(link, operation, algorithm, members)
+        span = f"{series[0].median * 1e3:.3f} ms ({series[0].nbytes} B)..{series[-1].median * 1e3:.1f} ms ({series[-1].nbytes} B)"
+        fitted = f"{fit.step_us:9.1f} {fit.bus_gbps:10.4f}" if fit else "        -          -"
+        lines.append(f"{link:11} {operation:15} {algorithm:10} {members:5}  {len(series):5}  {span:28} {fitted}")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="where rank 0 writes the profile (JSON)")
+    parser.add_argument("--deepspeed-config", help="the job's DeepSpeed JSON: its topology section is used")
+    parser.add_argument("--ranks-per-node", type=int, help="topology.ranks_per_node (default: detected)")
+    parser.add_argument("--ranks-per-package", type=int, help="topology.ranks_per_package (default: detected)")
+    parser.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default: a 4x sweep)")
+    parser.add_argument("--smallest", type=int, default=4096, help="first size of the sweep (bytes)")
+    parser.add_argument("--largest", type=int, default=256 * 2**20, help="last size of the sweep (bytes)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per size (after one warm-up)")
+    parser.add_argument("--max-call-s", type=float, default=0.5, help="a collective stops growing once a call takes this long")
+    parser.add_argument("--budget-s", type=float, default=100.0, help="no new size starts after this many seconds")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bfloat16 on GPUs, float32 on CPU")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.smallest < 1 or args.largest < args.smallest:
+        parser.error(f"need --repeats >= 1 and 1 <= --smallest <= --largest, got {args.repeats}, {args.smallest}, {args.largest}")
+    return args
+
+
+def topology_config(args: argparse.Namespace) -> TopologyConfig:
+    """The job's topology section, with the flags on top."""
+    section = {}
+    if args.deepspeed_config:
+        with open(args.deepspeed_config) as f:
+            section = json.load(f).get("topology") or {}
+    for key in ("ranks_per_node", "ranks_per_package"):
+        if getattr(args, key) is not None:
+            section[key] = getattr(args, key)
+    return TopologyConfig.parse(section, "topology")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
+    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    try:
+        topology = detect_topology(topology_config(args), world_size=dist.get_world_size())
+        profile, cut = measure(topology, args, device)
+        if dist.get_rank() == 0:
+            profile.save(args.out)
+            print(summary(profile))
+            for line in cut:
+                print(f"not measured: {line}")
+            print(f"profile written to {args.out} ({len(profile.timings)} timings, {topology_key(topology)})")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
