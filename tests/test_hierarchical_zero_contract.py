@@ -5,8 +5,10 @@ names the real cause.
 The sequence is the one of DeepSpeed's ``TestZeROSaveLoadEdgeCase::test_load_immediate_save``,
 extended: train, save, build a fresh engine on the SAME module (DeepSpeed leaves its parameters
 partitioned), load, save at once, destroy the first engine, train on. Stock DeepSpeed ZeRO-3 runs
-the same sequence as the reference. A write to the primary partition right after ``initialize`` is
-seen at once, as by stock ZeRO-3 (stock hpZ, which does not, is shown alongside).
+the same sequence as the reference. The secondary weight copy exists from ``initialize`` on, as
+stock hpZ's does: an eval-only forward loop right after ``initialize`` gathers from it and gives stock
+hpZ's outputs, and a write to the primary partition right after ``initialize`` is not seen until a
+step or a checkpoint drops the copy, as with stock hpZ (stock ZeRO-3, which has no copy, sees it).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_hierarchical_zero import TOL, TOPOLOGY, ds_config, full_params, make_engine, mlp, train
+from test_hierarchical_zero import TOL, TOPOLOGY, batch, ds_config, full_params, make_engine, mlp, train
 
 MICRO = 2
 
@@ -95,6 +97,40 @@ def _primary_written_after_initialize(name: str, ckpt_dir: str) -> dict:
     return {"first": first, "again": again, "after_save": after_save}
 
 
+# Stock hpZ over 4 consecutive ranks is the node of TOPOLOGY: the variant's node level
+HPZ_NODE = 4
+EVAL_STEPS = 3
+
+
+def _secondary_copies(engine) -> list[int | None]:
+    """Elements of each parameter's secondary copy on this rank (None: no copy)."""
+    return [
+        None if p.ds_secondary_tensor is None else p.ds_secondary_tensor.numel()
+        for p in engine.module.parameters()
+    ]
+
+
+def _eval_right_after_initialize(name: str) -> dict:
+    """The secondary copies right after ``initialize`` and after each forward of an eval-only loop
+    (no backward, no step: nothing drops the copy), with that loop's outputs (as DeepSpeed's
+    ``TestZeroPPConfigSweep::test_eval``)."""
+    kind, cfg = {
+        "hpz": ("stock", ds_config(zero_hpz_partition_size=HPZ_NODE)),
+        "ours": ("ours", ds_config({"secondary_level": "node"})),
+    }[name]
+    engine = make_engine(kind, cfg, mlp())
+    engine.eval()
+    copies = [_secondary_copies(engine)]
+    outputs = []
+    with torch.no_grad():
+        for step in range(EVAL_STEPS):
+            x, _ = batch(step, 0, dist.get_rank())
+            outputs.append(engine(x))
+            copies.append(_secondary_copies(engine))
+    engine.destroy()
+    return {"copies": copies, "outputs": outputs}
+
+
 def _run_all(ckpt_dir: str) -> dict:
     return {
         "stock": _second_engine_on_the_same_module("stock", os.path.join(ckpt_dir, "stock")),
@@ -104,6 +140,7 @@ def _run_all(ckpt_dir: str) -> dict:
             name: _primary_written_after_initialize(name, os.path.join(ckpt_dir, f"written_{name}"))
             for name in ("zero3", "hpz", "ours")
         },
+        "eval": {name: _eval_right_after_initialize(name) for name in ("hpz", "ours")},
     }
 
 
@@ -134,10 +171,23 @@ def test_stock_partitions_are_refused_naming_deepspeeds_own_zero3(runs):
             assert "deepspeed.zero.Init" in message and "deepspeed.initialize" in message, source
 
 
-def test_primary_written_after_initialize_is_gathered_as_by_stock_zero3(runs):
-    """The secondary copy made at partitioning is dropped by initialize: the first forward gathers
-    the primary partition, as stock ZeRO-3 does; stock hpZ reads that copy until a step or a
-    checkpoint drops it (docs/hierarchical_zero.md, "Which collective runs where")."""
+def test_secondary_copy_exists_from_initialize_on_as_stock_hpzs_does(runs):
+    """Every parameter has its secondary copy right after ``initialize``, of stock hpZ's size over
+    the node, and keeps it through an eval-only loop; that loop's outputs are stock hpZ's."""
+    for rank_runs in runs:
+        hpz, ours = rank_runs["eval"]["hpz"], rank_runs["eval"]["ours"]
+        assert all(n is not None for n in hpz["copies"][0]), "stock hpZ: a copy from initialize on"
+        assert ours["copies"] == hpz["copies"]
+        assert len(ours["outputs"]) == len(hpz["outputs"]) == EVAL_STEPS
+        for got, want in zip(ours["outputs"], hpz["outputs"], strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+
+
+def test_primary_written_after_initialize_is_gathered_as_by_stock_hpz(runs):
+    """The secondary copy made at partitioning is kept by ``initialize``, as stock hpZ keeps it:
+    forwards gather that copy, so a write to the primary partition right after ``initialize`` is
+    seen once a checkpoint (or a step) drops the copy; stock ZeRO-3, without a copy, sees it at once
+    (docs/hierarchical_zero.md, "Which collective runs where")."""
     x = torch.randn(2, 13, generator=torch.Generator().manual_seed(7))
     with torch.no_grad():
         untouched = mlp()(x)
@@ -147,7 +197,7 @@ def test_primary_written_after_initialize_is_gathered_as_by_stock_zero3(runs):
         written = written(x)
     for rank_runs in runs:
         for name, out in rank_runs["written"].items():
-            seen_at_once = untouched if name == "hpz" else written
+            seen_at_once = written if name == "zero3" else untouched
             torch.testing.assert_close(out["first"], seen_at_once, **TOL, msg=name)
             torch.testing.assert_close(out["again"], seen_at_once, **TOL, msg=name)
             torch.testing.assert_close(out["after_save"], written, **TOL, msg=name)

@@ -23,8 +23,6 @@ from deepspeed_ext.zero.contract import (
 )
 from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, step_hops
 from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
-from deepspeed_ext.zero.profile import Profile, ProfileError
-from deepspeed_ext.zero.profile import load as load_profile
 from deepspeed_ext.zero.planner import (
     SecondaryChoice,
     choose_secondary_level,
@@ -32,6 +30,8 @@ from deepspeed_ext.zero.planner import (
     hop_buffers,
     variant_for,
 )
+from deepspeed_ext.zero.profile import Profile, ProfileError
+from deepspeed_ext.zero.profile import load as load_profile
 from deepspeed_ext.zero.workload import Buckets
 from plugin_base import comm
 from plugin_base.section import ConfigError, read_ds_config
@@ -220,22 +220,10 @@ def initialize(
     with inject.hierarchical_stage3(levels, reducer):
         result = deepspeed.initialize(model=model, config=config, mpu=level_mpu, **kwargs)
     engine = result[0]
-    _drop_secondary_copies(engine.module)
     engine.hierarchical_zero = plan
     known.engines += 1
     _undo_on_destroy(engine, known, level_mpu, previous_mpu, patched_comm)
     return result
-
-
-def _drop_secondary_copies(model: torch.nn.Module) -> None:
-    """Partitioning (the engine's or ``Init``'s) also fills the secondary copy, and DeepSpeed gathers
-    from that copy while it exists: a primary partition written after ``initialize`` (DeepSpeed's
-    own ZeRO-3 tests do that) would not be seen until the first optimizer step drops the copy.
-    Dropping it here, as that step does, gives stock ZeRO-3's behaviour: the first forward gathers
-    the primary partition and makes the copy again when it releases each module."""
-    for param in model.parameters():
-        if getattr(param, "ds_secondary_tensor", None) is not None:
-            param.ds_secondary_tensor = None
 
 
 def _undo_on_destroy(

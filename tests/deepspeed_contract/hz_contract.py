@@ -7,7 +7,12 @@ section (enabled) and goes to ``deepspeed_ext.zero.initialize`` with a topology 
 (emulated: DeepSpeed's tests run every rank on one host).
 ``deepspeed.zero.Init`` becomes the variant's ``Init`` on a plan of its own, which that
 ``initialize`` then reuses (``HZ_CONTRACT_INIT=stock`` keeps DeepSpeed's, which the variant refuses
-to continue). DeepSpeed's tests run their ranks in processes forked from a forkserver, so this
+to continue). A config's ``zero_hpz_partition_size`` (stock hpZ's secondary group size) becomes the
+variant's ``secondary_level`` of that size (package members or node ranks). With
+``HZ_CONTRACT_VARIANT=off``, ``HZ_CONTRACT_STOCK_HPZ=<size>`` turns the tests' ZeRO-3 configs into
+stock hpZ of that size instead (the baseline for a difference the variant shares with hpZ).
+``HZ_CONTRACT_CPU_FP16=1`` lets fp16 configs run on a CPU whose oneDNN lacks fp16 (DeepSpeed's CPU
+accelerator then refuses them; torch's own CPU kernels run them, slowly). DeepSpeed's tests run their ranks in processes forked from a forkserver, so this
 module is also preloaded there, and it patches DeepSpeed when imported.
 
 Each rank appends what the wrapper did (an engine built, a refusal) to ``HZ_CONTRACT_LOG``; the
@@ -40,6 +45,8 @@ RESULTS_ENV = "HZ_CONTRACT_RESULTS"
 LEVEL_ENV = "HZ_CONTRACT_SECONDARY_LEVEL"
 INIT_ENV = "HZ_CONTRACT_INIT"
 VARIANT_ENV = "HZ_CONTRACT_VARIANT"
+STOCK_HPZ_ENV = "HZ_CONTRACT_STOCK_HPZ"
+CPU_FP16_ENV = "HZ_CONTRACT_CPU_FP16"
 
 _original_initialize = deepspeed.initialize
 _signature = inspect.signature(_original_initialize)
@@ -59,7 +66,34 @@ def hierarchical_config(config: dict, world_size: int) -> dict | None:
     if zero.get("stage") != 3 or "hierarchical_zero" in config:
         return None
     section = {"enabled": True, "secondary_level": os.environ.get(LEVEL_ENV, "auto")}
+    level = hpz_level(int(zero.get("zero_hpz_partition_size") or 1), world_size)
+    if level is not None:  # the test asks for hpZ: the variant's level of that size replaces it
+        section["secondary_level"] = level
+        zero = {key: value for key, value in zero.items() if key != "zero_hpz_partition_size"}
+        config = {**config, "zero_optimization": zero}
     return {**config, "hierarchical_zero": section}
+
+
+def hpz_level(hpz_size: int, world_size: int) -> str | None:
+    """The variant's secondary level whose group has ``hpz_size`` ranks in :func:`topology_for`
+    (package first where both have that size), or None: no hpZ asked for (size 1), or no level of
+    that size (the variant then refuses ``zero_hpz_partition_size``, naming it)."""
+    if hpz_size <= 1:
+        return None
+    layout = topology_for(world_size)
+    sizes = {"package": layout["ranks_per_package"], "node": layout["ranks_per_node"]}
+    if sizes["node"] == world_size:  # one node: its level would be the whole data-parallel group
+        del sizes["node"]
+    return next((level for level, size in sizes.items() if size == hpz_size), None)
+
+
+def stock_hpz_config(config: dict, hpz_size: int) -> dict | None:
+    """``config`` as stock hpZ with a secondary group of ``hpz_size`` ranks, or None where it is not
+    a ZeRO stage-3 config or sets ``zero_hpz_partition_size`` itself."""
+    zero = config.get("zero_optimization") or {}
+    if zero.get("stage") != 3 or "zero_hpz_partition_size" in zero:
+        return None
+    return {**config, "zero_optimization": {**zero, "zero_hpz_partition_size": hpz_size}}
 
 
 def _log(event: str, detail: str = "") -> None:
@@ -100,6 +134,29 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
     return result
 
 
+def stock_hpz_initialize(*args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.initialize`` with ``zero_hpz_partition_size`` = ``HZ_CONTRACT_STOCK_HPZ`` added to
+    a ZeRO-3 config (stock DeepSpeed, no variant)."""
+    call = _signature.bind(*args, **kwargs)
+    given = dict(call.arguments)
+    ds_args = given.get("args")
+    source = given.get("config")
+    source = source if source is not None else given.get("config_params")
+    source = source if source is not None else getattr(ds_args, "deepspeed_config", None)
+    config = None
+    if source is not None:
+        config = stock_hpz_config(read_ds_config(source), int(os.environ[STOCK_HPZ_ENV]))
+    if config is None:
+        return _original_initialize(*args, **kwargs)
+    given.pop("config_params", None)
+    given["config"] = config
+    if getattr(ds_args, "deepspeed_config", None) is not None:
+        given["args"] = copy.copy(ds_args)
+        given["args"].deepspeed_config = None
+    _log("stock_hpz", os.environ[STOCK_HPZ_ENV])
+    return _original_initialize(**given)
+
+
 # inject.Init subclasses deepspeed.zero.Init: imported above, before install() replaces it
 _original_init = deepspeed.zero.Init
 # Arguments that choose the groups themselves: the variant's Init sets them from its plan
@@ -137,8 +194,15 @@ def init(*args: Any, **kwargs: Any) -> Any:
 def install() -> None:
     """Route ``deepspeed.initialize`` and ``deepspeed.zero.Init`` through :func:`initialize` and
     :func:`init` (idempotent); ``HZ_CONTRACT_VARIANT=off`` leaves DeepSpeed alone, for the same
-    tests on stock ZeRO-3 (which failures are DeepSpeed's or the test's own)."""
+    tests on stock ZeRO-3 (which failures are DeepSpeed's or the test's own), or, with
+    ``HZ_CONTRACT_STOCK_HPZ``, routes ``deepspeed.initialize`` through :func:`stock_hpz_initialize`."""
+    if os.environ.get(CPU_FP16_ENV) == "1":
+        from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+        CPU_Accelerator.is_fp16_supported = lambda self: True
     if os.environ.get(VARIANT_ENV, "on") == "off":
+        if os.environ.get(STOCK_HPZ_ENV):
+            deepspeed.initialize = stock_hpz_initialize
         return
     deepspeed.initialize = initialize
     deepspeed.zero.Init = init
