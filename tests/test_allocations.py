@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from benchmarks.allocations import AllocationTrace
+from plugin_base.allocations import AllocationTrace
 
 MB = 1 << 20
 

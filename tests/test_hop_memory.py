@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from benchmarks.allocations import AllocationTrace
+from plugin_base.allocations import AllocationTrace
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.levels import DPShape

@@ -33,11 +33,17 @@ MEASURED = {
 
 def _profile(measured: dict = MEASURED, operation: Operation = AG) -> Profile:
     timings = tuple(
-        Timing(LinkClass.INTER_NODE, operation, algorithm, 2, 1, nbytes, (seconds * 1.1, seconds, seconds * 0.9))
+        Timing(
+            LinkClass.INTER_NODE, operation, algorithm, 2, 1, nbytes, (seconds * 1.1, seconds, seconds * 0.9)
+        )
         for algorithm, series in measured.items()
         for nbytes, seconds in series.items()
     )
-    return Profile(versions=VERSIONS, topology={"world_size": 4, "ranks_per_node": 2, "ranks_per_package": 1}, timings=timings)
+    return Profile(
+        versions=VERSIONS,
+        topology={"world_size": 4, "ranks_per_node": 2, "ranks_per_package": 1},
+        timings=timings,
+    )
 
 
 def _plan(profile: Profile | None, algorithm: InterNodeAlgorithm = InterNodeAlgorithm.AUTO) -> HopPlan:
@@ -105,7 +111,10 @@ def _write(tmp_path: Path, data: object) -> Path:
         (lambda d: {**d, "format": "other"}, "not a hierarchical ZeRO profile"),
         (lambda d: {**d, "version": 99}, "format version 99"),
         (lambda d: {**d, "topology": {**d["topology"], "world_size": 8}}, "world_size 8 (here 4)"),
-        (lambda d: {**d, "versions": {**d["versions"], "collectives": "NCCL 2.18.1"}}, "NCCL 2.18.1 (here NCCL 2.27.3)"),
+        (
+            lambda d: {**d, "versions": {**d["versions"], "collectives": "NCCL 2.18.1"}},
+            "NCCL 2.18.1 (here NCCL 2.27.3)",
+        ),
         (lambda d: {**d, "timings": [{"link": "inter_node"}]}, "corrupt"),
         (lambda d: {**d, "timings": [{**d["timings"][0], "seconds": []}]}, "corrupt"),
     ],
@@ -148,13 +157,24 @@ write_result(True)
 
 def test_the_probe_times_every_hop_and_a_job_of_its_topology_reads_it(tmp_path, run_ranks):
     out = tmp_path / "profile.json"
-    argv = ["-c", PROBE, "--out", str(out), "--ranks-per-package", "1", "--largest", "65536", "--repeats", "2"]
+    argv = [
+        "-c",
+        PROBE,
+        "--out",
+        str(out),
+        "--ranks-per-package",
+        "1",
+        "--largest",
+        "65536",
+        "--repeats",
+        "2",
+    ]
     launch_ranks(argv, 4, timeout=240, ranks_per_node=2)
     profile = load(out, TOPOLOGY)
     measured = {(t.link, t.operation, t.algorithm, t.members) for t in profile.timings}
-    assert measured == {
-        (LinkClass.NODE, op, RING, 2) for op in (AG, RS)
-    } | {(LinkClass.INTER_NODE, op, algorithm, 2) for op in (AG, RS) for algorithm in (RING, RECURSIVE)}
+    assert measured == {(LinkClass.NODE, op, RING, 2) for op in (AG, RS)} | {
+        (LinkClass.INTER_NODE, op, algorithm, 2) for op in (AG, RS) for algorithm in (RING, RECURSIVE)
+    }
     for t in profile.timings:
         assert len(t.seconds) == 2 and min(t.seconds) > 0
     assert {t.nbytes for t in profile.timings} == {4096, 16384, 65536}
@@ -169,4 +189,6 @@ def test_the_probe_times_every_hop_and_a_job_of_its_topology_reads_it(tmp_path, 
     other.write_text(json.dumps({**profile.to_json(), "topology": {**profile.topology, "ranks_per_node": 4}}))
     used, messages = run_ranks(4, _job_reads, str(other))[0]
     assert not used
-    assert any("another topology" in m and "runs every hop on the library's collectives" in m for m in messages)
+    assert any(
+        "another topology" in m and "runs every hop on the library's collectives" in m for m in messages
+    )

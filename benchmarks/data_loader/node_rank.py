@@ -16,7 +16,7 @@ Modes:
 * ``mask``: one rank, the node loader with ``create_attention_mask`` and ``reset_attention_mask``;
   after warm-up, per ``next()``: the rise of VmHWM above the VmRSS just before the call (VmHWM reset
   through ``/proc/self/clear_refs``), then, on separate calls, the peak of torch's CPU allocator
-  (``benchmarks.allocations``: torch tensors only).
+  (``plugin_base.allocations``: torch tensors only).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def mask_peak(r: Rank) -> dict:
         hwm.append(
             {"peak_kib": status_kib("VmHWM") - rss0, "kept_kib": status_kib("VmRSS") - rss0, "s": seconds}
         )
-    from benchmarks.allocations import AllocationTrace
+    from plugin_base.allocations import AllocationTrace
 
     for _ in range(args.mask_calls):
         batch = None

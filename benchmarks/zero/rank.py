@@ -9,7 +9,7 @@ bytes this rank's interface sent per link class, read from its tc classes (measu
 bytes of the engine's tensors (partitions, secondary copy, fp32 master, Adam states, gradient
 partitions) read after the last backward of a step, when the secondary copy exists; and, after the
 timed steps, the peak: a fresh copy of each engine is built and stepped twice under an allocation
-trace (benchmarks/allocations.py), and the most bytes the rank held at once during the second step
+trace (plugin_base/allocations.py), and the most bytes the rank held at once during the second step
 is read from the allocator's running total (everything allocated since the engine's model was
 made, on every thread: state, gathered parameters, activations, gradients, hop buffers, and gloo's
 own buffers, which NCCL would not have).
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from benchmarks.allocations import AllocationTrace
+from plugin_base.allocations import AllocationTrace
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.zero.variants import scale_variants
 from plugin_base import comm

@@ -82,7 +82,9 @@ def call(c: Collective, nbytes: int, dtype: torch.dtype, device: torch.device) -
     return lambda: comm.reduce_scatter_tensor(out, full, group=c.group)
 
 
-def timed(run: Callable[[], None], repeats: int, device: torch.device, started: float) -> tuple[list[float], float]:
+def timed(
+    run: Callable[[], None], repeats: int, device: torch.device, started: float
+) -> tuple[list[float], float]:
     """Each repeat's slowest-rank seconds (after one warm-up call), and the slowest rank's elapsed
     time since ``started``: one all-reduce, so every rank takes the same decisions from them."""
     seconds = []
@@ -127,32 +129,50 @@ def measure(topology: Topology, args: argparse.Namespace, device: torch.device) 
 def summary(profile: Profile) -> str:
     """A table per collective: its sizes' medians and the fitted step latency and bandwidth."""
     keys = sorted({(t.link, t.operation, t.algorithm, t.members) for t in profile.timings}, key=str)
-    lines = ["link        operation       algorithm  ranks  sizes  median at smallest..largest   step us   bus GB/s"]
+    lines = [
+        "link        operation       algorithm  ranks  sizes  median at smallest..largest   step us   bus GB/s"
+    ]
     for link, operation, algorithm, members in keys:
         series = profile.series(link, operation, algorithm, members)
         fit = profile.fit(link, operation, algorithm, members)
         span = f"{series[0].median * 1e3:.3f} ms ({series[0].nbytes} B)..{series[-1].median * 1e3:.1f} ms ({series[-1].nbytes} B)"
         fitted = f"{fit.step_us:9.1f} {fit.bus_gbps:10.4f}" if fit else "        -          -"
-        lines.append(f"{link:11} {operation:15} {algorithm:10} {members:5}  {len(series):5}  {span:28} {fitted}")
+        lines.append(
+            f"{link:11} {operation:15} {algorithm:10} {members:5}  {len(series):5}  {span:28} {fitted}"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True, help="where rank 0 writes the profile (JSON)")
     parser.add_argument("--deepspeed-config", help="the job's DeepSpeed JSON: its topology section is used")
     parser.add_argument("--ranks-per-node", type=int, help="topology.ranks_per_node (default: detected)")
-    parser.add_argument("--ranks-per-package", type=int, help="topology.ranks_per_package (default: detected)")
+    parser.add_argument(
+        "--ranks-per-package", type=int, help="topology.ranks_per_package (default: detected)"
+    )
     parser.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default: a 4x sweep)")
     parser.add_argument("--smallest", type=int, default=4096, help="first size of the sweep (bytes)")
     parser.add_argument("--largest", type=int, default=256 * 2**20, help="last size of the sweep (bytes)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per size (after one warm-up)")
-    parser.add_argument("--max-call-s", type=float, default=0.5, help="a collective stops growing once a call takes this long")
-    parser.add_argument("--budget-s", type=float, default=100.0, help="no new size starts after this many seconds")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), help="default: bfloat16 on GPUs, float32 on CPU")
+    parser.add_argument(
+        "--max-call-s", type=float, default=0.5, help="a collective stops growing once a call takes this long"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=100.0, help="no new size starts after this many seconds"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="default: bfloat16 on GPUs, float32 on CPU",
+    )
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.smallest < 1 or args.largest < args.smallest:
-        parser.error(f"need --repeats >= 1 and 1 <= --smallest <= --largest, got {args.repeats}, {args.smallest}, {args.largest}")
+        parser.error(
+            f"need --repeats >= 1 and 1 <= --smallest <= --largest, got {args.repeats}, {args.smallest}, {args.largest}"
+        )
     return args
 
 

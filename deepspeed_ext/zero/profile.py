@@ -96,7 +96,9 @@ class Profile:
     timings: tuple[Timing, ...]
     """The raw timings."""
 
-    def series(self, link: LinkClass, operation: Operation, algorithm: Algorithm, members: int) -> list[Timing]:
+    def series(
+        self, link: LinkClass, operation: Operation, algorithm: Algorithm, members: int
+    ) -> list[Timing]:
         """The timings of one collective over ``members`` ranks, by message size."""
         return sorted(
             (
@@ -136,7 +138,9 @@ class Profile:
             return Algorithm.RING
         return Algorithm.RECURSIVE
 
-    def fit(self, link: LinkClass, operation: Operation, algorithm: Algorithm, members: int) -> AlgorithmFit | None:
+    def fit(
+        self, link: LinkClass, operation: Operation, algorithm: Algorithm, members: int
+    ) -> AlgorithmFit | None:
         """Step latency and bus bandwidth of one collective: the least-squares line
         ``seconds = steps x step + bus bytes / bandwidth`` through its medians (None: fewer than two
         sizes measured, or no positive slope)."""
@@ -197,7 +201,7 @@ class Profile:
 def parse(data: object, source: str) -> Profile:
     """A profile from its JSON, every field checked; :class:`ProfileError` names what is wrong."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ProfileError(f"{source} is not a hierarchical ZeRO profile (no \"format\": \"{FORMAT}\")")
+        raise ProfileError(f'{source} is not a hierarchical ZeRO profile (no "format": "{FORMAT}")')
     if data.get("version") != VERSION:
         raise ProfileError(
             f"{source} has profile format version {data.get('version')}, this plugin reads {VERSION}: "
@@ -226,9 +230,7 @@ def parse(data: object, source: str) -> Profile:
     return Profile(versions=versions, topology=topology, timings=timings)
 
 
-def load(
-    path: str | os.PathLike, topology: Topology, versions: Mapping[str, str] | None = None
-) -> Profile:
+def load(path: str | os.PathLike, topology: Topology, versions: Mapping[str, str] | None = None) -> Profile:
     """The profile at ``path``, checked against this job's topology and library versions."""
     source = os.fspath(path)
     try:
@@ -268,4 +270,3 @@ def sizes_sweep(smallest: int, largest: int, factor: int = 4) -> list[int]:
         out.append(n)
         n *= factor
     return out
-

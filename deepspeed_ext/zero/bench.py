@@ -1,0 +1,297 @@
+"""A/B of ZeRO-3 variants on this cluster, in one job: what a user runs before switching.
+
+    torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.bench \\
+        --deepspeed-config ds.json --megatron-args scripts/presets/gpt-1.3b.args \\
+        [--profile profile.json] [--json ab.json] [--plot ab.png]
+    (Slurm: scripts/slurm/zero_ab_frontier.sbatch, scripts/slurm/zero_ab_nvidia.sbatch)
+
+On the model shape of a Megatron preset (layers, hidden size, heads, sequence length, vocabulary)
+and the buckets, micro batch, accumulation and dtype of the user's DeepSpeed JSON, each rank
+builds, one after another: stock ZeRO-3; DeepSpeed's hpZ at each valid ``zero_hpz_partition_size``
+(the package and the node, the ranks DeepSpeed groups consecutively); ZeRO++ (hpZ of the node +
+qwZ + qgZ) where DeepSpeed's quantizer kernels build, else listed as not run with the reason; and
+the hierarchical variant with the JSON's ``hierarchical_zero`` section (``--profile`` sets its
+profile, so ``auto`` and the planner use what the probe measured). Each variant runs ``--warmup``
+untimed and ``--steps`` timed optimizer steps, each step the slowest rank's time from a barrier.
+
+Reported per variant: step time and TFLOPS per rank (min / median / max over the steps), the bytes
+per link class the most loaded rank sent per step (counted from the collectives DeepSpeed and the
+hops issue, not read from the wire), and the peak memory of a rank (CUDA: the allocator's peak
+since the engine was built; CPU: the process's allocations during a fresh engine's second step).
+TFLOPS counts 6 x matmul parameters x tokens + 12 x layers x hidden x sequence x tokens per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.zero.bench_model import ModelShape, build_model, flops_per_step
+from plugin_base import comm
+from plugin_base.comm import LINK_CLASSES
+from plugin_base.topology import Topology, TopologyConfig, detect_topology
+
+
+@dataclass
+class Variant:
+    """One engine of the A/B run."""
+
+    name: str
+    """Display name."""
+    ours: bool
+    """Built by the hierarchical variant's initialize, else by deepspeed.initialize."""
+    zero: dict[str, Any] = field(default_factory=dict)
+    """zero_optimization keys on top of the user's."""
+    skipped: str | None = None
+    """Why it is not run here (None: it runs)."""
+
+
+def quantizer_unavailable(device: torch.device) -> str | None:
+    """Why DeepSpeed's qwZ / qgZ kernels cannot run here, or None when they build."""
+    if device.type != "cuda":
+        return f"DeepSpeed's qwZ/qgZ are CUDA kernels (QuantizerBuilder); this run's device is {device.type}"
+    try:
+        from deepspeed.ops.op_builder import QuantizerBuilder
+
+        builder = QuantizerBuilder()
+        if not builder.is_compatible():
+            return "DeepSpeed's QuantizerBuilder is not compatible with this system"
+        builder.load()
+    except Exception as exc:  # a failed JIT build names its own cause
+        return f"DeepSpeed's QuantizerBuilder did not build: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def variants(topology: Topology, device: torch.device) -> list[Variant]:
+    """Stock ZeRO-3, hpZ at each valid secondary size, ZeRO++ (or why not), ours."""
+    world = topology.world_size
+    sizes = sorted({s for s in (topology.ranks_per_package, topology.ranks_per_node) if 1 < s < world})
+    out = [Variant("zero3", ours=False)]
+    out += [Variant(f"hpZ({s})", ours=False, zero={"zero_hpz_partition_size": s}) for s in sizes]
+    if not sizes:
+        out.append(
+            Variant("hpZ", ours=False, skipped=f"no secondary size between 1 and the world ({world}) here")
+        )
+    node = topology.ranks_per_node if 1 < topology.ranks_per_node < world else None
+    zeropp = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+    if node is None:
+        reason = "ZeRO++'s hpZ needs more than one node"
+    else:
+        reason = quantizer_unavailable(device)
+        zeropp["zero_hpz_partition_size"] = node
+    out.append(Variant("zero++ (hpZ + qwZ + qgZ)", ours=False, zero=zeropp, skipped=reason))
+    out.append(Variant("ours", ours=True))
+    return out
+
+
+def ds_config(user: dict, variant: Variant, profile: str | None) -> dict:
+    """The user's DeepSpeed JSON as this variant runs it: ZeRO stage 3, the variant's keys, the
+    batch given by micro batch and accumulation; hierarchical_zero on for ours only."""
+    cfg = copy.deepcopy(user)
+    cfg.pop("train_batch_size", None)
+    cfg.setdefault("train_micro_batch_size_per_gpu", 1)
+    cfg.setdefault("optimizer", {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}})
+    cfg.setdefault("steps_per_print", 10**9)
+    cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": 3, **variant.zero}
+    section = dict(cfg.get("hierarchical_zero") or {})
+    section["enabled"] = variant.ours
+    if variant.ours and profile is not None:
+        section["profile"] = profile
+    cfg["hierarchical_zero"] = section
+    return cfg
+
+
+def build(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology, device: torch.device) -> Any:
+    import deepspeed
+
+    from deepspeed_ext import zero
+
+    net = build_model(shape).to(device)
+    if variant.ours:
+        return zero.initialize(model=net, config=cfg, topology=topology, model_parameters=net.parameters())[0]
+    return deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())[0]
+
+
+def one_step(engine: Any, shape: ModelShape, step: int, device: torch.device) -> float:
+    """One optimizer step (all micro-batches), the slowest rank's seconds from a barrier."""
+    dist.barrier()
+    start = time.perf_counter()
+    for micro in range(engine.gradient_accumulation_steps()):
+        g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+        tokens = torch.randint(
+            shape.vocab, (engine.train_micro_batch_size_per_gpu(), shape.seq_length + 1), generator=g
+        )
+        tokens = tokens.to(device)
+        logits = engine(tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+        engine.backward(loss)
+        engine.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return _slowest(time.perf_counter() - start, device)
+
+
+def _slowest(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _release(engine: Any) -> None:
+    """Free an engine and what DeepSpeed left in its globals (hpZ's group, the mpu)."""
+    from deepspeed.utils import groups
+
+    engine.destroy()
+    groups.mpu, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None, None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def cpu_peak(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology, device: torch.device) -> int:
+    """Most bytes the process held at once during a fresh engine's second step."""
+    from torch.profiler import record_function
+
+    from plugin_base.allocations import AllocationTrace
+
+    with AllocationTrace() as trace:
+        engine = build(variant, cfg, shape, topology, device)
+        one_step(engine, shape, 0, device)
+        with record_function("measured step"):
+            one_step(engine, shape, 1, device)
+    _release(engine)
+    return trace.process_peak("measured step")
+
+
+def run_variant(
+    variant: Variant,
+    user: dict,
+    shape: ModelShape,
+    topology: Topology,
+    args: argparse.Namespace,
+    device: torch.device,
+) -> dict:
+    """Build, warm up, time ``args.steps`` steps, count bytes and read the peak of one variant."""
+    cfg = ds_config(user, variant, args.profile)
+    row: dict[str, Any] = {"variant": variant.name, "ran": False, "reason": variant.skipped}
+    if variant.skipped is not None:
+        return row
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    engine = build(variant, cfg, shape, topology, device)
+    counter = comm.CommCounter(topology)
+    for step in range(args.warmup):
+        one_step(engine, shape, step, device)
+    seconds = []
+    with comm.counting(counter):
+        for step in range(args.steps):
+            seconds.append(one_step(engine, shape, args.warmup + step, device))
+    sent = torch.tensor(
+        [counter.per_link()[link] / args.steps for link in LINK_CLASSES], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    _release(engine)
+    if peak is None and not args.no_peak:
+        peak = cpu_peak(variant, cfg, shape, topology, device)
+    peak = None if peak is None else int(_slowest(float(peak), device))
+    flops = flops_per_step(shape, micro * accumulation * shape.seq_length * topology.world_size)
+    row.update(
+        ran=True,
+        step_s=seconds,
+        tflops=[flops / s / topology.world_size / 1e12 for s in seconds],
+        bytes_per_step=dict(zip(LINK_CLASSES, (int(x) for x in sent.tolist()))),
+        peak_bytes=peak,
+    )
+    if args.profile is not None:
+        row["predicted_step_s"] = None  # the cost model's prediction from the profile: not made yet
+    return row
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--deepspeed-config",
+        help="the job's DeepSpeed JSON (buckets, micro batch, accumulation, dtype, topology, hierarchical_zero)",
+    )
+    parser.add_argument(
+        "--megatron-args", help="a Megatron flags file (scripts/presets/*.args) giving the model's shape"
+    )
+    parser.add_argument("--profile", help="a probe profile for ours (hierarchical_zero.profile)")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    parser.add_argument("--json", help="write one object per variant here (rank 0)")
+    parser.add_argument("--plot", help="write a bar plot of the step times here (rank 0; PNG)")
+    parser.add_argument(
+        "--no-peak", action="store_true", help="CPU: skip the peak-memory pass (a second engine per variant)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model, 1 warm-up and 2 timed steps: a smoke test"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 2, 1
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every variant; rank 0 prints the table and writes the JSON and plot. Returns the rows."""
+    from deepspeed_ext.zero.bench_report import comparison, plot, table, write_json
+
+    args = parse_args(argv)
+    user = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
+    shape = (
+        ModelShape.from_megatron_args(args.megatron_args)
+        if args.megatron_args and not args.quick
+        else ModelShape()
+    )
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
+    if gpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
+    patched = comm.patch_deepspeed_comm()  # counts DeepSpeed's collectives while a counter is active
+    try:
+        topology = detect_topology(
+            TopologyConfig.parse(user.get("topology"), "topology"), world_size=dist.get_world_size()
+        )
+        before = os.getloadavg()
+        rows = [run_variant(v, user, shape, topology, args, device) for v in variants(topology, device)]
+        run = {
+            "world_size": topology.world_size, "ranks_per_node": topology.ranks_per_node,
+            "ranks_per_package": topology.ranks_per_package, "device": str(device), "shape": vars(shape),
+            "steps": args.steps, "loadavg_before": before, "loadavg_after": os.getloadavg(),
+        }  # fmt: skip
+        if dist.get_rank() == 0:
+            header = (f"{topology.world_size} ranks ({topology.ranks_per_node}/node, {topology.ranks_per_package}/package) "
+                      f"on {device.type}; model {vars(shape)}; {args.steps} timed steps; load {before[0]:.2f} -> {run['loadavg_after'][0]:.2f}")  # fmt: skip
+            print(table(rows, header))
+            print("\n".join(comparison(rows)))
+            if args.json:
+                write_json(rows, args.json, run)
+            if args.plot:
+                plot(rows, args.plot, header)
+        return rows
+    finally:
+        if patched:
+            comm.unpatch_deepspeed_comm()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
