@@ -46,6 +46,8 @@ PARAMS = (
     "LAUNCH_LOCAL_RANK",
     "UPSTREAM_DIR",
     "PYTHONPATH",
+    "JOB",
+    "AB_DIR",
 )
 # Flags the main job takes (scripts/pretrain_gpt.py's documented interface).
 JOB_FLAGS = {

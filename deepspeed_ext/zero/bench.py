@@ -24,12 +24,10 @@ TFLOPS counts 6 x matmul parameters x tokens + 12 x layers x hidden x sequence x
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import json
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,78 +35,10 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.zero.bench_model import ModelShape, build_model, flops_per_step
+from deepspeed_ext.zero.bench_variants import Variant, ds_config, variants
 from plugin_base import comm
 from plugin_base.comm import LINK_CLASSES
 from plugin_base.topology import Topology, TopologyConfig, detect_topology
-
-
-@dataclass
-class Variant:
-    """One engine of the A/B run."""
-
-    name: str
-    """Display name."""
-    ours: bool
-    """Built by the hierarchical variant's initialize, else by deepspeed.initialize."""
-    zero: dict[str, Any] = field(default_factory=dict)
-    """zero_optimization keys on top of the user's."""
-    skipped: str | None = None
-    """Why it is not run here (None: it runs)."""
-
-
-def quantizer_unavailable(device: torch.device) -> str | None:
-    """Why DeepSpeed's qwZ / qgZ kernels cannot run here, or None when they build."""
-    if device.type != "cuda":
-        return f"DeepSpeed's qwZ/qgZ are CUDA kernels (QuantizerBuilder); this run's device is {device.type}"
-    try:
-        from deepspeed.ops.op_builder import QuantizerBuilder
-
-        builder = QuantizerBuilder()
-        if not builder.is_compatible():
-            return "DeepSpeed's QuantizerBuilder is not compatible with this system"
-        builder.load()
-    except Exception as exc:  # a failed JIT build names its own cause
-        return f"DeepSpeed's QuantizerBuilder did not build: {type(exc).__name__}: {str(exc)[:200]}"
-    return None
-
-
-def variants(topology: Topology, device: torch.device) -> list[Variant]:
-    """Stock ZeRO-3, hpZ at each valid secondary size, ZeRO++ (or why not), ours."""
-    world = topology.world_size
-    sizes = sorted({s for s in (topology.ranks_per_package, topology.ranks_per_node) if 1 < s < world})
-    out = [Variant("zero3", ours=False)]
-    out += [Variant(f"hpZ({s})", ours=False, zero={"zero_hpz_partition_size": s}) for s in sizes]
-    if not sizes:
-        out.append(
-            Variant("hpZ", ours=False, skipped=f"no secondary size between 1 and the world ({world}) here")
-        )
-    node = topology.ranks_per_node if 1 < topology.ranks_per_node < world else None
-    zeropp = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
-    if node is None:
-        reason = "ZeRO++'s hpZ needs more than one node"
-    else:
-        reason = quantizer_unavailable(device)
-        zeropp["zero_hpz_partition_size"] = node
-    out.append(Variant("zero++ (hpZ + qwZ + qgZ)", ours=False, zero=zeropp, skipped=reason))
-    out.append(Variant("ours", ours=True))
-    return out
-
-
-def ds_config(user: dict, variant: Variant, profile: str | None) -> dict:
-    """The user's DeepSpeed JSON as this variant runs it: ZeRO stage 3, the variant's keys, the
-    batch given by micro batch and accumulation; hierarchical_zero on for ours only."""
-    cfg = copy.deepcopy(user)
-    cfg.pop("train_batch_size", None)
-    cfg.setdefault("train_micro_batch_size_per_gpu", 1)
-    cfg.setdefault("optimizer", {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}})
-    cfg.setdefault("steps_per_print", 10**9)
-    cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": 3, **variant.zero}
-    section = dict(cfg.get("hierarchical_zero") or {})
-    section["enabled"] = variant.ours
-    if variant.ours and profile is not None:
-        section["profile"] = profile
-    cfg["hierarchical_zero"] = section
-    return cfg
 
 
 def build(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology, device: torch.device) -> Any:
@@ -173,6 +103,20 @@ def cpu_peak(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology,
     return trace.process_peak("measured step")
 
 
+def check_fits(shape: ModelShape, device: torch.device) -> None:
+    """Each rank builds the model whole before ZeRO partitions it (as the suite's main job does):
+    refuse a shape whose fp32 weights do not fit this device's free memory, naming the fix."""
+    if device.type != "cuda":
+        return
+    need = 4 * sum(p.numel() for p in build_model(shape, device="meta").parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > 0.8 * free:
+        raise ValueError(
+            f"the A/B model ({vars(shape)}) needs {need / 2**30:.1f} GiB of fp32 weights on each rank before "
+            f"partitioning, {free / 2**30:.1f} GiB are free: pass --layers to shrink it or a smaller preset"
+        )
+
+
 def run_variant(
     variant: Variant,
     user: dict,
@@ -230,6 +174,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--megatron-args", help="a Megatron flags file (scripts/presets/*.args) giving the model's shape"
     )
+    for name, spec in ModelShape.__dataclass_fields__.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(
+            flag, type=int, help=f"model {name} (overrides --megatron-args; default {spec.default})"
+        )
     parser.add_argument("--profile", help="a probe profile for ours (hierarchical_zero.profile)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
@@ -249,17 +198,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The preset's shape (the defaults with --quick or without a preset), the flags on top."""
+    base = (
+        ModelShape.from_megatron_args(args.megatron_args)
+        if args.megatron_args and not args.quick
+        else ModelShape()
+    )
+    given = {name: getattr(args, name) for name in vars(base) if getattr(args, name) is not None}
+    return ModelShape(**{**vars(base), **given})
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run every variant; rank 0 prints the table and writes the JSON and plot. Returns the rows."""
     from deepspeed_ext.zero.bench_report import comparison, plot, table, write_json
 
     args = parse_args(argv)
     user = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
-    shape = (
-        ModelShape.from_megatron_args(args.megatron_args)
-        if args.megatron_args and not args.quick
-        else ModelShape()
-    )
+    shape = model_shape(args)
+
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
     if gpu:
@@ -270,6 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         topology = detect_topology(
             TopologyConfig.parse(user.get("topology"), "topology"), world_size=dist.get_world_size()
         )
+        check_fits(shape, device)
         before = os.getloadavg()
         rows = [run_variant(v, user, shape, topology, args, device) for v in variants(topology, device)]
         run = {

@@ -93,10 +93,11 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_model(shape: ModelShape) -> nn.Module:
-    """The model, initialised alike on every rank."""
+def build_model(shape: ModelShape, device: str | torch.device = "cpu") -> nn.Module:
+    """The model, initialised alike on every rank (on ``device``; "meta" allocates nothing)."""
     torch.manual_seed(0)
-    return GPT(shape)
+    with torch.device(device):
+        return GPT(shape)
 
 
 def flops_per_step(shape: ModelShape, tokens: int) -> float:

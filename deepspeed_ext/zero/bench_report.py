@@ -36,7 +36,7 @@ def table(rows: Sequence[dict], header: str) -> str:
             continue
         sent = " ".join(f"{_size(row['bytes_per_step'][link]):>16}" for link in LINK_CLASSES)
         lines.append(
-            f"{row['variant']:28} {_spread(row['step_s'], 1e3, 1):30} {_spread(row['tflops'], 1, 3):22} "
+            f"{row['variant']:28} {_spread(row['step_s'], 1e3, 1):30} {_spread(row['tflops'], 1, 4):22} "
             f"{sent} {_size(row['peak_bytes']):>10}"
         )
     return "\n".join(lines)

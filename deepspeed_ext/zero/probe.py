@@ -102,8 +102,10 @@ def timed(
     return values[:-1], values[-1]
 
 
-def measure(topology: Topology, args: argparse.Namespace, device: torch.device) -> tuple[Profile, list[str]]:
-    """Time every collective at every size within the limits; returns the profile and what was cut."""
+def measure(
+    topology: Topology, args: argparse.Namespace, device: torch.device
+) -> tuple[list[Timing], list[str]]:
+    """Time every collective at every size within the limits; returns the timings and what was cut."""
     dtype = getattr(torch, args.dtype)
     element = torch.tensor([], dtype=dtype).element_size()
     active = list(collectives(topology))
@@ -122,8 +124,8 @@ def measure(topology: Topology, args: argparse.Namespace, device: torch.device) 
                 active.remove(c)  # larger sizes would take longer still
             if elapsed > args.budget_s:
                 cut.append(f"sizes above {nbytes} bytes: the {args.budget_s:.0f} s budget was spent")
-                return Profile(library_versions(), topology_key(topology), tuple(timings)), cut
-    return Profile(library_versions(), topology_key(topology), tuple(timings)), cut
+                return timings, cut
+    return timings, cut
 
 
 def summary(profile: Profile) -> str:
@@ -161,7 +163,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--max-call-s", type=float, default=0.5, help="a collective stops growing once a call takes this long"
     )
     parser.add_argument(
-        "--budget-s", type=float, default=100.0, help="no new size starts after this many seconds"
+        "--budget-s", type=float, default=90.0, help="no new size starts after this many seconds"
     )
     parser.add_argument(
         "--dtype",
@@ -198,8 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("nccl" if gpu else "gloo", device_id=device if gpu else None)
     try:
         topology = detect_topology(topology_config(args), world_size=dist.get_world_size())
-        profile, cut = measure(topology, args, device)
-        if dist.get_rank() == 0:
+        timings, cut = measure(topology, args, device)
+        if dist.get_rank() == 0:  # only rank 0 imports DeepSpeed (for its version): 16 ranks start faster
+            profile = Profile(library_versions(), topology_key(topology), tuple(timings))
             profile.save(args.out)
             print(summary(profile))
             for line in cut:

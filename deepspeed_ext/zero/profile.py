@@ -14,7 +14,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -110,31 +110,38 @@ class Profile:
         )
 
     def seconds(
-        self, link: LinkClass, operation: Operation, algorithm: Algorithm, members: int, nbytes: float
+        self,
+        link: LinkClass,
+        operation: Operation,
+        algorithm: Algorithm,
+        members: int,
+        nbytes: float,
+        statistic: Callable[[Sequence[float]], float] = statistics.median,
     ) -> float | None:
-        """Measured time at ``nbytes``: the medians interpolated in log-log between measured
-        sizes; below the smallest its time (latency-bound), above the largest the line through the
-        two largest (bandwidth-bound). None when this collective was not measured."""
-        points = self.series(link, operation, algorithm, members)
+        """Measured time at ``nbytes`` (``statistic`` of each size's repeats: median, min or max):
+        interpolated in log-log between measured sizes; below the smallest its time
+        (latency-bound), above the largest the line through the two largest (bandwidth-bound).
+        None when this collective was not measured."""
+        points = [(t.nbytes, statistic(t.seconds)) for t in self.series(link, operation, algorithm, members)]
         if not points:
             return None
         if len(points) == 1:  # one size: flat below it, proportional above
-            return points[0].median * max(1.0, nbytes / points[0].nbytes)
-        if nbytes <= points[0].nbytes:
-            return points[0].median
-        for low, high in zip(points, points[1:]):
-            if nbytes <= high.nbytes:
-                w = math.log(nbytes / low.nbytes) / math.log(high.nbytes / low.nbytes)
-                return math.exp((1 - w) * math.log(low.median) + w * math.log(high.median))
-        low, high = points[-2], points[-1]
-        slope = (high.median - low.median) / (high.nbytes - low.nbytes)
-        return high.median + max(slope, 0.0) * (nbytes - high.nbytes)
+            return points[0][1] * max(1.0, nbytes / points[0][0])
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (n0, t0), (n1, t1) in zip(points, points[1:]):
+            if nbytes <= n1:
+                w = math.log(nbytes / n0) / math.log(n1 / n0)
+                return math.exp((1 - w) * math.log(t0) + w * math.log(t1))
+        (n0, t0), (n1, t1) = points[-2], points[-1]
+        return t1 + max((t1 - t0) / (n1 - n0), 0.0) * (nbytes - n1)
 
     def fastest(self, link: LinkClass, operation: Operation, members: int, nbytes: float) -> Algorithm:
-        """The algorithm measured faster at this size; ring where recursive was not measured or ties."""
-        ring = self.seconds(link, operation, Algorithm.RING, members, nbytes)
-        recursive = self.seconds(link, operation, Algorithm.RECURSIVE, members, nbytes)
-        if ring is None or recursive is None or ring <= recursive:
+        """Recursive where it won at this size: its slowest repeat faster than ring's fastest (so
+        noise never picks it); ring otherwise, and where recursive was not measured."""
+        ring = self.seconds(link, operation, Algorithm.RING, members, nbytes, min)
+        recursive = self.seconds(link, operation, Algorithm.RECURSIVE, members, nbytes, max)
+        if ring is None or recursive is None or recursive >= ring:
             return Algorithm.RING
         return Algorithm.RECURSIVE
 

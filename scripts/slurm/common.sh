@@ -45,6 +45,8 @@ options (each one overrides the environment variable in brackets):
   --config FILE           DeepSpeed JSON (path or preset name) [CONFIG, default: ${DEFAULT_CONFIG}]
   --data-path PREFIX      indexed dataset PREFIX.bin/.idx      [DATA_PATH, default: a generated small corpus]
   --checkpoint-dir DIR    --save/--load directory              [CHECKPOINT_DIR, default: none]
+  --job NAME              train, or zero-ab: the probe, then the ZeRO A/B command with its
+                          profile, results in AB_DIR           [JOB, default: train]
   -h, --help              this text
 Anything else (and everything after --) is appended to the training flags,
 after the preset and EXTRA_ARGS, so it overrides them.
@@ -139,9 +141,10 @@ launcher_init() {
             usage
             exit 0
             ;;
-        --nodes | --tasks-per-node | --model | --config | --data-path | --checkpoint-dir)
+        --nodes | --tasks-per-node | --model | --config | --data-path | --checkpoint-dir | --job)
             _need_value "$@"
             case "$arg" in
+            --job) JOB="$2" ;;
             --nodes) NODES="$2" ;;
             --tasks-per-node) TASKS_PER_NODE="$2" ;;
             --model) MODEL="$2" ;;
@@ -151,10 +154,11 @@ launcher_init() {
             esac
             shift
             ;;
-        --nodes=* | --tasks-per-node=* | --model=* | --config=* | --data-path=* | --checkpoint-dir=*)
+        --nodes=* | --tasks-per-node=* | --model=* | --config=* | --data-path=* | --checkpoint-dir=* | --job=*)
             local key="${arg%%=*}" val="${arg#*=}"
             _need_value "$key" "$val"
             case "$key" in
+            --job) JOB="$val" ;;
             --nodes) NODES="$val" ;;
             --tasks-per-node) TASKS_PER_NODE="$val" ;;
             --model) MODEL="$val" ;;
@@ -178,6 +182,16 @@ launcher_init() {
     1 | true | yes) DRY_RUN=1 ;;
     0 | false | no | "") DRY_RUN=0 ;;
     *) die "DRY_RUN='$DRY_RUN' is not understood; use DRY_RUN=1 (print only) or DRY_RUN=0 (launch)" ;;
+    esac
+
+    JOB="${JOB:-train}"
+    case "$JOB" in
+    train) ;;
+    zero-ab)
+        [[ -z "${UPSTREAM_DIR:-}" ]] || die "JOB=zero-ab runs the suite's probe and A/B command, not an upstream script: unset UPSTREAM_DIR"
+        AB_DIR="${AB_DIR:-$PWD/zero-ab-${SLURM_JOB_ID:-local}}"
+        ;;
+    *) die "JOB='$JOB' is not a job of these scripts; use train (the default) or zero-ab" ;;
     esac
 
     _resolve_nodes
@@ -389,6 +403,12 @@ print_plan() {
     [[ "${LAUNCH_LOCAL_RANK:-slurm}" == zero ]] && lr=0
     echo "# per rank, set by rank_env.sh (SLURM_PROCID/SLURM_LOCALID/SLURM_NODEID stay as srun sets them)"
     echo "#   RANK=\$SLURM_PROCID WORLD_SIZE=\$SLURM_NTASKS LOCAL_RANK=$lr LOCAL_WORLD_SIZE=\$SLURM_NTASKS_PER_NODE"
+    if [[ "$JOB" == zero-ab ]]; then
+        echo "# results: $AB_DIR (profile.json, ab.json, ab.png)"
+        echo "# command 1: the probe"
+        printf '%q ' "${PROBE_CMD[@]}" | sed 's/ $//'
+        echo
+    fi
     echo "# command"
     printf '%q ' "${LAUNCH_CMD[@]}" | sed 's/ $//'
     echo
@@ -398,6 +418,10 @@ launch() {
     # shellcheck disable=SC2206 # EXTRA_ARGS is a whitespace-separated flag string
     EXTRA_ARR=(${EXTRA_ARGS:-})
 
+    if [[ "$JOB" == zero-ab ]]; then
+        _launch_zero_ab "$@"
+        return
+    fi
     local tp
     tp="$(flag_value --tensor-model-parallel-size 1)"
     is_pos_int "$tp" || die "--tensor-model-parallel-size '$tp' is not a positive integer"
@@ -434,6 +458,39 @@ launch() {
     echo "# start: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     local rc=0
     "${LAUNCH_CMD[@]}" || rc=$?
+    echo "# end: $(date -u +%Y-%m-%dT%H:%M:%SZ) exit code $rc"
+    return "$rc"
+}
+
+# JOB=zero-ab: hierarchical ZeRO's probe (a profile of this allocation's collectives), then the A/B
+# command (stock ZeRO-3, hpZ, ZeRO++, ours with that profile) on the preset's shape and the config's
+# buckets. Extra arguments go to the A/B command (e.g. --steps 10).
+_launch_zero_ab() {
+    local srun_cmd=(srun "$@" --distribution=block)
+    # shellcheck disable=SC2206 # SRUN_ARGS is a whitespace-separated flag string
+    srun_cmd+=(${SRUN_ARGS:-})
+    srun_cmd+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u -m)
+    local config=()
+    [[ -n "$CONFIG_FILE" ]] && config=(--deepspeed-config "$CONFIG_FILE")
+    PROBE_CMD=("${srun_cmd[@]}" deepspeed_ext.zero.probe --out "$AB_DIR/profile.json" "${config[@]}")
+    LAUNCH_CMD=("${srun_cmd[@]}" deepspeed_ext.zero.bench "${config[@]}" --megatron-args "$MODEL_FILE"
+        --profile "$AB_DIR/profile.json" --json "$AB_DIR/ab.json" --plot "$AB_DIR/ab.png" "${CLI_ARGS[@]}")
+    prepend_path PYTHONPATH "$REPO_DIR" # the plugins, also where the suite is not installed
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "# DRY RUN: nothing is launched"
+        print_plan
+        return 0
+    fi
+    command -v srun >/dev/null 2>&1 ||
+        die "srun not found; run this inside a Slurm allocation (sbatch/salloc) or use DRY_RUN=1 to only print the plan"
+    [[ -n "${SLURM_JOB_ID:-}" ]] ||
+        die "not inside a Slurm allocation (SLURM_JOB_ID unset); submit with sbatch, or use DRY_RUN=1 to only print the plan"
+    mkdir -p "$AB_DIR"
+    print_plan
+    echo "# start: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    local rc=0
+    "${PROBE_CMD[@]}" || rc=$?
+    ((rc == 0)) && { "${LAUNCH_CMD[@]}" || rc=$?; }
     echo "# end: $(date -u +%Y-%m-%dT%H:%M:%SZ) exit code $rc"
     return "$rc"
 }
