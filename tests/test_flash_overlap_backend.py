@@ -153,3 +153,14 @@ def test_blocking_nccl_waits_are_named(monkeypatch, name):
 def test_timeout_s_is_documented_as_a_gloo_bound():
     timeout_doc = FlashOverlapConfig.model_fields["timeout_s"].description
     assert "gloo" in timeout_doc and "on NCCL the process group's own timeout applies" in timeout_doc
+
+
+def test_blocking_nccl_waits_are_named_for_ulysses_attention_too(monkeypatch):
+    from megatron_ext.layers.ulysses import HeadSplit, UlyssesSelfAttention
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "1")
+    with pytest.warns(RuntimeWarning, match="makes every wait of layer 'ulysses_attention' block the host"):
+        UlyssesSelfAttention(8, HeadSplit(2, 2, 4, 2), lambda q, k, v, *a: q, FakeGroup([0, 1]))

@@ -36,7 +36,7 @@ from megatron_ext.layers import backend as backends
 from megatron_ext.layers import symm_mem
 from megatron_ext.layers.backend import Requested
 from megatron_ext.layers.p2p_linear import P2PAllGatherLinear, P2PLinearReduceScatter
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits
+from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits, run_device
 from megatron_ext.layers.symm_mem import FusedGroup, SymmMemAllGatherLinear, SymmMemLinearReduceScatter
 from megatron_ext.layers.wgrad import require_main_grad
 from plugin_base.topology import Topology
@@ -104,7 +104,7 @@ class _FlashOverlapMixin:
             timeout_s=timeout_s if timeout_s is not None else self.p2p_timeout_s,
             name=name or kind,
         )
-        device = self._run_device()
+        device = run_device(getattr(self, "weight", None))
         check_nccl_waits(self.overlap, device)
         # All ranks of the TP group construct their layers together, so the backend is agreed here.
         chosen = backends.resolve_backend(
@@ -115,18 +115,6 @@ class _FlashOverlapMixin:
             self.fused = FusedGroup(
                 self.tp_group.group_name, tp, symm_mem.torch_fused_ops(), self.overlap.name
             )
-
-    def _run_device(self) -> torch.device:
-        """Where the GEMMs will run: the weight's accelerator, or the current CUDA device for weights
-        initialised on the CPU (``use_cpu_initialization``) or not allocated, else the CPU."""
-        weight = getattr(self, "weight", None)
-        if weight is not None and weight.device.type != "cpu":
-            return weight.device
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
 
     def _check_input(self, x: torch.Tensor, weight: torch.Tensor, features: int) -> None:
         name = self.overlap.name

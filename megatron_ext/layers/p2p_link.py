@@ -90,6 +90,18 @@ def cuda_backend(group: dist.ProcessGroup) -> str:
     return per_device.get("cuda", name)
 
 
+def run_device(weight: torch.Tensor | None) -> torch.device:
+    """Where a layer's GEMMs will run: its weight's accelerator, or the current CUDA device for
+    weights initialised on the CPU (``use_cpu_initialization``) or not allocated, else the CPU."""
+    if weight is not None and weight.device.type not in ("cpu", "meta"):
+        return weight.device
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+
+
 def check_nccl_waits(og: OverlapGroup, device: torch.device, env: Mapping[str, str] = os.environ) -> None:
     """Warn, by name, about a setting that makes the CUDA waits block the host: the schedules rely on
     ``work.wait()`` only ordering the compute stream (the host queues the next GEMMs meanwhile and

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.layers.p2p_all_to_all import all_to_all_compute, compute_all_to_all
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, OverlapGroup
+from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, OverlapGroup, check_nccl_waits, run_device
 
 
 @dataclass(frozen=True)
@@ -259,6 +259,7 @@ class UlyssesSelfAttention(torch.nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.query_key_value = torch.nn.Linear(hidden_size, width, bias=bias, **kw)
         self.dense = torch.nn.Linear(split.heads * split.head_dim, hidden_size, bias=bias, **kw)
+        check_nccl_waits(self.og, run_device(self.dense.weight))
 
     def forward(self, hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = ulysses_attention(

@@ -202,7 +202,7 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     import deepspeed
     from megatron.core import parallel_state
 
-    from megatron_ext.layers.p2p_link import OverlapGroup
+    from megatron_ext.layers.p2p_link import OverlapGroup, check_nccl_waits, run_device
     from megatron_ext.layers.ulysses import HeadSplit, check_sequence_length, ulysses_attention
 
     args = megatron_args()
@@ -219,6 +219,7 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
         f"ulysses attention {attention.layer_number}",
     )
     qkv, dense = attention.query_key_value, attention.dense
+    check_nccl_waits(og, run_device(dense.weight))
     for param in (qkv.weight, qkv.bias, dense.weight, dense.bias):
         if param is not None and hasattr(param, "ds_id"):  # partitioned by ZeRO-3's zero.Init
             deepspeed.zero.register_external_parameter(attention, param)
