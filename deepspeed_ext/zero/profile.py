@@ -137,10 +137,11 @@ class Profile:
         return t1 + max((t1 - t0) / (n1 - n0), 0.0) * (nbytes - n1)
 
     def fastest(self, link: LinkClass, operation: Operation, members: int, nbytes: float) -> Algorithm:
-        """Recursive where it won at this size: its slowest repeat faster than ring's fastest (so
-        noise never picks it); ring otherwise, and where recursive was not measured."""
+        """Recursive where it won at this size: its median repeat faster than ring's fastest (a win
+        inside ring's noise keeps the library's collective, and one slow repeat of recursive's does
+        not hide a win); ring otherwise, and where recursive was not measured."""
         ring = self.seconds(link, operation, Algorithm.RING, members, nbytes, min)
-        recursive = self.seconds(link, operation, Algorithm.RECURSIVE, members, nbytes, max)
+        recursive = self.seconds(link, operation, Algorithm.RECURSIVE, members, nbytes)
         if ring is None or recursive is None or recursive >= ring:
             return Algorithm.RING
         return Algorithm.RECURSIVE
