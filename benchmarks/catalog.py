@@ -55,6 +55,9 @@ def left_out(network: str) -> dict[str, str]:
         out["benchmarks.zero.scale"] = (
             "needs the emulated cluster's per-link latency (16 ranks on 8 nodes): `--network cluster` only (root)"
         )
+        out["benchmarks.zero.ab"] = (
+            "the probe and the A/B command on the emulated cluster (16 ranks on 8 nodes): `--network cluster` only (root)"
+        )
     return out
 
 
@@ -109,6 +112,12 @@ def steps(network: str, quick: bool) -> list[Step]:
         ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/zero"),
         (f"zero/scale_8x2{'_quick' if quick else ''}.md",),
     )
+    ab = Step(
+        "Hierarchical ZeRO's probe and A/B command: 8 nodes of 2 ranks (emulated cluster)",
+        "benchmarks.zero.ab",
+        ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/zero"),
+        (f"zero/ab{'_quick' if quick else ''}.md",),
+    )
     return [
         *[calibration] * cluster,
         *_projections(quick),
@@ -120,6 +129,7 @@ def steps(network: str, quick: bool) -> list[Step]:
             (f"zero/{network}.md",),
         ),
         *[scale] * cluster,
+        *[ab] * cluster,
         Step(
             f"Flash-Overlap MLP and layer, forward + backward, vs megatron-core and 4-chunk slicing ({network})",
             "benchmarks.flash_overlap.run",

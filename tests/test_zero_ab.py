@@ -113,7 +113,7 @@ def test_the_slurm_scripts_run_the_probe_then_the_ab_command_with_its_profile(pl
 def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
     from benchmarks.zero import ab
 
-    ab.main(["--quick", "--nodes", "2", "--out-dir", str(tmp_path)])
+    ab.main(["--quick", "--nodes", "2", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "ab_quick.json").read_text())
     rows = {row["variant"]: row for row in result["variants"]}
     assert list(rows) == ["zero3", "hpZ(2)", "zero++ (hpZ + qwZ + qgZ)", "ours"]

@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sweep, tiny model, 2 timed steps")
     parser.add_argument("--nodes", type=int, default=8, help="emulated nodes (2 ranks each)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
-    parser.add_argument("--out-dir", default=str(OUT), help="where the results go")
+    parser.add_argument("--out", default=str(OUT), help="where the results go")
     args = parser.parse_args(argv)
     from benchmarks.cluster import EmulatedCluster
     from deepspeed_ext.zero.bench_report import comparison, plot, table
 
     spec = frontier_latency(nodes=args.nodes)
     name = "ab_quick" if args.quick else "ab"
-    out = Path(args.out_dir)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     topology = {"ranks_per_node": spec.ranks_per_node, "ranks_per_package": spec.ranks_per_package}
     config = out / f"{name}_ds_config.json"
@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         bench += ["--quick"] if args.quick else ["--steps", "5", "--warmup", "2", *MODEL]
         rows = cluster.launch([*rank, "bench", *bench], timeout=args.timeout)[0]
     first, second = (parse(json.loads(p.read_text()), str(p)) for p in profiles)
-    header = f"{spec.world_size} emulated ranks; deepspeed_ext.zero.bench {' '.join(bench)}"
+    shown = [os.path.relpath(a) if a.startswith(os.sep) else a for a in bench]  # paths as from the checkout
+    header = f"{spec.world_size} emulated ranks; deepspeed_ext.zero.bench {' '.join(shown)}"
     result = {
         "command": f"python -m benchmarks.zero.ab{' --quick' if args.quick else ''}",
         "spec": spec.to_dict(),
@@ -168,7 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(result))
-    plot(rows, out / f"{name}.png", header)
+    plot(
+        rows,
+        out / f"{name}.png",
+        f"{spec.world_size} emulated ranks ({spec.nodes} nodes); {result['command']}",
+    )
     print(markdown(result))
 
 

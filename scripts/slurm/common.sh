@@ -414,6 +414,21 @@ print_plan() {
     echo
 }
 
+# Dry run: print the plan and succeed (the caller returns). Else check that srun and an allocation
+# exist and fail (the caller goes on to launch).
+_dry_run_done() {
+    if [[ "$DRY_RUN" == 1 ]]; then
+        echo "# DRY RUN: nothing is launched"
+        print_plan
+        return 0
+    fi
+    command -v srun >/dev/null 2>&1 ||
+        die "srun not found; run this inside a Slurm allocation (sbatch/salloc) or use DRY_RUN=1 to only print the plan"
+    [[ -n "${SLURM_JOB_ID:-}" ]] ||
+        die "not inside a Slurm allocation (SLURM_JOB_ID unset); submit with sbatch, or use DRY_RUN=1 to only print the plan"
+    return 1
+}
+
 launch() {
     # shellcheck disable=SC2206 # EXTRA_ARGS is a whitespace-separated flag string
     EXTRA_ARR=(${EXTRA_ARGS:-})
@@ -441,16 +456,7 @@ launch() {
     LAUNCH_CMD+=(${SRUN_ARGS:-})
     LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u "${TRAIN_PROGRAM[@]}" "${train[@]}")
 
-    if [[ "$DRY_RUN" == 1 ]]; then
-        echo "# DRY RUN: nothing is launched"
-        print_plan
-        return 0
-    fi
-
-    command -v srun >/dev/null 2>&1 ||
-        die "srun not found; run this inside a Slurm allocation (sbatch/salloc) or use DRY_RUN=1 to only print the plan"
-    [[ -n "${SLURM_JOB_ID:-}" ]] ||
-        die "not inside a Slurm allocation (SLURM_JOB_ID unset); submit with sbatch, or use DRY_RUN=1 to only print the plan"
+    _dry_run_done && return 0
     [[ -f "$TRAIN_SCRIPT" ]] ||
         die "training script $TRAIN_SCRIPT not found; check the checkout or set TRAIN_SCRIPT"
     [[ -n "${CHECKPOINT_DIR:-}" ]] && mkdir -p "$CHECKPOINT_DIR"
@@ -476,15 +482,7 @@ _launch_zero_ab() {
     LAUNCH_CMD=("${srun_cmd[@]}" deepspeed_ext.zero.bench "${config[@]}" --megatron-args "$MODEL_FILE"
         --profile "$AB_DIR/profile.json" --json "$AB_DIR/ab.json" --plot "$AB_DIR/ab.png" "${CLI_ARGS[@]}")
     prepend_path PYTHONPATH "$REPO_DIR" # the plugins, also where the suite is not installed
-    if [[ "$DRY_RUN" == 1 ]]; then
-        echo "# DRY RUN: nothing is launched"
-        print_plan
-        return 0
-    fi
-    command -v srun >/dev/null 2>&1 ||
-        die "srun not found; run this inside a Slurm allocation (sbatch/salloc) or use DRY_RUN=1 to only print the plan"
-    [[ -n "${SLURM_JOB_ID:-}" ]] ||
-        die "not inside a Slurm allocation (SLURM_JOB_ID unset); submit with sbatch, or use DRY_RUN=1 to only print the plan"
+    _dry_run_done && return 0
     mkdir -p "$AB_DIR"
     print_plan
     echo "# start: $(date -u +%Y-%m-%dT%H:%M:%SZ)"

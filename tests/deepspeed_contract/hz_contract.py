@@ -103,14 +103,20 @@ def _log(event: str, detail: str = "") -> None:
             f.write(json.dumps({"event": event, "detail": detail}) + "\n")
 
 
-def initialize(*args: Any, **kwargs: Any) -> Any:
-    """``deepspeed.initialize``; a ZeRO-3 config builds the hierarchical variant."""
-    call = _signature.bind(*args, **kwargs)
-    given = dict(call.arguments)
+def _bound(args: tuple, kwargs: dict) -> tuple[dict, Any, Any]:
+    """``deepspeed.initialize``'s arguments by name, its ``args``, and the config wherever it was
+    given (``config``, ``config_params`` or ``args.deepspeed_config``)."""
+    given = dict(_signature.bind(*args, **kwargs).arguments)
     ds_args = given.get("args")
     source = given.get("config")
     source = source if source is not None else given.get("config_params")
     source = source if source is not None else getattr(ds_args, "deepspeed_config", None)
+    return given, ds_args, source
+
+
+def initialize(*args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.initialize``; a ZeRO-3 config builds the hierarchical variant."""
+    given, ds_args, source = _bound(args, kwargs)
     world = dist.get_world_size() if dist.is_initialized() else 1
     config = hierarchical_config(read_ds_config(source), world) if source is not None else None
     if config is None or given.get("model") is None:
@@ -137,12 +143,7 @@ def initialize(*args: Any, **kwargs: Any) -> Any:
 def stock_hpz_initialize(*args: Any, **kwargs: Any) -> Any:
     """``deepspeed.initialize`` with ``zero_hpz_partition_size`` = ``HZ_CONTRACT_STOCK_HPZ`` added to
     a ZeRO-3 config (stock DeepSpeed, no variant)."""
-    call = _signature.bind(*args, **kwargs)
-    given = dict(call.arguments)
-    ds_args = given.get("args")
-    source = given.get("config")
-    source = source if source is not None else given.get("config_params")
-    source = source if source is not None else getattr(ds_args, "deepspeed_config", None)
+    given, ds_args, source = _bound(args, kwargs)
     config = None
     if source is not None:
         config = stock_hpz_config(read_ds_config(source), int(os.environ[STOCK_HPZ_ENV]))
