@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from plugin_base.allocations import AllocationTrace
 from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.planner import hop_buffers
 from plugin_base import comm
+from plugin_base.allocations import AllocationTrace
 from plugin_base.topology import Topology
 
 TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)

@@ -211,7 +211,13 @@ def _free_port() -> int:
 
 
 def _command(
-    tree: Tree, kind: str, patched: bool, flags: list[str], work: Path, port: int, node: tuple[int, int] = (0, 1)
+    tree: Tree,
+    kind: str,
+    patched: bool,
+    flags: list[str],
+    work: Path,
+    port: int,
+    node: tuple[int, int] = (0, 1),
 ) -> list[str]:
     """The launch of node ``node[0]`` of ``node[1]`` (4 ranks in all)."""
     cmd = [

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from plugin_base.allocations import AllocationTrace
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.zero.variants import scale_variants
 from plugin_base import comm
+from plugin_base.allocations import AllocationTrace
 from plugin_base.topology import Level, Topology
 
 

@@ -114,7 +114,9 @@ def measured_profile(config: HierarchicalZeroConfig, topology: Topology) -> Prof
                 answer[0] = load_profile(config.profile, topology)
                 logger.info(f"hierarchical ZeRO: auto and the planner read the profile {config.profile}")
             except ProfileError as exc:
-                logger.error(f"hierarchical ZeRO: {exc}. This job runs every hop on the library's collectives.")
+                logger.error(
+                    f"hierarchical ZeRO: {exc}. This job runs every hop on the library's collectives."
+                )
     if config.profile is not None:
         dist.broadcast_object_list(answer, src=0)
     return answer[0]
