@@ -142,6 +142,7 @@ CASES = [
         {"hierarchical_zero": {"inter_node_algorithm": "recursive"}},
     ),
     (["--hierarchical-zero-pipeline-chunks", "4"], {"hierarchical_zero": {"pipeline_chunks": 4}}),
+    (["--hierarchical-zero-profile", "profile.json"], {"hierarchical_zero": {"profile": "profile.json"}}),
     (["--flash-overlap"], {"flash_overlap": {"enabled": True}}),
     (["--flash-overlap-layers", "qkv", "fc2"], {"flash_overlap": {"layers": ["qkv", "fc2"]}}),
     (["--flash-overlap-mode", "ring"], {"flash_overlap": {"mode": "ring"}}),
