@@ -102,11 +102,25 @@ def _sequence_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(t.chunk(n, dim=0))
 
 
+def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` ([..., k] x [k, m]) for 16-bit operands, summed and returned in fp32, so that the
+    partial products UP adds up per head group are rounded once, after the last one, as one GEMM
+    rounds them: on CUDA straight from the GEMM's accumulator (``out_dtype``), elsewhere on
+    operands made fp32."""
+    a2d = a.reshape(-1, a.shape[-1])
+    out = torch.mm(a2d, b, out_dtype=torch.float32) if a.is_cuda else a2d.float() @ b.float()
+    return out.view(*a.shape[:-1], b.shape[-1])
+
+
+def _sums_in_fp32(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.bfloat16, torch.float16)
+
+
 class _QKVAllToAll(torch.autograd.Function):
     """Fwd: QKV projection per destination head group, remote groups first, each sent when ready
     (UP, sec. decomposed all-to-all); bwd: gradient blocks consumed as they arrive (dgrad and wgrad
-    per head group). GEMMs, each of q, k and v on a view of the weight: fwd n x [s/n*b, h] x [h, w/n];
-    bwd n x ([s/n*b, w/n] x [w/n, h] and [w/n, s/n*b] x [s/n*b, h]); w = (heads + 2 kv_heads) * head_dim."""
+    per head group, the dgrads summed in fp32 for 16-bit activations). GEMMs, each of q, k and v
+    on a view of the weight: fwd n x [s/n*b, h] x [h, w/n]; bwd n x ([s/n*b, w/n] x [w/n, h] and [w/n, s/n*b] x [s/n*b, h]); w = (heads + 2 kv_heads) * head_dim."""
 
     @staticmethod
     def forward(
@@ -132,7 +146,8 @@ class _QKVAllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
-        grad_x = torch.zeros_like(x)
+        wide = _sums_in_fp32(x)  # 3n dgrad products add up to grad_x: in fp32, rounded once
+        grad_x = torch.zeros_like(x, dtype=torch.float32 if wide else x.dtype)
         grad_w = torch.empty_like(weight)  # every row is written: each group's rows, once
         grad_b = (
             torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device) if ctx.has_bias else None
@@ -142,18 +157,20 @@ class _QKVAllToAll(torch.autograd.Function):
         def consume(group: int, g: torch.Tensor) -> None:
             g2d = g.reshape(-1, g.shape[-1])
             for rows, columns in zip(split.qkv_rows(group), split.block_columns()):
-                grad_x.add_(g[..., columns] @ weight[rows])
+                grad_x.add_(
+                    _matmul_fp32(g[..., columns], weight[rows]) if wide else g[..., columns] @ weight[rows]
+                )
                 torch.matmul(g2d[:, columns].t(), x2d, out=grad_w[rows])
                 if grad_b is not None:
                     torch.sum(g2d[:, columns], dim=0, out=grad_b[rows])
 
         all_to_all_compute(_sequence_blocks(grad.contiguous(), og.size), consume, og)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x.to(x.dtype), grad_w, grad_b, None, None
 
 
 class _AllToAllOutput(torch.autograd.Function):
-    """Fwd: context slices posted at once, each fed to the output projection as it arrives, own first
-    (UP, sec. decomposed all-to-all); bwd: dgrad per destination head group, remote first, sent when
+    """Fwd: context slices posted at once, each fed to the output projection as it arrives, own first,
+    the products summed in fp32 for 16-bit activations (UP, sec. decomposed all-to-all); bwd: dgrad per destination head group, remote first, sent when
     ready, with the wgrad GEMM under the transfers. GEMMs: fwd n x [s/n*b, c/n] x [c/n, h]; bwd
     n x [s/n*b, h] x [h, c/n] and [h, s/n*b] x [s/n*b, c]; c = heads * head_dim."""
 
@@ -163,10 +180,12 @@ class _AllToAllOutput(torch.autograd.Function):
     ) -> torch.Tensor:
         received: list[torch.Tensor | None] = [None] * og.size
         out: list[torch.Tensor] = []
+        wide = _sums_in_fp32(context)  # the n head groups' products add up in fp32, rounded once
 
         def project(group: int, block: torch.Tensor) -> None:
             received[group] = block
-            partial = F.linear(block, weight[:, split.context_columns(group)])
+            w = weight[:, split.context_columns(group)]
+            partial = _matmul_fp32(block, w.t()) if wide else F.linear(block, w)
             if out:
                 out[0].add_(partial)
             else:
@@ -175,7 +194,7 @@ class _AllToAllOutput(torch.autograd.Function):
         all_to_all_compute(_sequence_blocks(context.contiguous(), og.size), project, og)
         ctx.save_for_backward(torch.cat(received, dim=-1), weight)  # [s/n, b, c]: the gathered context
         ctx.split, ctx.og = split, og
-        return out[0]
+        return out[0].to(context.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

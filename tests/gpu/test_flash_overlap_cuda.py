@@ -210,3 +210,17 @@ def _child(path: str) -> None:
 
 if __name__ == "__main__":
     _child(sys.argv[1])
+
+
+def test_ulysses_output_projection_sums_bf16_products_in_fp32_as_one_gemm(cuda_rank):
+    """The Ulysses block's partial products on CUDA (``out_dtype``): the GEMM's fp32 accumulator,
+    unrounded, so closer to the float64 product than F.linear's bf16 result (rounded once)."""
+    from megatron_ext.layers.ulysses import _matmul_fp32
+
+    g = torch.Generator(device=cuda_rank).manual_seed(0)
+    a = torch.randn(S, B, H, device=cuda_rank, generator=g).bfloat16()
+    w = torch.randn(F, H, device=cuda_rank, generator=g).bfloat16()
+    wide = _matmul_fp32(a, w.t())
+    assert wide.dtype == torch.float32 and wide.shape == (S, B, F)
+    reference = a.double() @ w.double().t()
+    assert _max_err(wide, reference) <= _max_err(torch.nn.functional.linear(a, w).float(), reference)
