@@ -183,6 +183,18 @@ def per_head_attention(local_attention: torch.nn.Module) -> torch.nn.Module:
     return _PerHeadContext(local_attention)
 
 
+def split_qkv(attention: Any, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Megatron-DeepSpeed's fused QKV output without Ulysses, [s, b, (heads + 2 kv_heads) * d] of
+    this tensor-parallel rank, as q [s, b, heads, d] and k, v [s, b, kv_heads, d] (its [q | k | v]
+    layout). Upstream cuts it in thirds, which holds only without grouped-query attention
+    (``--num-key-value-heads`` < heads fails with "shape '[64, 1, -1, 16]' is invalid")."""
+    d = attention.head_dim
+    q = attention.num_attention_heads_per_partition * d
+    kv = attention.num_key_value_heads_per_partition * d
+    s, b = mixed.shape[:2]
+    return tuple(part.reshape(s, b, -1, d) for part in torch.split(mixed, [q, kv, kv], dim=-1))
+
+
 def ulysses_context(dist_attn: Any, query: Any, key: Any, value: Any, attention_mask: Any) -> torch.Tensor:
     """Stock Ulysses on the non-flash path, called as DeepSpeed 0.19 defines it: upstream passes the
     mask where ``DistributedAttention`` takes ``batch_dim_idx`` (Megatron's layout is [s, b, ...]: 1)."""
@@ -224,6 +236,11 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
         if param is not None and hasattr(param, "ds_id"):  # partitioned by ZeRO-3's zero.Init
             deepspeed.zero.register_external_parameter(attention, param)
     local = attention.dist_attn.local_attn
+    if attention.use_gqa:  # k and v cross the all-to-all unrepeated; each rank repeats its own, as upstream at SP=1
+        core, groups = local, attention.num_key_value_groups
+
+        def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> torch.Tensor:
+            return core(q, attention.repeat_kv(k, groups), attention.repeat_kv(v, groups), *rest)
     if attention.layer_number == 1:
         logger.info(
             "flash_overlap: Ulysses attention with overlapped all-to-alls over %d ranks", group.size()
