@@ -109,6 +109,7 @@ FLASH = [
 PP2 = ["--pipeline-model-parallel-size", "2"]
 SP2 = ["--ds-sequence-parallel-size", "2"]
 GQA = ["--num-key-value-heads", "2"]
+ROPE = ["--use-rotary-position-embeddings"]
 # Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1;
 # its ZeRO-3 drops weight decay for parameters partitioned under zero.Init, which hierarchical ZeRO
 # builds unpartitioned: weight decay 0 keeps the runs comparable.
@@ -269,7 +270,16 @@ def _command(
 def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str]], str]:
     if (kind, variant) in _runs:
         return _runs[(kind, variant)]
-    how = VARIANTS[(kind, variant)]
+    codes, log = _launch(upstream, kind, variant, VARIANTS[(kind, variant)])
+    assert not any(codes), f"{kind} {variant} exited {codes}; output ends:\n{log[-6000:]}"
+    losses = sorted({int(it): loss for it, total, loss in LOSS.findall(log)}.items())
+    print(f"{kind} {variant}: lm loss {[loss for _, loss in losses]}")
+    _runs[(kind, variant)] = (losses, log)
+    return losses, log
+
+
+def _launch(upstream: dict, kind: str, variant: str, how: Variant) -> tuple[list[int], str]:
+    """Run ``how`` on ``kind``'s tree: every launch's exit code, and their output."""
     work, port = upstream["work"], _free_port()
     env = {
         **tool_env(),
@@ -310,12 +320,16 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
         # DeepSpeed's CPU all-reduce leaves a buffer per rank in /dev/shm, named after the port.
         for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
             leftover.unlink(missing_ok=True)
-    log = "\n".join(logs)
-    assert codes == [0] * how.nodes, f"{kind} {variant} exited {codes}; output ends:\n{log[-6000:]}"
-    losses = sorted({int(it): loss for it, total, loss in LOSS.findall(log)}.items())
-    print(f"{kind} {variant}: lm loss {[loss for _, loss in losses]}")
-    _runs[(kind, variant)] = (losses, log)
-    return losses, log
+    return codes, "\n".join(logs)
+
+
+def test_flash_overlap_refuses_rotary_embeddings_with_ulysses_when_the_model_is_built(upstream: dict) -> None:
+    how = Variant(True, (*SP2, "--use-rotary-position-embeddings", "--flash-overlap"))
+    codes, log = _launch(upstream, "megatron-deepspeed", "sp2-rope-flash-overlap", how)
+    assert all(codes), f"trained with rotary embeddings: {codes}\n{log[-3000:]}"
+    assert "does not apply rotary embeddings yet: drop --use-rotary-position-embeddings" in log, log[-3000:]
+    assert "get_model" in log or "model_provider" in log, log[-3000:]  # at build, before any forward
+    assert "lm loss" not in log
 
 
 @pytest.mark.parametrize(
