@@ -426,3 +426,20 @@ def test_local_sbatch_runs_upstream_megatron_lm(upstream: dict, tmp_path: Path) 
     assert "-m megatron_ext.launch" in log, "the plan printed by the script names the launcher"
     losses = sorted({int(it): loss for it, _, loss in LOSS.findall(log)}.items())
     assert losses == expected, f"srun {losses} != torchrun {expected}"
+
+
+def test_flash_overlap_refuses_flash_attention_with_ulysses_when_the_model_is_built(monkeypatch) -> None:
+    """Megatron-DeepSpeed's FlashSelfAttention takes another layout and no mask: refused by name
+    where the attention module is built (flash_attn does not install on CPU, so no upstream run)."""
+    from types import SimpleNamespace
+
+    from megatron_ext.upstream import megatron_deepspeed
+    from plugin_base.section import ConfigError
+
+    enabled = SimpleNamespace(flash_overlap=SimpleNamespace(enabled=True))
+    monkeypatch.setattr(megatron_deepspeed, "plugin_config", lambda: enabled)
+    attention = SimpleNamespace(enable_ds_sequence_parallel=True, use_flash_attn=True)
+    with pytest.raises(
+        ConfigError, match="not flash attention: drop --use-flash-attn-v1 / --use-flash-attn-v2"
+    ):
+        megatron_deepspeed.ulysses_overlap(attention)

@@ -211,6 +211,13 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     overlap = plugin_config().flash_overlap
     if not overlap.enabled or not getattr(attention, "enable_ds_sequence_parallel", False):
         return None
+    if getattr(attention, "use_flash_attn", False):
+        # FlashSelfAttention takes (q, k, v) as [b, s, heads, d] and no mask; the block calls the local
+        # attention as CoreAttention, [s, b, heads, d] with the mask
+        raise ConfigError(
+            "flash_overlap's Ulysses attention runs Megatron-DeepSpeed's CoreAttention, not flash attention: "
+            "drop --use-flash-attn-v1 / --use-flash-attn-v2 / --use-flash-attn-triton or --flash-overlap"
+        )
     import deepspeed
     from megatron.core import parallel_state
 
