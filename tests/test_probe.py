@@ -209,3 +209,19 @@ def test_the_probe_times_every_hop_and_a_job_of_its_topology_reads_it(tmp_path, 
     assert any(
         "another topology" in m and "runs every hop on the library's collectives" in m for m in messages
     )
+
+
+def test_the_planner_charges_the_fitted_step_latency_and_bandwidth_of_what_the_profile_measured():
+    from deepspeed_ext.zero.collective_cost import FRONTIER_RCCL
+
+    # across nodes: a 2-member ring, 1 step and n/2 bus bytes: 10 us + (n/2) / 1 GB/s, 3 groups at once
+    line = tuple(
+        Timing(LinkClass.INTER_NODE, AG, RING, 2, 3, n, (10e-6 + n / 2 / 1e9,)) for n in (4096, 2**20, 2**24)
+    )
+    costs = Profile(VERSIONS, {"world_size": 4}, line).costs(FRONTIER_RCCL)
+    fit = costs.fit(AG, RING, LinkClass.INTER_NODE)
+    assert fit.step_us == pytest.approx(10.0) and fit.bus_gbps == pytest.approx(1.0)
+    assert costs.nic_gbps == pytest.approx(3.0)  # what 3 concurrent communicators got together
+    # what it did not measure keeps the documented figures
+    assert costs.fit(RS, RING, LinkClass.INTER_NODE) == FRONTIER_RCCL.fit(RS, RING, LinkClass.INTER_NODE)
+    assert costs.fit(AG, RING, LinkClass.PACKAGE) == FRONTIER_RCCL.fit(AG, RING, LinkClass.PACKAGE)
