@@ -224,3 +224,46 @@ def test_ulysses_output_projection_sums_bf16_products_in_fp32_as_one_gemm(cuda_r
     assert wide.dtype == torch.float32 and wide.shape == (S, B, F)
     reference = a.double() @ w.double().t()
     assert _max_err(wide, reference) <= _max_err(torch.nn.functional.linear(a, w).float(), reference)
+
+
+def test_a_cuda_graph_captures_the_ulysses_block_forward_and_backward(cuda_rank):
+    """At SP=1 (one GPU) the Ulysses block, forward and backward, under
+    ``torch.cuda.make_graphed_callables``: replays give eager's output and gradients."""
+    import copy
+
+    from megatron_ext.layers.ulysses import HeadSplit, UlyssesSelfAttention
+
+    def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [s, b, heads, d]
+        out = torch.nn.functional.scaled_dot_product_attention(
+            *(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True
+        )
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+    class Block(torch.nn.Module):  # the output with its bias: tensors only, as graphed callables need
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.attention = UlyssesSelfAttention(
+                H, HeadSplit(8, 8, H // 8, 1), local, None, device=cuda_rank, dtype=torch.bfloat16
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, bias = self.attention(x)
+            return out + bias
+
+    eager, block = Block(), Block()
+    block.load_state_dict(copy.deepcopy(eager.state_dict()))
+    sample = torch.randn(S, B, H, device=cuda_rank, dtype=torch.bfloat16, requires_grad=True)
+    graphed = torch.cuda.make_graphed_callables(block, (sample,))
+    for seed in range(3):
+        g = torch.Generator(device=cuda_rank).manual_seed(seed)
+        x = torch.randn(S, B, H, device=cuda_rank, generator=g).bfloat16()
+        cotangent = torch.randn(S, B, H, device=cuda_rank, generator=g).bfloat16()
+        results = []
+        for module in (graphed, eager):
+            xi = x.clone().requires_grad_()
+            out = module(xi)
+            out.backward(cotangent)
+            results.append((out.detach(), xi.grad))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)  # SDPA backward may use atomics
