@@ -67,9 +67,9 @@ def collectives(topology: Topology) -> Iterator[Collective]:
                 yield Collective(link, group, members, math.prod(plan.sizes[:i]), operation, algorithm)
 
 
-def call(c: Collective, nbytes: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
-    """One call of ``c`` on a message of ``nbytes`` (gathered output / reduce-scatter input)."""
-    full = torch.zeros(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype, device=device)
+def call(c: Collective, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+    """One call of ``c`` on a message of ``numel`` elements (gathered output / reduce-scatter input)."""
+    full = torch.zeros(numel, dtype=dtype, device=device)
     mine = full.view(c.members, -1)[dist.get_rank(c.group)]
     if c.operation == Operation.ALL_GATHER:
         block = mine.clone()
@@ -116,7 +116,8 @@ def measure(
         for c in list(active):
             unit = c.members * element
             nbytes = max(1, size // unit) * unit
-            seconds, elapsed = timed(call(c, nbytes, dtype, device), args.repeats, device, started)
+            run = call(c, nbytes // element, dtype, device)
+            seconds, elapsed = timed(run, args.repeats, device, started)
             timings.append(
                 Timing(c.link, c.operation, c.algorithm, c.members, c.concurrent, nbytes, tuple(seconds))
             )

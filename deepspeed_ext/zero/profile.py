@@ -173,14 +173,16 @@ class Profile:
         fits = dict(fallback.fits)
         by_operation = dict(fallback.by_operation)
         nic = None
-        for t in self.timings:
-            fit = self.fit(t.link, t.operation, t.algorithm, t.members)
+        for link, operation, algorithm, members, concurrent in {
+            (t.link, t.operation, t.algorithm, t.members, t.concurrent) for t in self.timings
+        }:  # each measured collective once, not once per size
+            fit = self.fit(link, operation, algorithm, members)
             if fit is None:
                 continue
-            by_operation[(t.operation, t.link, t.algorithm)] = fit
-            fits.setdefault((t.link, t.algorithm), fit)
-            if t.link == LinkClass.INTER_NODE:
-                nic = max(nic or 0.0, fit.bus_gbps * t.concurrent)
+            by_operation[(operation, link, algorithm)] = fit
+            fits.setdefault((link, algorithm), fit)  # for operations the profile did not measure
+            if link == LinkClass.INTER_NODE:
+                nic = max(nic or 0.0, fit.bus_gbps * concurrent)
         return replace(
             fallback,
             system=f"measured by the probe ({self.versions.get('collectives', '?')})",

@@ -201,6 +201,18 @@ def ulysses_context(dist_attn: Any, query: Any, key: Any, value: Any, attention_
     return dist_attn(query, key, value, 1, None, attention_mask).flatten(2)
 
 
+def _repeating_kv(local: Callable[..., torch.Tensor], attention: Any) -> Callable[..., torch.Tensor]:
+    """``local`` attention for grouped-query attention: k and v cross the all-to-all unrepeated,
+    and each rank repeats its own key/value heads for their query heads with the module's
+    ``repeat_kv``, as upstream does at SP=1."""
+    groups = attention.num_key_value_groups
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return local(q, attention.repeat_kv(k, groups), attention.repeat_kv(v, groups), *rest)
+
+    return attend
+
+
 def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] | None:
     """Flash-Overlap's UP forward for a Megatron-DeepSpeed ``ParallelAttention`` that runs Ulysses
     (``--ds-sequence-parallel-size`` > 1 with ``--flash-overlap``), or None to run upstream's. It
@@ -243,14 +255,8 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
         if param is not None and hasattr(param, "ds_id"):  # partitioned by ZeRO-3's zero.Init
             deepspeed.zero.register_external_parameter(attention, param)
     local = attention.dist_attn.local_attn
-    if (
-        attention.use_gqa
-    ):  # k and v cross the all-to-all unrepeated; each rank repeats its own, as upstream at SP=1
-        core, groups = local, attention.num_key_value_groups
-
-        def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> torch.Tensor:
-            return core(q, attention.repeat_kv(k, groups), attention.repeat_kv(v, groups), *rest)
-
+    if attention.use_gqa:
+        local = _repeating_kv(local, attention)
     if attention.layer_number == 1:
         logger.info(
             "flash_overlap: Ulysses attention with overlapped all-to-alls over %d ranks", group.size()
