@@ -213,6 +213,38 @@ def _repeating_kv(local: Callable[..., torch.Tensor], attention: Any) -> Callabl
     return attend
 
 
+def _flash(attention: Any) -> Callable[..., torch.Tensor]:
+    """The module's flash attention as the block's local attention: (q, k, v [s, b, heads, d], mask)
+    -> context [s, b, heads * d]. Both flash modules are causal by construction and take no mask,
+    as upstream calls them: ``FlashSelfAttention`` (v1, v2, the op builder's) takes and returns
+    [b, s, heads, d]; ``FlashSelfAttentionTriton`` takes [s, b, heads, d] and returns
+    [s, b, heads * d]. Called without an RNG-tracker fork, as ``DistributedAttention`` calls it."""
+    flash = attention.dist_attn.local_attn.attention  # inside per_head_attention's wrapper
+    if attention.use_flash_attn_triton:
+        return lambda q, k, v, *mask: flash(q, k, v)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: Any) -> torch.Tensor:
+        batch_major = [t.transpose(0, 1).contiguous() for t in (q, k, v)]
+        return flash(*batch_major).transpose(0, 1).flatten(2)
+
+    return attend
+
+
+def _rotating(local: Callable[..., torch.Tensor], rotary_pos_emb: Any) -> Callable[..., torch.Tensor]:
+    """``local`` attention with rotary embeddings applied to q and k over the whole sequence (after
+    the all-to-all, where each rank holds every position of its heads), by the tree's own
+    ``apply_rotary_pos_emb`` with the embeddings ``ParallelAttention`` gets, as upstream applies
+    them at SP=1."""
+    from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb
+
+    q_emb, k_emb = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *rest: Any) -> torch.Tensor:
+        return local(apply_rotary_pos_emb(q, q_emb), apply_rotary_pos_emb(k, k_emb), v, *rest)
+
+    return attend
+
+
 def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] | None:
     """Flash-Overlap's UP forward for a Megatron-DeepSpeed ``ParallelAttention`` that runs Ulysses
     (``--ds-sequence-parallel-size`` > 1 with ``--flash-overlap``), or None to run upstream's. It
@@ -223,13 +255,6 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     overlap = plugin_config().flash_overlap
     if not overlap.enabled or not getattr(attention, "enable_ds_sequence_parallel", False):
         return None
-    if getattr(attention, "use_flash_attn", False):
-        # FlashSelfAttention takes (q, k, v) as [b, s, heads, d] and no mask; the block calls the local
-        # attention as CoreAttention, [s, b, heads, d] with the mask
-        raise ConfigError(
-            "flash_overlap's Ulysses attention runs Megatron-DeepSpeed's CoreAttention, not flash attention: "
-            "drop --use-flash-attn-v1 / --use-flash-attn-v2 / --use-flash-attn-triton or --flash-overlap"
-        )
     import deepspeed
     from megatron.core import parallel_state
 
@@ -254,19 +279,12 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     for param in (qkv.weight, qkv.bias, dense.weight, dense.bias):
         if param is not None and hasattr(param, "ds_id"):  # partitioned by ZeRO-3's zero.Init
             deepspeed.zero.register_external_parameter(attention, param)
-    local = attention.dist_attn.local_attn
+    local = _flash(attention) if attention.use_flash_attn else attention.dist_attn.local_attn
     if attention.use_gqa:
         local = _repeating_kv(local, attention)
     if attention.layer_number == 1:
         logger.info(
             "flash_overlap: Ulysses attention with overlapped all-to-alls over %d ranks", group.size()
-        )
-    if getattr(args, "use_rotary_position_embeddings", False):
-        # Tried: applied after the all-to-all on the whole sequence, SP=2 trained apart from the same
-        # model at SP=1 (SGD, iteration 2: relative 1.9e-5), cause not found; refused until it is.
-        raise ConfigError(
-            "flash_overlap's Ulysses attention does not apply rotary embeddings yet: drop "
-            "--use-rotary-position-embeddings or --flash-overlap"
         )
     if getattr(args, "drop_path_rate", 0.0) > 0:
         raise ConfigError(
@@ -279,13 +297,11 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
         inference_params: Any = None,
         rotary_pos_emb: Any = None,
     ) -> tuple[torch.Tensor, Any]:
-        if inference_params is not None or rotary_pos_emb is not None:  # refused at build; kept as a guard
-            raise ConfigError(
-                "flash_overlap's Ulysses attention covers training without rotary embeddings: drop "
-                "--flash-overlap for inference or --use-rotary-position-embeddings"
-            )
+        if inference_params is not None:
+            raise ConfigError("flash_overlap's Ulysses attention covers training: drop --flash-overlap for inference")
+        attend = local if rotary_pos_emb is None else _rotating(local, rotary_pos_emb)
         out = ulysses_attention(
-            hidden_states, qkv.weight, qkv.bias, dense.weight, local, split, og, attention_mask
+            hidden_states, qkv.weight, qkv.bias, dense.weight, attend, split, og, attention_mask
         )
         # The bias is added here, where ZeRO-3 has gathered it (a partitioned bias handed out of this
         # forward would be released with the module); the layer's bias-dropout-add takes None.
