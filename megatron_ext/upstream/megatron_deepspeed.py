@@ -298,7 +298,9 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
         rotary_pos_emb: Any = None,
     ) -> tuple[torch.Tensor, Any]:
         if inference_params is not None:
-            raise ConfigError("flash_overlap's Ulysses attention covers training: drop --flash-overlap for inference")
+            raise ConfigError(
+                "flash_overlap's Ulysses attention covers training: drop --flash-overlap for inference"
+            )
         attend = local if rotary_pos_emb is None else _rotating(local, rotary_pos_emb)
         out = ulysses_attention(
             hidden_states, qkv.weight, qkv.bias, dense.weight, attend, split, og, attention_mask
