@@ -156,7 +156,8 @@ def test_timeout_s_is_documented_as_a_gloo_bound():
 
 
 def test_blocking_nccl_waits_are_named_for_ulysses_attention_too(monkeypatch):
-    from megatron_ext.layers.ulysses import HeadSplit, UlyssesSelfAttention
+    from megatron_ext.layers.ulysses import HeadSplit
+    from megatron_ext.layers.ulysses_module import UlyssesSelfAttention
 
     monkeypatch.setattr(dist, "get_backend", lambda group: "nccl")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

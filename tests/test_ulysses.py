@@ -6,18 +6,16 @@ and against the same attention computed densely on one rank over the whole seque
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.layers.p2p_link import OverlapGroup
-from megatron_ext.layers.ulysses import (
-    HeadSplit,
-    UlyssesSelfAttention,
-    check_sequence_length,
-    ulysses_attention,
-)
+from megatron_ext.layers.ulysses import HeadSplit, check_sequence_length, ulysses_attention
+from megatron_ext.layers.ulysses_module import UlyssesSelfAttention
 
 SEQ, BATCH, HIDDEN, HEAD_DIM = 24, 2, 32, 8
 
@@ -141,6 +139,58 @@ def test_the_block_on_one_rank_is_plain_attention_with_its_projections():
     expected = F.linear(local_attention(q, k, v, t["mask"]), block.dense.weight)
     torch.testing.assert_close(out, expected)
     assert bias is block.dense.bias
+
+
+def _module_against_deepspeed(heads: int, kv_heads: int) -> dict[str, float]:
+    """The module loads Megatron-DeepSpeed's [q | k | v] weights, computes with them group-major,
+    and saves them back in that layout: output, gradients and saved weights against
+    ``DistributedAttention`` around the same projections."""
+    t, n, r = _inputs(heads, kv_heads), dist.get_world_size(), dist.get_rank()
+    rows = slice(r * SEQ // n, (r + 1) * SEQ // n)
+    block = UlyssesSelfAttention(
+        HIDDEN, HeadSplit(heads, kv_heads, HEAD_DIM, n), local_attention, dist.group.WORLD
+    )
+    standard = {
+        "query_key_value.weight": t["w_qkv"],
+        "query_key_value.bias": t["b_qkv"],
+        "dense.weight": t["w_out"],
+        "dense.bias": torch.zeros(HIDDEN),
+    }
+    block.load_state_dict(standard)
+    saved = block.state_dict()
+    x = t["x"][rows].clone().requires_grad_()
+    out, _ = block(x, t["mask"])
+    (out * t["cotangent"][rows]).sum().backward()
+    grads = {"w_qkv": block.query_key_value.weight.grad, "b_qkv": block.query_key_value.bias.grad}
+    grads = {k: g.index_select(0, block.split.group_major_order().argsort()) for k, g in grads.items()}
+    stock = _run("deepspeed", heads, kv_heads)
+    errors = {k: _relative_error(v, stock[k]) for k, v in grads.items()}
+    errors |= {"out": _relative_error(out.detach(), stock["out"]), "x": _relative_error(x.grad, stock["x"])}
+    errors |= {f"saved {k}": (saved[k] - v).abs().max().item() for k, v in standard.items()}
+    return errors
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 4)], ids=["mha", "gqa"])
+def test_the_module_holds_qkv_group_major_and_checkpoints_in_megatron_deepspeeds_layout(
+    run_ranks, heads, kv_heads
+):
+    for errors in run_ranks(2, _module_against_deepspeed, heads, kv_heads, timeout=120):
+        assert all(errors[f"saved {k}"] == 0 for k in ("query_key_value.weight", "query_key_value.bias")), (
+            errors
+        )
+        assert max(errors.values()) < SEQ * BATCH * torch.finfo(torch.float32).eps, errors
+
+
+def test_group_major_rows_put_each_destinations_q_k_v_together():
+    split = HeadSplit(heads=4, kv_heads=2, head_dim=1, ranks=2)  # rows: q0..q3 | k0 k1 | v0 v1
+    assert split.group_major_order().tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
+    grouped = dataclasses.replace(split, group_major=True)
+    assert grouped.qkv_blocks(1) == [(slice(4, 8), slice(0, 4))]
+    assert split.qkv_blocks(1) == [
+        (slice(2, 4), slice(0, 2)),
+        (slice(5, 6), slice(2, 3)),
+        (slice(7, 8), slice(3, 4)),
+    ]
 
 
 def _gather_shaped_as_megatron_deepspeeds_ulysses_loss() -> list[float]:

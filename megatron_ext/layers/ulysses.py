@@ -15,10 +15,12 @@ it waits for the all-to-all. Here the block owns both projections:
 Backward mirrors both (the output's dgrad computed per destination, remote first, with the wgrad
 GEMM under the transfers; QKV's gradient slices consumed as they arrive). Numerics are those of
 ``DistributedAttention`` wrapped around the same projections, up to the order of floating-point
-sums in the output projection. Layout: Megatron's [s, b, ...]; the QKV weight is laid out as
-Megatron-DeepSpeed's Ulysses path reads it, [q heads | k heads | v heads] x hidden; grouped-query
-attention keeps each rank's query heads with their key/value heads (contiguous head groups, as
-``DistributedAttention`` splits them).
+sums in the output projection. Layout: Megatron's [s, b, ...]; the QKV weight is either laid out
+as Megatron-DeepSpeed's Ulysses path reads it, [q heads | k heads | v heads] x hidden (three GEMMs
+per destination), or group-major, [q k v of group 0 | of group 1 | ...] (one GEMM per destination,
+no concatenation); ``UlyssesSelfAttention`` (``ulysses_module.py``) holds it group-major and reads and writes
+checkpoints in the [q | k | v] layout. Grouped-query attention keeps each rank's query heads with
+their key/value heads (contiguous head groups, as ``DistributedAttention`` splits them).
 """
 
 from __future__ import annotations
@@ -28,11 +30,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_ext.layers.p2p_all_to_all import all_to_all_compute, compute_all_to_all
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, OverlapGroup, check_nccl_waits, run_device
+from megatron_ext.layers.p2p_link import OverlapGroup
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class HeadSplit:
     """Channels per head."""
     ranks: int
     """Ranks of the sequence-parallel group."""
+    group_major: bool = False
+    """QKV weight rows grouped by destination rank ([q0 k0 v0 | q1 k1 v1 | ...]: one GEMM per
+    group) instead of Megatron-DeepSpeed's [q heads | k heads | v heads] (three per group)."""
 
     def __post_init__(self) -> None:
         problems = [
@@ -66,8 +70,8 @@ class HeadSplit:
             )
 
     def qkv_rows(self, group: int) -> tuple[slice, slice, slice]:
-        """Rows of the QKV weight that produce head group ``group``'s q, k and v (contiguous each,
-        so the per-group GEMMs read views of the weight, never copies)."""
+        """Rows of Megatron-DeepSpeed's [q | k | v] QKV weight that produce head group ``group``'s
+        q, k and v (contiguous each, so the per-group GEMMs read views of the weight)."""
         q, kv, d = (
             self.heads // self.ranks * self.head_dim,
             self.kv_heads // self.ranks * self.head_dim,
@@ -75,6 +79,19 @@ class HeadSplit:
         )
         starts = (group * q, self.heads * d + group * kv, (self.heads + self.kv_heads) * d + group * kv)
         return tuple(slice(a, a + n) for a, n in zip(starts, (q, kv, kv)))
+
+    def qkv_blocks(self, group: int) -> list[tuple[slice, slice]]:
+        """(rows of this split's QKV weight, columns of the group's [q | k | v] block) per GEMM that
+        produces head group ``group``: one pair when the weight is group-major, else three."""
+        if self.group_major:
+            width = (self.heads + 2 * self.kv_heads) // self.ranks * self.head_dim
+            return [(slice(group * width, (group + 1) * width), slice(0, width))]
+        return list(zip(self.qkv_rows(group), self.block_columns()))
+
+    def group_major_order(self) -> torch.Tensor:
+        """Row indices that take a [q | k | v] QKV weight (or bias) to the group-major layout:
+        ``group_major = standard[order]``, ``standard = group_major[order.argsort()]``."""
+        return torch.cat([torch.arange(r.start, r.stop) for g in range(self.ranks) for r in self.qkv_rows(g)])
 
     def block_columns(self) -> tuple[slice, slice, slice]:
         """Columns of one rank's QKV block that hold its q, k and v."""
@@ -119,8 +136,9 @@ def _sums_in_fp32(t: torch.Tensor) -> bool:
 class _QKVAllToAll(torch.autograd.Function):
     """Fwd: QKV projection per destination head group, remote groups first, each sent when ready
     (UP, sec. decomposed all-to-all); bwd: gradient blocks consumed as they arrive (dgrad and wgrad
-    per head group, the dgrads summed in fp32 for 16-bit activations). GEMMs, each of q, k and v
-    on a view of the weight: fwd n x [s/n*b, h] x [h, w/n]; bwd n x ([s/n*b, w/n] x [w/n, h] and [w/n, s/n*b] x [s/n*b, h]); w = (heads + 2 kv_heads) * head_dim."""
+    per head group, the dgrads summed in fp32 for 16-bit activations). GEMMs on views of the weight,
+    one per group if it is group-major, else one each for q, k and v: fwd n x [s/n*b, h] x [h, w/n];
+    bwd n x ([s/n*b, w/n] x [w/n, h] and [w/n, s/n*b] x [s/n*b, h]); w = (heads + 2 kv_heads) * head_dim."""
 
     @staticmethod
     def forward(
@@ -136,9 +154,10 @@ class _QKVAllToAll(torch.autograd.Function):
 
         def project(j: int) -> torch.Tensor:
             parts = [
-                F.linear(x, weight[rows], None if bias is None else bias[rows]) for rows in split.qkv_rows(j)
+                F.linear(x, weight[rows], None if bias is None else bias[rows])
+                for rows, _ in split.qkv_blocks(j)
             ]
-            return torch.cat(parts, dim=-1)
+            return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
         return torch.cat(compute_all_to_all(project, og), dim=0)  # block i: rank i's tokens
 
@@ -146,7 +165,7 @@ class _QKVAllToAll(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
-        wide = _sums_in_fp32(x)  # 3n dgrad products add up to grad_x: in fp32, rounded once
+        wide = _sums_in_fp32(x)  # n (or 3n) dgrad products add up to grad_x: in fp32, rounded once
         grad_x = torch.zeros_like(x, dtype=torch.float32 if wide else x.dtype)
         grad_w = torch.empty_like(weight)  # every row is written: each group's rows, once
         grad_b = (
@@ -156,7 +175,7 @@ class _QKVAllToAll(torch.autograd.Function):
 
         def consume(group: int, g: torch.Tensor) -> None:
             g2d = g.reshape(-1, g.shape[-1])
-            for rows, columns in zip(split.qkv_rows(group), split.block_columns()):
+            for rows, columns in split.qkv_blocks(group):
                 grad_x.add_(
                     _matmul_fp32(g[..., columns], weight[rows]) if wide else g[..., columns] @ weight[rows]
                 )
@@ -247,48 +266,3 @@ def check_sequence_length(seq_length: int, ranks: int) -> None:
             f"sequence length {seq_length} is not divisible by the sequence-parallel size {ranks}: every rank "
             f"holds an equal block of tokens; use a --seq-length that is a multiple of {ranks}"
         )
-
-
-class UlyssesSelfAttention(torch.nn.Module):
-    """Self-attention for Ulysses sequence parallelism that owns its QKV and output projections
-    (``query_key_value`` and ``dense``, laid out as Megatron-DeepSpeed's), with both all-to-alls
-    overlapped with them. ``forward(hidden [s/n, b, h], *args)`` returns ``(output [s/n, b, h],
-    dense bias or None)``: the bias is left to the caller, as Megatron's ``skip_bias_add``."""
-
-    def __init__(
-        self,
-        hidden_size: int,
-        split: HeadSplit,
-        local_attention: LocalAttention,
-        sequence_group: dist.ProcessGroup | None,
-        *,
-        bias: bool = True,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        size = 1 if sequence_group is None else sequence_group.size()
-        if split.ranks != size:
-            raise ValueError(f"the head split is for {split.ranks} ranks but the sequence group has {size}")
-        self.split = split
-        self.local_attention = local_attention
-        self.og = OverlapGroup(sequence_group, "direct", timeout_s, "ulysses_attention")
-        width = (split.heads + 2 * split.kv_heads) * split.head_dim
-        kw = {"device": device, "dtype": dtype}
-        self.query_key_value = torch.nn.Linear(hidden_size, width, bias=bias, **kw)
-        self.dense = torch.nn.Linear(split.heads * split.head_dim, hidden_size, bias=bias, **kw)
-        check_nccl_waits(self.og, run_device(self.dense.weight))
-
-    def forward(self, hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = ulysses_attention(
-            hidden,
-            self.query_key_value.weight,
-            self.query_key_value.bias,
-            self.dense.weight,
-            self.local_attention,
-            self.split,
-            self.og,
-            *args,
-        )
-        return out, self.dense.bias

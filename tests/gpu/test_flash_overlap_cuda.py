@@ -231,7 +231,8 @@ def test_a_cuda_graph_captures_the_ulysses_block_forward_and_backward(cuda_rank)
     ``torch.cuda.make_graphed_callables``: replays give eager's output and gradients."""
     import copy
 
-    from megatron_ext.layers.ulysses import HeadSplit, UlyssesSelfAttention
+    from megatron_ext.layers.ulysses import HeadSplit
+    from megatron_ext.layers.ulysses_module import UlyssesSelfAttention
 
     def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [s, b, heads, d]
         out = torch.nn.functional.scaled_dot_product_attention(
