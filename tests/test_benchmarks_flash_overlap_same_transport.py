@@ -59,24 +59,26 @@ def test_same_transport_baselines_equal_megatron_core_forward_and_backward(run_r
 
 
 def _distributed_attention_on_p2p() -> dict:
+    """Every UP method's output and gradients against DistributedAttention on gloo's all-to-all
+    (GQA: 8 query, 4 key/value heads), and the swapped functions restored after the steps."""
     import deepspeed.comm as ds_comm
+    from deepspeed.accelerator import get_accelerator
 
-    from benchmarks.flash_overlap.ulysses_rank import Sizes, UlyssesBlock
+    from benchmarks.flash_overlap.ulysses_rank import METHODS, Sizes, UlyssesBlock, _check
 
-    sizes = Sizes(seq_per_rank=8, batch=2, hidden=32, heads=4, head_dim=8)
-    original = ds_comm.all_to_all_single
-    results = {}
-    for method in ("distributed_attention_gloo", "distributed_attention_p2p", "ulysses_flash_overlap"):
-        block = UlyssesBlock(method, sizes, seed=0)
-        out = block.step()
-        results[method] = [out.detach(), *(p.grad for p in block.parameters())]
-    reference = results["distributed_attention_gloo"]
-    errors = {m: max((a - b).abs().max().item() for a, b in zip(r, reference)) for m, r in results.items()}
-    return {"errors": errors, "restored": ds_comm.all_to_all_single is original}
+    sizes = Sizes(seq_per_rank=8, batch=2, hidden=32, heads=8, kv_heads=4, head_dim=8)
+    originals = (ds_comm.all_to_all_single, get_accelerator().current_stream)
+    errors = _check({method: UlyssesBlock(method, sizes, seed=0) for method in METHODS})
+    restored = (ds_comm.all_to_all_single, get_accelerator().current_stream) == originals
+    return {"errors": errors, "restored": restored}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_distributed_attention_on_p2p_equals_its_gloo_all_to_all(run_ranks, world):
+def test_every_ulysses_method_equals_distributed_attention_on_its_gloo_all_to_all(run_ranks, world):
     for per_rank in run_ranks(world, _distributed_attention_on_p2p, timeout=180):
         assert per_rank["restored"]
+        assert set(per_rank["errors"]) == {
+            "distributed_attention_gloo", "distributed_attention_p2p", "distributed_attention_sp_stream_p2p",
+            "ulysses_flash_overlap", "ulysses_group_major",
+        }  # fmt: skip
         assert max(per_rank["errors"].values()) < 1e-5, per_rank["errors"]

@@ -4,11 +4,15 @@ DistributedAttention (Ulysses), every method's bytes moved by the same P2P excha
 figures of megatron-core and DistributedAttention run beside them, labelled as such.
 
   python -m benchmarks.flash_overlap.overlap --network cluster --quick      (root: namespaces + tc)
-  python -m benchmarks.flash_overlap.overlap --network cluster --tp 2 --sp 2 4
+  python -m benchmarks.flash_overlap.overlap --network cluster --tp 2 4 --sp 2 --launches 5
   python -m benchmarks.flash_overlap.overlap --network loopback --quick
 
-Writes overlap_<network>[_quick].json / .md under --out and prints the tables. What is swapped for the
-same transport: ``benchmarks/flash_overlap/same_transport.py``; TE's split: ``te_split.py``.
+Each size runs ``--launches`` times, each a fresh set of processes; the targets are judged across
+launches (``launch_spread.py``), and the first launch's tables follow. TP runs the balanced regime
+(T_comm ~ T_comp on P2P, ffn tuned by the first launch and kept for the others) at ``--mbit``; UP runs
+a real model's shapes (32 heads x 128, 8 key/value heads) at ``--up-mbit``. Writes
+overlap_<network>[_quick].json / .md under --out and prints the tables. What is swapped for the same
+transport: ``benchmarks/flash_overlap/same_transport.py``; TE's split: ``te_split.py``.
 """
 
 from __future__ import annotations
@@ -16,22 +20,40 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
-from benchmarks.flash_overlap.overlap_report import markdown, targets, up_summary
+from benchmarks.flash_overlap.launch_spread import targets_across, targets_markdown
+from benchmarks.flash_overlap.overlap_report import markdown, up_summary
 from benchmarks.flash_overlap.report import summarize
 from benchmarks.flash_overlap.run import REPO_ROOT, run_cluster, run_loopback
 
 TP_METHODS = ["megatron_core_p2p", "te_split_p2p", "flash_overlap", "megatron_core"]
 UP_MODULE = ["-m", "benchmarks.flash_overlap.ulysses_rank"]
 TP_MODULE = ["-m", "benchmarks.flash_overlap.rank"]
+TP_REGIME = "balanced"
 
 
-def _launch(args: argparse.Namespace, world: int, module: list[str], rank_args: list[str]) -> list[dict]:
+def _launch(
+    args: argparse.Namespace, world: int, module: list[str], rank_args: list[str], mbit: float
+) -> list[dict]:
     if args.network == "loopback":
         return run_loopback(world, rank_args, args.timeout, module)
-    return run_cluster(world, args.mbit, rank_args, args.timeout, module)
+    return run_cluster(world, mbit, rank_args, args.timeout, module)
+
+
+def _tp_launches(args: argparse.Namespace, tp: int, repeats: list[str]) -> list[list[dict]]:
+    """Every launch's summaries at TP=tp, the MLP width tuned by the first launch and kept."""
+    runs, fixed = [], []
+    for _ in range(args.launches):
+        rank_args = ["--methods", *TP_METHODS, "--regimes", TP_REGIME, *fixed, *repeats]
+        per_rank = _launch(args, tp, TP_MODULE, rank_args, args.mbit)
+        fixed = fixed or ["--ffn", str(per_rank[0]["regimes"][TP_REGIME]["ffn"])]
+        runs.append(
+            [summarize(per_rank, TP_REGIME, block) for block in per_rank[0]["regimes"][TP_REGIME]["blocks"]]
+        )
+    return runs
 
 
 def main() -> None:
@@ -41,31 +63,35 @@ def main() -> None:
     parser.add_argument("--network", choices=("loopback", "cluster"), default="cluster")
     parser.add_argument("--mbit", type=float, default=400.0, help="link rate on the emulated cluster")
     parser.add_argument("--tp", type=int, nargs="*", default=[2], help="TP sizes of the TP/SP blocks")
-    parser.add_argument("--sp", type=int, nargs="*", default=[2, 4], help="sequence-parallel sizes of UP")
+    parser.add_argument("--sp", type=int, nargs="*", default=[2], help="sequence-parallel sizes of UP")
+    parser.add_argument("--up-mbit", type=float, default=100.0, help="link rate of the UP runs")
+    parser.add_argument(
+        "--launches", type=int, default=None, help="fresh launches per size (default 5, quick 1)"
+    )
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes in all)")
     parser.add_argument("--steps", type=int, default=None, help="timed repeats (default 10, quick 5)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed repeats (default 2, quick 1)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "flash_overlap")
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args()
+    argv = sys.argv[1:]
     steps = args.steps or (5 if args.quick else 10)
     warmup = args.warmup or (1 if args.quick else 2)
     repeats = ["--steps", str(steps), "--warmup", str(warmup)]
     args.out.mkdir(parents=True, exist_ok=True)
     started, load_before = time.monotonic(), os.getloadavg()[0]
-    tp_summaries, up_summaries = [], []
-    for tp in args.tp:
-        per_rank = _launch(args, tp, TP_MODULE, ["--methods", *TP_METHODS, *repeats])
-        tp_summaries += [
-            summarize(per_rank, regime, block)
-            for regime in per_rank[0]["regimes"]
-            for block in per_rank[0]["regimes"][regime]["blocks"]
-        ]
+    args.launches = args.launches or (1 if args.quick else 5)
+    tp_runs = [_tp_launches(args, tp, repeats) for tp in args.tp]
+    up_runs = []
     for sp in args.sp:
-        per_rank = _launch(args, sp, UP_MODULE, repeats)
-        up_summaries += [up_summary(per_rank, regime) for regime in per_rank[0]["regimes"]]
+        launches = [_launch(args, sp, UP_MODULE, repeats, args.up_mbit) for _ in range(args.launches)]
+        up_runs.append(
+            [[up_summary(per_rank, regime) for regime in per_rank[0]["regimes"]] for per_rank in launches]
+        )
+    tp_summaries = [s for runs in tp_runs for s in runs[0]]
+    up_summaries = [s for runs in up_runs for s in runs[0]]
     network = "loopback (127.0.0.1, unshaped)" if args.network == "loopback" else (
-        f"emulated cluster, one package, links shaped to {args.mbit:g} Mbit/s"
+        f"emulated cluster, one package, links shaped to {args.mbit:g} Mbit/s (TP), {args.up_mbit:g} Mbit/s (UP)"
     )  # fmt: skip
     minutes = (time.monotonic() - started) / 60
     meta = {
@@ -75,7 +101,8 @@ def main() -> None:
         "steps": steps,
         "warmup": warmup,
         "note": (
-            f"{network}; {steps} timed repeats after {warmup} warm-up, methods interleaved repeat by repeat; "
+            f"{network}; {args.launches} launch(es) per size, each {steps} timed repeats after {warmup} warm-up, "
+            "methods interleaved repeat by repeat; "
             f"host load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; {minutes:.1f} min "
             "in all. Same transport: megatron-core's linears with their collectives swapped for the P2P "
             "exchange, TE's split (ring exchange for qkv/fc1 fprop and proj/fc2 dgrad, pipelined 4-chunk "
@@ -86,14 +113,22 @@ def main() -> None:
     }
     label = f"overlap_{'cluster' + format(args.mbit, 'g') if args.network == 'cluster' else 'loopback'}"
     label += "_quick" if args.quick else ""
-    table = markdown(f"Same-transport overlap benchmark, {network}", tp_summaries, up_summaries, meta)
+    rows = targets_across(tp_runs, up_runs)
+    table = "\n".join([
+        f"### Same-transport overlap benchmark, {network}", "",
+        f"`python -m benchmarks.flash_overlap.overlap {' '.join(argv)}`", "",
+        f"**Targets across {args.launches} launch(es)** (a side: min / median / max over launches of each "
+        "launch's median; a ratio only where the ranges do not overlap):", "",
+        *targets_markdown(rows), "", "#### The first launch in detail", "",
+        markdown(f"Launch 1 of {args.launches}", tp_summaries, up_summaries, meta),
+    ])  # fmt: skip
     print(table, flush=True)
     (args.out / f"{label}.md").write_text(table + "\n")
     for s in tp_summaries:
         for m in s["methods"].values():
             m.pop("timeline", None)  # the per-op spans are run.py's PNGs, not this benchmark's figures
     (args.out / f"{label}.json").write_text(json.dumps(
-        {"meta": meta, "targets": targets(tp_summaries, up_summaries), "tp": tp_summaries, "up": up_summaries},
+        {"meta": meta, "targets": rows, "tp": tp_summaries, "up": up_summaries},
         indent=1,
     ))  # fmt: skip
 

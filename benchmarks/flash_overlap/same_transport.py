@@ -16,7 +16,8 @@ Two context managers, used by the benchmark only, each restoring what it swapped
   returns a handle whose ``wait()`` waits for it, so megatron-core's own overlap is unchanged.
 * :func:`deepspeed_on_p2p` swaps ``deepspeed.comm.all_to_all_single`` (what
   ``DistributedAttention``'s ``single_all_to_all`` calls) for an all-to-all of n-1 P2P steps posted at
-  once (:func:`megatron_ext.layers.p2p_all_to_all.all_to_all_compute` with a copy as its "compute").
+  once (:func:`megatron_ext.layers.p2p_all_to_all.start_all_to_all`), synchronously or, for its
+  ``sp_stream`` overlap, asynchronously.
 
 Both move the bytes a ring collective moves, over the same :class:`~megatron_ext.layers.p2p_link.Link`
 as the Flash-Overlap schedules.
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.layers.p2p_all_to_all import all_to_all_compute
+from megatron_ext.layers.p2p_all_to_all import start_all_to_all
 from megatron_ext.layers.p2p_link import OverlapGroup
 from megatron_ext.layers.p2p_overlap import start_all_gather, start_reduce_scatter
 
@@ -115,16 +116,17 @@ def p2p_all_to_all_single(
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     **_: Any,
-) -> None:
+) -> _Posted | None:
     """``all_to_all_single`` with even splits of dim 0 (what ``DistributedAttention`` uses with head
-    counts the group divides) as n-1 P2P steps posted at once."""
-    if output_split_sizes or input_split_sizes or async_op:
-        raise ValueError(
-            "the P2P all-to-all takes even splits, synchronously (DistributedAttention's plain path)"
-        )
-    og = _og(group, "DistributedAttention all-to-all on P2P")
-    into = output.chunk(og.size)
-    all_to_all_compute(list(tensor.contiguous().chunk(og.size)), lambda i, block: into[i].copy_(block), og)
+    counts the group divides) as n-1 P2P steps posted at once; ``async_op=True`` (its ``sp_stream``
+    overlap) returns a handle whose ``wait()`` completes it."""
+    if output_split_sizes or input_split_sizes:
+        raise ValueError("the P2P all-to-all takes even splits (DistributedAttention's path for even heads)")
+    wait = start_all_to_all(output, tensor, _og(group, "DistributedAttention all-to-all on P2P"))
+    if async_op:
+        return _Posted(wait)
+    wait()
+    return None
 
 
 @contextmanager

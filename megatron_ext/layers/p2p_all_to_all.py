@@ -56,6 +56,23 @@ def compute_all_to_all(compute: Callable[[int], torch.Tensor], og: OverlapGroup)
     return received
 
 
+def _post_blocks(
+    blocks: list[torch.Tensor], og: OverlapGroup, into: list[torch.Tensor] | None = None
+) -> tuple[Link, list[tuple[torch.Tensor, object, int]]]:
+    """Post every remote block of an all-to-all at once: (link, [(receive buffer, transfer, source)]);
+    each received block lands in ``into[source]`` when given, else in a new buffer."""
+    n, r = og.size, og.rank
+    link = Link(og, blocks[r].device, "all-to-all")
+    pending = []
+    for step in range(1, n):
+        dst, src = (r + step) % n, (r - step) % n
+        buf = torch.empty_like(blocks[r]) if into is None else into[src]
+        pending.append(
+            (buf, link.exchange(buf, src, blocks[dst].contiguous(), dst, step=_CONSUME_TAG + step), src)
+        )
+    return link, pending
+
+
 def all_to_all_compute(
     blocks: list[torch.Tensor], compute: Callable[[int, torch.Tensor], None], og: OverlapGroup
 ) -> None:
@@ -66,17 +83,27 @@ def all_to_all_compute(
     if n == 1:
         timed(og, "block 0", lambda: compute(0, blocks[0]))
         return
-    own = blocks[r]
-    link = Link(og, own.device, "all-to-all")
-    pending = []
-    for step in range(1, n):
-        dst, src = (r + step) % n, (r - step) % n
-        buf = torch.empty_like(own)
-        pending.append(
-            (buf, link.exchange(buf, src, blocks[dst].contiguous(), dst, step=_CONSUME_TAG + step), src)
-        )
-    timed(og, f"block from rank {r}", lambda: compute(r, own))
+    link, pending = _post_blocks(blocks, og)
+    timed(og, f"block from rank {r}", lambda: compute(r, blocks[r]))
     for buf, posted, src in pending:
         link.wait(posted, True, src, f"receive of block {r} from rank {src}")
         timed(og, f"block from rank {src}", lambda src=src, buf=buf: compute(src, buf))
     link.finish()
+
+
+def start_all_to_all(output: torch.Tensor, tensor: torch.Tensor, og: OverlapGroup) -> Callable[[], None]:
+    """A whole all-to-all of dim 0's n even blocks (``all_to_all_single``'s layout) posted as P2P
+    steps; returns the wait that completes it into ``output``."""
+    n, r = og.size, og.rank
+    blocks, into = list(tensor.contiguous().chunk(n)), list(output.chunk(n))
+    into[r].copy_(blocks[r])
+    if n == 1:
+        return lambda: None
+    link, pending = _post_blocks(blocks, og, into)
+
+    def wait() -> None:
+        for _, posted, src in pending:
+            link.wait(posted, True, src, f"receive of block {r} from rank {src}")
+        link.finish()
+
+    return wait
