@@ -1,21 +1,27 @@
 """Projection to Frontier: the 20B GPT preset on 1..48 nodes (8..384 GCDs), every collective charged
-through the calibrated collective_cost model (deepspeed_ext/zero/projection.py).
+through the collective_cost model (deepspeed_ext/zero/projection.py).
 
   python -m benchmarks.zero.project                       # writes benchmarks/results/zero/projection.{json,md}
+  python -m benchmarks.zero.project --profile profile.json --name projection_measured
   python -m benchmarks.zero.project --tp 4 --grad-accum 4 --name projection_tp4_ga4
   options: [--tp 4] [--grad-accum N (default: the JSON's)] [--nodes 1 2 6 12 24 48]
-           [--ds-config scripts/presets/ds_frontier_20b.json] [--name projection]
+           [--ds-config scripts/presets/ds_frontier_20b.json] [--profile P] [--name projection]
 
-Prints (all computed): the calibration against published figures, the papers' relations the model
-must reproduce within 20 %, TFLOPS per GCD of ZeRO-3, hpZ as DeepSpeed runs it and idealized, ZeRO++
-(hpZ + qwZ + qgZ as DeepSpeed runs them) and ours at the preset's layout (TP=4, micro-batch 1, the
-JSON's buckets), and the planner's best plan that fits 64 GB at the largest size against the
-targets (1.5x hpZ, 1.2x ZeRO++).
+Without ``--profile`` the collective costs are Frontier's documented hardware; with one, what the
+probe measured on the user's nodes (its ranks per node and package, its fitted step latencies and
+bandwidths; the rest documented). Prints (all computed): the model against published figures, all
+held out (nothing is fitted to them), the papers' relations, TFLOPS per GCD of ZeRO-3, hpZ as
+DeepSpeed runs it and idealized, ZeRO++ (hpZ + qwZ + qgZ as DeepSpeed runs them) and ours at the
+preset's layout (TP=4, micro-batch 1, the JSON's buckets), and the planner's best plan that fits
+64 GB at the largest size against the targets (1.5x hpZ, 1.2x ZeRO++), each headline ratio with its
+range over the uncertain inputs (ring step 1-10 us, ring bandwidth 5.84-22.5 GB/s, overlap 0 / 50 /
+90 %, GEMM efficiency 0.3-0.6; with a profile only the last two).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from dataclasses import asdict, replace
@@ -23,8 +29,14 @@ from pathlib import Path
 
 from benchmarks.zero import calibration
 from deepspeed_ext.zero import plan as planner_cli
+from deepspeed_ext.zero.collective_cost import (
+    FRONTIER_RING_GBPS,
+    FRONTIER_RING_GBPS_LOW,
+    FRONTIER_RING_STEP_RANGE_US,
+    frontier_costs,
+)
 from deepspeed_ext.zero.projection import Plan, Scheme, project
-from deepspeed_ext.zero.workload import Buckets
+from deepspeed_ext.zero.workload import Buckets, System
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
 TARGET_VS_HPZ, TARGET_VS_ZEROPP, PAPER_TOLERANCE = 1.5, 1.2, 0.20
@@ -54,13 +66,51 @@ def hit(value: float, target: float) -> dict:
     }
 
 
-def scaling(nodes: list[int], tp: int, grad_accum: int, buckets: Buckets) -> dict:
+COLLECTIVE_SWEEP = {
+    "ring_step_us": FRONTIER_RING_STEP_RANGE_US,
+    "ring_gbps": (FRONTIER_RING_GBPS_LOW, FRONTIER_RING_GBPS),
+}
+"""Frontier's uncertain collective inputs, each at both ends (documented in collective_cost.py)."""
+SYSTEM_SWEEP = {"overlap": (0.0, 0.5, 0.9), "gemm_efficiency": (0.3, 0.6)}
+"""The step's uncertain inputs: communication hidden behind compute, fraction of peak the GEMMs reach."""
+
+
+def systems(base: System, measured: bool) -> list[tuple[dict[str, float], System]]:
+    """Every combination of the uncertain inputs (the collective ones only without a profile)."""
+    sweep = SYSTEM_SWEEP if measured else {**COLLECTIVE_SWEEP, **SYSTEM_SWEEP}
+    out = []
+    for values in itertools.product(*sweep.values()):
+        inputs = dict(zip(sweep, values))
+        system = replace(base, overlap=inputs["overlap"], gemm_efficiency=inputs["gemm_efficiency"])
+        if not measured:
+            system = replace(system, costs=frontier_costs(inputs["ring_step_us"], inputs["ring_gbps"]))
+        out.append((inputs, system))
+    return out
+
+
+def ranges(base: System, measured: bool, nodes: int, ds: dict, grad_accum: int) -> dict:
+    """Each headline ratio of :func:`best_vs_targets` at every combination of the uncertain inputs:
+    its least and greatest value and the inputs that give them."""
+    values: dict[str, list[tuple[float, dict]]] = {}
+    for inputs, system in systems(base, measured):
+        best = best_vs_targets(system, nodes, ds, grad_accum)
+        for kind in ("same_setting", "vs_own_best"):
+            for baseline in ("hpz", "zeropp"):
+                values.setdefault(f"{kind} {baseline}", []).append((best[kind][baseline], inputs))
+    return {
+        key: {"min": min(v)[0], "min_at": min(v, key=lambda x: x[0])[1], "max": max(v, key=lambda x: x[0])[0],
+              "max_at": max(v, key=lambda x: x[0])[1], "combinations": len(v)}
+        for key, v in values.items()
+    }  # fmt: skip
+
+
+def scaling(system: System, nodes: list[int], tp: int, grad_accum: int, buckets: Buckets) -> dict:
     """TFLOPS per GCD of each column at each size (computed)."""
     rows = {}
     for n in nodes:
         rows[str(n * 8)] = {
             name: project(
-                calibration.FRONTIER,
+                system,
                 calibration.GPT_20B,
                 n,
                 replace(p, tp=tp, grad_accum=grad_accum, buckets=buckets),
@@ -70,16 +120,16 @@ def scaling(nodes: list[int], tp: int, grad_accum: int, buckets: Buckets) -> dic
     return rows
 
 
-def best_vs_targets(nodes: int, ds: dict, grad_accum: int) -> dict:
+def best_vs_targets(system: System, nodes: int, ds: dict, grad_accum: int) -> dict:
     """The planner's best plan that fits 64 GB and its ratios (same TP, micro-batch and
     recomputation; baselines with the JSON's buckets), and the baselines' own best plans."""
-    rows = planner_cli.evaluate(calibration.FRONTIER, calibration.GPT_20B, nodes, ds, grad_accum)
+    rows = planner_cli.evaluate(system, calibration.GPT_20B, nodes, ds, grad_accum)
     best = rows[0]
     own = {}
     for scheme in (Scheme.ZERO3, Scheme.HPZ, Scheme.HPZ_IDEAL, Scheme.ZEROPP):
         fits = [
             planner_cli.fitting(
-                calibration.FRONTIER,
+                system,
                 calibration.GPT_20B,
                 nodes,
                 Plan(scheme, tp, grad_accum=grad_accum, buckets=Buckets.from_json(ds)),
@@ -108,6 +158,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ds-config", type=Path, default=planner_cli.PRESETS / "ds_frontier_20b.json")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--name", default="projection")
+    parser.add_argument("--profile", type=Path, help="a probe profile: its measured costs and topology")
     args = parser.parse_args(argv)
     from benchmarks.zero.project_tables import markdown
 
@@ -115,6 +166,12 @@ def main(argv: list[str] | None = None) -> dict:
     buckets = Buckets.from_json(ds)
     grad_accum = args.grad_accum or int(ds.get("gradient_accumulation_steps", 1))
     pccl, where = calibration.pccl_zero3_speedup()
+    system = (
+        planner_cli.measured_system(args.profile, calibration.FRONTIER)
+        if args.profile
+        else calibration.FRONTIER
+    )
+    nodes = max(args.nodes)
     results = {
         "command": " ".join(["python -m benchmarks.zero.project", *(sys.argv[1:] if argv is None else argv)]),
         "calibration": [asdict(p) | {"error": p.error} for p in calibration.points()],
@@ -125,8 +182,10 @@ def main(argv: list[str] | None = None) -> dict:
         "pccl_zero3": hit(pccl, PCCL_ZERO3) | {"where": where},
         "tp": args.tp,
         "grad_accum": grad_accum,
-        "scaling": scaling(args.nodes, args.tp, grad_accum, buckets),
-        "best": best_vs_targets(max(args.nodes), ds, grad_accum),
+        "costs": system.costs.system,
+        "scaling": scaling(system, args.nodes, args.tp, grad_accum, buckets),
+        "best": best_vs_targets(system, nodes, ds, grad_accum),
+        "ranges": ranges(system, args.profile is not None, nodes, ds, grad_accum),
         "buckets": asdict(buckets),
     }
     table = markdown(results)

@@ -7,7 +7,10 @@ latency + bus bytes x concurrent groups / node bandwidth``, where a ring takes `
 steps and the recursive algorithms ``ceil(log2 members)``, both moving the bandwidth-optimal bus
 bytes. Across nodes a communicator pushes at most ``bus_gbps`` through its node's NICs (RCCL leaves
 NICs idle: PCCL, arXiv 2504.18658), and the node's concurrent communicators share ``nic_gbps``.
-The constants are fitted to published measurements: docs/hierarchical_zero.md, "Calibration".
+Frontier's constants come from its hardware's documentation, with the uncertain ones given a range
+the projection sweeps; H100's from published nccl-tests figures; a probe profile replaces them with
+what it measured (``profile.py``). None is fitted to a ratio it is checked against
+(docs/hierarchical_zero.md, "Calibration").
 """
 
 from __future__ import annotations
@@ -47,10 +50,6 @@ class AlgorithmFit:
     bus_gbps: float
     """Bus bandwidth at large messages (GB/s): per rank inside a node; across nodes, what one
     communicator pushes through its node's NICs."""
-    small_bus_gbps: float | None = None
-    """Bus bandwidth below ``small_limit_bytes`` (a slower protocol for small messages); None: the same."""
-    small_limit_bytes: float = 0.0
-    """Message size (bytes) from which ``bus_gbps`` applies."""
 
 
 @dataclass(frozen=True)
@@ -110,8 +109,7 @@ def seconds(
     steps = algorithm_steps(algorithm, members)
     if operation == Operation.ALL_REDUCE:
         steps *= 2  # a reduce-scatter, then an all-gather
-    small = fit.small_bus_gbps is not None and nbytes < fit.small_limit_bytes
-    rate = (fit.small_bus_gbps if small else fit.bus_gbps) * 1e9
+    rate = fit.bus_gbps * 1e9
     volume = bus_bytes(operation, members, nbytes)
     if LinkClass(link) == LinkClass.INTER_NODE:
         rate = min(concurrent * rate, costs.nic_gbps * 1e9) / concurrent
@@ -134,27 +132,39 @@ def fastest(
 
 
 MIB = 2**20
-# Frontier (OLCF user guide): GCD pair 200 GB/s, GCDs on different MI250X 50-100 GB/s (peak figures;
-# no published RCCL in-node bus bandwidth was found), 4 Slingshot-11 NICs x 25 GB/s per node, at 90 %.
-# Across nodes, fitted to published measurements (docs/hierarchical_zero.md, "Calibration"): RCCL's
-# ring step and small-message bandwidth to ROCm/rccl issue 1490 (all_gather_perf on 32 GCDs,
-# 64 KiB-1 MiB, a least-squares line; slow "until 16 MiB" in the issue's words); its large-message
-# bandwidth per communicator to PCCL's smallest all-gather speed-up over RCCL at 2048 GCDs (6x); the
-# point-to-point step to PCCL's largest (33x); RCCL's reduce-scatter step to PCCL's 168x.
-_RCCL_RING = AlgorithmFit(step_us=0.57, bus_gbps=5.84, small_bus_gbps=0.706, small_limit_bytes=16 * MIB)
-FRONTIER_RCCL = CollectiveCosts(
-    system="Frontier, RCCL + point-to-point hops over Slingshot-11",
-    fits={
-        (LinkClass.PACKAGE, Algorithm.RING): AlgorithmFit(step_us=2.0, bus_gbps=200.0),
-        (LinkClass.NODE, Algorithm.RING): AlgorithmFit(step_us=4.0, bus_gbps=50.0),
-        (LinkClass.INTER_NODE, Algorithm.RING): _RCCL_RING,
-        (LinkClass.INTER_NODE, Algorithm.RECURSIVE): AlgorithmFit(step_us=16.0, bus_gbps=12.5),
-    },
-    nic_gbps=90.0,
-    by_operation={
-        (Operation.REDUCE_SCATTER, LinkClass.INTER_NODE, Algorithm.RING): replace(_RCCL_RING, step_us=14.5),
-    },
-)
+# Frontier, from its documentation; nothing fitted. OLCF's Frontier user guide (node architecture):
+# the two GCDs of an MI250X share 200 GB/s (package), GCDs on different MI250X 50-100 GB/s (node:
+# the lower), one 25 GB/s Slingshot-11 NIC per MI250X, four per node, taken at 90 % (nic_gbps 90).
+# Across nodes a ring communicator is assumed to push one NIC's 22.5 GB/s, and each rank pair of the
+# point-to-point algorithm half of its MI250X's NIC (its two GCDs share it), 11.25 GB/s. The step
+# latency across nodes, 10 us for both algorithms, is an assumption (Slingshot's MPI latency is ~2 us;
+# a library step adds its own work). The uncertain two are swept by the projection: ring step 1-10 us,
+# ring bandwidth from FRONTIER_RING_GBPS_LOW (what PCCL's smallest speed-up over RCCL, 6x, implies
+# per communicator) up to the NIC.
+FRONTIER_RING_STEP_US = 10.0
+FRONTIER_RING_GBPS = 22.5
+FRONTIER_RING_GBPS_LOW = 5.84
+FRONTIER_RING_STEP_RANGE_US = (1.0, 10.0)
+
+
+def frontier_costs(
+    ring_step_us: float = FRONTIER_RING_STEP_US, ring_gbps: float = FRONTIER_RING_GBPS
+) -> CollectiveCosts:
+    """Frontier's costs with the two uncertain inputs given: the inter-node step latency (both
+    algorithms) and one ring communicator's inter-node bandwidth."""
+    return CollectiveCosts(
+        system=f"Frontier (documented hardware; inter-node step {ring_step_us:g} us, ring {ring_gbps:g} GB/s)",
+        fits={
+            (LinkClass.PACKAGE, Algorithm.RING): AlgorithmFit(step_us=2.0, bus_gbps=200.0),
+            (LinkClass.NODE, Algorithm.RING): AlgorithmFit(step_us=4.0, bus_gbps=50.0),
+            (LinkClass.INTER_NODE, Algorithm.RING): AlgorithmFit(step_us=ring_step_us, bus_gbps=ring_gbps),
+            (LinkClass.INTER_NODE, Algorithm.RECURSIVE): AlgorithmFit(step_us=ring_step_us, bus_gbps=11.25),
+        },
+        nic_gbps=90.0,
+    )
+
+
+FRONTIER_RCCL = frontier_costs()
 # DGX H100 with NCCL (nccl-tests figures quoted in docs/hierarchical_zero.md, "Calibration"):
 # NVLink-4 all-reduce bus bandwidth 460-480 GB/s on 8 GPUs; 400-450 GB/s across NDR 400 Gb/s
 # nodes, one communicator's rings spread over the node's 8 x 50 GB/s NICs; point-to-point hops on

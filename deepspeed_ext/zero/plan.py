@@ -3,6 +3,7 @@ settings for it.
 
   python -m deepspeed_ext.zero.plan --model 20b --nodes 48 --topology frontier --memory-gb 64
   python -m deepspeed_ext.zero.plan --layers 32 --hidden 4096 --heads 32 --seq 2048 --nodes 16 --topology h100
+  python -m deepspeed_ext.zero.plan --model 20b --nodes 48 --profile profile.json   # the probe's measured costs
 
 Per candidate (TP, secondary level, inter-node algorithm, quantization, boundary sync, pipeline
 chunks, DeepSpeed buckets) the largest micro-batch and the least recomputation that fit, the
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from deepspeed_ext.zero.collective_cost import FRONTIER_RCCL, H100_NCCL
 from deepspeed_ext.zero.config import InterNodeAlgorithm
+from deepspeed_ext.zero.profile import parse
 from deepspeed_ext.zero.projection import Plan, Projection, Scheme, memory, project, shape
 from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
 from plugin_base.topology import LinkClass
@@ -35,6 +37,18 @@ TOPOLOGIES = {
 BUCKETS = (50_000_000, 200_000_000)
 """Prefetch and reduce bucket sizes (elements) the plan tries."""
 MICRO_BATCHES = (8, 4, 2, 1)
+
+
+def measured_system(path: Path, base: System) -> System:
+    """``base`` with a probe profile's topology and measured collective costs (the costs it did not
+    measure, the peak and the memory stay ``base``'s)."""
+    profile = parse(json.loads(path.read_text()), str(path))
+    return replace(
+        base,
+        costs=profile.costs(base.costs),
+        ranks_per_node=profile.topology["ranks_per_node"],
+        ranks_per_package=profile.topology["ranks_per_package"],
+    )
 
 
 def model_from_args(path: Path) -> Model:
@@ -178,6 +192,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--grad-accum", type=int, help="default: the DeepSpeed JSON's gradient_accumulation_steps"
     )
     parser.add_argument("--top", type=int, default=20, help="rows to print (0: all)")
+    parser.add_argument(
+        "--profile", type=Path, help="a probe profile: its topology and measured collective costs"
+    )
     parser.add_argument("--output-json", type=Path, help="write the best plan's DeepSpeed sections here")
     args = parser.parse_args(argv)
     if args.model:
@@ -188,6 +205,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model = Model(args.layers, args.hidden, args.heads, args.seq)
     system = TOPOLOGIES[args.topology]
     system = replace(system, memory_gb=args.memory_gb) if args.memory_gb else system
+    if args.profile:
+        system = measured_system(args.profile, system)
     ds = json.loads(args.ds_config.read_text())
     grad_accum = args.grad_accum or int(ds.get("gradient_accumulation_steps", 1))
     rows = evaluate(system, model, args.nodes, ds, grad_accum)
@@ -195,7 +214,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"no candidate fits {system.memory_gb} GB per GPU: more nodes or a larger TP")
     print(
         f"{model.params / 1e9:.1f}B GPT on {args.nodes} nodes ({args.topology}, {system.memory_gb:g} GB), "
-        f"grad-accum {grad_accum}; computed (deepspeed_ext/zero/projection.py); {len(rows)} candidates fit"
+        f"grad-accum {grad_accum}; computed (deepspeed_ext/zero/projection.py; costs: {system.costs.system}); "
+        f"{len(rows)} candidates fit"
     )
     print(
         "| | candidate | TFLOPS/GCD | GB/rank | vs ZeRO-3 | vs hpZ (DeepSpeed) | vs hpZ (ideal) | vs ZeRO++ |"

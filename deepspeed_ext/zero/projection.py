@@ -77,8 +77,6 @@ class Plan:
     """Ours: chunks so the inter-node, node and package hops overlap."""
     buckets: Buckets = Buckets()
     """DeepSpeed's buckets."""
-    overlap: float = 0.0
-    """Fraction of communication hidden behind compute (0: none)."""
 
 
 def shape(system: System, nodes: int, tp: int) -> DPShape:
@@ -155,7 +153,7 @@ class Projection:
     comm_s: float
     """Communication of one step, none of it hidden."""
     step_s: float
-    """Step time with ``overlap`` of the communication hidden."""
+    """Step time with the system's ``overlap`` of the communication hidden."""
     tflops_per_gcd: float
     """Model FLOPs (no recomputation counted) per GCD per second, in TFLOPS."""
     memory: dict[str, float]
@@ -266,16 +264,16 @@ def memory(system: System, model: Model, s: DPShape, plan: Plan) -> dict[str, fl
     return out
 
 
-def project(system: System, model: Model, nodes: int, plan: Plan, gemm_efficiency: float = 0.4) -> Projection:
+def project(system: System, model: Model, nodes: int, plan: Plan) -> Projection:
     """Step time, TFLOPS per GCD and memory per rank of ``plan`` on ``nodes`` nodes (computed)."""
     s = shape(system, nodes, plan.tp)
     per_gcd = plan.grad_accum * model.flops(plan.micro_batch, plan.recompute) / plan.tp
-    compute = per_gcd / (system.peak_tflops * 1e12 * gemm_efficiency)
+    compute = per_gcd / (system.peak_tflops * 1e12 * system.gemm_efficiency)
     calls = (
         gather_calls(model.modules(plan.tp), plan.buckets),
         reduce_calls(model.params // plan.tp, plan.buckets),
     )
     comm = comm_seconds(system, *calls, s, plan)
-    step = step_time(compute, comm, plan.overlap)
+    step = step_time(compute, comm, system.overlap)
     useful = plan.grad_accum * model.flops(plan.micro_batch, Recompute.NONE) / plan.tp
     return Projection(compute, comm, step, useful / step / 1e12, memory(system, model, s, plan))

@@ -21,7 +21,7 @@ class System:
     """A machine: ranks per node and package, peak compute, memory, collective costs."""
 
     costs: CollectiveCosts
-    """Fitted collective costs."""
+    """Collective costs (documented, published or measured by the probe)."""
     ranks_per_node: int = 8
     """GPUs (GCDs) per node."""
     ranks_per_package: int = 2
@@ -30,6 +30,12 @@ class System:
     """Dense bf16 peak per GCD (MI250X: 383 per module)."""
     memory_gb: float = 64.0
     """Memory per GCD."""
+    gemm_efficiency: float = 0.4
+    """Fraction of ``peak_tflops`` the model's GEMMs reach (an assumption; the projection sweeps
+    0.3-0.6)."""
+    overlap: float = 0.0
+    """Fraction of the communication hidden behind compute (an assumption; the projection sweeps
+    0, 0.5 and 0.9)."""
 
 
 @dataclass(frozen=True)

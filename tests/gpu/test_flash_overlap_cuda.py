@@ -112,6 +112,44 @@ def test_a_cuda_graph_captures_the_layers_at_tp1(cuda_rank):
         assert torch.equal(static_out, _mlp(pair, x))
 
 
+def _replays_match_eager(graphed, eager, device) -> None:
+    """Three inputs through the graphed callable and the eager module: equal outputs and input
+    gradients (bf16; SDPA's backward may use atomics)."""
+    for seed in range(3):
+        g = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(S, B, H, device=device, generator=g).bfloat16()
+        cotangent = torch.randn(S, B, H, device=device, generator=g).bfloat16()
+        results = []
+        for module in (graphed, eager):
+            xi = x.clone().requires_grad_()
+            out = module(xi)
+            out.backward(cotangent)
+            results.append((out.detach(), xi.grad))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_cuda_graph_captures_the_layers_forward_and_backward_at_tp1(cuda_rank):
+    """The Flash-Overlap MLP pair under ``torch.cuda.make_graphed_callables``, forward and backward."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    config = ModelParallelConfig(params_dtype=torch.bfloat16, bf16=True)
+
+    class MLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.pair = torch.nn.ModuleList(_pair(config, flash=True))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return _mlp(self.pair, x)
+
+    eager, block = MLP().to(cuda_rank), MLP().to(cuda_rank)
+    block.load_state_dict(eager.state_dict())
+    sample = torch.randn(S, B, H, device=cuda_rank, dtype=torch.bfloat16, requires_grad=True)
+    _replays_match_eager(torch.cuda.make_graphed_callables(block, (sample,)), eager, cuda_rank)
+
+
 def test_tp2_schedules_are_stream_ordered_and_capturable(cuda_rank, tmp_path):
     """Runs in a child process: a fake process group of 2 cannot share this process with NCCL."""
     out = tmp_path / "child.json"
@@ -255,16 +293,4 @@ def test_a_cuda_graph_captures_the_ulysses_block_forward_and_backward(cuda_rank)
     eager, block = Block(), Block()
     block.load_state_dict(copy.deepcopy(eager.state_dict()))
     sample = torch.randn(S, B, H, device=cuda_rank, dtype=torch.bfloat16, requires_grad=True)
-    graphed = torch.cuda.make_graphed_callables(block, (sample,))
-    for seed in range(3):
-        g = torch.Generator(device=cuda_rank).manual_seed(seed)
-        x = torch.randn(S, B, H, device=cuda_rank, generator=g).bfloat16()
-        cotangent = torch.randn(S, B, H, device=cuda_rank, generator=g).bfloat16()
-        results = []
-        for module in (graphed, eager):
-            xi = x.clone().requires_grad_()
-            out = module(xi)
-            out.backward(cotangent)
-            results.append((out.detach(), xi.grad))
-        for got, want in zip(*results):
-            torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)  # SDPA backward may use atomics
+    _replays_match_eager(torch.cuda.make_graphed_callables(block, (sample,)), eager, cuda_rank)
