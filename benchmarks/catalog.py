@@ -40,6 +40,7 @@ RANKS = {
     "benchmarks.data_loader.rank": "one rank of `benchmarks.data_loader.run`, started by it",
     "benchmarks.flash_overlap.rank": "one rank of `benchmarks.flash_overlap.run` and `.overlap`, started by them",
     "benchmarks.flash_overlap.ulysses_rank": "one rank of `benchmarks.flash_overlap.overlap`'s UP part, started by it",
+    "benchmarks.flash_overlap.launches_rank": "one rank of `benchmarks.flash_overlap.launches`, started by it",
     "benchmarks.run_all": "this script",
     "benchmarks.zero.rank": "one rank of `benchmarks.zero.run`, started by it",
 }
@@ -141,6 +142,12 @@ def steps(network: str, quick: bool) -> list[Step]:
             "benchmarks.flash_overlap.overlap",
             ("--network", network, *(("--quick",) if quick else ()), "--out", f"{RESULTS_ARG}/flash_overlap"),
             (f"flash_overlap/overlap_{fo}{'_quick' if quick else ''}.md",),
+        ),
+        Step(
+            "Flash-Overlap kernel launches per layer against megatron-core and DistributedAttention (counted)",
+            "benchmarks.flash_overlap.launches",
+            ("--out", f"{RESULTS_ARG}/flash_overlap"),
+            ("flash_overlap/launches.md",),
         ),
         *_activation_memory(quick),
         Step(

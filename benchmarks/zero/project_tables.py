@@ -30,7 +30,11 @@ def markdown(results: dict) -> str:
         "| setting (assumed) | relation | published | model (computed) | error | |",
         "|---|---|---:|---:|---:|---|",
     ]
-    names = {"zeropp_vs_zero3": "ZeRO++ / ZeRO-3", "ours_vs_zeropp": "3-level (ours) / ZeRO++"}
+    names = {
+        "zeropp_vs_zero3": "ZeRO++ / ZeRO-3",
+        "ours_vs_zeropp": "3-level (ours) / ZeRO++",
+        "ours_scaling_efficiency": "3-level (ours) scaling efficiency, 8 to 384 GCDs",
+    }
     for setting, rel in results["papers"].items():
         for key, r in rel.items():
             lines.append(

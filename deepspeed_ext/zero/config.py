@@ -94,7 +94,7 @@ class HierarchicalZeroConfig(Section):
     inter_node_algorithm: InterNodeAlgorithm = InterNodeAlgorithm.AUTO
     """Algorithm of the hops across nodes: recursive (log-latency P2P), ring (the backend's collective) or auto (per call, the faster in the profile; ring without one)."""
     profile: str | None = None
-    """Path of a profile measured on this cluster by python -m deepspeed_ext.zero.probe: auto and the planner read it (null: ring everywhere, fitted costs for the planner)."""
+    """Path of a profile measured on this cluster by python -m deepspeed_ext.zero.probe: auto and the planner read it (null: ring everywhere, documented costs for the planner)."""
     pipeline_chunks: int = Field(default=1, ge=1, le=64)
     """Pieces each unquantized hop gather / reduce-scatter is cut into so that its levels run at once (a thread or stream per group); 1 (the default) runs them one after another on the caller's stream."""
 
