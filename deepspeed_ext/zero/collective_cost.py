@@ -195,7 +195,7 @@ def with_bandwidths(costs: CollectiveCosts, gbps: Mapping[LinkClass, float] | No
 
 
 def for_topology(ranks_per_package: int, gbps: Mapping[LinkClass, float] | None = None) -> CollectiveCosts:
-    """The fitted costs the planner charges and ``inter_node_algorithm: auto`` compares: Frontier's
+    """The costs the planner charges and ``inter_node_algorithm: auto`` compares: Frontier's
     RCCL where a package holds several ranks (MI250X), NCCL on H100 nodes otherwise; with ``gbps``
     (``hierarchical_zero.link_bandwidth_gbps``) the link speeds a config gives."""
     return with_bandwidths(FRONTIER_RCCL if ranks_per_package > 1 else H100_NCCL, gbps)

@@ -82,7 +82,7 @@ class HierarchicalZeroConfig(Section):
     grad_reduce: GradReduce = GradReduce.HIERARCHICAL
     """Gradient reduce-scatter in hops package -> node -> global, or one flat reduce-scatter."""
     link_bandwidth_gbps: dict[LinkClass, float] | None = None
-    """GB/s per link class for the cost model: package and node per rank, inter_node the node's NICs together; null keeps the fitted figures (Frontier's RCCL where packages hold two ranks, else H100's NCCL)."""
+    """GB/s per link class for the cost model: package and node per rank, inter_node the node's NICs together; null keeps the documented figures (Frontier's where packages hold two ranks, else H100's NCCL)."""
     grad_sync: GradSync = GradSync.EVERY_MICRO_BATCH
     """When gradients cross nodes: every micro-batch (as ZeRO-3) or once per step, summed per node in fp32 until then."""
     quantized_weights: bool = False
