@@ -241,3 +241,28 @@ def test_the_projection_sweeps_every_uncertain_input_at_its_ends():
     assert {s.gemm_efficiency for _, s in swept} == {0.3, 0.6}
     measured = systems(frontier, measured=True)  # a profile's costs stay as measured
     assert len(measured) == 6 and all(s.costs is frontier.costs for _, s in measured)
+
+
+def test_quantized_and_boundary_held_hops_are_charged_whole_as_the_runtime_runs_them():
+    """pipeline_chunks pipelines plain hops only: the runtime sends a quantized gather, and a
+    gradient reduce-scatter that is quantized or held for boundary sync, in one piece."""
+    from dataclasses import replace
+
+    s = DPShape(4, 2, 2)
+    plain = Plan(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RING)
+    for keys in ({"quantized_gradients": True}, {"boundary_sync": True, "grad_accum": 2}):
+        one, four = (replace(plain, pipeline_chunks=c, **keys) for c in (1, 4))
+        assert comm_seconds(UNIT_SYSTEM, [], [10**8], s, four) == comm_seconds(
+            UNIT_SYSTEM, [], [10**8], s, one
+        )
+    # A plain reduce-scatter is pipelined: with no latency, 4 chunks cost less than 1.
+    assert comm_seconds(UNIT_SYSTEM, [], [10**8], s, replace(plain, pipeline_chunks=4)) < comm_seconds(
+        UNIT_SYSTEM, [], [10**8], s, plain
+    )
+    # Quantized weights, no secondary copy, one micro-batch: the first (quantized) gather whole, the
+    # backward one (plain, over the same hops) pipelined: only half of what 4 chunks save unquantized.
+    q1, q4 = (replace(plain, quantized_weights=True, pipeline_chunks=c) for c in (1, 4))
+    p1, p4 = (replace(plain, pipeline_chunks=c) for c in (1, 4))
+    saved = {k: comm_seconds(UNIT_SYSTEM, [10**8], [], s, a) - comm_seconds(UNIT_SYSTEM, [10**8], [], s, b)
+             for k, (a, b) in {"quantized": (q1, q4), "plain": (p1, p4)}.items()}  # fmt: skip
+    assert saved["plain"] > 0 and saved["quantized"] == pytest.approx(saved["plain"] / 2)

@@ -199,6 +199,11 @@ def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPSh
     all-gathers of ``gathers`` elements per pass and reduce-scatters of ``reduces`` per micro-batch."""
     costs, ga = system.costs, plan.grad_accum
     ag, rs = Operation.ALL_GATHER, Operation.REDUCE_SCATTER
+    # What the runtime runs whole, whatever pipeline_chunks says: a quantized gather, and a gradient
+    # reduce-scatter that is quantized or held for boundary sync (inject.py, grad_sync.py).
+    whole = replace(plan, pipeline_chunks=1)
+    gather_plan = whole if plan.quantized_weights else plan
+    reduce_plan = whole if plan.quantized_gradients or plan.boundary_sync else plan
     total = 0.0
     for elems in gathers:
         b = 2.0 * elems
@@ -206,7 +211,7 @@ def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPSh
             total += 2 * ga * flat(costs, ag, s, system, b)
             continue
         if plan.scheme == Scheme.OURS:
-            first = hops(costs, ag, s, system, b, plan, OURS_INT8 if plan.quantized_weights else 1.0)
+            first = hops(costs, ag, s, system, b, gather_plan, OURS_INT8 if plan.quantized_weights else 1.0)
         else:
             first = flat(costs, ag, s, system, b * (QWZ if plan.scheme == Scheme.ZEROPP else 1.0))
         total += first + (2 * ga - 1) * _secondary_gather(costs, s, system, plan, b)
@@ -226,9 +231,9 @@ def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPSh
             )
             total += ga * (local + remote)
         elif plan.scheme == Scheme.OURS:
-            full = hops(costs, rs, s, system, b, plan, OURS_INT4 if plan.quantized_gradients else 1.0)
+            full = hops(costs, rs, s, system, b, reduce_plan, OURS_INT4 if plan.quantized_gradients else 1.0)
             total += full + (ga - 1) * (
-                hops(costs, rs, inner, system, b, plan) if plan.boundary_sync else full
+                hops(costs, rs, inner, system, b, reduce_plan) if plan.boundary_sync else full
             )
         else:
             total += ga * flat(costs, rs, s, system, b)
