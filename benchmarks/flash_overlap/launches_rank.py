@@ -61,7 +61,7 @@ class LaunchCounter(TorchDispatchMode):
 
 
 def count(forward: Callable[[], torch.Tensor], cotangent: torch.Tensor) -> dict[str, dict[str, int]]:
-    """Kernels and communication calls of ``forward()`` and of its backward, separately."""
+    """Kernels (and the c10d operators this thread issued) of ``forward()`` and of its backward."""
     result = {}
     with LaunchCounter() as counter:
         out = forward()
@@ -86,13 +86,14 @@ def _ulysses(method: str, seq: int, hidden: int, heads: int, kv_heads: int, head
     w_qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, requires_grad=True)
     w_out = torch.randn(hidden, heads * head_dim, requires_grad=True)
     x = torch.randn(seq // n, 1, hidden, requires_grad=True)
-    attend = lambda q, k, v: local_attention(q, *(t.repeat_interleave(heads // kv_heads, 2) for t in (k, v)))  # noqa: E731
     if method == "distributed_attention":
         import deepspeed
         from deepspeed.sequence.layer import DistributedAttention
 
         deepspeed.comm.init_distributed(dist_backend="gloo", verbose=False)
-        stock = DistributedAttention(lambda q, k, v: attend(q, k, v).view(q.shape), dist.group.WORLD, 2, 0)
+        stock = DistributedAttention(
+            lambda q, k, v: local_attention(q, k, v).view(q.shape), dist.group.WORLD, 2, 0
+        )
 
         def forward() -> torch.Tensor:
             q, k, v = torch.split(
@@ -104,7 +105,7 @@ def _ulysses(method: str, seq: int, hidden: int, heads: int, kv_heads: int, head
         og = OverlapGroup(dist.group.WORLD, "direct", name="ulysses_attention")
 
         def forward() -> torch.Tensor:
-            return ulysses_attention(x, w_qkv, None, w_out, attend, split, og)
+            return ulysses_attention(x, w_qkv, None, w_out, local_attention, split, og)
 
     return count(forward, torch.ones(seq // n, 1, hidden))
 
