@@ -98,11 +98,11 @@ def ranges(base: System, measured: bool, nodes: int, ds: dict, grad_accum: int) 
         for kind in ("same_setting", "vs_own_best"):
             for baseline in ("hpz", "zeropp"):
                 values.setdefault(f"{kind} {baseline}", []).append((best[kind][baseline], inputs))
-    return {
-        key: {"min": min(v)[0], "min_at": min(v, key=lambda x: x[0])[1], "max": max(v, key=lambda x: x[0])[0],
-              "max_at": max(v, key=lambda x: x[0])[1], "combinations": len(v)}
-        for key, v in values.items()
-    }  # fmt: skip
+    out = {}
+    for key, v in values.items():
+        (low, low_at), (high, high_at) = min(v, key=lambda x: x[0]), max(v, key=lambda x: x[0])
+        out[key] = {"min": low, "min_at": low_at, "max": high, "max_at": high_at, "combinations": len(v)}
+    return out
 
 
 def scaling(system: System, nodes: list[int], tp: int, grad_accum: int, buckets: Buckets) -> dict:
