@@ -22,7 +22,7 @@ import inspect
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,21 @@ def volume(kind: str, nbytes: int, group_size: int) -> int:
     return factor * nbytes * (group_size - 1) // group_size
 
 
+class CallKey(NamedTuple):
+    """One collective's shape: what it computes, how, over which group, on how many bytes."""
+
+    collective: str
+    """all_gather, reduce_scatter, all_reduce, all_to_all or broadcast."""
+    algorithm: str
+    """ring (the library's collective) or recursive (point-to-point steps)."""
+    link: str
+    """Slowest link class the group spans."""
+    members: int
+    """Group size."""
+    nbytes: int
+    """Gathered output (all-gather), input (reduce-scatter, all-to-all) or the tensor."""
+
+
 class CommCounter:
     """Bytes per (phase, kind, link class) sent by this rank while active."""
 
@@ -78,7 +93,8 @@ class CommCounter:
         self._phase = threading.local()  # per thread: hops run on a worker thread for the caller's phase
         self._lock = threading.Lock()
         self.bytes: dict[tuple[str, str, str], int] = defaultdict(int)
-        self.calls: dict[tuple[str, str, str], int] = defaultdict(int)
+        self.calls: dict[CallKey, int] = defaultdict(int)
+        """Launches per collective shape: what a cost model charges one by one."""
         self._classes: dict[int, tuple[Any, str]] = {}
 
     def link_class(self, group: dist.ProcessGroup | None) -> str:
@@ -89,13 +105,23 @@ class CommCounter:
         return cached[1]
 
     def record(self, kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+        """Bytes of one send or collective; a library collective (not a point-to-point send) is also
+        counted as one ring launch."""
         size = dist.get_world_size(group)
         if size <= 1:
             return
         with self._lock:
-            key = (self.current_phase, kind, self.link_class(group))
-            self.bytes[key] += volume(collective, nbytes, size)
-            self.calls[key] += 1
+            link = self.link_class(group)
+            self.bytes[(self.current_phase, kind, link)] += volume(collective, nbytes, size)
+            if collective != "p2p":
+                self.calls[CallKey(collective, "ring", link, size, nbytes)] += 1
+
+    def count_launch(self, collective: str, algorithm: str, nbytes: int, group: dist.ProcessGroup) -> None:
+        """One launch of a point-to-point ``algorithm`` (its sends count their own bytes)."""
+        size = dist.get_world_size(group)
+        if size > 1:
+            with self._lock:
+                self.calls[CallKey(collective, algorithm, self.link_class(group), size, nbytes)] += 1
 
     @property
     def current_phase(self) -> str:
@@ -152,6 +178,12 @@ def active_counter() -> CommCounter | None:
 def _record(kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
     if _active is not None:
         _active.record(kind, collective, nbytes, group)
+
+
+def count_launch(collective: str, algorithm: str, nbytes: int, group: dist.ProcessGroup) -> None:
+    """Count one launch of a point-to-point algorithm in the active counter, if any."""
+    if _active is not None:
+        _active.count_launch(collective, algorithm, nbytes, group)
 
 
 def _nbytes(t: torch.Tensor) -> int:

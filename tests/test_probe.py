@@ -189,12 +189,18 @@ def test_the_probe_times_every_hop_and_a_job_of_its_topology_reads_it(tmp_path, 
     launch_ranks(argv, 4, timeout=240, ranks_per_node=2)
     profile = load(out, TOPOLOGY)
     measured = {(t.link, t.operation, t.algorithm, t.members) for t in profile.timings}
-    assert measured == {(LinkClass.NODE, op, RING, 2) for op in (AG, RS)} | {
+    hops = {(LinkClass.NODE, op, RING, 2) for op in (AG, RS)} | {
         (LinkClass.INTER_NODE, op, algorithm, 2) for op in (AG, RS) for algorithm in (RING, RECURSIVE)
     }
+    # and the whole job's group, which stock ZeRO-3 runs: its collectives, and the scalars once
+    flat = {(LinkClass.INTER_NODE, op, RING, 4) for op in (AG, RS, Operation.ALL_REDUCE, Operation.BROADCAST)}
+    assert measured == hops | flat
     for t in profile.timings:
         assert len(t.seconds) == 2 and min(t.seconds) > 0
     assert {t.nbytes for t in profile.timings} == {4096, 16384, 65536}
+    scalars = [t for t in profile.timings if t.operation in (Operation.ALL_REDUCE, Operation.BROADCAST)]
+    assert {t.nbytes for t in scalars} == {4096}
+    assert {(t.members, t.link) for t in profile.hop_timings()} == {(2, LinkClass.NODE), (2, LinkClass.INTER_NODE)}
     assert profile.versions["collectives"].startswith("gloo")
 
     used, messages = run_ranks(4, _job_reads, str(out))[0]

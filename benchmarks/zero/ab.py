@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(OUT), help="where the results go")
     args = parser.parse_args(argv)
     from benchmarks.cluster import EmulatedCluster
-    from deepspeed_ext.zero.bench_report import comparison, plot, table
+    from deepspeed_ext.zero.bench_report import comparison, plot, predictions, table
 
     spec = frontier_latency(nodes=args.nodes)
     name = "ab_quick" if args.quick else "ab"
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
         "loadavg": [before, os.getloadavg()],
         "auto_check": auto_check(first, second),
         "variants": rows,
-        "table": table(rows, header) + "\n" + "\n".join(comparison(rows)),
+        "table": table(rows, header) + "\n" + "\n".join(comparison(rows) + predictions(rows)),
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(result))

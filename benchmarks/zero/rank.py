@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from benchmarks.cluster.netns import sent_bytes
-from benchmarks.zero.variants import scale_variants
+from benchmarks.zero.variants import Question, scale_variants
 from plugin_base import comm
 from plugin_base.allocations import AllocationTrace
 from plugin_base.topology import Level, Topology
@@ -209,6 +209,13 @@ def main() -> None:
         help="inter_node_algorithm of each pipelined variant (scale)",
     )
     parser.add_argument(
+        "--question",
+        type=Question,
+        choices=list(Question),
+        default=Question.ALL,
+        help="which scale variants (benchmarks.zero.variants.Question)",
+    )
+    parser.add_argument(
         "--no-peak", action="store_true", help="skip the peak-memory pass after the timed steps"
     )
     args = parser.parse_args()
@@ -236,7 +243,7 @@ def variant_configs(args: argparse.Namespace, topology: Topology) -> dict[str, t
     node, package = topology.ranks_per_node, topology.ranks_per_package
     if args.variant_set == "scale":
         configs = {}
-        for name, variant in scale_variants(node, args.chunks, args.algorithms).items():
+        for name, variant in scale_variants(node, args.chunks, args.algorithms, args.question).items():
             cfg = ds_config(args, topology, Level.NODE, **variant.zero)
             cfg["hierarchical_zero"].update(variant.hierarchical)
             configs[name] = (variant.kind, cfg)

@@ -4,6 +4,7 @@
   python -m benchmarks.zero.scale                         (root; the benchmark: 3 launches x 3 steps)
   python -m benchmarks.zero.scale --nodes 6               (12 ranks)
   python -m benchmarks.zero.scale --from-json benchmarks/results/zero/scale_8x2.json   (tables again)
+  python -m benchmarks.zero.scale --nodes 4 --question algorithm   (one question: see Question)
 
 The cluster (benchmarks.cluster.spec.frontier_latency): ``--nodes`` nodes of one MI250X each, i.e.
 2 ranks sharing one NIC, links 400 Mbit/s between the two and 50 Mbit/s per NIC, and one-way
@@ -15,8 +16,11 @@ min / median / max over all launches, and each launch's median), bytes each rank
 sent per link class and step (tc counters), the engine's secondary copy, and the host's
 /proc/loadavg before and after every launch. Targets (benchmark targets, reported met / missed):
 ours pipelined, best algorithm, >= 1.5x hpZ's step throughput and >= 1.2x ours serial, at every
-accumulation value. Writes benchmarks/results/zero/<name>.{json,md}; remaining arguments go to
-``benchmarks.zero.rank``.
+accumulation value. ``--question`` runs only the variants that differ in one thing
+(``benchmarks.zero.variants.Question``) and reports their ratio where the ranges are separated.
+Every run also sets each variant's inter-node wire bytes beside the bandwidth-optimal volume of
+the collectives it launched. Writes benchmarks/results/zero/<name>.{json,md}; remaining
+arguments go to ``benchmarks.zero.rank``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 from benchmarks.cluster.spec import FRONTIER_LATENCY_SCALE, frontier_latency
 from benchmarks.zero.run import OUT, RANK_MODULE, step_times
-from benchmarks.zero.variants import scale_variants
+from benchmarks.zero.variants import Question, scale_variants
 from plugin_base.comm import LINK_CLASSES
 
 TARGET_VS_HPZ = 1.5
@@ -50,7 +54,7 @@ def run(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, list]
     argv = [*RANK_MODULE, "--variant-set", "scale", "--no-peak", "--micro", *map(str, args.micro),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--chunks", str(args.chunks),
             "--algorithms", *args.algorithms, "--hidden", str(args.hidden), "--layers", str(args.layers),
-            *rank_args]  # fmt: skip
+            "--question", args.question, *rank_args]  # fmt: skip
     with EmulatedCluster(spec, prefix="emzs") as cluster:
         for round_ in range(args.launches):
             before, start = _loadavg(), time.monotonic()
@@ -76,10 +80,14 @@ def summarize(launches: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str,
     first = launches[0]["ranks"][0]
     world = len(launches[0]["ranks"])
     args = first["args"]
+    question = Question(args.get("question", Question.ALL))
     roles = {
         name: v.role
         for name, v in scale_variants(
-            spec["ranks_per_package"] * spec["packages_per_node"], args["chunks"], args["algorithms"]
+            spec["ranks_per_package"] * spec["packages_per_node"],
+            args["chunks"],
+            args["algorithms"],
+            question,
         ).items()
     }
     rows = {}
@@ -102,9 +110,42 @@ def summarize(launches: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str,
             "samples_per_s": world * args["batch"] * args["micro"] / statistics.median(steps),
             "wire_bytes": wire,
             "inter_node_bytes_all_ranks": wire["inter_node"] * world,
+            "optimal_bytes": optimal_volume(launches, name),
             "secondary_bytes": max(r["record"][name]["held"][-1]["secondary"] for r in launches[0]["ranks"]),
         }
-    return {"rows": rows, "targets": targets(rows), "args": args, "params": first["params"], "world": world}
+    found = targets(rows) if question == Question.ALL else []
+    return {"rows": rows, "targets": found, "answers": answers(rows, question), "args": args,
+            "params": first["params"], "world": world}  # fmt: skip
+
+
+def optimal_volume(launches: list[dict[str, Any]], name: str) -> dict[str, float]:
+    """Bytes per rank and step per link class of the bandwidth-optimal algorithms for the
+    collectives the engine launched (plugin_base.comm's count of its last step), mean over ranks."""
+    counts = [r["counts"][name] for launch in launches for r in launch["ranks"]]
+    return {
+        link: statistics.mean(
+            sum(kinds.get(link, 0) for phase in c.values() for kinds in phase.values()) for c in counts
+        )
+        for link in LINK_CLASSES
+    }
+
+
+def answers(rows: dict[str, dict[str, Any]], question: Question) -> list[dict[str, Any]]:
+    """The question's comparisons: the first variant's median step over the second's, claimed only
+    where their min-max ranges do not overlap."""
+    names = list(rows)
+    pairs = {
+        Question.ALL: [],
+        Question.ALGORITHM: [(names[0], names[1])],
+        Question.PIPELINING: [(names[0], names[1])],
+        Question.BASELINES: [(names[0], names[1]), (names[1], names[2])],
+    }[question]
+    out = []
+    for slow, fast in pairs:
+        a, b = rows[slow], rows[fast]
+        apart = a["max"] < b["min"] or b["max"] < a["min"]
+        out.append({"first": slow, "second": fast, "ratio": a["median"] / b["median"], "separated": apart})
+    return out
 
 
 def targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -155,7 +196,20 @@ def markdown(summaries: dict[str, dict[str, Any]], runs: dict[str, list], spec: 
                 f"{w['inter_node'] / mb:.2f} ({w['total'] / mb:.2f}) | {r['inter_node_bytes_all_ranks'] / mb:.2f} | "
                 f"{r['secondary_bytes'] / mb:.2f} |"
             )
+        lines += ["", "| variant | inter-node MB per rank and step: on the wire (measured) | bandwidth-optimal "
+                  "volume of its collectives (computed) | wire / optimal |", "|---|---:|---:|---:|"]  # fmt: skip
+        for name, r in s["rows"].items():
+            wire, best = r["wire_bytes"]["inter_node"], r["optimal_bytes"]["inter_node"]
+            ratio = f"{wire / best:.2f}" if best else "-"
+            lines.append(f"| {name} | {wire / mb:.2f} | {best / mb:.2f} | {ratio} |")
         lines.append("")
+        for q in s.get("answers", []):
+            verdict = (
+                f"{q['ratio']:.2f}x"
+                if q["separated"]
+                else f"not separated ({q['ratio']:.2f}x at the medians)"
+            )
+            lines.append(f"- {q['first']} step / {q['second']} step: {verdict}")
         for t in s["targets"]:
             lines.append(
                 f"- {t['ours']} vs {t['against']}: {t['ratio']:.2f}x step throughput (target {t['target']:g}x): "
@@ -187,6 +241,13 @@ def main() -> None:
     # Small enough that 16 ranks on 2 cores finish the full benchmark in about 15 minutes.
     parser.add_argument("--hidden", type=int, default=256, help="width of the MLP's layers")
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--question",
+        type=Question,
+        choices=list(Question),
+        default=Question.ALL,
+        help="run only the variants that answer one question (benchmarks.zero.variants.Question)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke test: 1 launch, 2 timed steps")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument("--out", type=Path, default=OUT)
@@ -208,7 +269,9 @@ def main() -> None:
     stem = (
         args.from_json.stem
         if args.from_json
-        else f"scale_{spec['nodes']}x2" + ("_quick" if args.quick else "")
+        else f"scale_{spec['nodes']}x2"
+        + ("" if args.question == Question.ALL else f"_{args.question}")
+        + ("_quick" if args.quick else "")
     )
     name = args.name or stem
     args.out.mkdir(parents=True, exist_ok=True)

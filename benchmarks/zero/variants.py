@@ -8,9 +8,25 @@ Every variant that keeps a secondary weight copy keeps it over the ranks of one 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Literal
 
 Role = Literal["flat", "hpz", "zero++", "serial", "pipelined"]
+
+
+class Question(StrEnum):
+    """What one run of the scale benchmark answers: its variants differ in that alone."""
+
+    ALL = "all"
+    """Every variant; ours pipelined against hpZ and against ours serial (the targets)."""
+    ALGORITHM = "algorithm"
+    """Ours, 1 chunk: ring against recursive across nodes."""
+    PIPELINING = "pipelining"
+    """Ours, one algorithm (the first of --algorithms): 1 chunk against --chunks chunks."""
+    BASELINES = "baselines"
+    """ZeRO-3 against hpZ and ours serial, each one's wire bytes beside the bandwidth-optimal
+    volume of what it launched (run with a model over stage3_max_live_parameters, so that hpZ's
+    backward gathers read its secondary copy)."""
 
 
 @dataclass(frozen=True)
@@ -27,10 +43,35 @@ class Variant:
     """hierarchical_zero keys (ours only)."""
 
 
-def scale_variants(ranks_per_node: int, chunks: int, algorithms: list[str]) -> dict[str, Variant]:
-    """Flat ZeRO-3, hpZ, ZeRO++ (hpZ with our quantized hops), ours with serial hops and ours
-    pipelined with each algorithm across nodes, by display name."""
+def scale_variants(
+    ranks_per_node: int, chunks: int, algorithms: list[str], question: Question = Question.ALL
+) -> dict[str, Variant]:
+    """The variants that answer ``question``, by display name; for all: flat ZeRO-3, hpZ, ZeRO++
+    (hpZ with our quantized hops), ours with serial hops and ours pipelined with each algorithm
+    across nodes."""
     serial = {"inter_node_algorithm": "ring", "pipeline_chunks": 1}
+    if question == Question.ALGORITHM:
+        return {
+            f"ours ({algorithm}, 1 chunk)": Variant(
+                "ours", "serial", hierarchical={"inter_node_algorithm": algorithm, "pipeline_chunks": 1}
+            )
+            for algorithm in ("ring", "recursive")
+        }
+    if question == Question.PIPELINING:
+        return {
+            f"ours ({algorithms[0]}, {c} chunk{'s' if c > 1 else ''})": Variant(
+                "ours",
+                "pipelined",
+                hierarchical={"inter_node_algorithm": algorithms[0], "pipeline_chunks": c},
+            )
+            for c in (1, chunks)
+        }
+    if question == Question.BASELINES:
+        return {
+            "zero3": Variant("stock", "flat"),
+            f"hpZ({ranks_per_node})": Variant("stock", "hpz", {"zero_hpz_partition_size": ranks_per_node}),
+            "ours serial (ring, 1 chunk)": Variant("ours", "serial", hierarchical=serial),
+        }
     out = {
         "zero3": Variant("stock", "flat"),
         f"hpZ({ranks_per_node})": Variant("stock", "hpz", {"zero_hpz_partition_size": ranks_per_node}),

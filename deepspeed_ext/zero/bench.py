@@ -27,15 +27,20 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
+from deepspeed_ext.zero import collective_cost, step_model
 from deepspeed_ext.zero.bench_model import ModelShape, build_model, flops_per_step
 from deepspeed_ext.zero.bench_variants import Variant, ds_config, variants
+from deepspeed_ext.zero.profile import load as load_profile
 from plugin_base import comm
 from plugin_base.comm import LINK_CLASSES
 from plugin_base.topology import Topology, TopologyConfig, detect_topology
@@ -69,6 +74,31 @@ def one_step(engine: Any, shape: ModelShape, step: int, device: torch.device) ->
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return _slowest(time.perf_counter() - start, device)
+
+
+def compute_steps(shape: ModelShape, cfg: dict, steps: int, warmup: int, device: torch.device) -> list[float]:
+    """The single-rank step the prediction takes as its compute: the same model, micro-batches and
+    Adam step with no ZeRO and no communication inside, every rank at once (they share the host
+    as the job's ranks do); each step the slowest rank's seconds."""
+    micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
+    accumulation = int(cfg.get("gradient_accumulation_steps", 1))
+    net = build_model(shape).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
+    seconds = []
+    for step in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(accumulation):
+            tokens = torch.randint(shape.vocab, (micro, shape.seq_length + 1), device=device)
+            logits = net(tokens[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= warmup:
+            seconds.append(_slowest(time.perf_counter() - start, device))
+    return seconds
 
 
 def _slowest(value: float, device: torch.device) -> float:
@@ -124,8 +154,10 @@ def run_variant(
     topology: Topology,
     args: argparse.Namespace,
     device: torch.device,
+    compute_s: float | None = None,
 ) -> dict:
-    """Build, warm up, time ``args.steps`` steps, count bytes and read the peak of one variant."""
+    """Build, warm up, time ``args.steps`` steps, count bytes and read the peak of one variant;
+    with a profile also its predicted step (``compute_s``: the measured single-rank step)."""
     cfg = ds_config(user, variant, args.profile)
     row: dict[str, Any] = {"variant": variant.name, "ran": False, "reason": variant.skipped}
     if variant.skipped is not None:
@@ -158,9 +190,47 @@ def run_variant(
         bytes_per_step=dict(zip(LINK_CLASSES, (int(x) for x in sent.tolist()))),
         peak_bytes=peak,
     )
-    if args.profile is not None:
-        row["predicted_step_s"] = None  # the cost model's prediction from the profile: not made yet
+    if args.profile is not None and compute_s is not None:
+        calls = {call: count / args.steps for call, count in counter.calls.items()}
+        prediction = predicted(calls, cfg, args.profile, topology, variant, accumulation, compute_s)
+        row.update(
+            predicted_step_s=prediction.step_s,
+            predicted=asdict(prediction),
+            calls_per_step=[{**call._asdict(), "count": count} for call, count in sorted(calls.items())],
+        )
     return row
+
+
+def prefetch_concurrency(cfg: dict, variant: Variant) -> int:
+    """All-gathers DeepSpeed's prefetching keeps in flight at once (0: it does not prefetch): for a
+    stock engine its backend's (gloo runs 2 per process group, on its 2 worker threads; NCCL/RCCL
+    one per stream); for ours 1 (one hop worker, or one stream, runs whole hop operations in order)."""
+    zero = cfg.get("zero_optimization", {})
+    if int(zero.get("stage3_prefetch_bucket_size", 50_000_000)) <= 0:
+        return 0
+    return 2 if dist.get_backend() == "gloo" and not variant.ours else 1
+
+
+def predicted(
+    calls: dict[comm.CallKey, float],
+    cfg: dict,
+    profile: str,
+    topology: Topology,
+    variant: Variant,
+    accumulation: int,
+    compute_s: float,
+) -> step_model.StepPrediction:
+    """The step the model predicts from the profile, the collectives this rank launched per step
+    and the measured single-rank step."""
+    fallback = collective_cost.for_topology(topology.ranks_per_package)
+    return step_model.predict(
+        load_profile(profile, topology),
+        calls,
+        compute_s,
+        passes=2 * accumulation,
+        concurrency=prefetch_concurrency(cfg, variant),
+        fallback=fallback,
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -211,7 +281,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     """Run every variant; rank 0 prints the table and writes the JSON and plot. Returns the rows."""
-    from deepspeed_ext.zero.bench_report import comparison, plot, table, write_json
+    from deepspeed_ext.zero.bench_report import comparison, plot, predictions, table, write_json
 
     args = parse_args(argv)
     user = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
@@ -229,17 +299,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         check_fits(shape, device)
         before = os.getloadavg()
-        rows = [run_variant(v, user, shape, topology, args, device) for v in variants(topology, device)]
+        compute = None
+        if args.profile is not None:
+            compute = compute_steps(
+                shape, ds_config(user, variants(topology, device)[0], None), args.steps, args.warmup, device
+            )
+        compute_s = statistics.median(compute) if compute else None
+        rows = [
+            run_variant(v, user, shape, topology, args, device, compute_s) for v in variants(topology, device)
+        ]
         run = {
             "world_size": topology.world_size, "ranks_per_node": topology.ranks_per_node,
             "ranks_per_package": topology.ranks_per_package, "device": str(device), "shape": vars(shape),
             "steps": args.steps, "loadavg_before": before, "loadavg_after": os.getloadavg(),
+            "compute_step_s": compute,
         }  # fmt: skip
         if dist.get_rank() == 0:
             header = (f"{topology.world_size} ranks ({topology.ranks_per_node}/node, {topology.ranks_per_package}/package) "
                       f"on {device.type}; model {vars(shape)}; {args.steps} timed steps; load {before[0]:.2f} -> {run['loadavg_after'][0]:.2f}")  # fmt: skip
             print(table(rows, header))
-            print("\n".join(comparison(rows)))
+            print("\n".join(comparison(rows) + predictions(rows)))
             if args.json:
                 write_json(rows, args.json, run)
             if args.plot:

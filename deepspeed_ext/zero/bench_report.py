@@ -63,6 +63,32 @@ def comparison(rows: Sequence[dict], ours: str = "ours") -> list[str]:
     return lines
 
 
+def prediction_error(row: dict) -> float | None:
+    """(predicted - measured median) / measured median of a variant, or None without a prediction."""
+    if not row.get("ran") or row.get("predicted_step_s") is None:
+        return None
+    measured = statistics.median(row["step_s"])
+    return (row["predicted_step_s"] - measured) / measured
+
+
+def predictions(rows: Sequence[dict], tolerance: float = 0.25) -> list[str]:
+    """Each predicted variant: its prediction and parts against the measured median."""
+    lines = []
+    for row in rows:
+        error = prediction_error(row)
+        if error is None:
+            continue
+        parts = row["predicted"]
+        verdict = "within" if abs(error) <= tolerance else "outside"
+        lines.append(
+            f"{row['variant']}: predicted {row['predicted_step_s'] * 1e3:.1f} ms (compute "
+            f"{parts['compute_s'] * 1e3:.1f} + communication {parts['comm_s'] * 1e3:.1f} - hidden "
+            f"{parts['hidden_s'] * 1e3:.1f}), measured median {statistics.median(row['step_s']) * 1e3:.1f} ms: "
+            f"{error:+.1%}, {verdict} {tolerance:.0%}"
+        )
+    return lines
+
+
 def plot(rows: Sequence[dict], path: str | Path, title: str) -> None:
     """Median step time per variant with min-max bars (needs matplotlib)."""
     try:

@@ -30,6 +30,7 @@ class Operation(StrEnum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
 
 
 class Algorithm(StrEnum):
@@ -85,9 +86,12 @@ def algorithm_steps(algorithm: Algorithm, members: int) -> int:
 
 def bus_bytes(operation: Operation, members: int, nbytes: float) -> float:
     """Bytes each rank sends in a bandwidth-optimal algorithm; ``nbytes`` is the gathered output
-    (all-gather), the input (reduce-scatter, all-to-all) or the tensor (all-reduce)."""
+    (all-gather), the input (reduce-scatter, all-to-all) or the tensor (all-reduce, broadcast: a
+    pipelined broadcast forwards all of it)."""
     if members <= 1:
         return 0.0
+    if operation == Operation.BROADCAST:
+        return float(nbytes)
     factor = 2.0 if operation == Operation.ALL_REDUCE else 1.0
     return factor * nbytes * (members - 1) / members
 

@@ -42,6 +42,7 @@ def _pieces(first: int, count: int, p: int) -> list[tuple[int, int]]:
 def all_gather(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``out`` ([p * n] elements) = every member's ``block`` ([n]) in group-rank order."""
     p, me = dist.get_world_size(group), dist.get_rank(group)
+    comm.count_launch("all_gather", "recursive", out.numel() * out.element_size(), group)
     blocks = out.view(p, -1)
     blocks[me].copy_(block.reshape(-1))
     for d, c in schedule(p):
@@ -54,6 +55,7 @@ def reduce_scatter(held: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     """Sum over the group of ``held`` ([p * n] elements), computed in place: returns this member's
     block ``held.view(p, -1)[rank]``, as a flat reduce-scatter into that view would leave it."""
     p, me = dist.get_world_size(group), dist.get_rank(group)
+    comm.count_launch("reduce_scatter", "recursive", held.numel() * held.element_size(), group)
     blocks = held.view(p, -1)
     steps = schedule(p)
     inbox = torch.empty_like(blocks[: max((c for _, c in steps), default=0)])  # serves every step

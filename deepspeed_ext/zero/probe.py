@@ -53,10 +53,14 @@ class Collective:
     """all_gather or reduce_scatter."""
     algorithm: Algorithm
     """ring (the library's collective) or recursive (point-to-point steps)."""
+    smallest_only: bool = False
+    """Timed at the smallest size only: a latency-bound call (DeepSpeed's scalars)."""
 
 
 def collectives(topology: Topology) -> Iterator[Collective]:
-    """The collectives of every hop of the job's level groups, innermost link first."""
+    """The collectives of every hop of the job's level groups, innermost link first; then those
+    of the whole job's group, which stock ZeRO-3 and hpZ run (flat all-gather and reduce-scatter at
+    every size, the scalar all-reduce and broadcasts DeepSpeed's step makes at the smallest)."""
     plan = build_levels(topology, None, Level.GLOBAL, HierarchicalZeroConfig(enabled=True)).dp_plan()
     for i, (members, group, link) in enumerate(zip(plan.sizes, plan.groups, plan.links)):
         if members < 2:
@@ -65,11 +69,24 @@ def collectives(topology: Topology) -> Iterator[Collective]:
         for operation in (Operation.ALL_GATHER, Operation.REDUCE_SCATTER):
             for algorithm in algorithms:
                 yield Collective(link, group, members, math.prod(plan.sizes[:i]), operation, algorithm)
+    world = topology.world_size
+    if world < 2:
+        return
+    link = comm.span_class(topology, range(world))
+    flat = [] if world in plan.sizes else [Operation.ALL_GATHER, Operation.REDUCE_SCATTER]
+    for operation in flat:
+        yield Collective(link, dist.group.WORLD, world, 1, operation, Algorithm.RING)
+    for operation in (Operation.ALL_REDUCE, Operation.BROADCAST):
+        yield Collective(link, dist.group.WORLD, world, 1, operation, Algorithm.RING, smallest_only=True)
 
 
 def call(c: Collective, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
     """One call of ``c`` on a message of ``numel`` elements (gathered output / reduce-scatter input)."""
     full = torch.zeros(numel, dtype=dtype, device=device)
+    if c.operation == Operation.ALL_REDUCE:
+        return lambda: comm.all_reduce(full, group=c.group)
+    if c.operation == Operation.BROADCAST:
+        return lambda: dist.broadcast(full, group_src=0, group=c.group)
     mine = full.view(c.members, -1)[dist.get_rank(c.group)]
     if c.operation == Operation.ALL_GATHER:
         block = mine.clone()
@@ -121,7 +138,7 @@ def measure(
             timings.append(
                 Timing(c.link, c.operation, c.algorithm, c.members, c.concurrent, nbytes, tuple(seconds))
             )
-            if max(seconds) > args.max_call_s:
+            if c.smallest_only or max(seconds) > args.max_call_s:
                 active.remove(c)  # larger sizes would take longer still
             if elapsed > args.budget_s:
                 cut.append(f"sizes above {nbytes} bytes: the {args.budget_s:.0f} s budget was spent")

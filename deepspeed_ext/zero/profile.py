@@ -166,6 +166,20 @@ class Profile:
         steps = max(1, algorithm_steps(algorithm, members))
         return AlgorithmFit(step_us=intercept / steps * 1e6, bus_gbps=1 / slope / 1e9)
 
+    def hop_timings(self) -> list[Timing]:
+        """The timings of the hops' groups (package, across packages, across nodes): not those of
+        the whole job's group (the baseline's flat collectives, DeepSpeed's scalars)."""
+        world = self.topology.get("world_size", 0)
+        per_node = self.topology.get("ranks_per_node", world) or 1
+        package = self.topology.get("ranks_per_package", 1) or 1
+        hop_sizes = {package, per_node // package, world // per_node}
+        return [
+            t
+            for t in self.timings
+            if t.operation in (Operation.ALL_GATHER, Operation.REDUCE_SCATTER)
+            and (t.members != world or world in hop_sizes)
+        ]
+
     def costs(self, fallback: CollectiveCosts) -> CollectiveCosts:
         """``fallback`` with every (link, algorithm) this profile measured replaced by its fit, per
         operation. Across nodes the fit is what one communicator got while ``concurrent`` shared
@@ -174,7 +188,7 @@ class Profile:
         by_operation = dict(fallback.by_operation)
         nic = None
         for link, operation, algorithm, members, concurrent in {
-            (t.link, t.operation, t.algorithm, t.members, t.concurrent) for t in self.timings
+            (t.link, t.operation, t.algorithm, t.members, t.concurrent) for t in self.hop_timings()
         }:  # each measured collective once, not once per size
             fit = self.fit(link, operation, algorithm, members)
             if fit is None:

@@ -1,0 +1,113 @@
+"""Step time from its parts: compute, every collective, and what DeepSpeed's prefetching hides.
+
+``step = compute + communication - hidden``. The A/B command (``bench --profile``) predicts each
+variant's step from what it can know before timing it:
+
+- compute: a measured single-rank step of the same model and batch (no ZeRO, no communication),
+  every rank at once, as the job's ranks share their host;
+- communication: every collective the engine launches in a step, by operation, algorithm, group
+  and size (counted by :class:`plugin_base.comm.CommCounter`), each at the probe profile's median
+  for that group and size, interpolated between measured sizes; a group the probe did not time
+  is charged by :func:`collective_cost.seconds` with the costs fitted to the profile's hops;
+- hidden: with ``stage3_prefetch_bucket_size`` > 0 DeepSpeed launches the next modules'
+  all-gathers before it waits for the current one, so every all-gather but the first of each
+  forward and backward pass is in flight beside others and beside compute. In flight together,
+  ``concurrency`` of them share their latency (the time the profile measured at its smallest
+  size), not their bytes: the backend's concurrency for stock engines (gloo: the 2 worker threads
+  of a process group; NCCL/RCCL: one stream), 1 for ours on CPU (one hop worker runs whole hop
+  operations in order). What remains of them hides behind compute, at most all of it.
+  Reduce-scatters are charged whole (the engine waits for its last bucket before the step).
+
+The projection's step (:func:`overlapped`) uses the same sum with an assumed overlap fraction. All
+figures are computed; none is fitted to the step times it is compared with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deepspeed_ext.zero import collective_cost
+from deepspeed_ext.zero.collective_cost import Algorithm, CollectiveCosts, Operation
+from deepspeed_ext.zero.profile import Profile
+from plugin_base.comm import CallKey
+from plugin_base.topology import LinkClass
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A predicted step and its parts (seconds)."""
+
+    compute_s: float
+    """The measured single-rank step."""
+    comm_s: float
+    """Every collective of the step, one after another."""
+    hidden_s: float
+    """Communication that runs behind compute."""
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.comm_s - self.hidden_s
+
+
+def overlapped(compute_s: float, comm_s: float, overlap: float) -> float:
+    """Step time when a fraction ``overlap`` (0..1) of the communication hides behind compute."""
+    return compute_s + comm_s - min(overlap * comm_s, compute_s)
+
+
+def call_seconds(profile: Profile, costs: CollectiveCosts, call: CallKey) -> float:
+    """One launch of ``call``: the profile's median for its group and size, else the fitted cost."""
+    operation, algorithm, link = Operation(call.collective), Algorithm(call.algorithm), LinkClass(call.link)
+    measured = profile.seconds(link, operation, algorithm, call.members, call.nbytes)
+    if measured is not None:
+        return measured
+    return collective_cost.seconds(costs, operation, algorithm, call.members, call.nbytes, link)
+
+
+def call_latency(profile: Profile, costs: CollectiveCosts, call: CallKey) -> float:
+    """The latency part of one launch: the same collective at the profile's smallest size (else the
+    fitted steps alone)."""
+    return call_seconds(profile, costs, call._replace(nbytes=1))
+
+
+def prefetch_hidden(
+    compute_s: float,
+    gather_s: float,
+    gather_latency_s: float,
+    gathers: float,
+    passes: int,
+    concurrency: int,
+) -> float:
+    """All-gather time hidden when DeepSpeed prefetches all but the first gather of each of
+    ``passes`` passes (their mean time and latency each): ``concurrency`` in flight at once share
+    their latency, and the rest hides behind compute, at most all of it. ``concurrency`` 0: no
+    prefetching, nothing hidden."""
+    if concurrency < 1 or gathers <= 0:
+        return 0.0
+    ahead = max(0.0, gathers - passes) / gathers
+    shared = ahead * gather_latency_s * (1 - 1 / concurrency)
+    return shared + min(compute_s, ahead * gather_s - shared)
+
+
+def predict(
+    profile: Profile,
+    calls: Mapping[CallKey, float],
+    compute_s: float,
+    passes: int,
+    concurrency: int,
+    fallback: CollectiveCosts,
+) -> StepPrediction:
+    """The step of an engine that launches ``calls`` (launches per step of each shape) and computes
+    for ``compute_s`` in ``passes`` forward and backward passes; ``concurrency``: prefetched
+    all-gathers in flight at once (0: DeepSpeed does not prefetch, stage3_prefetch_bucket_size 0).
+    ``fallback``: the costs for links the profile has no fit for."""
+    costs = profile.costs(fallback)
+    comm = gather = latency = gathers = 0.0
+    for call, count in calls.items():
+        seconds = count * call_seconds(profile, costs, call)
+        comm += seconds
+        if call.collective == Operation.ALL_GATHER:
+            gather, gathers = gather + seconds, gathers + count
+            latency += count * call_latency(profile, costs, call)
+    hidden = prefetch_hidden(compute_s, gather, latency, gathers, passes, concurrency)
+    return StepPrediction(compute_s, comm, hidden)
