@@ -35,7 +35,13 @@ from typing import Any
 from benchmarks.cluster.spec import FRONTIER_LATENCY_SCALE, frontier_latency
 from benchmarks.zero.run import OUT, RANK_MODULE, step_times
 from benchmarks.zero.variants import Question, scale_variants
+from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.planner import variant_for
+from multirank import launch_ranks
 from plugin_base.comm import LINK_CLASSES
+from plugin_base.topology import Level, LinkClass
 
 TARGET_VS_HPZ = 1.5
 TARGET_VS_SERIAL = 1.2
@@ -45,16 +51,21 @@ def _loadavg() -> str:
     return Path("/proc/loadavg").read_text().strip()
 
 
+def rank_argv(args: argparse.Namespace, rank_args: list[str]) -> list[str]:
+    """What every rank runs: benchmarks.zero.rank with the scale variants and this run's sizes."""
+    return [*RANK_MODULE, "--variant-set", "scale", "--no-peak", "--micro", *map(str, args.micro),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--chunks", str(args.chunks),
+            "--algorithms", *args.algorithms, "--hidden", str(args.hidden), "--layers", str(args.layers),
+            "--question", args.question, *rank_args]  # fmt: skip
+
+
 def run(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, list], dict[str, Any]]:
     """All launches on one cluster; returns the launches by accumulation value and the spec."""
     from benchmarks.cluster import EmulatedCluster
 
     spec = frontier_latency(nodes=args.nodes, scale=args.latency_scale)
     runs: dict[str, list] = {}
-    argv = [*RANK_MODULE, "--variant-set", "scale", "--no-peak", "--micro", *map(str, args.micro),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--chunks", str(args.chunks),
-            "--algorithms", *args.algorithms, "--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--question", args.question, *rank_args]  # fmt: skip
+    argv = rank_argv(args, rank_args)
     with EmulatedCluster(spec, prefix="emzs") as cluster:
         for round_ in range(args.launches):
             before, start = _loadavg(), time.monotonic()
@@ -75,12 +86,32 @@ def run(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, list]
     return runs, spec.to_dict() | {"ranks_per_nic": spec.ranks_per_nic}
 
 
+def loopback_medians(args: argparse.Namespace, rank_args: list[str], spec: dict[str, Any]) -> dict[str, Any]:
+    """One launch of the same ranks on plain loopback (no emulated links, the same host): per
+    accumulation value, each variant's median step, the step less the emulated network."""
+    world = spec["nodes"] * spec["packages_per_node"] * spec["ranks_per_package"]
+    ranks = launch_ranks(
+        [*RANK_MODULE, *rank_argv(args, rank_args)[2:]],
+        world_size=world,
+        timeout=args.timeout,
+        env={"BENCH_RANKS_PER_PACKAGE": str(spec["ranks_per_package"])},
+        ranks_per_node=spec["packages_per_node"] * spec["ranks_per_package"],
+    )
+    out = {}
+    for i, micro in enumerate(args.micro):
+        launch = [{"ranks": [per_rank[i] for per_rank in ranks]}]
+        names = launch[0]["ranks"][0]["record"]
+        out[str(micro)] = {name: statistics.median(step_times(launch, name)[0]) for name in names}
+    return out
+
+
 def summarize(launches: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str, Any]:
     """Per variant: step times, throughput, wire bytes; then the targets."""
     first = launches[0]["ranks"][0]
     world = len(launches[0]["ranks"])
     args = first["args"]
     question = Question(args.get("question", Question.ALL))
+    optimal = optimal_wire(first, question)
     roles = {
         name: v.role
         for name, v in scale_variants(
@@ -110,7 +141,7 @@ def summarize(launches: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str,
             "samples_per_s": world * args["batch"] * args["micro"] / statistics.median(steps),
             "wire_bytes": wire,
             "inter_node_bytes_all_ranks": wire["inter_node"] * world,
-            "optimal_bytes": optimal_volume(launches, name),
+            "optimal_inter_node_bytes": optimal[name],
             "secondary_bytes": max(r["record"][name]["held"][-1]["secondary"] for r in launches[0]["ranks"]),
         }
     found = targets(rows) if question == Question.ALL else []
@@ -118,16 +149,27 @@ def summarize(launches: list[dict[str, Any]], spec: dict[str, Any]) -> dict[str,
             "params": first["params"], "world": world}  # fmt: skip
 
 
-def optimal_volume(launches: list[dict[str, Any]], name: str) -> dict[str, float]:
-    """Bytes per rank and step per link class of the bandwidth-optimal algorithms for the
-    collectives the engine launched (plugin_base.comm's count of its last step), mean over ranks."""
-    counts = [r["counts"][name] for launch in launches for r in launch["ranks"]]
-    return {
-        link: statistics.mean(
-            sum(kinds.get(link, 0) for phase in c.values() for kinds in phase.values()) for c in counts
-        )
-        for link in LINK_CLASSES
-    }
+def optimal_wire(first: dict[str, Any], question: Question) -> dict[str, float]:
+    """Per variant, the inter-node bytes per rank and step that the bandwidth-optimal ring algorithms
+    of its collectives put on the wire (computed: each reduce-scatter sends its optimal volume,
+    where gloo's runs an all-reduce), for the benchmark's MLP."""
+    world, per_node, per_package = first["topology"]
+    shape = DPShape(world // per_node, per_node // per_package, per_package)
+    a = first["args"]
+    numels = tuple([a["hidden"] * a["hidden"], a["hidden"]] * a["layers"])
+    model = cm.ModelSpec(numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
+    out = {}
+    for name, v in scale_variants(per_node, a["chunks"], a["algorithms"], question).items():
+        if v.kind == "stock" and not v.zero:
+            variant = cm.ZERO3
+        elif v.kind == "stock":
+            size = v.zero["zero_hpz_partition_size"]
+            variant = cm.hpz(size, LinkClass.PACKAGE if size <= per_package else LinkClass.NODE)
+        else:
+            config = HierarchicalZeroConfig(enabled=True, secondary_level="node", **v.hierarchical)
+            variant = variant_for(config, Level.NODE, model)
+        out[name] = cm.ring_wire_bytes(cm.step_hops(model, shape, variant, a["micro"]))[LinkClass.INTER_NODE]
+    return out
 
 
 def answers(rows: dict[str, dict[str, Any]], question: Question) -> list[dict[str, Any]]:
@@ -197,11 +239,15 @@ def markdown(summaries: dict[str, dict[str, Any]], runs: dict[str, list], spec: 
                 f"{r['secondary_bytes'] / mb:.2f} |"
             )
         lines += ["", "| variant | inter-node MB per rank and step: on the wire (measured) | bandwidth-optimal "
-                  "volume of its collectives (computed) | wire / optimal |", "|---|---:|---:|---:|"]  # fmt: skip
+                  "rings of its collectives (computed) | wire / optimal | step on plain loopback, median s "
+                  "(measured, one launch) | share of the step that is the emulated network |",
+                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         for name, r in s["rows"].items():
-            wire, best = r["wire_bytes"]["inter_node"], r["optimal_bytes"]["inter_node"]
+            wire, best = r["wire_bytes"]["inter_node"], r["optimal_inter_node_bytes"]
             ratio = f"{wire / best:.2f}" if best else "-"
-            lines.append(f"| {name} | {wire / mb:.2f} | {best / mb:.2f} | {ratio} |")
+            base = r.get("loopback_median")
+            local = f"{base:.3f} | {1 - base / r['median']:.0%}" if base else "- | -"
+            lines.append(f"| {name} | {wire / mb:.2f} | {best / mb:.2f} | {ratio} | {local} |")
         lines.append("")
         for q in s.get("answers", []):
             verdict = (
@@ -258,12 +304,17 @@ def main() -> None:
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         runs, spec, wall = saved["runs"], saved["spec"], saved["wall_s"]
+        loopback = saved.get("loopback", {})
     else:
         if args.quick:
             args.launches, args.steps = 1, 2
         runs, spec = run(args, rank_args)
+        loopback = {} if args.quick else loopback_medians(args, rank_args, spec)
         wall = time.monotonic() - start
     summaries = {micro: summarize(launches, spec) for micro, launches in runs.items()}
+    for micro, medians in loopback.items():
+        for name, row in summaries[micro]["rows"].items():
+            row["loopback_median"] = medians.get(name)
     text = markdown(summaries, runs, spec) + f"\nWall time of the whole command: {wall:.0f} s.\n"
     print(text)
     stem = (
@@ -276,7 +327,9 @@ def main() -> None:
     name = args.name or stem
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(
-        json.dumps({"summary": summaries, "spec": spec, "wall_s": wall, "runs": runs}, indent=1)
+        json.dumps(
+            {"summary": summaries, "spec": spec, "wall_s": wall, "runs": runs, "loopback": loopback}, indent=1
+        )
     )
     (args.out / f"{name}.md").write_text(text)
     print(f"wrote {args.out / name}.{{json,md}}; wall time {wall:.0f} s", flush=True)
