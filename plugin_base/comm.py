@@ -4,7 +4,7 @@ Accounting (the same as the ZeRO++ paper's "cross-node volume"): a collective on
 ranks moves the volume of the bandwidth-optimal algorithm per rank, ``(p-1)/p`` of the gathered or
 reduce-scattered buffer (twice that for an all-reduce; a point-to-point algorithm what its sends
 carry, the same total), and the whole volume is charged to the slowest link class the group spans: ``package`` when every member sits in one package, ``node`` when
-they share a node, ``inter_node`` otherwise. Counts are per rank; :mod:`deepspeed_ext.zero.cost_model`
+they share a node, ``inter_node`` otherwise. Counts are per rank; :mod:`deepspeed_ext.zero.cost.volume`
 predicts exactly these numbers.
 
 Two ways in: our own hops call :func:`all_gather_into_tensor` / :func:`reduce_scatter_tensor` /

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepspeed_ext.zero import collective_cost as cc
-from deepspeed_ext.zero.collective_cost import (
+from deepspeed_ext.zero.cost import collectives as cc
+from deepspeed_ext.zero.cost.collectives import (
     FRONTIER_RCCL,
     Algorithm,
     AlgorithmFit,

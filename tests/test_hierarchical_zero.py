@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.cost import volume as cm
 from plugin_base import comm
 from plugin_base.topology import Topology
 

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from test_hierarchical_zero import MICRO, STEPS, TOL, ds_config, full_params, make_engine, train
 
-from deepspeed_ext.zero import cost_model as cm
+from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.levels import DPShape
 
 

@@ -1,5 +1,5 @@
 """Transient memory of the hops, read from the CPU allocator, against DeepSpeed's flat calls and the
-planner's computed figure (deepspeed_ext.zero.planner.hop_buffers), at 8 ranks (2 x 2 x 2), fp32.
+planner's computed figure (deepspeed_ext.zero.cost.memory.hop_buffers), at 8 ranks (2 x 2 x 2), fp32.
 
 The peak is the most bytes the call has allocated at once, inputs and preallocated outputs excluded
 (the allocation events of torch's profiler, in order). Allocations made inside a collective or on the
@@ -19,10 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.cost import volume as cm
+from deepspeed_ext.zero.cost.memory import hop_buffers
 from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.planner import hop_buffers
 from plugin_base import comm
 from plugin_base.allocations import AllocationTrace
 from plugin_base.topology import Topology

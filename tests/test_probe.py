@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from deepspeed_ext.zero import hops
-from deepspeed_ext.zero.collective_cost import Algorithm, Operation
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.levels import HopPlan
 from deepspeed_ext.zero.profile import Profile, ProfileError, Timing, load
 from multirank.processes import launch_ranks
@@ -200,7 +200,10 @@ def test_the_probe_times_every_hop_and_a_job_of_its_topology_reads_it(tmp_path, 
     assert {t.nbytes for t in profile.timings} == {4096, 16384, 65536}
     scalars = [t for t in profile.timings if t.operation in (Operation.ALL_REDUCE, Operation.BROADCAST)]
     assert {t.nbytes for t in scalars} == {4096}
-    assert {(t.members, t.link) for t in profile.hop_timings()} == {(2, LinkClass.NODE), (2, LinkClass.INTER_NODE)}
+    assert {(t.members, t.link) for t in profile.hop_timings()} == {
+        (2, LinkClass.NODE),
+        (2, LinkClass.INTER_NODE),
+    }
     assert profile.versions["collectives"].startswith("gloo")
 
     used, messages = run_ranks(4, _job_reads, str(out))[0]
@@ -218,7 +221,7 @@ def test_the_probe_times_every_hop_and_a_job_of_its_topology_reads_it(tmp_path, 
 
 
 def test_the_planner_charges_the_fitted_step_latency_and_bandwidth_of_what_the_profile_measured():
-    from deepspeed_ext.zero.collective_cost import FRONTIER_RCCL
+    from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL
 
     # across nodes: a 2-member ring, 1 step and n/2 bus bytes: 10 us + (n/2) / 1 GB/s, 3 groups at once
     line = tuple(

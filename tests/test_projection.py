@@ -1,4 +1,4 @@
-"""The projection library (deepspeed_ext/zero/projection.py) and the planner CLI against
+"""The projection library (deepspeed_ext/zero/cost/projection.py) and the planner CLI against
 hand-derived figures: parameter counts, DeepSpeed's launches from the JSON's buckets, Megatron's
 activation memory, qgZ's two all-to-alls, pipelined hops. Pure arithmetic, no processes."""
 
@@ -9,18 +9,15 @@ import json
 import pytest
 
 from deepspeed_ext.zero import plan as plan_cli
-from deepspeed_ext.zero.collective_cost import (
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.cost.collectives import (
     Algorithm,
     AlgorithmFit,
     CollectiveCosts,
     Operation,
     for_topology,
 )
-from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
-from deepspeed_ext.zero.cost_model import Links, ModelSpec
-from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.planner import choose_secondary_level
-from deepspeed_ext.zero.projection import (
+from deepspeed_ext.zero.cost.projection import (
     Plan,
     Scheme,
     comm_seconds,
@@ -29,8 +26,11 @@ from deepspeed_ext.zero.projection import (
     reduce_calls,
     shape,
 )
-from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
-from plugin_base.topology import LinkClass
+from deepspeed_ext.zero.cost.volume import ModelSpec
+from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
+from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.planner import choose_secondary_level
+from plugin_base.topology import LinkClass, Topology
 
 GPT_20B = Model(layers=44, hidden=6144, heads=64, seq=2048)
 PRESET = Buckets(prefetch=50_000_000, reduce=50_000_000, persistence=100_000, max_live=1_000_000_000)
@@ -46,6 +46,7 @@ UNIT = CollectiveCosts(
     nic_gbps=8.0,
 )
 UNIT_SYSTEM = System(UNIT, ranks_per_node=8, ranks_per_package=2)
+FRONTIER_TOPOLOGY = Topology(world_size=384, ranks_per_node=8, ranks_per_package=2)
 
 
 def test_20b_parameters_and_buckets_from_the_preset_json():
@@ -140,7 +141,7 @@ def test_secondary_level_auto_times_levels_with_the_clis_projection():
     spec = ModelSpec(param_numels=(100_000_000,) * 4, gathers_per_pass=4)
     buckets = Buckets(prefetch=100_000_000, reduce=400_000_000)
     config = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=1e3, pipeline_chunks=2)
-    choice = choose_secondary_level(config, s, spec, Links(), micro_batches=2, buckets=buckets)
+    choice = choose_secondary_level(config, s, spec, FRONTIER_TOPOLOGY, micro_batches=2, buckets=buckets)
     frontier = System(for_topology(2))
     for level, link in ((LinkClass.PACKAGE, LinkClass.PACKAGE), (LinkClass.NODE, LinkClass.NODE)):
         plan = Plan(
@@ -211,7 +212,7 @@ def test_the_step_charges_the_systems_gemm_efficiency_and_overlap():
     system's overlap fraction of the communication behind it."""
     from dataclasses import replace
 
-    from deepspeed_ext.zero.projection import project
+    from deepspeed_ext.zero.cost.projection import project
 
     toy = Model(layers=1, hidden=256, heads=4, seq=128)
     slow, fast = (replace(UNIT_SYSTEM, peak_tflops=1.0, gemm_efficiency=e) for e in (0.25, 0.5))

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from test_hierarchical_zero import ds_config, make_engine
 
-from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero import quantize
+from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.levels import DPShape
 from plugin_base import comm
 from plugin_base.topology import Level, Topology

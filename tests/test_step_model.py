@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from deepspeed_ext.zero.collective_cost import (
+from deepspeed_ext.zero.cost.collectives import (
     FRONTIER_RCCL,
     Algorithm,
     AlgorithmFit,
     CollectiveCosts,
     Operation,
 )
+from deepspeed_ext.zero.cost.step import overlapped, predict, prefetch_hidden
 from deepspeed_ext.zero.profile import Profile, Timing
-from deepspeed_ext.zero.step_model import overlapped, predict, prefetch_hidden
 from plugin_base.comm import CallKey
 from plugin_base.topology import LinkClass
 

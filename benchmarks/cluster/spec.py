@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
-from deepspeed_ext.zero.cost_model import FRONTIER_LATENCY_US
+from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
 from plugin_base.topology import LinkClass
 
 # Shaping through veth + tbf stays accurate up to about this rate on a small host; above it the
@@ -18,8 +18,8 @@ MAX_NODES = 250
 SUBNET = "10.77"
 # One-way delays beyond this only measure timeouts; gloo's and TCP's defaults assume LAN round trips.
 MAX_LATENCY_MS = 100.0
-# Emulated time per Frontier time for latencies (FRONTIER_LATENCY_US, the cost model's 2 / 4 / 10 us
-# per step: package / node / inter-node): 10 us across nodes become 10 ms, about half of one ring
+# Emulated time per Frontier time for latencies (the cost model's ring step latencies on Frontier,
+# 2 / 4 / 10 us: package / node / inter-node): 10 us across nodes become 10 ms, about half of one ring
 # step of a 1 MB gather over 16 ranks on a 50 Mbit/s NIC shared by 2 ranks (62.5 KB at 25 Mbit/s:
 # 20 ms), so latency matters at CPU speed. The rates are Frontier's / 4000 (25 GB/s -> 50 Mbit/s),
 # so the emulator's latency x bandwidth product is a quarter of Frontier's.
@@ -239,10 +239,10 @@ def frontier_latency(
     shared_nic: bool = True,
 ) -> ClusterSpec:
     """The frontier profile's rates plus one-way delays per link class in Frontier's latency ratio
-    (FRONTIER_LATENCY_US) times ``scale``: 2 / 4 / 10 ms at the default scale of 1000. The default
+    (the cost model's ring step latencies) times ``scale``: 2 / 4 / 10 ms at the default scale of 1000. The default
     layout is 8 nodes of one MI250X each (2 ranks sharing one NIC): 16 ranks."""
     base = frontier(nodes, packages_per_node, shared_nic)
-    ms = {str(link): us * scale / 1000 for link, us in FRONTIER_LATENCY_US.items()}
+    ms = {str(link): FRONTIER_RCCL.fits[(link, Algorithm.RING)].step_us * scale / 1000 for link in LinkClass}
     return replace(
         base,
         name="frontier_latency",

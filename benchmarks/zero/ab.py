@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.cluster.spec import frontier_latency
 from benchmarks.zero.run import OUT
-from deepspeed_ext.zero.collective_cost import Algorithm
+from deepspeed_ext.zero.cost.collectives import Algorithm
 from deepspeed_ext.zero.profile import Profile, parse
 from plugin_base.topology import LinkClass
 

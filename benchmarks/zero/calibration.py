@@ -6,7 +6,7 @@ Each row: the published figure (its source), the model's value (computed) and th
 constants are its documented hardware, so every Frontier, RCCL and PCCL figure here is held out: the
 error is a prediction's. H100's constants are the nccl-tests figures themselves (marked: not held
 out). The published figures are typed in by hand from their sources (docs/hierarchical_zero.md,
-"Calibration"); the model's are computed with deepspeed_ext.zero.collective_cost and projection.
+"Calibration"); the model's are computed with deepspeed_ext.zero.cost.collectives and projection.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
-from deepspeed_ext.zero.collective_cost import FRONTIER_RCCL, H100_NCCL, Operation
 from deepspeed_ext.zero.config import InterNodeAlgorithm
-from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.projection import (
+from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, H100_NCCL, Operation
+from deepspeed_ext.zero.cost.projection import (
     Plan,
     Scheme,
     System,
@@ -25,7 +24,8 @@ from deepspeed_ext.zero.projection import (
     hops,
     project,
 )
-from deepspeed_ext.zero.workload import Buckets, Model, Recompute
+from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute
+from deepspeed_ext.zero.levels import DPShape
 from plugin_base.topology import LinkClass
 
 FRONTIER = System(FRONTIER_RCCL)

@@ -1,5 +1,5 @@
 """Projection to Frontier: the 20B GPT preset on 1..48 nodes (8..384 GCDs), every collective charged
-through the collective_cost model (deepspeed_ext/zero/projection.py).
+through the cost model (deepspeed_ext/zero/cost/).
 
   python -m benchmarks.zero.project                       # writes benchmarks/results/zero/projection.{json,md}
   python -m benchmarks.zero.project --profile profile.json --name projection_measured
@@ -29,14 +29,14 @@ from pathlib import Path
 
 from benchmarks.zero import calibration
 from deepspeed_ext.zero import plan as planner_cli
-from deepspeed_ext.zero.collective_cost import (
+from deepspeed_ext.zero.cost.collectives import (
     FRONTIER_RING_GBPS,
     FRONTIER_RING_GBPS_LOW,
     FRONTIER_RING_STEP_RANGE_US,
     frontier_costs,
 )
-from deepspeed_ext.zero.projection import Plan, Scheme, project
-from deepspeed_ext.zero.workload import Buckets, System
+from deepspeed_ext.zero.cost.projection import Plan, Scheme, project
+from deepspeed_ext.zero.cost.workload import Buckets, System
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
 TARGET_VS_HPZ, TARGET_VS_ZEROPP, PAPER_TOLERANCE = 1.5, 1.2, 0.20
@@ -71,7 +71,7 @@ COLLECTIVE_SWEEP = {
     "ring_step_us": FRONTIER_RING_STEP_RANGE_US,
     "ring_gbps": (FRONTIER_RING_GBPS_LOW, FRONTIER_RING_GBPS),
 }
-"""Frontier's uncertain collective inputs, each at both ends (documented in collective_cost.py)."""
+"""Frontier's uncertain collective inputs, each at both ends (documented in deepspeed_ext/zero/cost/collectives.py)."""
 SYSTEM_SWEEP = {"overlap": (0.0, 0.5, 0.9), "gemm_efficiency": (0.3, 0.6)}
 """The step's uncertain inputs: communication hidden behind compute, fraction of peak the GEMMs reach."""
 

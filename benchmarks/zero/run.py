@@ -26,8 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.cost import collectives
+from deepspeed_ext.zero.cost import volume as cm
+from deepspeed_ext.zero.cost.collectives import Algorithm, AlgorithmFit, CollectiveCosts, Operation
 from deepspeed_ext.zero.planner import variant_for
 from multirank import launch_ranks
 from plugin_base.comm import LINK_CLASSES
@@ -125,29 +127,37 @@ def step_times(launches: list[dict[str, Any]], name: str) -> tuple[list[float], 
     return [t for steps in per_launch for t in steps], [statistics.median(s) for s in per_launch]
 
 
+def gloo_hop_seconds(hop: cm.Hop, spec: dict[str, Any]) -> float:
+    """One occurrence of ``hop`` on the emulated cluster, charged by the one cost model
+    (:func:`collectives.seconds`) with the shaped rates and no latency (these links have none):
+    one gloo ring per collective on one NIC, the node's NICs shared by its concurrent groups; a
+    reduce-scatter costs an all-reduce (gloo's runs one). A group spanning nodes is limited by the
+    NICs or by its slowest edge inside the node."""
+    gbps = {LinkClass(k): spec[f"{k}_mbit"] / 8 / 1000 for k in LINK_CLASSES}
+    per_node = spec["packages_per_node"] * spec["ranks_per_package"]
+    costs = CollectiveCosts(
+        "emulated cluster, gloo",
+        {(link, Algorithm.RING): AlgorithmFit(step_us=0.0, bus_gbps=g) for link, g in gbps.items()},
+        nic_gbps=gbps[LinkClass.INTER_NODE] * (per_node // spec["ranks_per_nic"]),
+    )
+    op = Operation.ALL_REDUCE if hop.kind == "reduce" else Operation.ALL_GATHER
+    buffer = hop.nbytes * hop.members / (hop.members - 1)
+    if hop.link != LinkClass.INTER_NODE:
+        return collectives.seconds(costs, op, Algorithm.RING, hop.members, buffer, hop.link)
+    _, q, k = hop.layout
+    concurrent = max(1, per_node // (q * k))
+    across = collectives.seconds(costs, op, Algorithm.RING, hop.members, buffer, hop.link, concurrent)
+    if q * k == 1:
+        return across
+    edge = LinkClass.NODE if q > 1 else LinkClass.PACKAGE
+    return max(across, collectives.bus_bytes(op, hop.members, buffer) / (gbps[edge] * 1e9))
+
+
 def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str, Any]:
     shaped = runs.get(f"cluster micro {micro}")
     base = runs[f"loopback micro {micro}"]
     first = (shaped or base)[0]["ranks"][0]
     shape, model, variants = model_for(first)
-    links = None
-    if spec:
-        rates = {
-            LinkClass.PACKAGE: spec["package_mbit"],
-            LinkClass.NODE: spec["node_mbit"],
-            LinkClass.INTER_NODE: spec["inter_node_mbit"],
-        }
-        per_node = spec["packages_per_node"] * spec["ranks_per_package"]
-        # gloo: one ring per collective, and its reduce-scatter sends what an all-reduce sends
-        # (measured: 7.03 MB per rank for a 4 MB reduce-scatter over the 8 ranks, 3.51 MB for the all-gather).
-        links = cm.Links(
-            bandwidth_gbps={k: v / 8 / 1000 for k, v in rates.items()},
-            latency_us=dict.fromkeys(LINK_CLASSES, 0.0),
-            ranks_per_nic=spec["ranks_per_nic"],
-            nics_per_node=per_node // spec["ranks_per_nic"],
-            channels=1,
-            reduce_scatter_wire=2.0,
-        )
     rows = {}
     for name in first["record"]:
         row: dict[str, Any] = {}
@@ -186,8 +196,10 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
             hops = cm.step_hops(model, shape, variants[name], micro)
             row["computed"] = {
                 "counter_bytes": cm.bytes_per_link(hops),
-                "ring_wire_bytes": cm.ring_wire_bytes(hops, links),
-                "comm_s": cm.comm_time(hops, links) if links else None,
+                # gloo's reduce-scatter sends what an all-reduce sends (measured: 7.03 MB per rank
+                # for a 4 MB reduce-scatter over the 8 ranks, 3.51 MB for the all-gather)
+                "ring_wire_bytes": cm.ring_wire_bytes(hops, reduce_scatter_wire=2.0),
+                "comm_s": sum(gloo_hop_seconds(h, spec) * h.times for h in hops) if spec else None,
             }
         rows[name] = row
     return {

@@ -35,8 +35,8 @@ from typing import Any
 from benchmarks.cluster.spec import FRONTIER_LATENCY_SCALE, frontier_latency
 from benchmarks.zero.run import OUT, RANK_MODULE, step_times
 from benchmarks.zero.variants import Question, scale_variants
-from deepspeed_ext.zero import cost_model as cm
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.planner import variant_for
 from multirank import launch_ranks

@@ -2,7 +2,8 @@
 
 The main job calls :func:`initialize` where it would call ``deepspeed.initialize``; with
 ``hierarchical_zero.enabled`` false it is ``deepspeed.initialize``. See docs/hierarchical_zero.md.
-Names are imported on first use, so that the cost model and the planner load without DeepSpeed.
+Names are imported on first use, so that the cost model (:mod:`.cost`) and the planner load
+without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _EXPORTS = {
     "validate_deepspeed_config": "contract",
     "Init": "inject",
     "LevelMPU": "inject",
+    "ModelSpec": "cost.volume",
     "uninstall_dispatchers": "inject",
     "ZeroLevels": "levels",
     "dp_shape": "levels",
@@ -26,15 +28,13 @@ _EXPORTS = {
 
 _SUBMODULES = (
     "api",
-    "collective_cost",
     "contract",
-    "cost_model",
+    "cost",
     "hops",
     "inject",
     "levels",
     "planner",
     "plan",
-    "projection",
 )
 
 __all__ = sorted(_EXPORTS)

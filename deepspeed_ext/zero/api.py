@@ -21,18 +21,18 @@ from deepspeed_ext.zero.contract import (
     largest_collectives,
     model_spec,
 )
-from deepspeed_ext.zero.cost_model import Links, ModelSpec, bytes_per_link, step_hops
+from deepspeed_ext.zero.cost.memory import hop_buffers
+from deepspeed_ext.zero.cost.volume import ModelSpec, bytes_per_link, step_hops
+from deepspeed_ext.zero.cost.workload import Buckets
 from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
 from deepspeed_ext.zero.planner import (
     SecondaryChoice,
     choose_secondary_level,
     describe,
-    hop_buffers,
     variant_for,
 )
 from deepspeed_ext.zero.profile import Profile, ProfileError
 from deepspeed_ext.zero.profile import load as load_profile
-from deepspeed_ext.zero.workload import Buckets
 from plugin_base import comm
 from plugin_base.section import ConfigError, read_ds_config
 from plugin_base.topology import Topology, TopologyConfig, check_data_parallel, detect_topology
@@ -75,8 +75,6 @@ class HierarchicalPlan:
     """The planner's figures."""
     model: ModelSpec
     """This rank's parameters as the cost model sees them."""
-    links: Links
-    """How the node's ranks share its NICs, as the planner counted them (its speeds: ``collective_cost.for_topology``)."""
 
     def predicted_bytes(self, micro_batches: int = 1) -> dict[str, int]:
         """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
@@ -143,7 +141,6 @@ def prepare(
     topology = topology or detect_topology(plugin_config.topology, world_size=world)
     shape = dp_shape(topology, dp_ranks)
     spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
-    links = Links(ranks_per_nic=topology.ranks_per_package)
     micro = int(ds.get("gradient_accumulation_steps") or 1)
     gather, reduce = largest_collectives(ds, spec)
     buffers = hop_buffers(hz, shape, spec, gather, reduce)
@@ -152,7 +149,7 @@ def prepare(
         hz,
         shape,
         spec,
-        links,
+        topology,
         micro_batches=micro,
         buffers=buffers,
         buckets=Buckets.from_json(ds),
@@ -161,7 +158,7 @@ def prepare(
     if dist.get_rank() == 0:
         logger.info(describe(choice, shape))
     levels = build_levels(topology, dp_group, choice.level, hz, measured)
-    plan = HierarchicalPlan(levels=levels, choice=choice, model=spec, links=links)
+    plan = HierarchicalPlan(levels=levels, choice=choice, model=spec)
     known_plans.remember(plan)
     return plan
 

@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from deepspeed_ext.zero import collective_cost, step_model
 from deepspeed_ext.zero.bench_model import ModelShape, build_model, flops_per_step
 from deepspeed_ext.zero.bench_variants import Variant, ds_config, variants
+from deepspeed_ext.zero.cost import collectives
+from deepspeed_ext.zero.cost.step import StepPrediction, predict
 from deepspeed_ext.zero.profile import load as load_profile
 from plugin_base import comm
 from plugin_base.comm import LINK_CLASSES
@@ -219,11 +220,11 @@ def predicted(
     variant: Variant,
     accumulation: int,
     compute_s: float,
-) -> step_model.StepPrediction:
+) -> StepPrediction:
     """The step the model predicts from the profile, the collectives this rank launched per step
     and the measured single-rank step."""
-    fallback = collective_cost.for_topology(topology.ranks_per_package)
-    return step_model.predict(
+    fallback = collectives.for_topology(topology.ranks_per_package)
+    return predict(
         load_profile(profile, topology),
         calls,
         compute_s,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,14 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Megatron flag -> ModelShape field
-_FLAGS = {
-    "--num-layers": "layers",
-    "--hidden-size": "hidden",
-    "--num-attention-heads": "heads",
-    "--seq-length": "seq_length",
-    "--vocab-size": "vocab",
-}
+from deepspeed_ext.zero.cost.workload import Model, Recompute
 
 
 @dataclass(frozen=True)
@@ -45,15 +37,19 @@ class ModelShape:
 
     @classmethod
     def from_megatron_args(cls, path: str | Path, **defaults: int) -> ModelShape:
-        """The shape a Megatron flags file (scripts/presets/*.args) gives; absent flags keep ``defaults``."""
-        words = shlex.split(Path(path).read_text(), comments=True)
-        values = dict(defaults)
-        for flag, name in _FLAGS.items():
-            if flag in words:
-                values[name] = int(words[words.index(flag) + 1])
-        if "--vocab-size" not in words:
-            values.setdefault("vocab", 50304)  # GPT-2's BPE vocabulary as Megatron pads it
-        return cls(**values)
+        """The shape a Megatron flags file (scripts/presets/*.args) gives; absent flags keep
+        ``defaults`` (Megatron pads GPT-2's vocabulary to 50304 when the file gives none)."""
+        given = {"layers": cls.layers, "hidden": cls.hidden, "heads": cls.heads, "seq": cls.seq_length}
+        model = Model.from_megatron_args(path, **{"vocab": 50304, **given, **_as_model(defaults)})
+        return cls(model.layers, model.hidden, model.heads, model.seq, model.vocab)
+
+    def model(self) -> Model:
+        """The same GPT as the cost model describes it."""
+        return Model(self.layers, self.hidden, self.heads, self.seq_length, self.vocab)
+
+
+def _as_model(fields: dict[str, int]) -> dict[str, int]:
+    return {("seq" if k == "seq_length" else k): v for k, v in fields.items()}
 
 
 class Block(nn.Module):
@@ -101,7 +97,7 @@ def build_model(shape: ModelShape, device: str | torch.device = "cpu") -> nn.Mod
 
 
 def flops_per_step(shape: ModelShape, tokens: int) -> float:
-    """Forward and backward FLOPs of ``tokens`` tokens: 6 x matmul parameters x tokens (12 h^2 per
-    layer and the output layer) + 12 x layers x hidden x sequence x tokens (attention scores)."""
-    matmul = shape.layers * 12 * shape.hidden**2 + shape.hidden * shape.vocab
-    return 6.0 * matmul * tokens + 12.0 * shape.layers * shape.hidden * shape.seq_length * tokens
+    """Forward and backward FLOPs of ``tokens`` tokens: the cost model's count per sequence
+    (Narayanan et al.'s, :meth:`.cost.workload.Model.flops`: 6 x matmul parameters x tokens + 12 x
+    layers x hidden x sequence x tokens) times the sequences."""
+    return shape.model().flops(1, Recompute.NONE) * tokens / shape.seq_length

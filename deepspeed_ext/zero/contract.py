@@ -7,7 +7,7 @@ import deepspeed
 import torch
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, check_zero_stage
-from deepspeed_ext.zero.cost_model import ModelSpec
+from deepspeed_ext.zero.cost.volume import ModelSpec
 from plugin_base.section import ConfigError
 
 SUPPORTED_DEEPSPEED = ("0.19.",)

@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.zero import p2p_hops, quantize
-from deepspeed_ext.zero.collective_cost import Algorithm, Operation
 from deepspeed_ext.zero.config import InterNodeAlgorithm
+from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.hop_worker import Stage
 from deepspeed_ext.zero.levels import HopPlan
 from plugin_base import comm

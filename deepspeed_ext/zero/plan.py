@@ -17,15 +17,14 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import shlex
 from dataclasses import replace
 from pathlib import Path
 
-from deepspeed_ext.zero.collective_cost import FRONTIER_RCCL, H100_NCCL
 from deepspeed_ext.zero.config import InterNodeAlgorithm
+from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, H100_NCCL
+from deepspeed_ext.zero.cost.projection import Plan, Projection, Scheme, memory, project, shape
+from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
 from deepspeed_ext.zero.profile import parse
-from deepspeed_ext.zero.projection import Plan, Projection, Scheme, memory, project, shape
-from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
 from plugin_base.topology import LinkClass
 
 PRESETS = Path(__file__).resolve().parents[2] / "scripts" / "presets"
@@ -49,18 +48,6 @@ def measured_system(path: Path, base: System) -> System:
         ranks_per_node=profile.topology["ranks_per_node"],
         ranks_per_package=profile.topology["ranks_per_package"],
     )
-
-
-def model_from_args(path: Path) -> Model:
-    """A GPT from a Megatron flags file (scripts/presets/*.args)."""
-    words = shlex.split(path.read_text(), comments=True)
-    flags = {
-        w: nxt for w, nxt in zip(words, [*words[1:], ""]) if w.startswith("--") and not nxt.startswith("--")
-    }
-    need = ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length")
-    if not all(k in flags for k in need):
-        raise SystemExit(f"{path} lacks one of {need}: give --layers/--hidden/--heads/--seq instead")
-    return Model(*(int(flags[k]) for k in need))
 
 
 def fitting(system: System, model: Model, nodes: int, plan: Plan) -> tuple[Plan, Projection] | None:
@@ -198,7 +185,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--output-json", type=Path, help="write the best plan's DeepSpeed sections here")
     args = parser.parse_args(argv)
     if args.model:
-        model = model_from_args(MODELS[args.model])
+        model = Model.from_megatron_args(MODELS[args.model])
     elif None in (args.layers, args.hidden, args.heads, args.seq):
         raise SystemExit("give --model, or all of --layers --hidden --heads --seq")
     else:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, replace
 
-from deepspeed_ext.zero import collective_cost, p2p_hops, projection
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
-from deepspeed_ext.zero.cost_model import (
-    Links,
-    ModelSpec,
-    Variant,
-    hierarchical,
-)
+from deepspeed_ext.zero.cost import collectives, projection
+from deepspeed_ext.zero.cost.memory import NO_BUFFERS, HopBuffers, held_bytes
+from deepspeed_ext.zero.cost.volume import ModelSpec, Variant, hierarchical
+from deepspeed_ext.zero.cost.workload import Buckets, System
 from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.profile import Profile
-from deepspeed_ext.zero.workload import Buckets, System
-from plugin_base.topology import Level, LinkClass
+from plugin_base.topology import Level, LinkClass, Topology
 
 logger = logging.getLogger(__name__)
 
@@ -52,76 +47,11 @@ def variant_for(config: HierarchicalZeroConfig, level: Level, model: ModelSpec) 
     return hierarchical(level, config.grad_reduce, boundary, weights, grads)
 
 
-def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec) -> int:
-    """fp32 bytes per rank kept for the cross-node gradient hop: the node-level block summed until
-    the boundary (grad_sync) and the error-feedback residual (quantized_gradients)."""
-    if shape.nodes == 1:
-        return 0
-    node_block = model.padded(shape.size) // shape.per_node * 4
-    return node_block * ((config.grad_sync == "accumulation_boundary") + (config.grad_bits is not None))
-
-
-@dataclass(frozen=True)
-class HopBuffers:
-    """Peak bytes per rank that one hop collective allocates beyond the flat one it replaces
-    (computed from the buffers hops.py and quantize.py allocate; tests/test_hop_memory.py measures)."""
-
-    gather: int
-    """One parameter all-gather: the innermost hop's input and output (the flat call writes straight
-    into DeepSpeed's buffer), with pipelined hops also the cross-node hop's output (computed, an
-    upper bound), or the int8 cross-node hop's integers and fp32 values if larger."""
-    reduce: int
-    """One gradient reduce-scatter: nothing for ring hops (they run in place in DeepSpeed's packed
-    bucket); the recursive cross-node hop's receive buffer; the quantized cross-node hop's fp32
-    copy, working copy and integers; boundary sync's zeros handed to DeepSpeed."""
-
-    @property
-    def total(self) -> int:
-        """Both at once: the all-gather and reduce-scatter streams may overlap."""
-        return self.gather + self.reduce
-
-
-def hop_buffers(
-    config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec, gather_elems: int, reduce_elems: int
-) -> HopBuffers:
-    """:class:`HopBuffers` for all-gathers of ``gather_elems`` and reduce-scatters of ``reduce_elems``
-    elements (the largest calls DeepSpeed makes: a prefetch bucket, a reduce bucket)."""
-    sizes = [s for s in (shape.per_package, shape.packages_per_node, shape.nodes) if s > 1]
-    if len(sizes) < 2:  # one hop is the flat collective itself (HopPlan.is_trivial)
-        return HopBuffers(0, 0)
-    p, wb, gb = shape.size, model.weight_bytes, model.grad_bytes
-    gather = gather_elems * wb + gather_elems // sizes[0] * wb
-    if config.pipeline_chunks > 1 and shape.nodes > 1:
-        # pieces waiting for the next lane hold their cross-node hop's output besides the serial peak
-        gather += gather_elems // shape.per_node * wb
-    if config.quantized_weights and shape.nodes > 1:
-        # int8 hop across nodes on h = G/p elements: input, output, payload, gathered payloads, fp32 values
-        h = math.ceil(gather_elems / p)
-        gather = max(gather, h * (wb + shape.nodes * (wb + 1 + 4) + 1))
-    reduce = 0
-    if config.grad_reduce == "hierarchical" and shape.nodes > 1:
-        node_elems = math.ceil(reduce_elems / p) * shape.nodes  # the block that crosses nodes
-        if config.inter_node_algorithm != InterNodeAlgorithm.RING:
-            # distance halving receives the largest step's blocks into one buffer
-            most = max(blocks for _, blocks in p2p_hops.schedule(shape.nodes))
-            reduce = most * math.ceil(reduce_elems / p) * gb
-        if config.grad_sync == "accumulation_boundary":  # zeros handed to DeepSpeed between boundaries
-            reduce = max(reduce, math.ceil(reduce_elems / p) * gb)
-        if config.grad_bits:
-            padded = -(-node_elems // config.quantization_block) * config.quantization_block
-            # fp32 copy of the block (the next residual), then 6 bytes per padded element at once
-            # (payload, received payload and the fp32 values dequantized from it), the scales sent
-            # and received, and the fp32 sum
-            scales = 2 * 4 * padded // config.quantization_block
-            reduce = max(reduce, node_elems * 4 + padded * 6 + scales + node_elems // shape.nodes * 4)
-    return HopBuffers(gather=gather, reduce=reduce)
-
-
 def level_seconds(
     config: HierarchicalZeroConfig,
     shape: DPShape,
     model: ModelSpec,
-    links: Links,
+    topology: Topology,
     level: Level,
     micro_batches: int = 1,
     buckets: Buckets | None = None,
@@ -130,15 +60,15 @@ def level_seconds(
     """Communication of one step with the secondary copy at ``level`` (global: none), computed
     by the projection the planner CLI uses: DeepSpeed's gathers (one per parameter-owning module
     and pass, split at the prefetch bucket) and reduce buckets, each charged through
-    collective_cost with the costs the probe's ``profile`` fits, else the documented costs of this
+    :mod:`.cost.collectives` with the costs the probe's ``profile`` fits, else the documented costs of this
     topology (Frontier's where packages hold several ranks, H100's otherwise). Hops across nodes
     are charged the algorithm the runtime runs: auto is ring without a profile."""
     buckets = buckets or Buckets()
-    costs = collective_cost.for_topology(links.ranks_per_nic, config.link_bandwidth_gbps)
+    costs = collectives.for_topology(topology.ranks_per_package, config.link_bandwidth_gbps)
     system = System(
         costs if profile is None else profile.costs(costs),
-        ranks_per_node=max(links.ranks_per_node, shape.per_node),
-        ranks_per_package=links.ranks_per_nic,
+        ranks_per_node=topology.ranks_per_node,
+        ranks_per_package=topology.ranks_per_package,
     )
     inter_node = config.inter_node_algorithm
     if inter_node == InterNodeAlgorithm.AUTO and profile is None:
@@ -176,9 +106,9 @@ def choose_secondary_level(
     config: HierarchicalZeroConfig,
     shape: DPShape,
     model: ModelSpec,
-    links: Links,
+    topology: Topology,
     micro_batches: int = 1,
-    buffers: HopBuffers = HopBuffers(0, 0),
+    buffers: HopBuffers = NO_BUFFERS,
     buckets: Buckets | None = None,
     profile: Profile | None = None,
 ) -> SecondaryChoice:
@@ -188,7 +118,7 @@ def choose_secondary_level(
     held = held_bytes(config, shape, model) + buffers.total
     extra = {level: full // size + held for level, size in candidate_sizes(shape).items()}
     seconds = {
-        level: level_seconds(config, shape, model, links, level, micro_batches, buckets, profile)
+        level: level_seconds(config, shape, model, topology, level, micro_batches, buckets, profile)
         for level in (*extra, Level.GLOBAL)
     }
     extra[Level.GLOBAL] = held

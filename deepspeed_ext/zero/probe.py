@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.zero import p2p_hops
-from deepspeed_ext.zero.collective_cost import Algorithm, Operation
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.levels import build_levels
 from deepspeed_ext.zero.profile import Profile, Timing, library_versions, sizes_sweep, topology_key
 from plugin_base import comm

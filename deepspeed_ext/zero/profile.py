@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from deepspeed_ext.zero.collective_cost import (
+from deepspeed_ext.zero.cost.collectives import (
     Algorithm,
     AlgorithmFit,
     CollectiveCosts,

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from deepspeed_ext import zero
 from deepspeed_ext.zero import inject
-from deepspeed_ext.zero.cost_model import ModelSpec
+from deepspeed_ext.zero.cost.volume import ModelSpec
 from plugin_base.section import ConfigError, read_ds_config
 from plugin_base.topology import Topology
 

@@ -2,7 +2,7 @@
 
 One model for the planner CLI (``python -m deepspeed_ext.zero.plan``), ``secondary_level: auto``
 and the Frontier benchmark (``python -m benchmarks.zero.project``). Every collective is charged
-through :func:`collective_cost.seconds`; launches and message sizes come from the DeepSpeed JSON
+through :func:`.collectives.seconds`; launches and message sizes come from the DeepSpeed JSON
 (``stage3_prefetch_bucket_size``, ``reduce_bucket_size``, ``stage3_param_persistence_threshold``):
 one all-gather per module and forward/backward pass, split at the prefetch bucket; one
 reduce-scatter per reduce bucket and micro-batch. Communication is not overlapped with compute
@@ -15,7 +15,13 @@ import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from deepspeed_ext.zero.collective_cost import (
+from deepspeed_ext.zero.config import (
+    GradientQuantization,
+    GradSync,
+    HierarchicalZeroConfig,
+    InterNodeAlgorithm,
+)
+from deepspeed_ext.zero.cost.collectives import (
     Algorithm,
     CollectiveCosts,
     Operation,
@@ -23,14 +29,15 @@ from deepspeed_ext.zero.collective_cost import (
     fastest,
     seconds,
 )
-from deepspeed_ext.zero.config import InterNodeAlgorithm
-from deepspeed_ext.zero.cost_model import step_time
+from deepspeed_ext.zero.cost.memory import held_bytes, hop_buffers
+from deepspeed_ext.zero.cost.step import overlapped
+from deepspeed_ext.zero.cost.volume import QGZ_BYTES_FACTOR, QWZ_BYTES_FACTOR, ModelSpec
+from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
 from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.workload import Buckets, Model, Recompute, System
 from plugin_base.topology import LinkClass
 
 PACKAGE, NODE, INTER = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
-QWZ, QGZ = 0.5, 0.25  # ZeRO++ (arXiv 2306.10209): int8 weights, int4 gradients, per 16-bit byte
+QWZ, QGZ = QWZ_BYTES_FACTOR, QGZ_BYTES_FACTOR  # ZeRO++: int8 weights, int4 gradients, per 16-bit byte
 OURS_INT8, OURS_INT4 = (1 + 4 / 256) / 2, (0.5 + 4 / 256) / 2  # ours: one fp32 scale per 256 elements
 
 
@@ -77,6 +84,19 @@ class Plan:
     """Ours: chunks so the inter-node, node and package hops overlap."""
     buckets: Buckets = Buckets()
     """DeepSpeed's buckets."""
+
+    def hierarchical_config(self) -> HierarchicalZeroConfig:
+        """The ``hierarchical_zero`` section that runs this plan (ours)."""
+        return HierarchicalZeroConfig(
+            enabled=True,
+            quantized_weights=self.quantized_weights,
+            quantized_gradients=GradientQuantization.INT4
+            if self.quantized_gradients
+            else GradientQuantization.NONE,
+            grad_sync=GradSync.ACCUMULATION_BOUNDARY if self.boundary_sync else GradSync.EVERY_MICRO_BATCH,
+            inter_node_algorithm=self.inter_node,
+            pipeline_chunks=self.pipeline_chunks,
+        )
 
 
 def shape(system: System, nodes: int, tp: int) -> DPShape:
@@ -243,26 +263,29 @@ def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPSh
 def memory(system: System, model: Model, s: DPShape, plan: Plan) -> dict[str, float]:
     """Bytes per rank: bf16 weights and gradients and fp32 master and Adam states partitioned over
     DP (16 bytes per element, ZeRO-3), the secondary bf16 copy, ours' fp32 gradient block held for
-    boundary sync or the int4 residual, gathered parameters live at once, DeepSpeed's reduce
-    bucket (double-buffered with overlap_comm), hop buffers and activations."""
+    boundary sync or the int4 residual and its hop buffers (both as the planner counts them,
+    :mod:`.memory`), gathered parameters live at once, DeepSpeed's reduce bucket (double-buffered
+    with overlap_comm) and activations."""
     p = model.params / plan.tp
     group = {Scheme.ZERO3: 0, Scheme.HPZ_IDEAL: s.per_node, Scheme.OURS: 0}.get(
         plan.scheme, system.ranks_per_node
     )
     if plan.scheme == Scheme.OURS and plan.secondary is not None:
         group = s.per_package if plan.secondary == PACKAGE else s.per_node
-    held = 0.0
-    if plan.scheme == Scheme.OURS and s.nodes > 1:
-        held = 4 * p / s.per_node * (plan.boundary_sync + plan.quantized_gradients)
     largest = max(model.modules(plan.tp))
     gather = min(plan.buckets.prefetch, largest)
+    held = buffers = 0.0
+    if plan.scheme == Scheme.OURS:
+        config, spec = plan.hierarchical_config(), ModelSpec((int(p),))
+        held = held_bytes(config, s, spec)
+        buffers = hop_buffers(config, s, spec, gather, int(min(plan.buckets.reduce, p))).total
     out = {
         "states": 16 * p / s.size,
         "secondary": 2 * p / group if group else 0.0,
         "held": held,
         "live": 2 * min(plan.buckets.max_live, plan.buckets.prefetch + largest),
         "buckets": 2 * 2 * min(plan.buckets.reduce, p),
-        "hop_buffers": 2 * gather * (1 + 1 / s.per_package) if plan.scheme == Scheme.OURS else 0.0,
+        "hop_buffers": buffers,
         "activations": model.activation_bytes(plan.micro_batch, plan.tp, plan.recompute),
     }
     out["total"] = sum(out.values())
@@ -279,6 +302,6 @@ def project(system: System, model: Model, nodes: int, plan: Plan) -> Projection:
         reduce_calls(model.params // plan.tp, plan.buckets),
     )
     comm = comm_seconds(system, *calls, s, plan)
-    step = step_time(compute, comm, system.overlap)
+    step = overlapped(compute, comm, system.overlap)
     useful = plan.grad_accum * model.flops(plan.micro_batch, Recompute.NONE) / plan.tp
     return Projection(compute, comm, step, useful / step / 1e12, memory(system, model, s, plan))

@@ -8,7 +8,7 @@ variant's step from what it can know before timing it:
 - communication: every collective the engine launches in a step, by operation, algorithm, group
   and size (counted by :class:`plugin_base.comm.CommCounter`), each at the probe profile's median
   for that group and size, interpolated between measured sizes; a group the probe did not time
-  is charged by :func:`collective_cost.seconds` with the costs fitted to the profile's hops;
+  is charged by :func:`.collectives.seconds` with the costs fitted to the profile's hops;
 - hidden: with ``stage3_prefetch_bucket_size`` > 0 DeepSpeed launches the next modules'
   all-gathers before it waits for the current one, so every all-gather but the first of each
   forward and backward pass is in flight beside others and beside compute. In flight together,
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deepspeed_ext.zero import collective_cost
-from deepspeed_ext.zero.collective_cost import Algorithm, CollectiveCosts, Operation
+from deepspeed_ext.zero.cost import collectives
+from deepspeed_ext.zero.cost.collectives import Algorithm, CollectiveCosts, Operation
 from deepspeed_ext.zero.profile import Profile
 from plugin_base.comm import CallKey
 from plugin_base.topology import LinkClass
@@ -61,7 +61,7 @@ def call_seconds(profile: Profile, costs: CollectiveCosts, call: CallKey) -> flo
     measured = profile.seconds(link, operation, algorithm, call.members, call.nbytes)
     if measured is not None:
         return measured
-    return collective_cost.seconds(costs, operation, algorithm, call.members, call.nbytes, link)
+    return collectives.seconds(costs, operation, algorithm, call.members, call.nbytes, link)
 
 
 def call_latency(profile: Profile, costs: CollectiveCosts, call: CallKey) -> float:

@@ -1,70 +1,34 @@
-"""Per-step communication of ZeRO-3, ZeRO++ and the hierarchical variant: computed bytes and time.
-
-Two byte figures, both computed from the parameter sizes, never measured:
+"""What one ZeRO-3 step sends: every collective of ZeRO-3, ZeRO++ and the hierarchical variant as a
+:class:`Hop`, and its bytes per link class (computed from the parameter sizes, never measured).
 
 - ``bytes_per_link``: :mod:`plugin_base.comm`'s accounting (per rank, bandwidth-optimal volume,
   all of it charged to the slowest link class a group spans), so a prediction can be compared
-  with a :class:`~plugin_base.comm.CommCounter`, which is computed the same way.
+  with a :class:`~plugin_base.comm.CommCounter`, which counts the same way.
 - ``ring_wire_bytes``: what a ring algorithm puts on each link class, per rank on average (a ring
-  over node-contiguous ranks crosses each node boundary once per channel; most of its edges stay
-  inside a package or node). This is what interface counters can be compared with.
+  over node-contiguous ranks crosses each node boundary once; most of its edges stay inside a
+  package or node). This is what interface counters can be compared with.
 
-Time is ring-aware per hop: a collective whose group spans nodes is limited by the NICs, which all
-of the node's concurrent groups share (``Links``: NICs per node, ranks per NIC, channels per ring),
-or by its slowest edge inside a node; a group inside one node by its link class per rank. Plus a
-latency term ``launches x (members - 1) x latency(link)``. Hops run one after the other, no
-overlap with compute (``step_time`` adds that). Assumed about the step (ZeRO-3 with
-``stage3_max_reuse_distance=0`` and ``stage3_param_persistence_threshold=0``): every parameter is
-gathered once per forward and once per backward of each micro-batch; gradients are
-reduce-scattered once per micro-batch (across nodes once per step with ``boundary_sync``).
+Time is :mod:`.collectives`' (one model for the planner, the projection and ``auto``). Assumed
+about the step (ZeRO-3 with ``stage3_max_reuse_distance=0`` and
+``stage3_param_persistence_threshold=0``): every parameter is gathered once per forward and once
+per backward of each micro-batch; gradients are reduce-scattered once per micro-batch (across
+nodes once per step with ``boundary_sync``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from deepspeed_ext.zero.levels import DPShape
 from plugin_base.comm import LINK_CLASSES, volume
 from plugin_base.topology import Level, LinkClass
 
 PACKAGE, NODE, INTER_NODE = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
-# Frontier: GCD pair 200 GB/s; GCDs on different MI250X 50-100 GB/s; one 25 GB/s NIC per MI250X.
-FRONTIER_BANDWIDTH_GBPS = {PACKAGE: 200.0, NODE: 50.0, INTER_NODE: 25.0}
-FRONTIER_LATENCY_US = {PACKAGE: 2.0, NODE: 4.0, INTER_NODE: 10.0}
 # ZeRO++ (arXiv 2306.10209): qwZ sends INT8 weights plus block scales (~half of fp16), qgZ INT4 gradients.
 QWZ_BYTES_FACTOR = 0.5
 QGZ_BYTES_FACTOR = 0.25
-
-
-@dataclass(frozen=True)
-class Links:
-    """Speed of each link class and how a node's ranks share its NICs."""
-
-    bandwidth_gbps: dict[LinkClass, float] = field(default_factory=lambda: dict(FRONTIER_BANDWIDTH_GBPS))
-    """GB/s per link: package and node per rank, inter_node per NIC."""
-    latency_us: dict[LinkClass, float] = field(default_factory=lambda: dict(FRONTIER_LATENCY_US))
-    """Per-step latency of a ring collective on each link class (microseconds)."""
-    ranks_per_nic: int = 2
-    """Ranks sharing one NIC (Frontier: the two GCDs of an MI250X)."""
-    nics_per_node: int = 4
-    """NICs per node (Frontier: one per MI250X, four per node)."""
-    channels: int = 4
-    """Rings one collective is spread over, each crossing a node boundary once (RCCL/NCCL: several,
-    enough to use every NIC; gloo: 1)."""
-    reduce_scatter_wire: float = 1.0
-    """Wire bytes of a reduce-scatter per byte of its bandwidth-optimal volume (gloo's runs an
-    all-reduce: 2, measured on the emulated cluster)."""
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.ranks_per_nic * self.nics_per_node
-
-    def rank_bandwidth(self, link: LinkClass) -> float:
-        """Bytes per second one rank gets on ``link`` while every rank of its node sends on it."""
-        share = self.ranks_per_nic if link == INTER_NODE else 1
-        return self.bandwidth_gbps[link] * 1e9 / share
 
 
 @dataclass(frozen=True)
@@ -308,40 +272,14 @@ def ring_edges(layout: Layout) -> dict[LinkClass, int]:
     return edges
 
 
-def ring_wire_bytes(hops: Sequence[Hop], links: Links | None = None) -> dict[LinkClass, float]:
+def ring_wire_bytes(hops: Sequence[Hop], reduce_scatter_wire: float = 1.0) -> dict[LinkClass, float]:
     """Computed bytes per link class a rank puts on the wire, averaged over the group, when every
-    collective is a ring: each of its ``members`` edges carries what one rank sends."""
+    collective is a ring: each of its ``members`` edges carries what one rank sends.
+    ``reduce_scatter_wire``: wire bytes of a reduce-scatter per byte of its optimal volume (gloo's
+    runs an all-reduce: 2)."""
     out = dict.fromkeys(LINK_CLASSES, 0.0)
     for h in hops:
-        wire = h.nbytes * (links.reduce_scatter_wire if links and h.kind == "reduce" else 1.0)
+        wire = h.nbytes * (reduce_scatter_wire if h.kind == "reduce" else 1.0)
         for link, count in ring_edges(h.layout).items():
             out[link] += wire * h.times * count / h.members
     return out
-
-
-def hop_seconds(hop: Hop, links: Links) -> float:
-    """One occurrence of ``hop``. A group spanning nodes is limited by its slowest edge inside a node
-    or by the NICs: every concurrent group of the node (one per ``members on a node`` ranks) sends
-    what one rank sends through the node boundary once, spread over ``channels`` rings, on at most
-    ``nics_per_node`` NICs."""
-    latency = hop.launches * (hop.members - 1) * links.latency_us[hop.link] * 1e-6
-    nbytes = hop.nbytes * (links.reduce_scatter_wire if hop.kind == "reduce" else 1.0)
-    if hop.link != INTER_NODE:
-        return nbytes / links.rank_bandwidth(hop.link) + latency
-    _, q, k = hop.layout
-    groups = max(1, links.ranks_per_node // (q * k))
-    nics = min(groups * links.channels, links.nics_per_node)
-    nic_s = groups * nbytes / (nics * links.bandwidth_gbps[INTER_NODE] * 1e9)
-    intra_s = nbytes / links.rank_bandwidth(NODE if q > 1 else PACKAGE) if q * k > 1 else 0.0
-    return max(nic_s, intra_s) + latency
-
-
-def comm_time(hops: Sequence[Hop], links: Links) -> float:
-    """Seconds of communication in one step, hops one after the other."""
-    return sum(hop_seconds(h, links) * h.times for h in hops)
-
-
-def step_time(compute_s: float, comm_s: float, overlap: float) -> float:
-    """Step time when a fraction ``overlap`` (0..1) of communication hides behind compute."""
-    hidden = min(overlap * comm_s, compute_s)
-    return compute_s + comm_s - hidden

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 
-from deepspeed_ext.zero.collective_cost import CollectiveCosts
+from deepspeed_ext.zero.cost.collectives import CollectiveCosts
 
 
 class Recompute(StrEnum):
@@ -38,6 +40,16 @@ class System:
     0, 0.5 and 0.9)."""
 
 
+# Megatron flag -> Model field
+MEGATRON_FLAGS = {
+    "--num-layers": "layers",
+    "--hidden-size": "hidden",
+    "--num-attention-heads": "heads",
+    "--seq-length": "seq",
+    "--vocab-size": "vocab",
+}
+
+
 @dataclass(frozen=True)
 class Model:
     """A GPT and how it is trained."""
@@ -52,6 +64,20 @@ class Model:
     """Sequence length."""
     vocab: int = 50432
     """Vocabulary (input and output embeddings untied)."""
+
+    @classmethod
+    def from_megatron_args(cls, path: str | Path, **defaults: int) -> Model:
+        """The GPT a Megatron flags file (scripts/presets/*.args) gives; a flag it lacks takes
+        ``defaults`` (by field name), and one without a default is refused by name."""
+        words = shlex.split(Path(path).read_text(), comments=True)
+        values = dict(defaults)
+        for flag, name in MEGATRON_FLAGS.items():
+            if flag in words:
+                values[name] = int(words[words.index(flag) + 1])
+        missing = [flag for flag, name in MEGATRON_FLAGS.items() if name not in values and name != "vocab"]
+        if missing:
+            raise ValueError(f"{path} lacks {', '.join(missing)}: add them to the file or give them as flags")
+        return cls(**values)
 
     @property
     def params(self) -> int:
