@@ -1,7 +1,7 @@
 """The probe and the A/B command on the emulated cluster, as a user runs them on 2+ nodes.
 
   python -m benchmarks.zero.ab            (root; 16 ranks as 8 nodes x 2 sharing one NIC)
-  python -m benchmarks.zero.ab --quick    (a smoke test: small sweep, tiny model, 2 timed steps)
+  python -m benchmarks.zero.ab --quick    (a smoke test: small sweep, tiny model, 5 timed steps)
 
 Three launches on one cluster (benchmarks.cluster.spec.frontier_latency): the probe (its wall time
 from launch to exit, against the 2-minute target), the probe again (a held-out measurement), and
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--quick", action="store_true", help="small sweep, tiny model, 2 timed steps")
+    parser.add_argument("--quick", action="store_true", help="small sweep, tiny model, 5 timed steps")
     parser.add_argument("--nodes", type=int, default=8, help="emulated nodes (2 ranks each)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument("--out", default=str(OUT), help="where the results go")

@@ -176,12 +176,12 @@ def answers(rows: dict[str, dict[str, Any]], question: Question) -> list[dict[st
     """The question's comparisons: the first variant's median step over the second's, claimed only
     where their min-max ranges do not overlap."""
     names = list(rows)
-    pairs = {
-        Question.ALL: [],
-        Question.ALGORITHM: [(names[0], names[1])],
-        Question.PIPELINING: [(names[0], names[1])],
-        Question.BASELINES: [(names[0], names[1]), (names[1], names[2])],
-    }[question]
+    if question in (Question.ALGORITHM, Question.PIPELINING):
+        pairs = [(names[0], names[1])]
+    elif question == Question.BASELINES:
+        pairs = [(names[0], names[1]), (names[1], names[2])]
+    else:
+        pairs = []
     out = []
     for slow, fast in pairs:
         a, b = rows[slow], rows[fast]
@@ -311,12 +311,6 @@ def main() -> None:
         runs, spec = run(args, rank_args)
         loopback = {} if args.quick else loopback_medians(args, rank_args, spec)
         wall = time.monotonic() - start
-    summaries = {micro: summarize(launches, spec) for micro, launches in runs.items()}
-    for micro, medians in loopback.items():
-        for name, row in summaries[micro]["rows"].items():
-            row["loopback_median"] = medians.get(name)
-    text = markdown(summaries, runs, spec) + f"\nWall time of the whole command: {wall:.0f} s.\n"
-    print(text)
     stem = (
         args.from_json.stem
         if args.from_json
@@ -326,11 +320,15 @@ def main() -> None:
     )
     name = args.name or stem
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.json").write_text(
-        json.dumps(
-            {"summary": summaries, "spec": spec, "wall_s": wall, "runs": runs, "loopback": loopback}, indent=1
-        )
-    )
+    saved = {"spec": spec, "wall_s": wall, "runs": runs, "loopback": loopback}
+    (args.out / f"{name}.json").write_text(json.dumps(saved, indent=1))  # the runs first, whatever follows
+    summaries = {micro: summarize(launches, spec) for micro, launches in runs.items()}
+    for micro, medians in loopback.items():
+        for row_name, row in summaries[micro]["rows"].items():
+            row["loopback_median"] = medians.get(row_name)
+    text = markdown(summaries, runs, spec) + f"\nWall time of the whole command: {wall:.0f} s.\n"
+    print(text)
+    (args.out / f"{name}.json").write_text(json.dumps({"summary": summaries, **saved}, indent=1))
     (args.out / f"{name}.md").write_text(text)
     print(f"wrote {args.out / name}.{{json,md}}; wall time {wall:.0f} s", flush=True)
 

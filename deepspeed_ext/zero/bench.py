@@ -19,6 +19,11 @@ per link class the most loaded rank sent per step (counted from the collectives 
 hops issue, not read from the wire), and the peak memory of a rank (CUDA: the allocator's peak
 since the engine was built; CPU: the process's allocations during a fresh engine's second step).
 TFLOPS counts 6 x matmul parameters x tokens + 12 x layers x hidden x sequence x tokens per step.
+
+With ``--profile`` each variant's step is also predicted before its timing is read
+(``predicted_step_s``, :mod:`.bench_prediction`): the model's single-rank step measured first on
+every rank at once, plus every collective the engine launched per step at the profile's median for
+its group and size, less what DeepSpeed's prefetching hides (:mod:`.cost.step`).
 """
 
 from __future__ import annotations
@@ -35,13 +40,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from deepspeed_ext.zero.bench_model import ModelShape, build_model, flops_per_step
+from deepspeed_ext.zero.bench_prediction import compute_steps, predicted, slowest
 from deepspeed_ext.zero.bench_variants import Variant, ds_config, variants
-from deepspeed_ext.zero.cost import collectives
-from deepspeed_ext.zero.cost.step import StepPrediction, predict
-from deepspeed_ext.zero.profile import load as load_profile
 from plugin_base import comm
 from plugin_base.comm import LINK_CLASSES
 from plugin_base.topology import Topology, TopologyConfig, detect_topology
@@ -74,38 +76,7 @@ def one_step(engine: Any, shape: ModelShape, step: int, device: torch.device) ->
         engine.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return _slowest(time.perf_counter() - start, device)
-
-
-def compute_steps(shape: ModelShape, cfg: dict, steps: int, warmup: int, device: torch.device) -> list[float]:
-    """The single-rank step the prediction takes as its compute: the same model, micro-batches and
-    Adam step with no ZeRO and no communication inside, every rank at once (they share the host
-    as the job's ranks do); each step the slowest rank's seconds."""
-    micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
-    accumulation = int(cfg.get("gradient_accumulation_steps", 1))
-    net = build_model(shape).to(device)
-    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
-    seconds = []
-    for step in range(warmup + steps):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(accumulation):
-            tokens = torch.randint(shape.vocab, (micro, shape.seq_length + 1), device=device)
-            logits = net(tokens[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if step >= warmup:
-            seconds.append(_slowest(time.perf_counter() - start, device))
-    return seconds
-
-
-def _slowest(value: float, device: torch.device) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return slowest(time.perf_counter() - start, device)
 
 
 def _release(engine: Any) -> None:
@@ -182,7 +153,7 @@ def run_variant(
     _release(engine)
     if peak is None and not args.no_peak:
         peak = cpu_peak(variant, cfg, shape, topology, device)
-    peak = None if peak is None else int(_slowest(float(peak), device))
+    peak = None if peak is None else int(slowest(float(peak), device))
     flops = flops_per_step(shape, micro * accumulation * shape.seq_length * topology.world_size)
     row.update(
         ran=True,
@@ -200,38 +171,6 @@ def run_variant(
             calls_per_step=[{**call._asdict(), "count": count} for call, count in sorted(calls.items())],
         )
     return row
-
-
-def prefetch_concurrency(cfg: dict, variant: Variant) -> int:
-    """All-gathers DeepSpeed's prefetching keeps in flight at once (0: it does not prefetch): for a
-    stock engine its backend's (gloo runs 2 per process group, on its 2 worker threads; NCCL/RCCL
-    one per stream); for ours 1 (one hop worker, or one stream, runs whole hop operations in order)."""
-    zero = cfg.get("zero_optimization", {})
-    if int(zero.get("stage3_prefetch_bucket_size", 50_000_000)) <= 0:
-        return 0
-    return 2 if dist.get_backend() == "gloo" and not variant.ours else 1
-
-
-def predicted(
-    calls: dict[comm.CallKey, float],
-    cfg: dict,
-    profile: str,
-    topology: Topology,
-    variant: Variant,
-    accumulation: int,
-    compute_s: float,
-) -> StepPrediction:
-    """The step the model predicts from the profile, the collectives this rank launched per step
-    and the measured single-rank step."""
-    fallback = collectives.for_topology(topology.ranks_per_package)
-    return predict(
-        load_profile(profile, topology),
-        calls,
-        compute_s,
-        passes=2 * accumulation,
-        concurrency=prefetch_concurrency(cfg, variant),
-        fallback=fallback,
-    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -259,11 +198,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-peak", action="store_true", help="CPU: skip the peak-memory pass (a second engine per variant)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a tiny model, 1 warm-up and 2 timed steps: a smoke test"
+        "--quick", action="store_true", help="a tiny model, 1 warm-up and 5 timed steps: a smoke test"
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.warmup = 2, 1
+        args.steps, args.warmup = 5, 1
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     return args
