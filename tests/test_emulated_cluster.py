@@ -12,8 +12,8 @@ import pytest
 from benchmarks.cluster import ClusterSpec, ClusterUnavailable, EmulatedCluster, RankFailure, netns
 from benchmarks.cluster.calibrate import calibrate, main, shared_nic_flows
 from benchmarks.cluster.spec import frontier, frontier_latency, generic
-from benchmarks.zero.scale import targets
-from benchmarks.zero.variants import scale_variants
+from benchmarks.zero.scale import answers, targets
+from benchmarks.zero.variants import Question, scale_variants
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 
 PREFIX = "emct"  # not the default prefix, so a calibration running at the same time is left alone
@@ -83,6 +83,36 @@ def test_latency_spec_and_the_scale_benchmark_variants() -> None:
         ("b", "hpZ(2)", 2.0, True),
         ("b", "serial", pytest.approx(1.333, abs=1e-3), True),
     ]
+
+
+def test_each_question_runs_variants_that_differ_in_that_alone() -> None:
+    algorithm = scale_variants(2, 4, ["recursive"], Question.ALGORITHM)
+    assert [v.hierarchical for v in algorithm.values()] == [
+        {"inter_node_algorithm": "ring", "pipeline_chunks": 1},
+        {"inter_node_algorithm": "recursive", "pipeline_chunks": 1},
+    ]
+    pipelining = scale_variants(2, 4, ["ring"], Question.PIPELINING)
+    assert [v.hierarchical for v in pipelining.values()] == [
+        {"inter_node_algorithm": "ring", "pipeline_chunks": 1},
+        {"inter_node_algorithm": "ring", "pipeline_chunks": 4},
+    ]
+    baselines = scale_variants(2, 4, ["ring"], Question.BASELINES)
+    assert [(v.kind, v.zero) for v in baselines.values()] == [
+        ("stock", {}),
+        ("stock", {"zero_hpz_partition_size": 2}),
+        ("ours", {}),
+    ]
+    # a ratio is claimed only where the min-max ranges do not overlap
+    rows = {
+        "a": {"median": 2.0, "min": 1.9, "max": 2.2},
+        "b": {"median": 1.0, "min": 0.9, "max": 1.1},
+        "c": {"median": 0.9, "min": 0.8, "max": 1.0},
+    }
+    assert [(q["ratio"], q["separated"]) for q in answers(rows, Question.BASELINES)] == [
+        (2.0, True),
+        (pytest.approx(1.111, abs=1e-3), False),
+    ]
+    assert answers(dict(list(rows.items())[:2]), Question.ALGORITHM)[0]["separated"]
 
 
 def test_a_package_shares_one_inter_node_link() -> None:

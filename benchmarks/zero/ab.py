@@ -1,6 +1,6 @@
 """The probe and the A/B command on the emulated cluster, as a user runs them on 2+ nodes.
 
-  python -m benchmarks.zero.ab            (root; 16 ranks as 8 nodes x 2 sharing one NIC)
+  python -m benchmarks.zero.ab            (root; 8 ranks as 4 nodes x 2 sharing one NIC per node)
   python -m benchmarks.zero.ab --quick    (a smoke test: small sweep, tiny model, 5 timed steps)
 
 Three launches on one cluster (benchmarks.cluster.spec.frontier_latency): the probe (its wall time
@@ -27,7 +27,9 @@ from deepspeed_ext.zero.cost.collectives import Algorithm
 from deepspeed_ext.zero.profile import Profile, parse
 from plugin_base.topology import LinkClass
 
-# Small enough that 16 ranks on a small host stay network-bound: 0.66 M parameters, 2.6 MB in fp32
+# 8 ranks as 4 nodes x 2: 16 ranks drove a 2-core host to a load average of 17
+DEFAULT_NODES = 4
+# Small enough that 8 ranks on a small host stay network-bound: 0.66 M parameters, 2.6 MB in fp32
 MODEL = ["--layers", "2", "--hidden", "128", "--heads", "4", "--seq-length", "64", "--vocab", "1024"]
 # Every parameter gathered in each forward and backward, buckets of the model's size (DeepSpeed's
 # default reduce bucket, 5e8 elements, preallocates 2 GB, which would be every variant's peak)
@@ -125,7 +127,12 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--quick", action="store_true", help="small sweep, tiny model, 5 timed steps")
-    parser.add_argument("--nodes", type=int, default=8, help="emulated nodes (2 ranks each)")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=DEFAULT_NODES,
+        help="emulated nodes of 2 ranks (4: 8 ranks, the NIC sets the step)",
+    )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument("--out", default=str(OUT), help="where the results go")
     args = parser.parse_args(argv)
@@ -159,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     shown = [os.path.relpath(a) if a.startswith(os.sep) else a for a in bench]  # paths as from the checkout
     header = f"{spec.world_size} emulated ranks; deepspeed_ext.zero.bench {' '.join(shown)}"
     result = {
-        "command": f"python -m benchmarks.zero.ab{' --quick' if args.quick else ''}",
+        "command": "python -m benchmarks.zero.ab"
+        + (f" --nodes {args.nodes}" if args.nodes != DEFAULT_NODES else "")
+        + (" --quick" if args.quick else ""),
         "spec": spec.to_dict(),
         "probe_s": seconds,
         "loadavg": [before, os.getloadavg()],

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -207,14 +208,16 @@ def targets(rows: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def markdown(summaries: dict[str, dict[str, Any]], runs: dict[str, list], spec: dict[str, Any]) -> str:
+def markdown(
+    summaries: dict[str, dict[str, Any]], runs: dict[str, list], spec: dict[str, Any], command: str | None
+) -> str:
     mb = 1e6
     lat = " / ".join(f"{spec[f'{k}_latency_ms']:g}" for k in LINK_CLASSES)
     lines = [
         f"Emulated cluster {spec['nodes']} nodes x {spec['packages_per_node']} package x {spec['ranks_per_package']} "
         f"ranks ({spec['nodes'] * spec['packages_per_node'] * spec['ranks_per_package']} ranks, one NIC per package), "
         f"{spec['package_mbit']:g} / {spec['node_mbit']:g} / {spec['inter_node_mbit']:g} Mbit/s and one-way "
-        f"delays {lat} ms (package / node / inter-node).",
+        f"delays {lat} ms (package / node / inter-node)." + (f" Command: `{command}`." if command else ""),
     ]
     for micro, s in summaries.items():
         a = s["args"]
@@ -267,6 +270,17 @@ def markdown(summaries: dict[str, dict[str, Any]], runs: dict[str, list], spec: 
     return "\n".join(lines) + "\n"
 
 
+def shown_command(argv: list[str]) -> str:
+    """This run's command line as a user types it, without where it wrote."""
+    shown, skip = [], False
+    for word in argv:
+        if skip or word == "--out":
+            skip = not skip
+            continue
+        shown.append(word)
+    return " ".join(["python -m benchmarks.zero.scale", *shown])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -304,12 +318,13 @@ def main() -> None:
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
         runs, spec, wall = saved["runs"], saved["spec"], saved["wall_s"]
-        loopback = saved.get("loopback", {})
+        loopback, command = saved.get("loopback", {}), saved.get("command")
     else:
         if args.quick:
             args.launches, args.steps = 1, 2
         runs, spec = run(args, rank_args)
         loopback = {} if args.quick else loopback_medians(args, rank_args, spec)
+        command = shown_command(sys.argv[1:])
         wall = time.monotonic() - start
     stem = (
         args.from_json.stem
@@ -320,13 +335,13 @@ def main() -> None:
     )
     name = args.name or stem
     args.out.mkdir(parents=True, exist_ok=True)
-    saved = {"spec": spec, "wall_s": wall, "runs": runs, "loopback": loopback}
+    saved = {"command": command, "spec": spec, "wall_s": wall, "runs": runs, "loopback": loopback}
     (args.out / f"{name}.json").write_text(json.dumps(saved, indent=1))  # the runs first, whatever follows
     summaries = {micro: summarize(launches, spec) for micro, launches in runs.items()}
     for micro, medians in loopback.items():
         for row_name, row in summaries[micro]["rows"].items():
             row["loopback_median"] = medians.get(row_name)
-    text = markdown(summaries, runs, spec) + f"\nWall time of the whole command: {wall:.0f} s.\n"
+    text = markdown(summaries, runs, spec, command) + f"\nWall time of the whole command: {wall:.0f} s.\n"
     print(text)
     (args.out / f"{name}.json").write_text(json.dumps({"summary": summaries, **saved}, indent=1))
     (args.out / f"{name}.md").write_text(text)
