@@ -124,7 +124,9 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
         assert row["bytes_per_step"]["inter_node"] > 0 and row["peak_bytes"] > 0
         # predicted from the profile, the launches counted and the single-rank step: within 25 %
         parts = row["predicted"]
-        assert row["predicted_step_s"] == pytest.approx(parts["compute_s"] + parts["comm_s"] - parts["hidden_s"])
+        assert row["predicted_step_s"] == pytest.approx(
+            parts["compute_s"] + parts["comm_s"] - parts["hidden_s"]
+        )
         assert parts["compute_s"] > 0 and parts["comm_s"] > 0 and row["calls_per_step"]
         assert abs(prediction_error(row)) <= 0.25, (name, row["predicted_step_s"], row["step_s"])
     assert result["auto_check"] and len(result["probe_s"]) == 2
