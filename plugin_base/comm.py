@@ -93,8 +93,8 @@ class CommCounter:
         self._phase = threading.local()  # per thread: hops run on a worker thread for the caller's phase
         self._lock = threading.Lock()
         self.bytes: dict[tuple[str, str, str], int] = defaultdict(int)
+        # launches per collective shape: what a cost model charges one by one
         self.calls: dict[CallKey, int] = defaultdict(int)
-        """Launches per collective shape: what a cost model charges one by one."""
         self._classes: dict[int, tuple[Any, str]] = {}
 
     def link_class(self, group: dist.ProcessGroup | None) -> str:
