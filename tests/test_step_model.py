@@ -104,3 +104,14 @@ def test_the_hop_fit_ignores_the_flat_group_and_the_scalars():
     # the flat 8-member group's timings are the baseline's: the hop costs come from the 4-member hop
     hops = {(t.members, t.operation) for t in PROFILE.hop_timings()}
     assert hops == {(4, AG), (4, RS)}
+
+
+def test_launches_the_profile_did_not_measure_are_counted():
+    calls = {
+        _call(AG, INTER, 4, 2**22): 2,  # measured up to 4 MB: interpolated
+        _call(AG, INTER, 4, 2**23): 1,  # above the largest measured: extrapolated
+        _call(AG, PACKAGE, 2, 10**6): 3,  # a group the probe did not time: the fitted line
+    }
+    p = predict(PROFILE, calls, 0.0, 2, 0, NO_PACKAGE_FIT)
+    assert p.unmeasured == 4
+    assert predict(PROFILE, {_call(AG, INTER, 4, 2**20): 5}, 0.0, 2, 0, FRONTIER_RCCL).unmeasured == 0

@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     topology = {"ranks_per_node": spec.ranks_per_node, "ranks_per_package": spec.ranks_per_package}
     config = out / f"{name}_ds_config.json"
     config.write_text(json.dumps({**DS_CONFIG, "topology": topology}, indent=1) + "\n")
-    sweep = ["--largest", "262144", "--repeats", "2"] if args.quick else []
+    # --quick: up to 1 MiB, the quick model's largest message, so that no prediction extrapolates
+    sweep = ["--largest", str(2**20), "--repeats", "2"] if args.quick else []
     profiles = [out / f"{name}_profile.json", out / f"{name}_profile_heldout.json"]
     rank = ["-m", "benchmarks.zero.ab", "--rank"]
     before, seconds = os.getloadavg(), []

@@ -85,6 +85,11 @@ def predictions(rows: Sequence[dict], tolerance: float = 0.25) -> list[str]:
             f"{parts['compute_s'] * 1e3:.1f} + communication {parts['comm_s'] * 1e3:.1f} - hidden "
             f"{parts['hidden_s'] * 1e3:.1f}), measured median {statistics.median(row['step_s']) * 1e3:.1f} ms: "
             f"{error:+.1%}, {verdict} {tolerance:.0%}"
+            + (
+                f" ({parts['unmeasured']:g} launches per step beyond what the profile measured)"
+                if parts.get("unmeasured")
+                else ""
+            )
         )
     return lines
 

@@ -44,6 +44,9 @@ class StepPrediction:
     """Every collective of the step, one after another."""
     hidden_s: float
     """Communication that runs behind compute."""
+    unmeasured: float = 0.0
+    """Launches per step the profile did not measure: a group it did not time, or a size above its
+    largest for that group (extrapolated); the prediction is weaker the more of these."""
 
     @property
     def step_s(self) -> float:
@@ -62,6 +65,14 @@ def call_seconds(profile: Profile, costs: CollectiveCosts, call: CallKey) -> flo
     if measured is not None:
         return measured
     return collectives.seconds(costs, operation, algorithm, call.members, call.nbytes, link)
+
+
+def measured(profile: Profile, call: CallKey) -> bool:
+    """Whether the profile timed ``call``'s group at this size or a larger one."""
+    series = profile.series(
+        LinkClass(call.link), Operation(call.collective), Algorithm(call.algorithm), call.members
+    )
+    return bool(series) and call.nbytes <= series[-1].nbytes
 
 
 def call_latency(profile: Profile, costs: CollectiveCosts, call: CallKey) -> float:
@@ -102,12 +113,13 @@ def predict(
     all-gathers in flight at once (0: DeepSpeed does not prefetch, stage3_prefetch_bucket_size 0).
     ``fallback``: the costs for links the profile has no fit for."""
     costs = profile.costs(fallback)
-    comm = gather = latency = gathers = 0.0
+    comm = gather = latency = gathers = unmeasured = 0.0
     for call, count in calls.items():
         seconds = count * call_seconds(profile, costs, call)
         comm += seconds
+        unmeasured += 0.0 if measured(profile, call) else count
         if call.collective == Operation.ALL_GATHER:
             gather, gathers = gather + seconds, gathers + count
             latency += count * call_latency(profile, costs, call)
     hidden = prefetch_hidden(compute_s, gather, latency, gathers, passes, concurrency)
-    return StepPrediction(compute_s, comm, hidden)
+    return StepPrediction(compute_s, comm, hidden, unmeasured)
