@@ -127,30 +127,35 @@ def step_times(launches: list[dict[str, Any]], name: str) -> tuple[list[float], 
     return [t for steps in per_launch for t in steps], [statistics.median(s) for s in per_launch]
 
 
-def gloo_hop_seconds(hop: cm.Hop, spec: dict[str, Any]) -> float:
-    """One occurrence of ``hop`` on the emulated cluster, charged by the one cost model
-    (:func:`collectives.seconds`) with the shaped rates and no latency (these links have none):
-    one gloo ring per collective on one NIC, the node's NICs shared by its concurrent groups; a
-    reduce-scatter costs an all-reduce (gloo's runs one). A group spanning nodes is limited by the
-    NICs or by its slowest edge inside the node."""
-    gbps = {LinkClass(k): spec[f"{k}_mbit"] / 8 / 1000 for k in LINK_CLASSES}
+def emulated_costs(spec: dict[str, Any]) -> CollectiveCosts:
+    """The emulated cluster's shaped rates as collective costs, with no latency (these links have
+    none): one gloo ring per collective on one NIC, the node's NICs shared by its groups."""
     per_node = spec["packages_per_node"] * spec["ranks_per_package"]
-    costs = CollectiveCosts(
+    gbps = {LinkClass(k): spec[f"{k}_mbit"] / 8 / 1000 for k in LINK_CLASSES}
+    return CollectiveCosts(
         "emulated cluster, gloo",
         {(link, Algorithm.RING): AlgorithmFit(step_us=0.0, bus_gbps=g) for link, g in gbps.items()},
         nic_gbps=gbps[LinkClass.INTER_NODE] * (per_node // spec["ranks_per_nic"]),
     )
+
+
+def gloo_hop_seconds(hop: cm.Hop, costs: CollectiveCosts, ranks_per_node: int) -> float:
+    """One occurrence of ``hop`` on the emulated cluster, charged by the one cost model
+    (:func:`collectives.seconds`): a reduce-scatter costs an all-reduce (gloo's runs one); a group
+    spanning nodes is limited by the NICs its node's concurrent groups share or by its slowest
+    edge inside the node."""
     op = Operation.ALL_REDUCE if hop.kind == "reduce" else Operation.ALL_GATHER
     buffer = hop.nbytes * hop.members / (hop.members - 1)
     if hop.link != LinkClass.INTER_NODE:
         return collectives.seconds(costs, op, Algorithm.RING, hop.members, buffer, hop.link)
     _, q, k = hop.layout
-    concurrent = max(1, per_node // (q * k))
+    concurrent = max(1, ranks_per_node // (q * k))
     across = collectives.seconds(costs, op, Algorithm.RING, hop.members, buffer, hop.link, concurrent)
     if q * k == 1:
         return across
     edge = LinkClass.NODE if q > 1 else LinkClass.PACKAGE
-    return max(across, collectives.bus_bytes(op, hop.members, buffer) / (gbps[edge] * 1e9))
+    edge_gbps = costs.fit(op, Algorithm.RING, edge).bus_gbps
+    return max(across, collectives.bus_bytes(op, hop.members, buffer) / (edge_gbps * 1e9))
 
 
 def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str, Any]:
@@ -158,6 +163,8 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
     base = runs[f"loopback micro {micro}"]
     first = (shaped or base)[0]["ranks"][0]
     shape, model, variants = model_for(first)
+    costs = emulated_costs(spec) if spec else None
+    per_node = spec["packages_per_node"] * spec["ranks_per_package"] if spec else 0
     rows = {}
     for name in first["record"]:
         row: dict[str, Any] = {}
@@ -199,7 +206,9 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
                 # gloo's reduce-scatter sends what an all-reduce sends (measured: 7.03 MB per rank
                 # for a 4 MB reduce-scatter over the 8 ranks, 3.51 MB for the all-gather)
                 "ring_wire_bytes": cm.ring_wire_bytes(hops, reduce_scatter_wire=2.0),
-                "comm_s": sum(gloo_hop_seconds(h, spec) * h.times for h in hops) if spec else None,
+                "comm_s": sum(gloo_hop_seconds(h, costs, per_node) * h.times for h in hops)
+                if costs
+                else None,
             }
         rows[name] = row
     return {

@@ -34,11 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cluster.spec import FRONTIER_LATENCY_SCALE, frontier_latency
-from benchmarks.zero.run import OUT, RANK_MODULE, step_times
+from benchmarks.zero.run import OUT, RANK_MODULE, model_for, step_times
 from benchmarks.zero.variants import Question, scale_variants
+from deepspeed_ext.zero.bench_report import separated
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost import volume as cm
-from deepspeed_ext.zero.levels import DPShape
 from deepspeed_ext.zero.planner import variant_for
 from multirank import launch_ranks
 from plugin_base.comm import LINK_CLASSES
@@ -154,13 +154,10 @@ def optimal_wire(first: dict[str, Any], question: Question) -> dict[str, float]:
     """Per variant, the inter-node bytes per rank and step that the bandwidth-optimal ring algorithms
     of its collectives put on the wire (computed: each reduce-scatter sends its optimal volume,
     where gloo's runs an all-reduce), for the benchmark's MLP."""
-    world, per_node, per_package = first["topology"]
-    shape = DPShape(world // per_node, per_node // per_package, per_package)
-    a = first["args"]
-    numels = tuple([a["hidden"] * a["hidden"], a["hidden"]] * a["layers"])
-    model = cm.ModelSpec(numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
+    shape, model, _ = model_for(first)
+    a, per_package = first["args"], shape.per_package
     out = {}
-    for name, v in scale_variants(per_node, a["chunks"], a["algorithms"], question).items():
+    for name, v in scale_variants(shape.per_node, a["chunks"], a["algorithms"], question).items():
         if v.kind == "stock" and not v.zero:
             variant = cm.ZERO3
         elif v.kind == "stock":
@@ -186,7 +183,7 @@ def answers(rows: dict[str, dict[str, Any]], question: Question) -> list[dict[st
     out = []
     for slow, fast in pairs:
         a, b = rows[slow], rows[fast]
-        apart = a["max"] < b["min"] or b["max"] < a["min"]
+        apart = separated((a["min"], a["max"]), (b["min"], b["max"]))
         out.append({"first": slow, "second": fast, "ratio": a["median"] / b["median"], "separated": apart})
     return out
 

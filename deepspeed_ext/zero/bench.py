@@ -44,6 +44,8 @@ import torch.distributed as dist
 from deepspeed_ext.zero.bench_model import ModelShape, build_model, flops_per_step
 from deepspeed_ext.zero.bench_prediction import compute_steps, predicted, slowest
 from deepspeed_ext.zero.bench_variants import Variant, ds_config, variants
+from deepspeed_ext.zero.profile import Profile
+from deepspeed_ext.zero.profile import load as load_profile
 from plugin_base import comm
 from plugin_base.comm import LINK_CLASSES
 from plugin_base.topology import Topology, TopologyConfig, detect_topology
@@ -127,9 +129,10 @@ def run_variant(
     args: argparse.Namespace,
     device: torch.device,
     compute_s: float | None = None,
+    profile: Profile | None = None,
 ) -> dict:
     """Build, warm up, time ``args.steps`` steps, count bytes and read the peak of one variant;
-    with a profile also its predicted step (``compute_s``: the measured single-rank step)."""
+    with a ``profile`` also its predicted step (``compute_s``: the measured single-rank step)."""
     cfg = ds_config(user, variant, args.profile)
     row: dict[str, Any] = {"variant": variant.name, "ran": False, "reason": variant.skipped}
     if variant.skipped is not None:
@@ -162,9 +165,9 @@ def run_variant(
         bytes_per_step=dict(zip(LINK_CLASSES, (int(x) for x in sent.tolist()))),
         peak_bytes=peak,
     )
-    if args.profile is not None and compute_s is not None:
+    if profile is not None and compute_s is not None:
         calls = {call: count / args.steps for call, count in counter.calls.items()}
-        prediction = predicted(calls, cfg, args.profile, topology, variant, accumulation, compute_s)
+        prediction = predicted(calls, cfg, profile, topology, variant, accumulation, compute_s)
         row.update(
             predicted_step_s=prediction.step_s,
             predicted=asdict(prediction),
@@ -239,14 +242,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         )
         check_fits(shape, device)
         before = os.getloadavg()
-        compute = None
-        if args.profile is not None:
-            compute = compute_steps(
-                shape, ds_config(user, variants(topology, device)[0], None), args.steps, args.warmup, device
-            )
+        # read once, before any variant runs: a profile that does not fit this job stops it here
+        profile = load_profile(args.profile, topology) if args.profile is not None else None
+        compute = compute_steps(shape, user, args.steps, args.warmup, device) if profile else None
         compute_s = statistics.median(compute) if compute else None
         rows = [
-            run_variant(v, user, shape, topology, args, device, compute_s) for v in variants(topology, device)
+            run_variant(v, user, shape, topology, args, device, compute_s, profile)
+            for v in variants(topology, device)
         ]
         run = {
             "world_size": topology.world_size, "ranks_per_node": topology.ranks_per_node,

@@ -13,7 +13,8 @@ from deepspeed_ext.zero.bench_model import ModelShape, build_model
 from deepspeed_ext.zero.bench_variants import Variant
 from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost.step import StepPrediction, predict
-from deepspeed_ext.zero.profile import load as load_profile
+from deepspeed_ext.zero.cost.workload import Buckets
+from deepspeed_ext.zero.profile import Profile
 from plugin_base import comm
 from plugin_base.topology import Topology
 
@@ -54,8 +55,7 @@ def prefetch_concurrency(cfg: dict, variant: Variant) -> int:
     """All-gathers DeepSpeed's prefetching keeps in flight at once (0: it does not prefetch): for a
     stock engine its backend's (gloo runs 2 per process group, on its 2 worker threads; NCCL/RCCL
     one per stream); for ours 1 (one hop worker, or one stream, runs whole hop operations in order)."""
-    zero = cfg.get("zero_optimization", {})
-    if int(zero.get("stage3_prefetch_bucket_size", 50_000_000)) <= 0:
+    if Buckets.from_json(cfg).prefetch <= 0:
         return 0
     return 2 if dist.get_backend() == "gloo" and not variant.ours else 1
 
@@ -63,7 +63,7 @@ def prefetch_concurrency(cfg: dict, variant: Variant) -> int:
 def predicted(
     calls: dict[comm.CallKey, float],
     cfg: dict,
-    profile: str,
+    profile: Profile,
     topology: Topology,
     variant: Variant,
     accumulation: int,
@@ -73,7 +73,7 @@ def predicted(
     and the measured single-rank step."""
     fallback = collectives.for_topology(topology.ranks_per_package)
     return predict(
-        load_profile(profile, topology),
+        profile,
         calls,
         compute_s,
         passes=2 * accumulation,

@@ -9,7 +9,7 @@ Per candidate (TP, secondary level, inter-node algorithm, quantization, boundary
 chunks, DeepSpeed buckets) the largest micro-batch and the least recomputation that fit, the
 projected TFLOPS per GCD and memory per rank, and the ratio to ZeRO-3, hpZ (as DeepSpeed runs it:
 consecutive-rank groups, TP peers at TP > 1) and ZeRO++ (hpZ + qwZ + qgZ) at the same TP,
-micro-batch and buckets of the DeepSpeed JSON. All figures are computed (deepspeed_ext/zero/projection.py).
+micro-batch and buckets of the DeepSpeed JSON. All figures are computed (deepspeed_ext/zero/cost/projection.py).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit(f"no candidate fits {system.memory_gb} GB per GPU: more nodes or a larger TP")
     print(
         f"{model.params / 1e9:.1f}B GPT on {args.nodes} nodes ({args.topology}, {system.memory_gb:g} GB), "
-        f"grad-accum {grad_accum}; computed (deepspeed_ext/zero/projection.py; costs: {system.costs.system}); "
+        f"grad-accum {grad_accum}; computed (deepspeed_ext/zero/cost/projection.py; costs: {system.costs.system}); "
         f"{len(rows)} candidates fit"
     )
     print(

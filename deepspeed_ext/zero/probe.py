@@ -8,8 +8,10 @@ a data-parallel group (package, across the node's packages, across nodes), and f
 class every group of that class runs at once, so the node's rank-aligned groups cross nodes
 together as the job's hops do. For each message size it times the library's all-gather and
 reduce-scatter on every level, and across nodes also the point-to-point recursive algorithm the
-variant can run there: ``--repeats`` timed calls after one warm-up, each the slowest rank's time
-from a barrier. Sizes grow by 4x from ``--smallest`` and stop per collective once a call takes
+variant can run there; and on the whole job's group what the stock baselines run (its flat
+all-gather and reduce-scatter, and DeepSpeed's scalar all-reduce and broadcast at the smallest size
+only), for the A/B command's predictions. ``--repeats`` timed calls after one warm-up, each the
+slowest rank's time from a barrier. Sizes grow by 4x from ``--smallest`` and stop per collective once a call takes
 ``--max-call-s``, and for all once ``--budget-s`` has passed (each rank agrees: the elapsed time
 is the slowest rank's). Point the job at the result with ``hierarchical_zero.profile`` or
 ``--hierarchical-zero-profile``; a profile is valid for its topology and library versions only.
