@@ -11,6 +11,6 @@ Both raise :class:`RankError` when a rank fails and :class:`TimeoutError` when o
 """
 
 from .pool import WorkerPool
-from .processes import RankError, launch_ranks, rank_env, write_result
+from .processes import RankError, free_port, launch_ranks, rank_env, write_result
 
-__all__ = ["RankError", "WorkerPool", "launch_ranks", "rank_env", "write_result"]
+__all__ = ["RankError", "WorkerPool", "free_port", "launch_ranks", "rank_env", "write_result"]

@@ -57,10 +57,12 @@ def write_result(result: Any) -> None:
     tmp.replace(path)  # atomic, so a rank killed mid-write never leaves half a result
 
 
-def _free_port() -> str:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS has just handed out, not one that another job on the
+    machine may hold (a fixed or pid-derived port collides by chance)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+        return s.getsockname()[1]
 
 
 def launch_ranks(
@@ -81,7 +83,7 @@ def launch_ranks(
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         common = {
             **(env or {}),
-            "MASTER_PORT": _free_port(),
+            "MASTER_PORT": str(free_port()),
             # Rank scripts import the project by module path, wherever the caller's cwd is.
             "PYTHONPATH": os.pathsep.join(filter(None, (str(REPO_ROOT), os.environ.get("PYTHONPATH")))),
         }

@@ -85,18 +85,27 @@ def _wgrad_errors(tp: int) -> dict:
             y, _ = layer(x.clone().requires_grad_())
             y.backward(g)
             want = _dense_wgrad(kind, layer, x, g, group)
-            errors[kind, name] = (
-                (layer.weight.grad.double() - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt()
-            ).item()
+            errors[kind, name] = (_rms(layer.weight.grad.double() - want) / _rms(want)).item()
+        # Each dW element is one sum of K = S_LOCAL * tp * BATCH exact bf16 products, accumulated in
+        # fp32 (in another order by each layer) and rounded once to bf16. Each fp32 sum is within
+        # gamma_K = K * 2^-24 of sum |x g| of the exact one, and where the two straddle a rounding
+        # midpoint the two bf16 results, one ulp apart, are equally far from the exact value up to
+        # twice that: the error magnitudes differ per element by at most 4 gamma_K sum |x g|.
+        abs_sums = _dense_wgrad(kind, layer, x.abs(), g.abs(), group)
+        errors[kind, "margin"] = (4 * S_LOCAL * tp * BATCH * 2.0**-24 * _rms(abs_sums) / _rms(want)).item()
     return errors
+
+
+def _rms(t: torch.Tensor) -> torch.Tensor:
+    return t.pow(2).mean().sqrt()
 
 
 def test_wgrad_error_vs_float64_is_no_worse_than_megatron_cores_in_bf16(run_ranks):
     for rank, errors in enumerate(run_ranks(4, _wgrad_errors, 4)):
         for kind in ("column", "row"):
-            ours, theirs = errors[kind, "ours"], errors[kind, "megatron-core"]
-            assert 0 < ours <= theirs * 1.001, (
-                f"rank {rank} {kind}: RMS error {ours:.3e} vs megatron-core {theirs:.3e}"
+            ours, theirs, margin = errors[kind, "ours"], errors[kind, "megatron-core"], errors[kind, "margin"]
+            assert 0 < ours <= theirs + margin, (
+                f"rank {rank} {kind}: RMS error {ours:.3e} vs megatron-core {theirs:.3e} (+ {margin:.1e})"
             )
 
 

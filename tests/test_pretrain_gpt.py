@@ -33,8 +33,7 @@ def _torchrun(tmp_path, nproc, *flags, timeout=240):
         "torch.distributed.run",
         "--nproc-per-node",
         str(nproc),
-        "--master-port",
-        str(29500 + os.getpid() % 1000),
+        "--standalone",  # a rendezvous port the OS picks: no other job's port collides
         SCRIPT,
         *SMALL,
         "--data-cache-path",

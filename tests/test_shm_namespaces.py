@@ -31,7 +31,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -41,6 +40,8 @@ from collections.abc import Iterator
 import pytest
 from test_pretrain_gpt import SMALL  # its model (the main job's dropout is 0: runs are deterministic)
 from waits import HANG_S, wait_for
+
+from multirank import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -218,10 +219,6 @@ def test_a_live_segment_of_another_pid_namespace_is_kept_and_a_dead_ones_removed
 
 
 # -- the main job, one process per rank ------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +232,7 @@ def _start_job(
 ) -> list[Process]:
     """Two ranks of the main job (TP=1 x DP=2, one node), each its own process, rank 0 first; their
     logs and rank 0's JSON-lines log (``losses.jsonl``) in ``where``."""
-    port = str(_free_port())
+    port = str(free_port())
     ranks: list[Process] = []
     try:
         for rank in range(2):

@@ -1,10 +1,25 @@
 """Ulysses attention's sums: against a float64 reference, our output and gradients are as accurate
-as DeepSpeed's ``DistributedAttention`` around the same projections (in bf16 no less accurate; in
-fp32 at the same rounding level, the sums running in another order), at sequence-parallel sizes 2
+as DeepSpeed's ``DistributedAttention`` around the same projections, at sequence-parallel sizes 2
 and 4 and real layers' sizes (sequence 512; 8 heads of 64, and 8 query / 4 key-value heads of 128),
-with a padding mask."""
+with a padding mask, in bf16 and fp32.
+
+Both paths round the same exact products, summed in fp32, to the dtype; they differ only in the
+order of those sums (ours per head group, DeepSpeed's in one GEMM whose kernel depends on the CPU:
+oneDNN's AVX-512, AMX or AVX2 blocking). Where the two fp32 sums of one element straddle a rounding
+boundary of the dtype, the two results are one ulp apart there, so "as accurate" is checked as:
+
+- per output and gradient, ours <= DeepSpeed's + ULPS[dtype] ulps of the dtype at the reference's
+  largest magnitude (the errors are normalised by it): one flipped rounding of the result, plus,
+  in fp32 (where every element's sum differs in order, not only near a boundary), one of the
+  intermediate that feeds it;
+- over every output, gradient, case and size, the geometric mean of ours / DeepSpeed's <= 1: a
+  systematic loss of accuracy (one more rounding of a partial sum gave 1.12-1.44x) fails it, the
+  flips above go either way.
+"""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -95,14 +110,31 @@ def _errors(case: str, dtype: torch.dtype) -> dict[str, tuple[float, float]]:
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("world", [2, 4])
-def test_sums_are_as_accurate_as_distributed_attentions(run_ranks, world, case, dtype):
-    for errors in run_ranks(world, _errors, case, dtype, timeout=300):
-        for key, (ours, deepspeed) in errors.items():
-            print(f"SP={world} {case} {dtype} {key}: ours {ours:.3e} deepspeed {deepspeed:.3e}")
-            if dtype == torch.bfloat16:  # partial products summed in fp32 and rounded once, as one GEMM
-                assert ours <= deepspeed, (key, errors)
-            else:  # both at fp32's rounding level; the projections' sums run in another order
-                assert ours <= 1.25 * deepspeed, (key, errors)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# The dtype's ulp at 1.0 (2^-7 for bf16's 8 significant bits, 2^-23 for fp32's 24), and how many
+# of them the two paths' errors may differ by (see the module docstring).
+ULP = {torch.bfloat16: 2.0**-7, torch.float32: 2.0**-23}
+ULPS = {torch.bfloat16: 1, torch.float32: 2}
+
+
+def _all_errors(dtype_name: str) -> dict[str, tuple[float, float]]:
+    """'case key' -> (ours, DeepSpeed's) error, each the largest over this rank's rows."""
+    return {
+        f"{case} {key}": pair for case in CASES for key, pair in _errors(case, DTYPES[dtype_name]).items()
+    }
+
+
+@pytest.mark.parametrize("dtype_name", list(DTYPES))
+def test_sums_are_as_accurate_as_distributed_attentions(run_ranks, dtype_name):
+    dtype, ratios = DTYPES[dtype_name], []
+    for world in (2, 4):
+        per_rank = run_ranks(world, _all_errors, dtype_name, timeout=600)
+        for name in per_rank[0]:
+            ours = max(errors[name][0] for errors in per_rank)
+            deepspeed = max(errors[name][1] for errors in per_rank)
+            print(f"SP={world} {name} {dtype_name}: ours {ours:.4e} deepspeed {deepspeed:.4e}")
+            assert ours <= deepspeed + ULPS[dtype] * ULP[dtype], (world, name, ours, deepspeed)
+            ratios.append(ours / deepspeed)
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    print(f"{dtype_name}: geometric mean of ours / DeepSpeed's over {len(ratios)} errors: {geomean:.4f}")
+    assert geomean <= 1.0, ratios

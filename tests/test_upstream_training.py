@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ from pathlib import Path
 import pytest
 from test_slurm_job import LAUNCHER_PARAMS, LOCAL_SBATCH, _wait, slurm  # noqa: F401 (slurm: a fixture)
 from upstream_setup import SetupError, Tree, prepare, tool_env
+
+from multirank import free_port
 
 pytestmark = pytest.mark.upstream
 
@@ -235,12 +236,6 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tree]:
     return trees
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _command(
     tree: Tree,
     kind: str,
@@ -295,7 +290,7 @@ def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str
 
 def _launch(upstream: dict, kind: str, variant: str, how: Variant) -> tuple[list[int], str]:
     """Run ``how`` on ``kind``'s tree: every launch's exit code, and their output."""
-    work, port = upstream["work"], _free_port()
+    work, port = upstream["work"], free_port()
     env = {
         **tool_env(),
         "DS_ACCELERATOR": "cpu",

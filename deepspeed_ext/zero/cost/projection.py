@@ -12,6 +12,7 @@ unless ``overlap`` says so. All figures are computed.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -225,18 +226,20 @@ def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPSh
     gather_plan = whole if plan.quantized_weights else plan
     reduce_plan = whole if plan.quantized_gradients or plan.boundary_sync else plan
     total = 0.0
-    for elems in gathers:
+    # A model's layers repeat: each distinct call size is priced once and counted (the planner
+    # projects hundreds of candidates, each with hundreds of calls).
+    for elems, count in Counter(gathers).items():
         b = 2.0 * elems
         if plan.scheme == Scheme.ZERO3:
-            total += 2 * ga * flat(costs, ag, s, system, b)
+            total += count * 2 * ga * flat(costs, ag, s, system, b)
             continue
         if plan.scheme == Scheme.OURS:
             first = hops(costs, ag, s, system, b, gather_plan, OURS_INT8 if plan.quantized_weights else 1.0)
         else:
             first = flat(costs, ag, s, system, b * (QWZ if plan.scheme == Scheme.ZEROPP else 1.0))
-        total += first + (2 * ga - 1) * _secondary_gather(costs, s, system, plan, b)
+        total += count * (first + (2 * ga - 1) * _secondary_gather(costs, s, system, plan, b))
     inner = replace(s, nodes=1)
-    for elems in reduces:
+    for elems, count in Counter(reduces).items():
         b = 2.0 * elems
         if plan.scheme == Scheme.ZEROPP:  # qgZ: int4 all-to-all in the node, then across nodes
             local = seconds(costs, Operation.ALL_TO_ALL, Algorithm.RING, s.per_node, b * QGZ, NODE)
@@ -249,14 +252,15 @@ def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPSh
                 INTER,
                 system.ranks_per_node,
             )
-            total += ga * (local + remote)
+            total += count * ga * (local + remote)
         elif plan.scheme == Scheme.OURS:
             full = hops(costs, rs, s, system, b, reduce_plan, OURS_INT4 if plan.quantized_gradients else 1.0)
-            total += full + (ga - 1) * (
-                hops(costs, rs, inner, system, b, reduce_plan) if plan.boundary_sync else full
+            total += count * (
+                full
+                + (ga - 1) * (hops(costs, rs, inner, system, b, reduce_plan) if plan.boundary_sync else full)
             )
         else:
-            total += ga * flat(costs, rs, s, system, b)
+            total += count * ga * flat(costs, rs, s, system, b)
     return total
 
 
