@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,8 @@ from benchmarks import run_all
 from benchmarks.catalog import entry_points, left_out, steps
 from benchmarks.summary_plot import ResultFormatError, plot_summary
 
+# A hang guard, not a speed target: the run takes about 45 s on 2 idle cores.
+RUN_GUARD_S = 480
 CHEAPEST = ["zero.project", "flash_overlap.activation_memory", "data_loader.sampler_setup", "attention_mask"]
 
 
@@ -65,7 +66,6 @@ def test_plot_names_the_file_and_key_of_an_old_format(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_quick_loopback_run_of_the_cheapest_steps(tmp_path: Path) -> None:
-    started = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run_all", "--network", "loopback", "--quick"]
         + ["--only", *CHEAPEST, "--results", str(tmp_path)],
@@ -73,10 +73,9 @@ def test_quick_loopback_run_of_the_cheapest_steps(tmp_path: Path) -> None:
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=RUN_GUARD_S,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert time.monotonic() - started < 120
     # The plan names every entry point it does not run, with the reason.
     assert "benchmarks.cluster.calibrate: measures the emulated cluster's shaped links" in proc.stdout
     assert "benchmarks.zero.run: not in `--only`" in proc.stdout
