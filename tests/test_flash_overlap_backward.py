@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from functools import partial
 
+import pytest
 import torch
 from flash_overlap_helpers import setup_tp
+
+pytestmark = pytest.mark.numeric  # run again under ONEDNN_MAX_CPU_ISA=AVX2 (scripts/run_tests.sh)
 
 S_LOCAL, BATCH, IN, OUT = 8, 2, 64, 96
 

@@ -17,6 +17,8 @@ from megatron_ext.layers.p2p_link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, check_sequence_length, ulysses_attention
 from megatron_ext.layers.ulysses_module import UlyssesSelfAttention
 
+pytestmark = pytest.mark.numeric  # run again under ONEDNN_MAX_CPU_ISA=AVX2 (scripts/run_tests.sh)
+
 SEQ, BATCH, HIDDEN, HEAD_DIM = 24, 2, 32, 8
 
 

@@ -30,6 +30,8 @@ from test_ulysses import local_attention
 from megatron_ext.layers.p2p_link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, ulysses_attention
 
+pytestmark = pytest.mark.numeric  # run again under ONEDNN_MAX_CPU_ISA=AVX2 (scripts/run_tests.sh)
+
 SEQ, BATCH, PADDING = 512, 1, 48
 # name -> (heads, kv_heads, head_dim); hidden = heads x head_dim (512 and 1024)
 CASES = {"mha-d64": (8, 8, 64), "gqa-d128": (8, 4, 128)}

@@ -19,6 +19,8 @@ from megatron_ext.layers.p2p_link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, ulysses_attention
 from megatron_ext.upstream.megatron_deepspeed import _flash, per_head_attention
 
+pytestmark = pytest.mark.numeric  # run again under ONEDNN_MAX_CPU_ISA=AVX2 (scripts/run_tests.sh)
+
 SEQ, BATCH, HIDDEN, HEADS, HEAD_DIM = 32, 2, 64, 8, 8
 
 
