@@ -8,13 +8,11 @@ import json
 
 import pytest
 
-from deepspeed_ext.zero import plan as plan_cli
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import (
     Algorithm,
     AlgorithmFit,
     CollectiveCosts,
-    Operation,
     for_topology,
 )
 from deepspeed_ext.zero.cost.projection import (
@@ -29,6 +27,7 @@ from deepspeed_ext.zero.cost.projection import (
 from deepspeed_ext.zero.cost.volume import ModelSpec
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
 from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.plan import PRESETS
 from deepspeed_ext.zero.planner import choose_secondary_level
 from plugin_base.topology import LinkClass, Topology
 
@@ -52,7 +51,7 @@ FRONTIER_TOPOLOGY = Topology(world_size=384, ranks_per_node=8, ranks_per_package
 def test_20b_parameters_and_buckets_from_the_preset_json():
     # 44 x (12 h^2 + 13 h) + 2 V h with h = 6144, V = 50432.
     assert GPT_20B.params == 20_554_555_392
-    ds = json.loads((plan_cli.PRESETS / "ds_frontier_20b.json").read_text())
+    ds = json.loads((PRESETS / "ds_frontier_20b.json").read_text())
     assert Buckets.from_json(ds) == PRESET
     # TP=4: QKV 28.3M, projection 9.4M, fc1 and fc2 37.7M each: one all-gather each (under 5e7);
     # each embedding 77.5M: two. 44 x 4 + 2 x 2 = 180 per pass, "about 4 per layer".
@@ -110,28 +109,6 @@ def test_flat_ring_is_held_by_its_edges_inside_the_node():
     assert t == pytest.approx(2 * 7.5)
 
 
-def test_planner_cli_prints_the_best_plan_and_writes_its_json(tmp_path, capsys):
-    out = tmp_path / "ds.json"
-    argv = ["--layers", "4", "--hidden", "1024", "--heads", "16", "--seq", "1024", "--nodes", "2"]
-    rows = plan_cli.main([*argv, "--memory-gb", "64", "--output-json", str(out), "--top", "3"])
-    text = capsys.readouterr().out
-    assert "| best |" in text and "vs hpZ (DeepSpeed)" in text and "--tensor-model-parallel-size" in text
-    section = json.loads(out.read_text())
-    best = rows[0]["plan"]
-    assert section["hierarchical_zero"]["inter_node_algorithm"] == best.inter_node.value
-    assert section["hierarchical_zero"]["pipeline_chunks"] == best.pipeline_chunks
-    assert section["zero_optimization"]["stage3_prefetch_bucket_size"] == best.buckets.prefetch
-    assert section["train_micro_batch_size_per_gpu"] == best.micro_batch
-    assert all(r["projection"].memory["total"] <= 64e9 for r in rows)
-    speeds = [r["projection"].tflops_per_gcd for r in rows]
-    assert speeds == sorted(speeds, reverse=True)
-
-
-def test_planner_cli_refuses_an_incomplete_model():
-    with pytest.raises(SystemExit, match="--layers --hidden --heads --seq"):
-        plan_cli.main(["--layers", "4", "--nodes", "2"])
-
-
 def test_secondary_level_auto_times_levels_with_the_clis_projection():
     """The engine's choice (planner.choose_secondary_level) and the CLI cost a level the same way:
     a model of 4 equal modules of 1e8 elements (one bucket each), 48 nodes x 4 x 2, one reduce bucket.
@@ -156,57 +133,6 @@ def test_secondary_level_auto_times_levels_with_the_clis_projection():
     assert choice.level == "package"  # the smallest backward gathers, with memory to spare
 
 
-def _profile(tmp_path, ranks_per_node: int = 4, ranks_per_package: int = 2):
-    """A probe profile whose inter-node ring all-gather over 2 nodes is the line 1 ms + bus bytes at
-    0.5 GB/s (bus bytes = half the message): 1 MB -> 2 ms, 4 MB -> 5 ms, one communicator per node."""
-    from deepspeed_ext.zero.profile import Profile, Timing, library_versions
-
-    timings = tuple(
-        Timing(LinkClass.INTER_NODE, Operation.ALL_GATHER, Algorithm.RING, 2, 1, n, (s,) * 3)
-        for n, s in ((1_000_000, 2e-3), (4_000_000, 5e-3))
-    )
-    topology = {
-        "world_size": 2 * ranks_per_node,
-        "ranks_per_node": ranks_per_node,
-        "ranks_per_package": ranks_per_package,
-    }
-    path = tmp_path / "profile.json"
-    Profile(library_versions(), topology, timings).save(path)
-    return path
-
-
-def test_a_profile_gives_the_projection_its_topology_and_measured_line(tmp_path):
-    system = plan_cli.measured_system(_profile(tmp_path), plan_cli.TOPOLOGIES["frontier"])
-    assert (system.ranks_per_node, system.ranks_per_package) == (4, 2)
-    # The measured line: 1 ms per step (1 step over 2 members), 0.5 GB/s; the NICs carry one such ring.
-    fit = system.costs.fit(Operation.ALL_GATHER, Algorithm.RING, LinkClass.INTER_NODE)
-    assert fit.step_us == pytest.approx(1000.0) and fit.bus_gbps == pytest.approx(0.5)
-    # ZeRO-3's gather of 2e9 bf16 elements (4 GB) over 4 nodes x 4 ranks, TP=1: one ring, crossing
-    # each node's NICs once, at the measured 0.5 GB/s: 15 steps of 1 ms + 15/16 x 4 GB, forward and
-    # backward (the node's 50 GB/s edges are not the bottleneck).
-    t = comm_seconds(system, [2_000_000_000], [], shape(system, 4, 1), Plan(Scheme.ZERO3))
-    assert t == pytest.approx(2 * (15e-3 + 3.75e9 / 0.5e9))
-
-
-def test_the_planner_cli_reads_a_profile(tmp_path, capsys):
-    argv = [
-        "--layers",
-        "4",
-        "--hidden",
-        "1024",
-        "--heads",
-        "16",
-        "--seq",
-        "1024",
-        "--nodes",
-        "2",
-        "--top",
-        "1",
-    ]
-    plan_cli.main([*argv, "--profile", str(_profile(tmp_path))])
-    assert "costs: measured by the probe" in capsys.readouterr().out
-
-
 def test_the_step_charges_the_systems_gemm_efficiency_and_overlap():
     """A 1-layer toy at TP=1 on one node: compute = FLOPs / (peak x efficiency); the step hides the
     system's overlap fraction of the communication behind it."""
@@ -223,25 +149,6 @@ def test_the_step_charges_the_systems_gemm_efficiency_and_overlap():
     hidden = project(replace(slow, overlap=1.0), toy, 1, plan)
     assert hidden.step_s == pytest.approx(max(a.compute_s, a.comm_s))
     assert a.step_s == pytest.approx(a.compute_s + a.comm_s)
-
-
-def test_the_projection_sweeps_every_uncertain_input_at_its_ends():
-    from benchmarks.zero.project import systems
-
-    frontier = plan_cli.TOPOLOGIES["frontier"]
-    swept = systems(frontier, measured=False)
-    assert len(swept) == 2 * 2 * 3 * 2  # ring step, ring bandwidth, overlap, GEMM efficiency
-    steps = {
-        s.costs.fit(Operation.ALL_GATHER, Algorithm.RING, LinkClass.INTER_NODE).step_us for _, s in swept
-    }
-    rates = {
-        s.costs.fit(Operation.ALL_GATHER, Algorithm.RING, LinkClass.INTER_NODE).bus_gbps for _, s in swept
-    }
-    assert steps == {1.0, 10.0} and rates == {5.84, 22.5}
-    assert {s.overlap for _, s in swept} == {0.0, 0.5, 0.9}
-    assert {s.gemm_efficiency for _, s in swept} == {0.3, 0.6}
-    measured = systems(frontier, measured=True)  # a profile's costs stay as measured
-    assert len(measured) == 6 and all(s.costs is frontier.costs for _, s in measured)
 
 
 def test_quantized_and_boundary_held_hops_are_charged_whole_as_the_runtime_runs_them():

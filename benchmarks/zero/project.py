@@ -21,7 +21,6 @@ range over the uncertain inputs (ring step 1-10 us, ring bandwidth 5.84-22.5 GB/
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
 from dataclasses import asdict, replace
@@ -29,14 +28,12 @@ from pathlib import Path
 
 from benchmarks.zero import calibration
 from deepspeed_ext.zero import plan as planner_cli
-from deepspeed_ext.zero.cost.collectives import (
-    FRONTIER_RING_GBPS,
-    FRONTIER_RING_GBPS_LOW,
-    FRONTIER_RING_STEP_RANGE_US,
-    frontier_costs,
-)
 from deepspeed_ext.zero.cost.projection import Plan, Scheme, project
+from deepspeed_ext.zero.cost.search import BASELINES, Rules, evaluate, own_best
+from deepspeed_ext.zero.cost.uncertainty import systems
 from deepspeed_ext.zero.cost.workload import Buckets, System
+from deepspeed_ext.zero.plan_inputs import measured_costs
+from deepspeed_ext.zero.verified import Backend
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
 TARGET_VS_HPZ, TARGET_VS_ZEROPP, PAPER_TOLERANCE = 1.5, 1.2, 0.20
@@ -67,33 +64,16 @@ def hit(value: float, target: float) -> dict:
     }
 
 
-COLLECTIVE_SWEEP = {
-    "ring_step_us": FRONTIER_RING_STEP_RANGE_US,
-    "ring_gbps": (FRONTIER_RING_GBPS_LOW, FRONTIER_RING_GBPS),
-}
-"""Frontier's uncertain collective inputs, each at both ends (documented in deepspeed_ext/zero/cost/collectives.py)."""
-SYSTEM_SWEEP = {"overlap": (0.0, 0.5, 0.9), "gemm_efficiency": (0.3, 0.6)}
-"""The step's uncertain inputs: communication hidden behind compute, fraction of peak the GEMMs reach."""
-
-
-def systems(base: System, measured: bool) -> list[tuple[dict[str, float], System]]:
-    """Every combination of the uncertain inputs (the collective ones only without a profile)."""
-    sweep = SYSTEM_SWEEP if measured else {**COLLECTIVE_SWEEP, **SYSTEM_SWEEP}
-    out = []
-    for values in itertools.product(*sweep.values()):
-        inputs = dict(zip(sweep, values))
-        system = replace(base, overlap=inputs["overlap"], gemm_efficiency=inputs["gemm_efficiency"])
-        if not measured:
-            system = replace(system, costs=frontier_costs(inputs["ring_step_us"], inputs["ring_gbps"]))
-        out.append((inputs, system))
-    return out
+FORECAST = Rules(Backend.RCCL, allow_lossy=True, allow_unverified=True, headroom=0.0, build_bytes_per_param=0)
+"""The forecast's design space: every setting, lossy and unverified included, the whole 64 GB, the
+batch free, the build not counted (as under zero.Init). The planner CLI proposes from a narrower one."""
 
 
 def ranges(base: System, measured: bool, nodes: int, ds: dict, grad_accum: int) -> dict:
     """Each headline ratio of :func:`best_vs_targets` at every combination of the uncertain inputs:
     its least and greatest value and the inputs that give them."""
     values: dict[str, list[tuple[float, dict]]] = {}
-    for inputs, system in systems(base, measured):
+    for inputs, system in systems(base, sweep_collectives=not measured):
         best = best_vs_targets(system, nodes, ds, grad_accum)
         for kind in ("same_setting", "vs_own_best"):
             for baseline in ("hpz", "zeropp"):
@@ -124,26 +104,19 @@ def scaling(system: System, nodes: list[int], tp: int, grad_accum: int, buckets:
 def best_vs_targets(system: System, nodes: int, ds: dict, grad_accum: int) -> dict:
     """The planner's best plan that fits 64 GB and its ratios (same TP, micro-batch and
     recomputation; baselines with the JSON's buckets), and the baselines' own best plans."""
-    rows = planner_cli.evaluate(system, calibration.GPT_20B, nodes, ds, grad_accum)
+    rows = evaluate(system, calibration.GPT_20B, nodes, ds, grad_accum, FORECAST)
     best = rows[0]
-    own = {}
-    for scheme in (Scheme.ZERO3, Scheme.HPZ, Scheme.HPZ_IDEAL, Scheme.ZEROPP):
-        fits = [
-            planner_cli.fitting(
-                system,
-                calibration.GPT_20B,
-                nodes,
-                Plan(scheme, tp, grad_accum=grad_accum, buckets=Buckets.from_json(ds)),
-            )
-            for tp in (1, 2, 4, 8)
-        ]
-        own[scheme.value] = max(f[1].tflops_per_gcd for f in fits if f)
-    mine = best["projection"].tflops_per_gcd
+    baseline = Plan(Scheme.ZERO3, grad_accum=grad_accum, buckets=Buckets.from_json(ds))
+    own = {
+        scheme.value: own_best(system, calibration.GPT_20B, nodes, scheme, baseline, FORECAST)
+        for scheme in BASELINES
+    }
+    mine = best.projection.tflops_per_gcd
     return {
-        "plan": planner_cli.label(best["plan"]),
+        "plan": planner_cli.label(best),
         "tflops_per_gcd": mine,
-        "memory_gb": best["projection"].memory["total"] / 1e9,
-        "same_setting": best["ratios"],
+        "memory_gb": best.projection.memory["total"] / 1e9,
+        "same_setting": best.ratios,
         "vs_own_best": {k: mine / v for k, v in own.items()},
         "targets": {"hpz": TARGET_VS_HPZ, "zeropp": TARGET_VS_ZEROPP},
     }
@@ -167,12 +140,13 @@ def main(argv: list[str] | None = None) -> dict:
     buckets = Buckets.from_json(ds)
     grad_accum = args.grad_accum or int(ds.get("gradient_accumulation_steps", 1))
     pccl, where = calibration.pccl_zero3_speedup()
-    system = (
-        planner_cli.measured_system(args.profile, calibration.FRONTIER)
-        if args.profile
-        else calibration.FRONTIER
-    )
     nodes = max(args.nodes)
+    system = calibration.FRONTIER
+    if args.profile:
+        measured = measured_costs(args.profile, system, Backend.RCCL, nodes)
+        system = measured.system
+        for note in measured.notes:
+            print(f"warning: {note}", file=sys.stderr)
     results = {
         "command": " ".join(["python -m benchmarks.zero.project", *(sys.argv[1:] if argv is None else argv)]),
         "calibration": [asdict(p) | {"error": p.error} for p in calibration.points()],

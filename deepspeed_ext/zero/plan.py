@@ -1,223 +1,218 @@
-"""Planner CLI: the fastest hierarchical ZeRO-3 configuration that fits, and the DeepSpeed / Megatron
-settings for it.
+"""Planner: the fastest hierarchical ZeRO-3 configuration that fits, written back into your DeepSpeed
+JSON, with the Megatron flags it changes.
 
-  python -m deepspeed_ext.zero.plan --model 20b --nodes 48 --topology frontier --memory-gb 64
-  python -m deepspeed_ext.zero.plan --layers 32 --hidden 4096 --heads 32 --seq 2048 --nodes 16 --topology h100
-  python -m deepspeed_ext.zero.plan --model 20b --nodes 48 --profile profile.json   # the probe's measured costs
+  python -m deepspeed_ext.zero.plan --model gpt-20b-frontier --nodes 48 --topology frontier
+  python -m deepspeed_ext.zero.plan --layers 24 --hidden 2048 --heads 16 --seq 2048 --nodes 4 --topology h100
+  python -m deepspeed_ext.zero.plan --model gpt-20b-frontier --nodes 48 --profile profile.json --output-json ds.json
 
-Per candidate (TP, secondary level, inter-node algorithm, quantization, boundary sync, pipeline
-chunks, DeepSpeed buckets) the largest micro-batch and the least recomputation that fit, the
-projected TFLOPS per GCD and memory per rank, and the ratio to ZeRO-3, hpZ (as DeepSpeed runs it:
-consecutive-rank groups, TP peers at TP > 1) and ZeRO++ (hpZ + qwZ + qgZ) at the same TP,
-micro-batch and buckets of the DeepSpeed JSON. All figures are computed (deepspeed_ext/zero/cost/projection.py).
+By default it proposes exact plans (no quantization) on paths that have run on the topology's
+collective library (docs/hierarchical_zero.md, "Which paths have run on which backend"), keeps the
+global batch of your configuration, and leaves 10 % of the memory free. Every figure is computed
+by the cost model (deepspeed_ext/zero/cost/), not measured.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
+import sys
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 
-from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, H100_NCCL
-from deepspeed_ext.zero.cost.projection import Plan, Projection, Scheme, memory, project, shape
-from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
-from deepspeed_ext.zero.profile import parse
-from plugin_base.topology import LinkClass
+from deepspeed_ext.zero.cost.projection import Scheme, project
+from deepspeed_ext.zero.cost.search import Row, Rules, evaluate
+from deepspeed_ext.zero.cost.uncertainty import systems
+from deepspeed_ext.zero.cost.workload import Model, Recompute, System
+from deepspeed_ext.zero.plan_inputs import PlanInputError, global_batch, measured_costs, written_config
+from deepspeed_ext.zero.verified import Backend
 
-PRESETS = Path(__file__).resolve().parents[2] / "scripts" / "presets"
-MODELS = {"20b": PRESETS / "gpt-20b-frontier.args", "1.3b": PRESETS / "gpt-1.3b.args"}
+PRESETS = Path(str(resources.files("plugin_base") / "presets"))
+"""The suite's presets (package data; scripts/presets links here)."""
+MODELS = {path.stem: path for path in sorted(PRESETS.glob("*.args"))}
+"""Model presets by the names the Slurm scripts take (MODEL=gpt-20b-frontier)."""
+ALIASES = {"20b": "gpt-20b-frontier", "1.3b": "gpt-1.3b"}
 TOPOLOGIES = {
-    "frontier": System(FRONTIER_RCCL),
-    "h100": System(H100_NCCL, ranks_per_node=8, ranks_per_package=1, peak_tflops=989.0, memory_gb=80.0),
+    "frontier": (System(FRONTIER_RCCL), Backend.RCCL, "GCD"),
+    "h100": (
+        System(H100_NCCL, ranks_per_node=8, ranks_per_package=1, peak_tflops=989.0, memory_gb=80.0),
+        Backend.NCCL,
+        "GPU",
+    ),
 }
-BUCKETS = (50_000_000, 200_000_000)
-"""Prefetch and reduce bucket sizes (elements) the plan tries."""
-MICRO_BATCHES = (8, 4, 2, 1)
+"""Documented machines: their costs, collective library and the name of one device."""
 
 
-def measured_system(path: Path, base: System) -> System:
-    """``base`` with a probe profile's topology and measured collective costs (the costs it did not
-    measure, the peak and the memory stay ``base``'s)."""
-    profile = parse(json.loads(path.read_text()), str(path))
-    return replace(
-        base,
-        costs=profile.costs(base.costs),
-        ranks_per_node=profile.topology["ranks_per_node"],
-        ranks_per_package=profile.topology["ranks_per_package"],
+def label(row: Row) -> str:
+    p = row.plan
+    quant = "int8/int4" if p.quantized_weights else "bf16"
+    return (
+        f"TP={p.tp} {p.secondary.value if p.secondary else 'no copy'} {p.inter_node} {quant} "
+        f"{'boundary' if p.boundary_sync else 'every-mb'} chunks={p.pipeline_chunks} "
+        f"bucket={p.buckets.prefetch:.0e} mb={p.micro_batch} {p.recompute.value}"
     )
 
 
-def fitting(system: System, model: Model, nodes: int, plan: Plan) -> tuple[Plan, Projection] | None:
-    """``plan`` at the micro-batch and recomputation that fit the memory and project fastest: for
-    each recomputation its largest fitting micro-batch. None when nothing fits."""
-    s = shape(system, nodes, plan.tp)
-    best = None
-    for rc in Recompute:
-        for mb in MICRO_BATCHES:
-            candidate = replace(plan, micro_batch=mb, recompute=rc)
-            if memory(system, model, s, candidate)["total"] <= system.memory_gb * 1e9:
-                mine = project(system, model, nodes, candidate)
-                if best is None or mine.tflops_per_gcd > best[1].tflops_per_gcd:
-                    best = candidate, mine
-                break
-    return best
-
-
-def candidates(system: System, model: Model, grad_accum: int) -> list[Plan]:
-    """Every configuration of ours worth projecting."""
-    out = []
-    for tp in (t for t in (1, 2, 4, 8) if system.ranks_per_node % t == 0 and model.heads % t == 0):
-        levels = [None, LinkClass.NODE] + ([LinkClass.PACKAGE] if system.ranks_per_package // tp > 1 else [])
-        syncs = (False, True) if grad_accum > 1 else (False,)
-        for level, alg, quant, sync, chunks, bucket in itertools.product(
-            levels, InterNodeAlgorithm, (False, True), syncs, (1, 4), BUCKETS
-        ):
-            plan = Plan(
-                Scheme.OURS,
-                tp=tp,
-                grad_accum=grad_accum,
-                secondary=level,
-                inter_node=alg,
-                quantized_weights=quant,
-                quantized_gradients=quant,
-                boundary_sync=sync,
-                pipeline_chunks=chunks,
-                buckets=Buckets(prefetch=bucket, reduce=bucket, max_live=3 * bucket),
-            )
-            out.append(plan)
-    return out
-
-
-def baselines(
-    system: System, model: Model, nodes: int, plan: Plan, ds_buckets: Buckets
-) -> dict[str, Projection]:
-    """ZeRO-3, hpZ (DeepSpeed's and idealized) and ZeRO++ at the plan's TP, micro-batch, recomputation."""
-    return {
-        scheme.value: project(system, model, nodes, replace(plan, scheme=scheme, buckets=ds_buckets))
-        for scheme in (Scheme.ZERO3, Scheme.HPZ, Scheme.HPZ_IDEAL, Scheme.ZEROPP)
-    }
-
-
-def sections(plan: Plan, model: Model, ds: dict) -> tuple[dict, list[str]]:
-    """The DeepSpeed JSON sections and the Megatron flags of ``plan``."""
-    zero = dict(ds.get("zero_optimization") or {"stage": 3})
-    zero.update(
-        stage3_prefetch_bucket_size=plan.buckets.prefetch,
-        reduce_bucket_size=plan.buckets.reduce,
-        stage3_max_live_parameters=plan.buckets.max_live,
-    )
-    hz = {
-        "enabled": True,
-        "secondary_level": plan.secondary.value if plan.secondary else "auto",
-        "grad_sync": "accumulation_boundary" if plan.boundary_sync else "every_micro_batch",
-        "quantized_weights": plan.quantized_weights,
-        "quantized_gradients": "int4" if plan.quantized_gradients else "none",
-        "inter_node_algorithm": plan.inter_node.value,
-        "pipeline_chunks": plan.pipeline_chunks,
-    }
-    section = {
-        "train_micro_batch_size_per_gpu": plan.micro_batch,
-        "gradient_accumulation_steps": plan.grad_accum,
-        "zero_optimization": zero,
-        "hierarchical_zero": hz,
-    }
+def megatron_flags(row: Row, model: Model, batch: int) -> list[str]:
+    p = row.plan
     flags = [
-        f"--tensor-model-parallel-size {plan.tp}",
-        f"--micro-batch-size {plan.micro_batch}",
-        f"--num-layers {model.layers}",
-        f"--hidden-size {model.hidden}",
-        f"--num-attention-heads {model.heads}",
+        f"--tensor-model-parallel-size {p.tp}",
+        f"--micro-batch-size {p.micro_batch}",
+        f"--global-batch-size {batch}",
+        f"--num-layers {model.layers} --hidden-size {model.hidden} --num-attention-heads {model.heads}",
         f"--seq-length {model.seq}",
     ]
-    if plan.recompute != Recompute.NONE:
-        flags.append(f"--recompute-granularity {plan.recompute.value}")
-        flags += ["--recompute-method uniform"] if plan.recompute == Recompute.FULL else []
-    return section, flags
+    if p.recompute != Recompute.NONE:
+        flags.append(f"--recompute-granularity {p.recompute.value}")
+        flags += ["--recompute-method uniform"] if p.recompute == Recompute.FULL else []
+    return flags
 
 
-def label(plan: Plan) -> str:
-    quant = "int8/int4" if plan.quantized_weights else "bf16"
-    return (
-        f"TP={plan.tp} {plan.secondary.value if plan.secondary else 'no copy'} {plan.inter_node} {quant} "
-        f"{'boundary' if plan.boundary_sync else 'every-mb'} chunks={plan.pipeline_chunks} "
-        f"bucket={plan.buckets.prefetch:.0e} mb={plan.micro_batch} {plan.recompute.value}"
-    )
-
-
-def evaluate(system: System, model: Model, nodes: int, ds: dict, grad_accum: int) -> list[dict]:
-    """Every candidate that fits, fastest first, with its baselines' ratios (computed)."""
-    ds_buckets = Buckets.from_json(ds)
-    rows, cache = [], {}
-    for candidate in candidates(system, model, grad_accum):
-        found = fitting(system, model, nodes, candidate)
-        if found is None:
-            continue
-        plan, mine = found
-        key = (plan.tp, plan.micro_batch, plan.recompute)
-        if key not in cache:
-            cache[key] = baselines(system, model, nodes, plan, ds_buckets)
-        ratios = {k: mine.tflops_per_gcd / v.tflops_per_gcd for k, v in cache[key].items()}
-        rows.append({"plan": plan, "projection": mine, "ratios": ratios})
-    return sorted(rows, key=lambda r: -r["projection"].tflops_per_gcd)
-
-
-def main(argv: list[str] | None = None) -> list[dict]:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m deepspeed_ext.zero.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--model", choices=sorted(MODELS), help="a preset (scripts/presets/*.args)")
+    names = sorted(MODELS) + sorted(ALIASES)
+    parser.add_argument("--model", choices=names, help="a preset, as the Slurm scripts name it")
     for flag in ("--layers", "--hidden", "--heads", "--seq"):
         parser.add_argument(flag, type=int, help="the model's shape, without --model")
     parser.add_argument("--nodes", type=int, required=True)
-    parser.add_argument("--topology", choices=sorted(TOPOLOGIES), default="frontier")
-    parser.add_argument("--memory-gb", type=float, help="memory per GPU (default: the topology's)")
-    parser.add_argument("--ds-config", type=Path, default=PRESETS / "ds_frontier_20b.json")
+    parser.add_argument(
+        "--topology", choices=sorted(TOPOLOGIES), default="frontier", help="(default: %(default)s)"
+    )
+    parser.add_argument("--memory-gb", type=float, help="memory per device (default: the topology's)")
+    parser.add_argument(
+        "--ds-config", type=Path, default=PRESETS / "ds_frontier_20b.json", help="(default: the 20B preset)"
+    )
     parser.add_argument(
         "--grad-accum", type=int, help="default: the DeepSpeed JSON's gradient_accumulation_steps"
     )
-    parser.add_argument("--top", type=int, default=20, help="rows to print (0: all)")
     parser.add_argument(
-        "--profile", type=Path, help="a probe profile: its topology and measured collective costs"
+        "--global-batch", type=int, help="sequences per step to keep (default: your configuration's)"
     )
-    parser.add_argument("--output-json", type=Path, help="write the best plan's DeepSpeed sections here")
-    args = parser.parse_args(argv)
+    parser.add_argument("--free-batch", action="store_true", help="let the plan change the global batch")
+    parser.add_argument("--headroom", type=float, default=0.1, help="memory left free (default: %(default)s)")
+    parser.add_argument(
+        "--allow-lossy", action="store_true", help="also int8 weights / int4 gradients across nodes"
+    )
+    parser.add_argument(
+        "--allow-unverified", action="store_true", help="also settings that have not run on this backend"
+    )
+    parser.add_argument("--top", type=int, default=10, help="rows to print (0: all; default: %(default)s)")
+    parser.add_argument(
+        "--profile", type=Path, help="a probe profile: this cluster's measured collective costs"
+    )
+    parser.add_argument(
+        "--output-json", type=Path, help="write --ds-config with the best plan's changes here"
+    )
+    return parser
+
+
+def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Model, Path | None]:
     if args.model:
-        model = Model.from_megatron_args(MODELS[args.model])
-    elif None in (args.layers, args.hidden, args.heads, args.seq):
-        raise SystemExit("give --model, or all of --layers --hidden --heads --seq")
-    else:
-        model = Model(args.layers, args.hidden, args.heads, args.seq)
-    system = TOPOLOGIES[args.topology]
+        path = MODELS[ALIASES.get(args.model, args.model)]
+        return Model.from_megatron_args(path), path
+    if None in (args.layers, args.hidden, args.heads, args.seq):
+        parser.error("give --model, or all of --layers --hidden --heads --seq")
+    return Model(args.layers, args.hidden, args.heads, args.seq), None
+
+
+def _print_table(rows: list[Row], top: int, device: str) -> None:
+    print(
+        f"| | candidate | TFLOPS/{device} | GB/rank (peak) | settings not run here | vs ZeRO-3 | vs hpZ (DeepSpeed) | vs hpZ (ideal) | vs ZeRO++ |"
+    )
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|")
+    for i, r in enumerate(rows[: top or None]):
+        cols = " | ".join(f"{r.ratios[k]:.2f}x" for k in ("zero3", "hpz", "hpz_ideal", "zeropp"))
+        lossy = " (lossy)" if r.plan.quantized_weights else ""
+        unrun = ", ".join(r.unverified) or "-"
+        print(
+            f"| {'best' if i == 0 else ''} | {label(r)}{lossy} | {r.projection.tflops_per_gcd:.3g} | "
+            f"{r.peak_bytes / 1e9:.1f} | {unrun} | {cols} |"
+        )
+
+
+def _ranges(system: System, model: Model, nodes: int, best: Row, measured: bool, device: str) -> str:
+    """The best row's TFLOPS and ratio to hpZ over every combination of the uncertain inputs."""
+    tflops, vs_hpz = [], []
+    for _, s in systems(system, sweep_collectives=system.costs is FRONTIER_RCCL and not measured):
+        mine = project(s, model, nodes, best.plan).tflops_per_gcd
+        hpz = project(s, model, nodes, replace(best.plan, scheme=Scheme.HPZ)).tflops_per_gcd
+        tflops.append(mine)
+        vs_hpz.append(mine / hpz)
+    return (
+        f"best row over the uncertain inputs ({len(tflops)} combinations): {min(tflops):.3g}-{max(tflops):.3g} "
+        f"TFLOPS/{device}, {min(vs_hpz):.2f}-{max(vs_hpz):.2f}x hpZ"
+    )
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    model, preset = _model(args, parser)
+    system, backend, device = TOPOLOGIES[args.topology]
     system = replace(system, memory_gb=args.memory_gb) if args.memory_gb else system
-    if args.profile:
-        system = measured_system(args.profile, system)
-    ds = json.loads(args.ds_config.read_text())
-    grad_accum = args.grad_accum or int(ds.get("gradient_accumulation_steps", 1))
-    rows = evaluate(system, model, args.nodes, ds, grad_accum)
+    if not 0 <= args.headroom < 1:
+        parser.error(f"--headroom {args.headroom}: give a fraction in [0, 1)")
+    try:
+        ds = json.loads(args.ds_config.read_text())
+        measured = measured_costs(args.profile, system, backend, args.nodes) if args.profile else None
+        if measured is not None:
+            system = measured.system
+            for note in measured.notes:
+                print(f"warning: {note}", file=sys.stderr)
+        grad_accum = args.grad_accum or int(ds.get("gradient_accumulation_steps", 1))
+        batch = global_batch(ds, preset, system.ranks_per_node * args.nodes, grad_accum, args.global_batch)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, PlanInputError) as exc:
+        parser.exit(2, f"error: {exc}\n")
+    rules = Rules(
+        backend,
+        measured=measured is not None and measured.verifies,
+        allow_lossy=args.allow_lossy,
+        allow_unverified=args.allow_unverified,
+        global_batch=None if args.free_batch else batch,
+        headroom=args.headroom,
+        build_bytes_per_param=2 if (ds.get("bf16") or {}).get("enabled") else 4,
+    )
+
+    def progress(done: int, total: int) -> None:
+        if done % 50 == 0:
+            print(f"projecting candidates: {done}/{total}", file=sys.stderr, flush=True)
+
+    rows = evaluate(system, model, args.nodes, ds, grad_accum, rules, progress)
     if not rows:
-        raise SystemExit(f"no candidate fits {system.memory_gb} GB per GPU: more nodes or a larger TP")
+        parser.exit(
+            2,
+            f"error: no plan fits {system.memory_gb:g} GB per {device} less {args.headroom:.0%} headroom at a "
+            f"global batch of {batch} (DP x accumulation must divide it): more nodes, --free-batch, or --allow-lossy\n",
+        )
+    best = rows[0]
+    kept = "kept" if rules.global_batch else "free (--free-batch)"
     print(
-        f"{model.params / 1e9:.1f}B GPT on {args.nodes} nodes ({args.topology}, {system.memory_gb:g} GB), "
-        f"grad-accum {grad_accum}; computed (deepspeed_ext/zero/cost/projection.py; costs: {system.costs.system}); "
-        f"{len(rows)} candidates fit"
+        f"{model.params / 1e9:.1f}B GPT on {args.nodes} nodes ({args.topology}, {backend}, {system.memory_gb:g} GB "
+        f"less {args.headroom:.0%} headroom), accumulation {grad_accum}, global batch {kept}; "
+        f"COMPUTED by the cost model (costs: {system.costs.system}), not measured. "
+        f"{'Lossy plans included. ' if args.allow_lossy else 'Exact plans only. '}"
+        f"{'Unverified settings included. ' if args.allow_unverified else f'Only settings that have run on {backend}. '}"
+        f"{len(rows)} fit."
     )
+    print(_ranges(system, model, args.nodes, best, args.profile is not None, device))
+    _print_table(rows, args.top, device)
+    plan_batch = (
+        best.plan.micro_batch * best.plan.grad_accum * system.ranks_per_node * args.nodes // best.plan.tp
+    )
+    profile = args.profile if measured is not None and measured.job_reads_it else None
+    written = written_config(ds, best.plan, profile, plan_batch)
     print(
-        "| | candidate | TFLOPS/GCD | GB/rank | vs ZeRO-3 | vs hpZ (DeepSpeed) | vs hpZ (ideal) | vs ZeRO++ |"
+        "\nDeepSpeed JSON (your --ds-config with the best plan's changes):\n" + json.dumps(written, indent=1)
     )
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for i, r in enumerate(rows[: args.top or None]):
-        p, q = r["plan"], r["projection"]
-        cols = " | ".join(f"{r['ratios'][k]:.2f}x" for k in ("zero3", "hpz", "hpz_ideal", "zeropp"))
-        mark = "best" if i == 0 else ""
-        print(f"| {mark} | {label(p)} | {q.tflops_per_gcd:.1f} | {q.memory['total'] / 1e9:.1f} | {cols} |")
-    section, flags = sections(rows[0]["plan"], model, ds)
-    print("\nDeepSpeed JSON (best plan):\n" + json.dumps(section, indent=1))
-    print("\nMegatron flags:\n" + " ".join(flags))
+    print("\nMegatron flags:\n" + " ".join(megatron_flags(best, model, plan_batch)))
     if args.output_json:
-        args.output_json.write_text(json.dumps(section, indent=1) + "\n")
+        args.output_json.write_text(json.dumps(written, indent=1) + "\n")
+        print(f"\nwrote {args.output_json}", file=sys.stderr)
     return rows
 
 

@@ -254,17 +254,27 @@ def parse(data: object, source: str) -> Profile:
     return Profile(versions=versions, topology=topology, timings=timings)
 
 
-def load(path: str | os.PathLike, topology: Topology, versions: Mapping[str, str] | None = None) -> Profile:
-    """The profile at ``path``, checked against this job's topology and library versions."""
+def read(path: str | os.PathLike) -> Profile:
+    """The profile at ``path``, every field checked: :class:`ProfileError` for a file that cannot
+    be read, is not UTF-8 JSON, or is not a profile."""
     source = os.fspath(path)
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as exc:
         raise ProfileError(f"cannot read the profile {source}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ProfileError(
+            f"{source} is not a profile (not UTF-8 text: {exc.reason}): run the probe again"
+        ) from exc
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{source} is not valid JSON ({exc}): run the probe again") from exc
-    profile = parse(data, source)
-    _check_matches(profile, topology, versions or library_versions(), source)
+    return parse(data, source)
+
+
+def load(path: str | os.PathLike, topology: Topology, versions: Mapping[str, str] | None = None) -> Profile:
+    """The profile at ``path`` (:func:`read`), checked against this job's topology and library versions."""
+    profile = read(path)
+    _check_matches(profile, topology, versions or library_versions(), os.fspath(path))
     return profile
 
 
