@@ -19,7 +19,7 @@ setup(
     py_modules=["plugin_config"],
     # The model and DeepSpeed presets (scripts/presets links here): the planner reads them in a wheel too.
     package_data={"plugin_base": ["presets/*.args", "presets/*.json", "presets/upstream/*"]},
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # enum.StrEnum
     # torch is pinned by the set-up script before this installs; a range here must admit that build.
     install_requires=[
         "torch>=2.4",

@@ -13,11 +13,16 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
 from pydantic import Field
 
 from plugin_base.section import ConfigError, Section
+
+# The cost model and the planner CLI import the level enums from here: torch is imported where a
+# process group is made, so that they start in well under a second.
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 FRONTIER_RANKS_PER_NODE = 8
 FRONTIER_RANKS_PER_PACKAGE = 2  # two GCDs per MI250X: (0,1), (2,3), (4,5), (6,7)
@@ -256,6 +261,8 @@ def new_level_groups(
     Each distinct member set becomes one group, shared by every kind that has those members (with
     one member per package, ``cross_package`` is the node group); ``made`` (sorted members -> group,
     filled in here) carries the groups over between calls, so that a set made earlier is reused."""
+    import torch.distributed as dist
+
     parent = sorted(parent_ranks)
     check_uniform(topo, parent)
     rank = dist.get_rank()
@@ -279,6 +286,8 @@ def all_level_groups(
 ) -> LevelGroups:
     """Level groups for a family of disjoint parents (e.g. every DP group): call on every rank.
     ``made`` as in :func:`new_level_groups`."""
+    import torch.distributed as dist
+
     mine = LevelGroups(members={}, groups={})
     rank = dist.get_rank()
     made = {} if made is None else made

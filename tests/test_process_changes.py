@@ -1,4 +1,4 @@
-"""Every process-wide change has one owner: the README's table lists exactly the changes the main
+"""Every process-wide change has one owner: the table in docs/architecture.md lists exactly the changes the main
 job's installer records (all three plugins on) and the upstream launcher's, and closing the
 installer undoes them: no process group, no CPU patch, DeepSpeed's own functions back, no hop or
 poster thread, no loader process."""
@@ -16,10 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EVENTS: list[list[tuple[str, str]]] = []
 
 
-def readme_rows() -> set[tuple[str, str]]:
-    text = (ROOT / "README.md").read_text()
+def documented_rows() -> set[tuple[str, str]]:
+    text = (ROOT / "docs" / "architecture.md").read_text()
     section = text[text.index("## Process-wide changes") :]
-    section = section[: section.index("\n## ", 4)]
+    section = section.split("\n## ")[0]
     return {(m[1], m[2].strip()) for m in re.finditer(r"^\| `([^`]+)` \| (.+?) \| [^|]+ \|$", section, re.M)}
 
 
@@ -32,7 +32,7 @@ def _children() -> set[int]:
     }
 
 
-def test_the_main_job_records_the_readme_rows_and_undoes_them(lone_rank):
+def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank):
     import json
 
     import torch.distributed as dist
@@ -65,7 +65,7 @@ def test_the_main_job_records_the_readme_rows_and_undoes_them(lone_rank):
         job.train(args, installer)
         recorded = {(c.owner, c.what) for c in installer.changes}
         started = _children() - before
-    assert recorded <= readme_rows(), sorted(recorded - readme_rows())
+    assert recorded <= documented_rows(), sorted(recorded - documented_rows())
     assert {owner for owner, _ in recorded} >= {
         "deepspeed_ext.zero",
         "megatron_ext.data",
@@ -80,7 +80,7 @@ def test_the_main_job_records_the_readme_rows_and_undoes_them(lone_rank):
     assert not started & _children(), "the loader's producer outlived the job"
 
 
-def test_the_launcher_and_its_hooks_record_the_readme_rows(tmp_path):
+def test_the_launcher_and_its_hooks_record_the_documented_rows(tmp_path):
     from megatron_ext import launch
 
     tree = tmp_path / "mds"
@@ -95,5 +95,5 @@ def test_the_launcher_and_its_hooks_record_the_readme_rows(tmp_path):
     EVENTS.clear()
     launch.run(str(script), [])
     (recorded,) = EVENTS
-    assert set(recorded) <= readme_rows(), sorted(set(recorded) - readme_rows())
+    assert set(recorded) <= documented_rows(), sorted(set(recorded) - documented_rows())
     assert sys.argv[0] != str(script)

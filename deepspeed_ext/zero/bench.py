@@ -3,7 +3,7 @@
     torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.bench \\
         --deepspeed-config ds.json --megatron-args scripts/presets/gpt-1.3b.args \\
         [--profile profile.json] [--json ab.json] [--plot ab.png]
-    (Slurm: scripts/slurm/zero_ab_frontier.sbatch, scripts/slurm/zero_ab_nvidia.sbatch)
+    (Slurm: JOB=zero-ab sbatch -N 2 scripts/slurm/frontier.sbatch, or scripts/slurm/nvidia.sbatch)
 
 On the model shape of a Megatron preset (layers, hidden size, heads, sequence length, vocabulary)
 and the buckets, micro batch, accumulation and dtype of the user's DeepSpeed JSON, each rank

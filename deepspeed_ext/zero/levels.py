@@ -15,9 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.profile import Profile
@@ -34,6 +32,11 @@ from plugin_base.topology import (
     level_members,
     partition_of,
 )
+
+# The cost model imports DPShape from here: without torch at import time the planner CLI starts in
+# well under a second.
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 # The link each hop group's ring runs on.
 HOP_LINKS = {
@@ -131,6 +134,8 @@ class ZeroLevels:
     def destroy_groups(self) -> None:
         """Destroy the process groups made for these levels that hold this rank (each rank its own;
         no collective), each once however many kinds share it. The levels are unusable afterwards."""
+        import torch.distributed as dist
+
         made = {id(g): g for g in (*self.groups.groups.values(), self.self_group)}
         for group in made.values():
             dist.destroy_process_group(group)
@@ -193,6 +198,8 @@ def build_levels(
 ) -> ZeroLevels:
     """Create the level groups of every data-parallel group of the job. Collective over the whole job
     (each rank learns the others' DP groups, then all create the same groups in the same order)."""
+    import torch.distributed as dist
+
     mine = sorted(
         dist.get_process_group_ranks(dp_group) if dp_group is not None else range(dist.get_world_size())
     )

@@ -18,8 +18,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import torch
-
 from deepspeed_ext.zero.cost.collectives import (
     Algorithm,
     AlgorithmFit,
@@ -67,6 +65,7 @@ def library_versions() -> dict[str, str]:
     """The versions a profile is tied to: torch, DeepSpeed, and the collective library of the
     accelerator (NCCL, or RCCL on ROCm), else gloo (part of torch)."""
     import deepspeed
+    import torch
 
     if torch.cuda.is_available():
         library = "RCCL" if torch.version.hip else "NCCL"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from deepspeed_ext.zero import p2p_hops
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.volume import ModelSpec
 from deepspeed_ext.zero.levels import DPShape
@@ -67,6 +66,10 @@ def hop_buffers(
     if config.grad_reduce == "hierarchical" and shape.nodes > 1:
         node_elems = math.ceil(reduce_elems / p) * shape.nodes  # the block that crosses nodes
         if config.inter_node_algorithm != InterNodeAlgorithm.RING:
+            # Imported here: the runtime's schedule module loads torch, which the planner CLI and the
+            # cost model otherwise never need.
+            from deepspeed_ext.zero import p2p_hops
+
             # distance halving receives the largest step's blocks into one buffer
             most = max(blocks for _, blocks in p2p_hops.schedule(shape.nodes))
             reduce = most * math.ceil(reduce_elems / p) * gb

@@ -1,4 +1,4 @@
-"""The README's key table is the configuration's documentation: one row per field of every plugin
+"""The key table of docs/configuration.md is the configuration's documentation: one row per field of every plugin
 section, with the field's JSON default, the Megatron flag that sets it, and its docstring."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 from megatron_ext.args import flag_of
 from plugin_config import SECTIONS, PluginConfig
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+KEY_TABLE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 HEADER = "| key | default | flag | meaning |"
 
 
@@ -27,8 +27,8 @@ def expected_rows() -> list[str]:
     return rows
 
 
-def readme_rows() -> list[str]:
-    lines = README.read_text().splitlines()
+def documented_rows() -> list[str]:
+    lines = KEY_TABLE.read_text().splitlines()
     start = lines.index(HEADER) + 2  # past the header and its |---| line
     end = next(i for i in range(start, len(lines)) if not lines[i].startswith("|"))
     return lines[start:end]
@@ -40,11 +40,13 @@ def test_every_field_has_a_docstring():
             assert field.description, f"{section}.{name} has no docstring"
 
 
-def test_readme_key_table_is_the_fields_defaults_flags_and_docstrings():
-    want, have = expected_rows(), readme_rows()
+def test_the_key_table_is_the_fields_defaults_flags_and_docstrings():
+    want, have = expected_rows(), documented_rows()
     missing = [row for row in want if row not in have]
     extra = [row for row in have if row not in want]
-    assert not missing and not extra, "README key table out of date; rows to have:\n" + "\n".join(want)
+    assert not missing and not extra, (
+        "docs/configuration.md key table out of date; rows to have:\n" + "\n".join(want)
+    )
     assert [re.match(r"\| `([^`]*)`", row)[1] for row in have] == [
         re.match(r"\| `([^`]*)`", row)[1] for row in want
     ]
