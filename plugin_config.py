@@ -21,7 +21,7 @@ from pydantic import Field, ValidationError, model_validator
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, check_zero_stage
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.layers.config import FlashOverlapConfig
-from plugin_base.section import ConfigError, Section, describe, read_ds_config
+from plugin_base.section import ConfigError, Section, describe, read_ds_config, validate_json
 from plugin_base.topology import TopologyConfig, check_data_parallel, check_layout
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrid
         sections[section][field] = value
     stage = (raw.get("zero_optimization") or {}).get("stage", 0)
     try:
-        return PluginConfig(**sections, zero_stage=stage)
+        return validate_json(PluginConfig, {**sections, "zero_stage": stage})
     except ValidationError as e:
         raise ConfigError(describe(e, PluginConfig)) from None
 

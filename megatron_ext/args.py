@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import json
 import types
 import typing
 from typing import Any
@@ -29,6 +30,7 @@ _NAMED = {
     "flash_overlap.timeout_s": "--flash-overlap-timeout",
 }
 _SCALARS = (bool, int, float, str)
+PLUGIN_SWITCHES = ("shm_data_loader.enabled", "hierarchical_zero.enabled", "flash_overlap.enabled")
 
 
 def _flag_name(section: str, field: str) -> str:
@@ -48,7 +50,9 @@ def _options(field: FieldInfo) -> dict[str, Any] | None:
     optional = [a for a in typing.get_args(kind) if a is not type(None)]
     if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(optional) == 1:
         kind = optional[0]
+    default = json.dumps(field.get_default(call_default_factory=True))
     help_text = " ".join((field.description or "").split()).replace("%", "%%")
+    help_text += f" (default: the DeepSpeed JSON's, else {default.replace('%', '%%')})"
     if kind is bool:
         return {"action": "store_const", "const": True, "help": help_text}
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
@@ -79,10 +83,16 @@ def _dest(flag: str) -> str:
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the suite's flags (group "plugins") to ``parser``; returns it, as Megatron expects."""
+    """Add the suite's flags (group "plugins") to ``parser``; returns it, as Megatron expects. Each
+    plugin's switch has a ``--no-`` twin, to turn off a plugin the DeepSpeed JSON turns on."""
     group = parser.add_argument_group("plugins", "shared-memory loader, hierarchical ZeRO, Flash-Overlap")
-    for flag, (_, options) in _FLAGS.items():
+    for flag, (field, options) in _FLAGS.items():
         group.add_argument(flag, dest=_dest(flag), default=None, **options)
+        if field in PLUGIN_SWITCHES:
+            off = "--no-" + flag.removeprefix("--")
+            group.add_argument(
+                off, dest=_dest(flag), action="store_const", const=False, help=f"switch {flag} off"
+            )
     return parser
 
 

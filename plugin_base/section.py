@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -20,7 +22,9 @@ class ConfigError(ValueError):
 
 class Section(BaseModel):
     """One plugin's top-level section: unknown keys are errors, assignments are validated, and each
-    field's docstring is its description (the README's key table is tested against it)."""
+    field's docstring is its description (docs/configuration.md's key table is tested against it).
+    A section read from JSON is strict (:func:`validate_json`): ``"8"`` is not a number and
+    ``"true"`` not a boolean."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
@@ -31,9 +35,17 @@ class Section(BaseModel):
         if raw is not None and not isinstance(raw, dict):
             raise ConfigError(f'{name}={raw!r}: must be a JSON object like {{"enabled": true}}')
         try:
-            return cls.model_validate(raw or {})
+            return validate_json(cls, raw or {})
         except ValidationError as e:
             raise ConfigError(describe(e, cls, name)) from None
+
+
+def validate_json(model: type[ModelT], data: dict) -> ModelT:
+    """``model`` from JSON-like ``data`` with JSON's types, strictly: a string where a number or a
+    boolean belongs is an error, not coerced (a JSON integer still fills a float field, and an enum
+    takes its value's string). Objects JSON cannot hold (a ``Path`` handed in from Python) are read
+    as their string."""
+    return model.model_validate_json(json.dumps(data, default=str), strict=True)
 
 
 def describe(error: ValidationError, model: type[BaseModel], prefix: str = "") -> str:

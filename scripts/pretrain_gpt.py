@@ -6,7 +6,10 @@ job itself is the ``trainer`` package.
 
 import sys
 
-from trainer.main import main
+from trainer.cli import parse_args
 
 if __name__ == "__main__":
-    sys.exit(main())
+    args = parse_args()  # --help and flag errors answer here, before torch, megatron-core and DeepSpeed load
+    from trainer.main import run
+
+    sys.exit(run(args))

@@ -154,7 +154,19 @@ CASES = [
 
 
 def test_cases_cover_every_flag():
-    assert {argv[0] for argv, _ in CASES} == _our_flags()
+    switches_off = {flag for flag in _our_flags() if flag.startswith("--no-")}
+    assert {argv[0] for argv, _ in CASES} == _our_flags() - switches_off
+    assert switches_off == {"--no-shm-data-loader", "--no-hierarchical-zero", "--no-flash-overlap"}
+
+
+@pytest.mark.parametrize("section", ["shm_data_loader", "hierarchical_zero", "flash_overlap"])
+def test_a_no_flag_switches_off_a_plugin_the_json_switches_on(tmp_path, section):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, section: {"enabled": True}}))
+    parser = hooks.with_plugin_args()(_upstream_parser("megatron_lm_flags.txt"))
+    flag = "--no-" + section.replace("_", "-")
+    config = plugin_config_from_args(parser.parse_args([flag, "--deepspeed-config", str(path)]))
+    assert getattr(config, section).enabled is False
 
 
 @pytest.mark.parametrize(("argv", "section"), CASES, ids=[argv[0] for argv, _ in CASES])

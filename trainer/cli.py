@@ -13,10 +13,20 @@ DESCRIPTION = (
 )
 
 
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except "None": a plugin flag not given leaves the DeepSpeed JSON's
+    value, which its help names."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed flags (``argv`` None: the command line)."""
     p = argparse.ArgumentParser(
-        description=DESCRIPTION, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog="python scripts/pretrain_gpt.py", description=DESCRIPTION, formatter_class=_HelpWithDefaults
     )
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=2)

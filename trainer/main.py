@@ -102,7 +102,11 @@ def _quiet(installer: Installer) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the job; returns the exit status (2 with one ``error:`` line on bad input)."""
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job with parsed flags; returns the exit status (2 with one ``error:`` line on bad input)."""
     try:
         with Installer() as installer:
             _quiet(installer)

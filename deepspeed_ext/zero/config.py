@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Annotated
 
 from pydantic import Field, model_validator
 
@@ -81,7 +82,7 @@ class HierarchicalZeroConfig(Section):
     """Extra memory per rank (GB) for the secondary weight copy, held gradient blocks and hop buffers when secondary_level is auto."""
     grad_reduce: GradReduce = GradReduce.HIERARCHICAL
     """Gradient reduce-scatter in hops package -> node -> global, or one flat reduce-scatter."""
-    link_bandwidth_gbps: dict[LinkClass, float] | None = None
+    link_bandwidth_gbps: dict[LinkClass, Annotated[float, Field(gt=0, allow_inf_nan=False)]] | None = None
     """GB/s per link class for the cost model: package and node per rank, inter_node the node's NICs together; null keeps the documented figures (Frontier's where packages hold two ranks, else H100's NCCL)."""
     grad_sync: GradSync = GradSync.EVERY_MICRO_BATCH
     """When gradients cross nodes: every micro-batch (as ZeRO-3) or once per step, summed per node in fp32 until then."""
