@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -23,6 +24,23 @@ from plugin_base.section import ConfigError, Section
 # process group is made, so that they start in well under a second.
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def require_launcher(module: str, example_args: str) -> None:
+    """Exit 2 with one line saying how to start ``python -m module`` when the launcher's variables
+    are missing (a program of one process per rank started by hand), instead of torch's traceback."""
+    missing = [name for name in RANK_VARIABLES if name not in os.environ]
+    if missing:
+        print(
+            f"error: python -m {module} runs one process per rank and {', '.join(missing)} are not set: start it "
+            f"with torchrun --nnodes <nodes> --nproc-per-node <GPUs per node> -m {module} {example_args}, "
+            "or under srun",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+
 
 FRONTIER_RANKS_PER_NODE = 8
 FRONTIER_RANKS_PER_PACKAGE = 2  # two GCDs per MI250X: (0,1), (2,3), (4,5), (6,7)

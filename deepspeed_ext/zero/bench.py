@@ -48,7 +48,7 @@ from deepspeed_ext.zero.profile import Profile
 from deepspeed_ext.zero.profile import load as load_profile
 from plugin_base import comm
 from plugin_base.comm import LINK_CLASSES
-from plugin_base.topology import Topology, TopologyConfig, detect_topology
+from plugin_base.topology import Topology, TopologyConfig, detect_topology, require_launcher
 
 
 def build(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology, device: torch.device) -> Any:
@@ -178,7 +178,9 @@ def run_variant(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m deepspeed_ext.zero.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--deepspeed-config",
@@ -227,6 +229,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from deepspeed_ext.zero.bench_report import comparison, plot, predictions, table, write_json
 
     args = parse_args(argv)
+    require_launcher("deepspeed_ext.zero.bench", "--deepspeed-config ds.json")
     user = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
     shape = model_shape(args)
 

@@ -36,7 +36,7 @@ from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.levels import build_levels
 from deepspeed_ext.zero.profile import Profile, Timing, library_versions, sizes_sweep, topology_key
 from plugin_base import comm
-from plugin_base.topology import Level, LinkClass, Topology, TopologyConfig, detect_topology
+from plugin_base.topology import Level, LinkClass, Topology, TopologyConfig, detect_topology, require_launcher
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,12 @@ def measure(
     cut: list[str] = []
     started = time.monotonic()
     for size in args.sizes or sizes_sweep(args.smallest, args.largest):
+        if dist.get_rank() == 0:
+            print(
+                f"probe: {size} bytes, {len(active)} collectives still growing, {time.monotonic() - started:.0f} s "
+                f"of the {args.budget_s:.0f} s budget",
+                flush=True,
+            )
         for c in list(active):
             unit = c.members * element
             nbytes = max(1, size // unit) * unit
@@ -167,7 +173,9 @@ def summary(profile: Profile) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m deepspeed_ext.zero.probe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--out", required=True, help="where rank 0 writes the profile (JSON)")
     parser.add_argument("--deepspeed-config", help="the job's DeepSpeed JSON: its topology section is used")
@@ -212,6 +220,7 @@ def topology_config(args: argparse.Namespace) -> TopologyConfig:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    require_launcher("deepspeed_ext.zero.probe", "--out profile.json")
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
@@ -228,6 +237,11 @@ def main(argv: list[str] | None = None) -> None:
             for line in cut:
                 print(f"not measured: {line}")
             print(f"profile written to {args.out} ({len(profile.timings)} timings, {topology_key(topology)})")
+            print(
+                f"next: give it to the job (--hierarchical-zero-profile {args.out}, or hierarchical_zero.profile "
+                f"in the DeepSpeed JSON) and to the planner (python -m deepspeed_ext.zero.plan --profile {args.out} "
+                f"--nodes <nodes> --model <preset>)"
+            )
     finally:
         dist.destroy_process_group()
 
