@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megatron_ext.data.litmus import LitmusResult, message_passing, verdict
+from megatron_ext.data.litmus import LitmusResult, Outcome, message_passing, verdict
 from megatron_ext.data.ordering import Architecture, fences_for
 
 
@@ -30,7 +30,11 @@ def test_the_command_reports_that_x86_64_cannot_reorder():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fences on : " in proc.stdout and ", 0 reordered" in proc.stdout
-    assert "(total store order): this CPU cannot reorder these accesses" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    assert (
+        last.startswith("PASS: x86-64")
+        and "(total store order): this CPU cannot reorder these accesses" in last
+    )
 
 
 def _runs(fenced: int, unfenced: int) -> tuple[LitmusResult, LitmusResult]:
@@ -38,16 +42,18 @@ def _runs(fenced: int, unfenced: int) -> tuple[LitmusResult, LitmusResult]:
 
 
 def test_aarch64_reordering_without_fences_and_none_with_them_shows_the_fences_work():
-    text, safe = verdict(Architecture.AARCH64, *_runs(0, 12))
-    assert safe and "reordered 12 of 1000000 hand-overs without fences and none with" in text
+    outcome, text = verdict(Architecture.AARCH64, *_runs(0, 12))
+    assert (
+        outcome is Outcome.PASS and "reordered 12 of 1000000 hand-overs without fences and none with" in text
+    )
 
 
 def test_aarch64_with_no_reordering_at_all_is_inconclusive_not_a_clean_bill():
-    text, safe = verdict(Architecture.AARCH64, *_runs(0, 0))
-    assert safe and "inconclusive about the CPU" in text
+    outcome, text = verdict(Architecture.AARCH64, *_runs(0, 0))
+    assert outcome is Outcome.INCONCLUSIVE and "inconclusive about the CPU" in text
 
 
 @pytest.mark.parametrize("arch", list(Architecture))
 def test_a_reordering_with_the_fences_on_fails_on_any_machine(arch):
-    text, safe = verdict(arch, *_runs(3, 40))
-    assert not safe and text.startswith("FAILED: 3 reorderings with the ring's fences on")
+    outcome, text = verdict(arch, *_runs(3, 40))
+    assert outcome is Outcome.FAIL and text.startswith("3 reorderings with the ring's fences on")

@@ -29,6 +29,7 @@ import mmap
 import os
 import platform
 import time
+from enum import StrEnum
 
 from megatron_ext.data.ordering import Architecture, Fences, TotalStoreOrder, architecture, fences_for
 
@@ -89,35 +90,48 @@ def message_passing(
     return LitmusResult(fenced, payload_first, visits, reorderings)
 
 
-def verdict(arch: Architecture, fenced: LitmusResult, unfenced: LitmusResult) -> tuple[str, bool]:
-    """What the two runs say about this machine, and whether the loader may run here."""
+class Outcome(StrEnum):
+    """The litmus test's last word."""
+
+    PASS = "PASS"
+    """The ring may run here: the CPU cannot reorder these accesses, or it did and the fences held."""
+    FAIL = "FAIL"
+    """The ring's fences let a reordering through: do not run the loader here."""
+    INCONCLUSIVE = "INCONCLUSIVE"
+    """No reordering either way on a CPU that may reorder: nothing against the ring, nothing shown."""
+
+
+def verdict(arch: Architecture, fenced: LitmusResult, unfenced: LitmusResult) -> tuple[Outcome, str]:
+    """What the two runs say about this machine: the outcome and why."""
     if fenced.reorderings:
         return (
-            f"FAILED: {fenced.reorderings} reorderings with the ring's fences on: the node loader's ring is not "
+            Outcome.FAIL,
+            f"{fenced.reorderings} reorderings with the ring's fences on: the node loader's ring is not "
             "safe on this machine; set shm_data_loader.enabled=false and report the machine",
-            False,
         )
     if arch is Architecture.X86_64:
         return (
+            Outcome.PASS,
             "x86-64 keeps stores and loads in program order (total store order): this CPU cannot reorder these "
             f"accesses, fences or not ({unfenced.reorderings} seen without them)",
-            True,
         )
     if unfenced.reorderings:
         return (
+            Outcome.PASS,
             f"this CPU reordered {unfenced.reorderings} of {unfenced.visits} hand-overs without fences and none "
             "with the ring's fences: the fences are needed here, and they work",
-            True,
         )
     return (
+        Outcome.INCONCLUSIVE,
         "no reordering with the fences on; none caught with them off either, although this CPU may reorder: "
         "inconclusive about the CPU (run longer with --seconds), no evidence against the ring",
-        True,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_ext.data.litmus", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each of the two runs")
     parser.add_argument("--cells", type=int, default=4096, help="message cells the writer cycles through")
     args = parser.parse_args(argv)
@@ -125,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     broken = message_passing(fences_for(), min(args.seconds, 0.5), args.cells, True, payload_first=False)
     if not broken.reorderings:
         print(
-            f"self-check FAILED: a writer announcing before it writes was never caught ({broken.visits} checks)"
+            f"{Outcome.FAIL}: the self-check never caught a writer announcing before it writes "
+            f"({broken.visits} checks): this test cannot see reorderings here"
         )
         return 1
     fenced = message_passing(fences_for(), args.seconds, args.cells, fenced=True)
@@ -135,9 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     for result in (fenced, unfenced):
         label = "fences on " if result.fenced else "fences off"
         print(f"{label}: {result.visits} hand-overs checked, {result.reorderings} reordered")
-    text, safe = verdict(arch, fenced, unfenced)
-    print(text)
-    return 0 if safe else 1
+    outcome, why = verdict(arch, fenced, unfenced)
+    print(f"{outcome}: {why}")
+    return 1 if outcome is Outcome.FAIL else 0
 
 
 if __name__ == "__main__":
