@@ -3,6 +3,7 @@ from setuptools import find_packages, setup
 setup(
     name="megatron-deepspeed-plugins",
     version="0.1.0",
+    license="Apache-2.0",
     description="Shared-memory node loader, hierarchical ZeRO-3 and Flash-Overlap TP linears for megatron-core + DeepSpeed",
     packages=find_packages(
         include=[
