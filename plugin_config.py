@@ -19,7 +19,7 @@ from typing import Any, Union
 from pydantic import Field, ValidationError, model_validator
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, check_zero_stage
-from megatron_ext.data.config import ShmDataLoaderConfig
+from megatron_ext.data.config import ShmDataLoaderConfig, check_shm_dir_at_start
 from megatron_ext.layers.config import FlashOverlapConfig
 from plugin_base.section import ConfigError, Section, describe, read_ds_config, validate_json
 from plugin_base.topology import TopologyConfig, check_data_parallel, check_layout
@@ -75,9 +75,12 @@ def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrid
 
 
 def validate_against_world(config: PluginConfig, world_size: int, data_parallel_size: int) -> None:
-    """Checks that need the job's size; run once at start-up, before any collective."""
+    """Checks that need the job's size or this machine (the loader's directory); run once at
+    start-up, before any model or collective. Warnings are logged."""
     check_layout(world_size, config.topology.ranks_per_node, config.topology.ranks_per_package)
     check_data_parallel(world_size, data_parallel_size)
+    for warning in check_shm_dir_at_start(config.shm_data_loader):
+        logger.warning(warning)
 
 
 def log_effective_config(config: PluginConfig, rank: int) -> None:

@@ -8,8 +8,15 @@ import sys
 
 from trainer.cli import parse_args
 
-if __name__ == "__main__":
-    args = parse_args()  # --help and flag errors answer here, before torch, megatron-core and DeepSpeed load
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the flags, then run the job: ``--help`` and flag errors answer before torch,
+    megatron-core and DeepSpeed load."""
+    args = parse_args(argv)
     from trainer.main import run
 
-    sys.exit(run(args))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

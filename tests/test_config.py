@@ -60,6 +60,24 @@ def test_json_file_and_dict_give_the_same_config(tmp_path):
             "unknown top-level section 'flash_overlapp': did you mean 'flash_overlap'?",
         ),
         ({"topology": 8}, "topology=8: must be a JSON object"),
+        # JSON's types, strictly: a string is neither a number nor a boolean
+        ({"shm_data_loader": {"slots": "8"}}, "shm_data_loader.slots='8': Input should be a valid integer"),
+        (
+            {"flash_overlap": {"enabled": "true"}},
+            "flash_overlap.enabled='true': Input should be a valid boolean",
+        ),
+        (
+            {"hierarchical_zero": {"enabled": "yes"}},
+            "hierarchical_zero.enabled='yes': Input should be a valid boolean",
+        ),
+        (
+            {"hierarchical_zero": {"link_bandwidth_gbps": {"inter_node": -25}}},
+            "hierarchical_zero.link_bandwidth_gbps.inter_node=-25: Input should be greater than 0",
+        ),
+        (
+            {"hierarchical_zero": {"link_bandwidth_gbps": {"inter_node": float("nan")}}},
+            "hierarchical_zero.link_bandwidth_gbps.inter_node=nan: Input should be a finite number",
+        ),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_valid(raw, message):
@@ -75,6 +93,22 @@ def test_missing_and_malformed_files_are_named(tmp_path):
     bad.write_text("{not json")
     with pytest.raises(ConfigError, match="bad.json' is not valid JSON"):
         load_plugin_config(str(bad))
+
+
+def test_json_integers_fill_float_fields_and_enums_take_their_strings():
+    config = load_plugin_config(
+        {"shm_data_loader": {"timeout_s": 30}, "hierarchical_zero": {"secondary_level": "node"}}
+    )
+    assert config.shm_data_loader.timeout_s == 30.0 and config.hierarchical_zero.secondary_level == "node"
+
+
+def test_the_loaders_directory_is_checked_at_start_up(tmp_path, caplog):
+    missing = load_plugin_config({"shm_data_loader": {"enabled": True, "shm_dir": str(tmp_path / "gone")}})
+    with pytest.raises(ConfigError, match=r"shm_dir='.*gone' is not a directory: point it at a tmpfs"):
+        validate_against_world(missing, world_size=2, data_parallel_size=2)
+    on_tmpfs = load_plugin_config({"shm_data_loader": {"enabled": True, "shm_dir": "/dev/shm"}})
+    validate_against_world(on_tmpfs, world_size=2, data_parallel_size=2)
+    assert "not a tmpfs" not in caplog.text
 
 
 def test_world_checks_print_every_factor():

@@ -110,6 +110,11 @@ def pretrain_main(lone_rank):
             "error: --tensor-model-parallel-size 2 does not divide the world size 3",
         ),
         (["--shm-data-loader-slots", "0"], {}, "error: invalid plugin config: shm_data_loader.slots=0"),
+        (
+            ["--shm-data-loader", "--shm-data-loader-dir", "/nonexistent"],
+            {},
+            "error: shm_data_loader.shm_dir='/nonexistent' is not a directory: point it at a tmpfs",
+        ),
     ],
 )
 def test_bad_input_exits_with_one_clear_line(pretrain_main, monkeypatch, capsys, flags, env, message):

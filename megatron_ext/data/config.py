@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 from pydantic import Field
 
 from megatron_ext.data.ring import MAX_WORKERS
-from plugin_base.section import Section
+from plugin_base.section import ConfigError, Section
 
 
 class ShmDataLoaderConfig(Section):
@@ -23,3 +25,42 @@ class ShmDataLoaderConfig(Section):
     """Directory of the shared-memory segments (a tmpfs)."""
     pinned_ring: bool = False
     """CUDA: copy each step's ids straight from the ring, registered as pinned memory, instead of through a pinned staging buffer (not yet run on a GPU)."""
+
+
+def check_shm_dir_at_start(config: ShmDataLoaderConfig) -> list[str]:
+    """What needs no model about ``shm_dir``, checked when the job starts (before any model,
+    engine or collective): it exists, is a directory no other user can slip files into (raises
+    :class:`~plugin_base.section.ConfigError` naming the key); returns a warning when it is not a
+    tmpfs (the ring then lives on a disk's page cache, and a full disk fails late)."""
+    from megatron_ext.data.shm_private import ShmSecurityError, check_shm_dir
+
+    if not config.enabled:
+        return []
+    try:
+        check_shm_dir(config.shm_dir)
+    except (FileNotFoundError, ShmSecurityError) as exc:
+        raise ConfigError(str(exc)) from None
+    kind = _filesystem(config.shm_dir)
+    if kind is not None and kind != "tmpfs":
+        return [
+            f"shm_data_loader.shm_dir={config.shm_dir!r} is on {kind}, not a tmpfs: the ring lives in the page "
+            "cache of a disk; point it at /dev/shm or another tmpfs"
+        ]
+    return []
+
+
+def _filesystem(path: str) -> str | None:
+    """The type of the file system holding ``path`` (the longest mount point above it), None where
+    /proc/mounts cannot be read."""
+    try:
+        with open("/proc/self/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best = max(
+        (m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+        key=lambda m: len(m[0]),
+        default=None,
+    )
+    return None if best is None else best[1]
