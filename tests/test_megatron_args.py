@@ -292,3 +292,17 @@ def test_megatron_deepspeed_takes_flash_overlap_for_its_ulysses_attention():
 def test_megatron_deepspeed_unsupported_settings_fail(argv, fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         hooks.plugin_config(_megatron_deepspeed_args(argv, {}, **fields))
+
+
+def test_megatron_deepspeed_says_flash_overlap_does_nothing_without_ulysses(monkeypatch, caplog):
+    import types
+
+    from megatron_ext.upstream import megatron_deepspeed
+
+    config = load_plugin_config({"flash_overlap": {"enabled": True}})
+    monkeypatch.setattr(megatron_deepspeed, "plugin_config", lambda: config)
+    for layer in (1, 2):  # once per job, at the first layer
+        attention = types.SimpleNamespace(enable_ds_sequence_parallel=False, layer_number=layer)
+        with caplog.at_level("WARNING"):
+            assert megatron_deepspeed.ulysses_overlap(attention) is None
+    assert caplog.text.count("it covers the Ulysses attention only, so it changes nothing in this job") == 1

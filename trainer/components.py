@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -147,6 +148,13 @@ def build_model(
         bf16=args.bf16,
     )
     layer_spec = None
+    if plugins.flash_overlap.enabled and args.tensor_model_parallel_size == 1 and dist.get_rank() == 0:
+        print(
+            "warning: flash_overlap is on at --tensor-model-parallel-size 1: there is no tensor-parallel "
+            "collective to overlap, so it changes nothing; raise the TP size, or switch it off (--no-flash-overlap)",
+            file=sys.stderr,
+            flush=True,
+        )
     if plugins.flash_overlap.enabled:
         from megatron_ext.layers.p2p_link import shutdown_posters
         from megatron_ext.layers.spec import get_flash_overlap_layer_spec

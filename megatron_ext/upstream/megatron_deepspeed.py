@@ -253,7 +253,14 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     and returns the output with the dense bias added (bias None), which upstream's bias-dropout-add
     computes alike; ``--drop-path-rate`` (which needs the bias apart) is refused."""
     overlap = plugin_config().flash_overlap
-    if not overlap.enabled or not getattr(attention, "enable_ds_sequence_parallel", False):
+    if not overlap.enabled:
+        return None
+    if not getattr(attention, "enable_ds_sequence_parallel", False):
+        if getattr(attention, "layer_number", 1) == 1:
+            logger.warning(
+                "flash_overlap is on without DeepSpeed-Ulysses (--ds-sequence-parallel-size > 1): in "
+                "Megatron-DeepSpeed it covers the Ulysses attention only, so it changes nothing in this job"
+            )
         return None
     import deepspeed
     from megatron.core import parallel_state
