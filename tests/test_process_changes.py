@@ -79,7 +79,9 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
     assert started, "the loader started no producer: the check below would see nothing"
     assert not started & _children(), "the loader's producer outlived the job"
     # Flash-Overlap switched on at TP=1 has nothing to overlap, and says so once.
-    assert capsys.readouterr().err.count("warning: flash_overlap is on at --tensor-model-parallel-size 1") == 1
+    assert (
+        capsys.readouterr().err.count("warning: flash_overlap is on at --tensor-model-parallel-size 1") == 1
+    )
 
 
 def test_the_launcher_and_its_hooks_record_the_documented_rows(tmp_path):
