@@ -12,9 +12,10 @@ boundary of the dtype, the two results are one ulp apart there, so "as accurate"
   largest magnitude (the errors are normalised by it): one flipped rounding of the result, plus,
   in fp32 (where every element's sum differs in order, not only near a boundary), one of the
   intermediate that feeds it;
-- over every output, gradient, case and size, the geometric mean of ours / DeepSpeed's <= 1: a
-  systematic loss of accuracy (one more rounding of a partial sum gave 1.12-1.44x) fails it, the
-  flips above go either way.
+- over every output, gradient, case and size, the geometric mean of ours / DeepSpeed's <= 1 + 2^-8:
+  a systematic loss of accuracy fails it (one more bf16 rounding of a partial sum gave 1.12-1.44x),
+  the flips above do not (they go either way: on a CPU with AMX, components moved by -1.7 % to
+  +1.7 %, which leaves the mean of 20 within 2^-8 of 1, not always below it).
 """
 
 from __future__ import annotations
@@ -139,4 +140,4 @@ def test_sums_are_as_accurate_as_distributed_attentions(run_ranks, dtype_name):
             ratios.append(ours / deepspeed)
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
     print(f"{dtype_name}: geometric mean of ours / DeepSpeed's over {len(ratios)} errors: {geomean:.4f}")
-    assert geomean <= 1.0, ratios
+    assert geomean <= 1 + 2.0**-8, ratios
