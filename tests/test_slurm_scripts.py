@@ -48,6 +48,13 @@ PARAMS = (
     "PYTHONPATH",
     "JOB",
     "AB_DIR",
+    "ACCOUNT",
+    "PARTITION",
+    "CONTAINER_IMAGE",
+    "APPTAINER_IMAGE",
+    "CONTAINER_MOUNTS",
+    "ROCM_VERSION",
+    "CPUS_PER_TASK",
 )
 # Flags the main job takes (scripts/pretrain_gpt.py's documented interface).
 JOB_FLAGS = {
@@ -155,7 +162,7 @@ def test_frontier_task_count(nodes: int) -> None:
 def test_frontier_plan_loads_rocm_binds_one_gcd_per_task_and_sets_rccl_over_slingshot() -> None:
     plan = dry("frontier", NODES="2", AWS_OFI_RCCL_DIR="/sw/aws-ofi-rccl", LD_LIBRARY_PATH="/opt/rocm/lib")
     env = plan.env
-    assert plan.modules == ["PrgEnv-gnu", "rocm", "craype-accel-amd-gfx90a"]
+    assert plan.modules == ["PrgEnv-gnu", "rocm/6.2.4", "craype-accel-amd-gfx90a"]
     assert env["NCCL_SOCKET_IFNAME"] == "hsn0"
     assert env["LD_LIBRARY_PATH"] == "/sw/aws-ofi-rccl/lib:/opt/rocm/lib"
     assert env["AWS_OFI_RCCL_DIR"] == "/sw/aws-ofi-rccl"
@@ -564,3 +571,59 @@ def test_docs_show_the_real_dry_run() -> None:
     assert line in doc, f"docs/slurm.md lacks the current dry-run srun line:\n{line}"
     for name in ("NODES", "MODEL", "CONFIG", "DATA_PATH", "EXTRA_ARGS", "DRY_RUN", "CHECKPOINT_DIR"):
         assert re.search(rf"`{name}`", doc), f"docs/slurm.md does not document {name}"
+
+
+def test_the_dry_run_warns_when_no_data_path_is_given():
+    for platform in PLATFORMS:
+        proc = run(platform, DRY_RUN="1")
+        assert proc.returncode == 0, proc.stderr
+        assert "warning: no DATA_PATH: the job would train on a small generated corpus" in proc.stderr
+    given = run("nvidia", DRY_RUN="1", DATA_PATH=str(ROOT / "corpus"))
+    assert "no DATA_PATH" not in given.stderr
+
+
+def test_account_and_partition_show_in_the_dry_run_and_reach_srun():
+    proc = run("frontier", DRY_RUN="1", NODES="2", ACCOUNT="abc123", PARTITION="batch")
+    assert proc.returncode == 0, proc.stderr
+    plan = Plan(proc.stdout)
+    assert (
+        "# submit: sbatch --account=abc123 --partition=batch --nodes=2 scripts/slurm/frontier.sbatch"
+        in plan.text
+    )
+    assert {"--account=abc123", "--partition=batch"} <= set(plan.srun_flags)
+    bare = Plan(run("frontier", DRY_RUN="1").stdout)
+    assert "# account: (from the allocation)  partition: (from the allocation)" in bare.text
+    assert not [f for f in bare.srun_flags if f.startswith(("--account", "--partition"))]
+
+
+def test_containers_pyxis_or_apptainer_wrap_every_rank():
+    pyxis = Plan(run("nvidia", DRY_RUN="1", CONTAINER_IMAGE="nvcr.io/nvidia/pytorch:25.01-py3").stdout)
+    assert "# container (pyxis): nvcr.io/nvidia/pytorch:25.01-py3" in pyxis.text
+    assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3" in pyxis.srun_flags
+    assert f"--container-mounts={ROOT}:{ROOT}" in pyxis.srun_flags
+    apptainer = Plan(run("frontier", DRY_RUN="1", APPTAINER_IMAGE="/images/rocm.sif").stdout)
+    assert "# container (apptainer): /images/rocm.sif" in apptainer.text
+    assert apptainer.srun_flags[-6:] == [
+        "apptainer",
+        "exec",
+        "--rocm",
+        "--bind",
+        str(ROOT),
+        "/images/rocm.sif",
+    ]
+    both = run("local", DRY_RUN="1", CONTAINER_IMAGE="a", APPTAINER_IMAGE="b")
+    assert both.returncode == 2 and "choose one container runtime" in both.stderr
+
+
+def test_nvidia_ranks_get_their_share_of_the_nodes_cores():
+    assert "--cpus-per-task=8" in Plan(run("nvidia", DRY_RUN="1").stdout).srun_flags
+    shared = Plan(run("nvidia", DRY_RUN="1", SLURM_CPUS_ON_NODE="96").stdout)
+    assert "--cpus-per-task=12" in shared.srun_flags  # 96 cores over 8 ranks
+    assert "--cpus-per-task=6" in Plan(run("nvidia", DRY_RUN="1", CPUS_PER_TASK="6").stdout).srun_flags
+    bad = run("nvidia", DRY_RUN="1", CPUS_PER_TASK="many")
+    assert bad.returncode == 2 and "CPUS_PER_TASK='many' is not a positive integer" in bad.stderr
+
+
+def test_frontier_loads_a_named_rocm_version():
+    assert "rocm/6.2.4" in Plan(run("frontier", DRY_RUN="1").stdout).modules
+    assert "rocm/6.3.1" in Plan(run("frontier", DRY_RUN="1", ROCM_VERSION="6.3.1").stdout).modules

@@ -48,6 +48,8 @@ options (each one overrides the environment variable in brackets):
   --job NAME              train, or zero-ab: the probe, then the ZeRO A/B command with its
                           profile, results in AB_DIR           [JOB, default: train]
   -h, --help              this text
+environment only: ACCOUNT, PARTITION (shown in the dry run's sbatch line, repeated to srun),
+  CONTAINER_IMAGE (pyxis) or APPTAINER_IMAGE, CONTAINER_MOUNTS (extra binds, comma-separated)
 Anything else (and everything after --) is appended to the training flags,
 after the preset and EXTRA_ARGS, so it overrides them.
 UPSTREAM_DIR=<Megatron-LM or Megatron-DeepSpeed checkout> runs its pretrain_gpt.py through
@@ -199,7 +201,14 @@ launcher_init() {
     _resolve_model
     _resolve_config
     _resolve_python
+    _resolve_container
     _check_data_path
+    # ACCOUNT / PARTITION: charged by the allocation when submitted with them (sbatch -A / -p, or the
+    # dry run's "submit" line); an srun inside that allocation repeats them.
+    SRUN_ACCOUNT=()
+    [[ -n "${ACCOUNT:-}" ]] && SRUN_ACCOUNT+=(--account="$ACCOUNT")
+    [[ -n "${PARTITION:-}" ]] && SRUN_ACCOUNT+=(--partition="$PARTITION")
+    return 0
 }
 
 # UPSTREAM_DIR: run that checkout's pretrain_gpt.py through the suite's launcher. Its presets are
@@ -383,10 +392,41 @@ set_master_addr_port() {
     fi
 }
 
+# ---------------------------------------------------------------- containers
+# CONTAINER_IMAGE: Slurm's pyxis plugin starts every rank in that image (srun --container-image), the
+# checkout mounted at the same path (plus CONTAINER_MOUNTS). APPTAINER_IMAGE: each rank runs under
+# `apptainer exec` with the GPUs (--rocm on Frontier, --nv on NVIDIA) and the checkout bound.
+CONTAINER_SRUN=()
+CONTAINER_EXEC=()
+_resolve_container() {
+    if [[ -n "${CONTAINER_IMAGE:-}" && -n "${APPTAINER_IMAGE:-}" ]]; then
+        die "CONTAINER_IMAGE (pyxis) and APPTAINER_IMAGE are both set: choose one container runtime"
+    fi
+    if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+        CONTAINER_SRUN=(--container-image="$CONTAINER_IMAGE"
+            --container-mounts="$REPO_DIR:$REPO_DIR${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}"
+            --container-workdir="$PWD")
+    elif [[ -n "${APPTAINER_IMAGE:-}" ]]; then
+        local gpu=--nv
+        [[ "$PLATFORM" == frontier ]] && gpu=--rocm
+        [[ "$PLATFORM" == local ]] && gpu=""
+        CONTAINER_EXEC=(apptainer exec ${gpu:+"$gpu"} --bind "$REPO_DIR${CONTAINER_MOUNTS:+,$CONTAINER_MOUNTS}" "$APPTAINER_IMAGE")
+    fi
+}
+
 # ---------------------------------------------------------------- launch
 print_plan() {
     local n
     echo "# platform: $PLATFORM  nodes: $NODES  tasks/node: $TASKS_PER_NODE  tasks: $NTASKS"
+    echo "# account: ${ACCOUNT:-(from the allocation)}  partition: ${PARTITION:-(from the allocation)}"
+    echo "# submit: sbatch${ACCOUNT:+ --account=$ACCOUNT}${PARTITION:+ --partition=$PARTITION} --nodes=$NODES scripts/slurm/${PLATFORM}.sbatch"
+    if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
+        echo "# container (pyxis): $CONTAINER_IMAGE"
+    elif [[ -n "${APPTAINER_IMAGE:-}" ]]; then
+        echo "# container (apptainer): $APPTAINER_IMAGE"
+    else
+        echo "# container: none"
+    fi
     [[ -n "$UPSTREAM_KIND" ]] && echo "# upstream $UPSTREAM_KIND: $TRAIN_SCRIPT (through megatron_ext.launch)"
     echo "# model preset: $MODEL_FILE"
     echo "# deepspeed config: ${CONFIG_FILE:-none}"
@@ -420,6 +460,9 @@ _dry_run_done() {
     if [[ "$DRY_RUN" == 1 ]]; then
         echo "# DRY RUN: nothing is launched"
         print_plan
+        if [[ -z "${DATA_PATH:-}" && "$JOB" == train ]]; then
+            warn "no DATA_PATH: the job would train on a small generated corpus; set DATA_PATH=<prefix of your .bin/.idx> (or --data-path)"
+        fi
         return 0
     fi
     command -v srun >/dev/null 2>&1 ||
@@ -451,10 +494,10 @@ launch() {
 
     # Block distribution: consecutive ranks fill a node first, the layout the
     # topology (node-local groups) expects.
-    LAUNCH_CMD=(srun "$@" --distribution=block)
+    LAUNCH_CMD=(srun "$@" --distribution=block "${SRUN_ACCOUNT[@]}" "${CONTAINER_SRUN[@]}")
     # shellcheck disable=SC2206 # SRUN_ARGS is a whitespace-separated flag string
     LAUNCH_CMD+=(${SRUN_ARGS:-})
-    LAUNCH_CMD+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u "${TRAIN_PROGRAM[@]}" "${train[@]}")
+    LAUNCH_CMD+=("${CONTAINER_EXEC[@]}" "$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u "${TRAIN_PROGRAM[@]}" "${train[@]}")
 
     _dry_run_done && return 0
     [[ -f "$TRAIN_SCRIPT" ]] ||
@@ -472,10 +515,10 @@ launch() {
 # command (stock ZeRO-3, hpZ, ZeRO++, ours with that profile) on the preset's shape and the config's
 # buckets. Extra arguments go to the A/B command (e.g. --steps 10).
 _launch_zero_ab() {
-    local srun_cmd=(srun "$@" --distribution=block)
+    local srun_cmd=(srun "$@" --distribution=block "${SRUN_ACCOUNT[@]}" "${CONTAINER_SRUN[@]}")
     # shellcheck disable=SC2206 # SRUN_ARGS is a whitespace-separated flag string
     srun_cmd+=(${SRUN_ARGS:-})
-    srun_cmd+=("$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u -m)
+    srun_cmd+=("${CONTAINER_EXEC[@]}" "$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u -m)
     local config=()
     [[ -n "$CONFIG_FILE" ]] && config=(--deepspeed-config "$CONFIG_FILE")
     PROBE_CMD=("${srun_cmd[@]}" deepspeed_ext.zero.probe --out "$AB_DIR/profile.json" "${config[@]}")
