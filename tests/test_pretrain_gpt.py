@@ -80,6 +80,12 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
     )
     full = _losses(tmp_path / "full.jsonl")
     assert "iteration 6/6 | loss" in out and "tokens/s" in out
+    # Megatron's per-iteration fields: time per iteration, grad norm, model TFLOP/s per GPU, memory.
+    last = next(line for line in out.splitlines() if line.startswith("iteration 6/6"))
+    for field in ("elapsed time per iteration (ms): ", "| grad norm ", "| TFLOP/s/GPU ", "| peak RSS "):
+        assert field in last, last
+    record = json.loads((tmp_path / "full.jsonl").read_text().splitlines()[-1])
+    assert record["ms_per_iter"] > 0 and record["tflops_per_gpu"] > 0 and record["memory_gb"] > 0
     assert full[6] < full[1] - 0.5, full
 
     # Resume from the checkpoint of iteration 3 (the run saved at 3 and 6; DeepSpeed loads the tag in `latest`).
