@@ -111,6 +111,20 @@ def test_the_loaders_directory_is_checked_at_start_up(tmp_path, caplog):
     assert "not a tmpfs" not in caplog.text
 
 
+def test_a_ring_that_cannot_fit_fails_at_start_up_with_its_numbers():
+    from megatron_ext.data.config import check_shm_space_at_start
+    from megatron_ext.data.shm_segment import free_bytes
+
+    config = load_plugin_config({"shm_data_loader": {"enabled": True, "shm_dir": "/dev/shm", "slots": 4}})
+    # 8 ranks at TP=1, micro-batch 4 of 2048 tokens, int32 ids: 4 slots of 8 x 4 x 2049 x 4 bytes, about 1 MiB
+    check_shm_space_at_start(config.shm_data_loader, 8, 1, 4, 2048, 100_000)
+    free = free_bytes("/dev/shm")
+    # a micro-batch whose 4 slots need more than the whole tmpfs
+    huge = free // (4 * 8 * 4) // 2048 + 1
+    with pytest.raises(ConfigError, match=r"needs \d+ bytes in /dev/shm but only \d+ bytes are free: lower"):
+        check_shm_space_at_start(config.shm_data_loader, 8, 1, huge, 2048, 100_000)
+
+
 def test_world_checks_print_every_factor():
     config = load_plugin_config({"topology": {"ranks_per_node": 8, "ranks_per_package": 3}})
     with pytest.raises(

@@ -121,6 +121,11 @@ def pretrain_main(lone_rank):
             {},
             "error: shm_data_loader.shm_dir='/nonexistent' is not a directory: point it at a tmpfs",
         ),
+        (
+            ["--shm-data-loader", "--micro-batch-size", "100000000"],
+            {},
+            "error: the shared-memory data loader needs",
+        ),
     ],
 )
 def test_bad_input_exits_with_one_clear_line(pretrain_main, monkeypatch, capsys, flags, env, message):

@@ -15,6 +15,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_ext.args import plugin_config_from_args
 from megatron_ext.cpu import cpu_support_enabled
+from megatron_ext.data.config import check_shm_space_at_start
 from megatron_ext.data.indexed import DatasetFileError
 from plugin_base import comm
 from plugin_base.installer import Installer
@@ -35,6 +36,14 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
     dp = world // tp
     validate_against_world(plugins, world, dp)
     topology = detect_topology(plugins.topology, world_size=world)  # once; every plugin gets this one
+    check_shm_space_at_start(
+        plugins.shm_data_loader,
+        topology.ranks_per_node,
+        tp,
+        args.micro_batch_size,
+        args.seq_length,
+        args.vocab_size,
+    )
     ds_config = c.deepspeed_config_for(args, dp)
     log_effective_config(plugins, rank)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)

@@ -64,3 +64,28 @@ def _filesystem(path: str) -> str | None:
         default=None,
     )
     return None if best is None else best[1]
+
+
+def check_shm_space_at_start(
+    config: ShmDataLoaderConfig,
+    ranks_per_node: int,
+    tp: int,
+    micro_batch: int,
+    seq_length: int,
+    vocab_size: int,
+) -> None:
+    """The node's ring (``slots`` steps of every DP rank of the node's micro-batch) against the free
+    space of ``shm_dir``, when the job starts: a ring that cannot fit fails here, before any model,
+    with the numbers and what to change, not when the first rank creates it."""
+    from megatron_ext.data.ring import RingLayout
+    from megatron_ext.data.shm_segment import free_bytes, space_message
+
+    if not config.enabled:
+        return
+    token_bytes = 2 if vocab_size <= 2**16 - 1 else 4  # as the ring stores ids: uint16 where they fit
+    layout = RingLayout(
+        config.slots, max(1, ranks_per_node // tp), micro_batch, seq_length, ranks_per_node, token_bytes
+    )
+    available = free_bytes(config.shm_dir)
+    if layout.size > available:
+        raise ConfigError(space_message(config.shm_dir, layout.size, available))

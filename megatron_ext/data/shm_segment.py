@@ -167,7 +167,7 @@ def create_segment(path: str, size: int, header: bytes, peers: bool = False) -> 
         ) from None
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
+            raise ShmSpaceError(space_message(shm_dir, size, free_bytes(shm_dir))) from None
         raise
     fd = -1
     try:
@@ -197,7 +197,7 @@ def _open_locked_tmp(dfd: int, path: str, size: int) -> int:
         fd = os.open(new, os.O_RDWR | os.O_CREAT | os.O_EXCL | SAFE_OPEN, 0o600, dir_fd=dfd)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
+            raise ShmSpaceError(space_message(shm_dir, size, free_bytes(shm_dir))) from None
         raise
     try:
         os.fchmod(fd, 0o600)  # the umask may have cleared bits
@@ -216,12 +216,12 @@ def _fill_ring(dfd: int, fd: int, path: str, size: int, header: bytes) -> mmap.m
     shm_dir = os.path.dirname(path)
     available = free_bytes(shm_dir)
     if size > available:
-        raise ShmSpaceError(_space_message(shm_dir, size, available))
+        raise ShmSpaceError(space_message(shm_dir, size, available))
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EFBIG):
-            raise ShmSpaceError(_space_message(shm_dir, size, free_bytes(shm_dir))) from None
+            raise ShmSpaceError(space_message(shm_dir, size, free_bytes(shm_dir))) from None
         raise
     mm = map_apart(dfd, f"{RING}.tmp{os.getpid()}", fd, size)
     mm[: len(header)] = header
@@ -336,7 +336,8 @@ def was_abandoned(path: str) -> bool:
     return True
 
 
-def _space_message(shm_dir: str, needed: int, available: int) -> str:
+def space_message(shm_dir: str, needed: int, available: int) -> str:
+    """Why ``needed`` bytes do not fit in ``shm_dir``, and what to change."""
     st = os.statvfs(shm_dir)
     if st.f_files and not st.f_favail:  # tmpfs counts inodes (nr_inodes): bytes may be left, names not
         return (
