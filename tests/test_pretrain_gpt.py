@@ -202,3 +202,11 @@ def test_a_corpus_of_a_larger_vocabulary_trains_with_its_vocab_size(pretrain_mai
     )
     first = json.loads(log.read_text().splitlines()[0])["loss"]
     assert first > 6.5, first  # ~ln(1024): the output layer spans the padded 1000-id vocabulary
+
+
+def test_tensorboard_without_its_package_is_one_clear_line(pretrain_main, monkeypatch, capsys, tmp_path):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as where tensorboard is not installed
+    assert pretrain_main("--tensorboard-dir", str(tmp_path / "tb")) == 2
+    err = capsys.readouterr().err
+    assert "error: --tensorboard-dir needs the tensorboard package: pip install tensorboard" in err
+    assert "Traceback" not in err

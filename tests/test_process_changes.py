@@ -56,7 +56,8 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
     )
     args = parse_args(
         "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --train-iters 1 "
-        f"--deepspeed-config ds.json --data-cache-path {lone_rank / 'data'}".split()
+        f"--deepspeed-config ds.json --data-cache-path {lone_rank / 'data'} "
+        f"--tensorboard-dir {lone_rank / 'tensorboard'}".split()
     )
     stock = (partition_parameters._dist_allgather_fn, stage3.reduce_scatter_coalesced)
     before = _children()
@@ -78,6 +79,13 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
     ]
     assert started, "the loader started no producer: the check below would see nothing"
     assert not started & _children(), "the loader's producer outlived the job"
+    # Megatron's --tensorboard-dir: the iteration's figures as scalars, the writer closed by the installer.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(lone_rank / "tensorboard"))
+    events.Reload()
+    assert {"loss", "lr", "ms_per_iter", "tflops_per_gpu", "memory_gb"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("loss")] == [1]
     # Flash-Overlap switched on at TP=1 has nothing to overlap, and says so once.
     assert (
         capsys.readouterr().err.count("warning: flash_overlap is on at --tensor-model-parallel-size 1") == 1

@@ -89,6 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--log-json", default=None, help="also write per-iteration records to this JSON-lines file"
     )
+    g.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="also write each iteration's figures as TensorBoard scalars here (rank 0; needs tensorboard)",
+    )
     extra_args_provider(p)
     args = p.parse_args(argv)
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length

@@ -226,3 +226,19 @@ def plugin_figures(data: Any, counter: Any) -> dict[str, Any]:
     }
     figures.update({f"zero_MB_{link}": round(n / 1e6, 3) for link, n in counter.per_link().items()})
     return figures
+
+
+def tensorboard_writer(args: argparse.Namespace, rank: int, installer: Installer) -> Any:
+    """Megatron's ``--tensorboard-dir``: on rank 0 a writer of each iteration's figures as scalars
+    (closed, with its flush thread, by the installer); None without the flag or on other ranks."""
+    if not args.tensorboard_dir or rank != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UsageError(
+            "--tensorboard-dir needs the tensorboard package: pip install tensorboard, or drop the flag"
+        ) from None
+    writer = SummaryWriter(log_dir=args.tensorboard_dir)
+    installer.add("trainer", "a TensorBoard writer and its flush thread", writer.close)
+    return writer

@@ -37,9 +37,11 @@ def train_loop(
     consumed: int,
     global_batch: int,
     log_file: Any,
+    tensorboard: Any = None,
 ) -> None:
     """Train from ``start_iteration`` to ``--train-iters`` (or ``--exit-interval``), logging each
-    iteration's loss, learning rate, tokens/s and the plugins' figures, saving where asked."""
+    iteration's loss, learning rate, tokens/s and the plugins' figures (to ``log_file`` and a
+    TensorBoard writer where given), saving where asked."""
     rank, dp = dist.get_rank(), ps.get_data_parallel_world_size()
     device = next(engine.module.parameters()).device
     flops = iteration_flops(args, engine, global_batch)
@@ -86,6 +88,10 @@ def train_loop(
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
+        if tensorboard is not None:
+            for key, value in record.items():
+                if key != "iteration" and isinstance(value, (int, float)):
+                    tensorboard.add_scalar(key, value, done)
         stop = done == args.train_iters or bool(args.exit_interval and done % args.exit_interval == 0)
         if args.save and (stop or (args.save_interval and done % args.save_interval == 0)):
             engine.save_checkpoint(

@@ -45,6 +45,7 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
         args.vocab_size,
     )
     ds_config = c.deepspeed_config_for(args, dp)
+    tensorboard = c.tensorboard_writer(args, rank, installer)
     log_effective_config(plugins, rank)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
     installer.add("megatron.core", "megatron-core's model-parallel groups", ps.destroy_model_parallel)
@@ -79,7 +80,9 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
         open(args.log_json, "a") if writes_log else contextlib.nullcontext() as log_file,
         comm.counting(counter),
     ):
-        train_loop(args, engine, data, counter, start_iteration, consumed, global_batch, log_file)
+        train_loop(
+            args, engine, data, counter, start_iteration, consumed, global_batch, log_file, tensorboard
+        )
     dist.barrier()  # every rank is done before the installer takes the groups down
 
 
