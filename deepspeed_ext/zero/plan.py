@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
             f"global batch of {batch} (DP x accumulation must divide it): more nodes, --free-batch, or --allow-lossy\n",
         )
     best = rows[0]
-    kept = "kept" if rules.global_batch else "free (--free-batch)"
+    kept = f"{batch} sequences, kept" if rules.global_batch else "free (--free-batch)"
     print(
         f"{model.params / 1e9:.1f}B GPT on {args.nodes} nodes ({args.topology}, {backend}, {system.memory_gb:g} GB "
         f"less {args.headroom:.0%} headroom), accumulation {grad_accum}, global batch {kept}; "
