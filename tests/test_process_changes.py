@@ -86,10 +86,10 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
     events.Reload()
     assert {"loss", "lr", "ms_per_iter", "tflops_per_gpu", "memory_gb"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("loss")] == [1]
-    # Flash-Overlap switched on at TP=1 has nothing to overlap, and says so once.
-    assert (
-        capsys.readouterr().err.count("warning: flash_overlap is on at --tensor-model-parallel-size 1") == 1
-    )
+    # A plugin with nothing to do here (Flash-Overlap at TP=1, hierarchical ZeRO at DP=1) says so once.
+    err = capsys.readouterr().err
+    assert err.count("warning: flash_overlap is on at --tensor-model-parallel-size 1") == 1
+    assert err.count("warning: hierarchical_zero is on with one data-parallel rank") == 1
 
 
 def test_the_launcher_and_its_hooks_record_the_documented_rows(tmp_path):

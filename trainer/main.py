@@ -35,6 +35,13 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
     tp = args.tensor_model_parallel_size
     dp = world // tp
     validate_against_world(plugins, world, dp)
+    if plugins.hierarchical_zero.enabled and dp == 1 and rank == 0:
+        print(
+            "warning: hierarchical_zero is on with one data-parallel rank: there is nothing to partition "
+            "across levels, so it changes nothing; run more ranks, or switch it off (--no-hierarchical-zero)",
+            file=sys.stderr,
+            flush=True,
+        )
     topology = detect_topology(plugins.topology, world_size=world)  # once; every plugin gets this one
     check_shm_space_at_start(
         plugins.shm_data_loader,
