@@ -22,7 +22,7 @@ from pathlib import Path
 
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, H100_NCCL
 from deepspeed_ext.zero.cost.projection import Scheme, project
-from deepspeed_ext.zero.cost.search import Row, Rules, evaluate
+from deepspeed_ext.zero.cost.search import Row, Rules, baseline, evaluate
 from deepspeed_ext.zero.cost.uncertainty import systems
 from deepspeed_ext.zero.cost.workload import Model, Recompute, System
 from deepspeed_ext.zero.plan_inputs import PlanInputError, global_batch, measured_costs, written_config
@@ -135,12 +135,15 @@ def _print_table(rows: list[Row], top: int, device: str) -> None:
         )
 
 
-def _ranges(system: System, model: Model, nodes: int, best: Row, measured: bool, device: str) -> str:
-    """The best row's TFLOPS and ratio to hpZ over every combination of the uncertain inputs."""
+def _ranges(
+    system: System, model: Model, nodes: int, best: Row, ds: dict, measured: bool, device: str
+) -> str:
+    """The best row's TFLOPS and ratio to hpZ (as the table prices it) over every combination of the
+    uncertain inputs."""
     tflops, vs_hpz = [], []
     for _, s in systems(system, sweep_collectives=system.costs is FRONTIER_RCCL and not measured):
         mine = project(s, model, nodes, best.plan).tflops_per_gcd
-        hpz = project(s, model, nodes, replace(best.plan, scheme=Scheme.HPZ)).tflops_per_gcd
+        hpz = project(s, model, nodes, baseline(best.plan, Scheme.HPZ, ds)).tflops_per_gcd
         tflops.append(mine)
         vs_hpz.append(mine / hpz)
     return (
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"{'Unverified settings included. ' if args.allow_unverified else f'Only settings that have run on {backend}. '}"
         f"{len(rows)} fit."
     )
-    print(_ranges(system, model, args.nodes, best, args.profile is not None, device))
+    print(_ranges(system, model, args.nodes, best, ds, args.profile is not None, device))
     _print_table(rows, args.top, device)
     plan_batch = (
         best.plan.micro_batch * best.plan.grad_accum * system.ranks_per_node * args.nodes // best.plan.tp

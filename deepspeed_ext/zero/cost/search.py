@@ -163,7 +163,6 @@ def evaluate(
 ) -> list[Row]:
     """Every admitted candidate that fits, fastest first, with its baselines' ratios at the same TP,
     micro-batch and recomputation (the baselines with the JSON's buckets)."""
-    ds_buckets = Buckets.from_json(ds)
     rows, cache = [], {}
     plans = candidates(system, model, nodes, grad_accum, rules)
     for i, candidate in enumerate(plans):
@@ -176,12 +175,18 @@ def evaluate(
         key = (plan.tp, plan.micro_batch, plan.recompute)
         if key not in cache:
             cache[key] = {
-                scheme.value: project(system, model, nodes, replace(plan, scheme=scheme, buckets=ds_buckets))
+                scheme.value: project(system, model, nodes, baseline(plan, scheme, ds))
                 for scheme in BASELINES
             }
         ratios = {k: mine.tflops_per_gcd / v.tflops_per_gcd for k, v in cache[key].items()}
         rows.append(Row(plan, mine, ratios, peak, tuple(unverified(plan, rules))))
     return sorted(rows, key=lambda r: -r.projection.tflops_per_gcd)
+
+
+def baseline(plan: Plan, scheme: Scheme, ds: dict) -> Plan:
+    """A baseline as its user runs it: the candidate's TP, micro-batch and recomputation, with the
+    DeepSpeed JSON's own buckets (a stock scheme does not get our tuned ones)."""
+    return replace(plan, scheme=scheme, buckets=Buckets.from_json(ds))
 
 
 def own_best(
