@@ -276,33 +276,39 @@ def test_megatron_deepspeed_takes_flash_overlap_for_its_ulysses_attention():
     assert hooks.plugin_config(args).flash_overlap.enabled
 
 
+def test_megatron_deepspeed_takes_flash_overlap_for_its_tp_linears_with_sequence_parallelism():
+    args = _megatron_deepspeed_args(
+        ["--flash-overlap"], {}, tensor_model_parallel_size=2, sequence_parallel=True
+    )
+    assert hooks.plugin_config(args).flash_overlap.enabled
+
+
+TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+
+
 @pytest.mark.parametrize(
-    ("argv", "fields", "needle"),
+    ("argv", "ds", "fields", "needle"),
     [
-        (["--flash-overlap"], {}, "--ds-sequence-parallel-size > 1"),
+        (["--flash-overlap"], {}, {}, "--ds-sequence-parallel-size > 1"),
+        (["--flash-overlap"], {}, {}, "--tensor-model-parallel-size > 1 with --sequence-parallel"),
         (
             ["--flash-overlap"],
+            {},
             {"ds_sequence_parallel_size": 2, "tensor_model_parallel_size": 2},
-            "--tensor-model-parallel-size 1",
+            "use --tensor-model-parallel-size 1",
         ),
-        (["--shm-data-loader"], {"no_pipeline_parallel": False}, "--no-pipeline-parallel"),
-        (["--shm-data-loader"], {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
+        (["--flash-overlap"], {}, {"tensor_model_parallel_size": 2}, "pass --sequence-parallel (TP=2)"),
+        (["--flash-overlap"], {}, {**TP2_SP, "enable_zbh1_pipeline": True}, "drop --enable-zbh1-pipeline"),
+        (
+            ["--flash-overlap"],
+            {"flash_overlap": {"backend": "symm_mem"}},
+            TP2_SP,
+            'backend "symm_mem" runs in megatron-core\'s linears only',
+        ),
+        (["--shm-data-loader"], {}, {"no_pipeline_parallel": False}, "--no-pipeline-parallel"),
+        (["--shm-data-loader"], {}, {"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 1"),
     ],
 )
-def test_megatron_deepspeed_unsupported_settings_fail(argv, fields, needle):
+def test_megatron_deepspeed_unsupported_settings_fail(argv, ds, fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
-        hooks.plugin_config(_megatron_deepspeed_args(argv, {}, **fields))
-
-
-def test_megatron_deepspeed_says_flash_overlap_does_nothing_without_ulysses(monkeypatch, caplog):
-    import types
-
-    from megatron_ext.upstream import megatron_deepspeed
-
-    config = load_plugin_config({"flash_overlap": {"enabled": True}})
-    monkeypatch.setattr(megatron_deepspeed, "plugin_config", lambda: config)
-    for layer in (1, 2):  # once per job, at the first layer
-        attention = types.SimpleNamespace(enable_ds_sequence_parallel=False, layer_number=layer)
-        with caplog.at_level("WARNING"):
-            assert megatron_deepspeed.ulysses_overlap(attention) is None
-    assert caplog.text.count("it covers the Ulysses attention only, so it changes nothing in this job") == 1
+        hooks.plugin_config(_megatron_deepspeed_args(argv, ds, **fields))

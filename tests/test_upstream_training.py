@@ -109,6 +109,13 @@ FLASH = [
 ]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 SP2 = ["--ds-sequence-parallel-size", "2"]
+ULYSSES = "flash_overlap: Ulysses attention with overlapped all-to-alls over 2 ranks"
+# Megatron's, over the TP group; rotary positions (the tree's learned ones are per-TP-rank slices at SP)
+SEQUENCE_PARALLEL = ["--sequence-parallel", "--use-rotary-position-embeddings"]
+TP_LINEARS = (
+    "flash_overlap: TP/SP linears overlapped over 2 ranks (direct P2P) in each transformer layer: "
+    "attention.query_key_value (qkv), attention.dense (proj), mlp.dense_h_to_4h (fc1), mlp.dense_4h_to_h (fc2)"
+)
 GQA = ["--num-key-value-heads", "2"]
 ROPE = ["--use-rotary-position-embeddings"]
 # Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1;
@@ -122,8 +129,6 @@ DEEPSPEED = [
     "--weight-decay",
     "0",
     "--deepspeed",
-    "--zero-stage",
-    "3",
     "--no-pipeline-parallel",
 ]
 DS_CONFIG = {
@@ -145,6 +150,8 @@ class Variant:
     nodes: int = 1  # torchrun launches (one per emulated node) sharing the 4 ranks
     accumulation: int = 2  # gradient accumulation: global batch 4 = micro batch 1 x accumulation x DP
     rtol: float = 0.0  # losses agree to this relative difference (0: the baseline's printed losses exactly)
+    zero_stage: int = 3  # Megatron-DeepSpeed's ZeRO stage
+    clipping: float = 1.0  # the JSON's gradient_clipping (1.0: DeepSpeed's default)
 
 
 # (upstream, variant) -> how it runs; 4 ranks each
@@ -166,15 +173,55 @@ VARIANTS = {
     ("megatron-deepspeed", "both"): Variant(
         True, (*TP2, "--shm-data-loader", "--hierarchical-zero"), ("shm_data_loader", "hierarchical_zero")
     ),
+    # Megatron's sequence parallelism at TP=2 x DP=2 (ZeRO stages 3 and 1). The tree cannot run it
+    # unpatched (its get_batch cuts the sequence that the embedding then cuts again: "The size of tensor
+    # a (32) must match the size of tensor b (64)"), and under DeepSpeed nothing sums the norms' and
+    # row biases' gradients over TP; the patch mends both, so every run prints TP=2's losses without it.
+    ("megatron-deepspeed", "tp2-rope"): Variant(False, (*TP2, *ROPE), baseline=None),
+    ("megatron-deepspeed", "tp2-sp-patched-off"): Variant(
+        True, (*TP2, *SEQUENCE_PARALLEL), baseline="tp2-rope", rtol=1e-6
+    ),
+    # Flash-Overlap's TP/SP linears
+    ("megatron-deepspeed", "tp2-sp-flash-overlap"): Variant(
+        True,
+        (*TP2, *SEQUENCE_PARALLEL, "--flash-overlap"),
+        ("flash_overlap",),
+        "tp2-rope",
+        TP_LINEARS,
+        rtol=1e-6,
+    ),
+    ("megatron-deepspeed", "tp2-sp-hierarchical-zero-flash-overlap"): Variant(
+        True,
+        (*TP2, *SEQUENCE_PARALLEL, "--hierarchical-zero", "--flash-overlap"),
+        ("hierarchical_zero", "flash_overlap"),
+        "tp2-rope",
+        TP_LINEARS,
+        nodes=2,
+        rtol=1e-6,
+    ),
+    ("megatron-deepspeed", "tp2-rope-zero1"): Variant(False, (*TP2, *ROPE), baseline=None, zero_stage=1),
+    ("megatron-deepspeed", "tp2-sp-zero1-flash-overlap"): Variant(
+        True,
+        (*TP2, *SEQUENCE_PARALLEL, "--flash-overlap"),
+        ("flash_overlap",),
+        "tp2-rope-zero1",
+        TP_LINEARS,
+        zero_stage=1,
+        rtol=1e-6,
+    ),
     # Ulysses SP=2 x DP=2: stock DistributedAttention needs the patch's call fix to run at all (the
     # unpatched tree fails in its first forward), so the baseline is the patched tree, plugins off.
-    ("megatron-deepspeed", "sp2-patched-off"): Variant(True, tuple(SP2), baseline=None),
+    # Every Ulysses run and its SP=1 reference runs without gradient clipping: DeepSpeed's ZeRO-3 hands
+    # the optimizer 1/SP of SP=1's gradient (stock and ours alike), so its default clipping at 1.0 clips
+    # an SP=1 run where it leaves SP=2 alone (norms 1.43 and 0.72 here), and the two would train apart.
+    ("megatron-deepspeed", "sp2-patched-off"): Variant(True, tuple(SP2), baseline=None, clipping=0.0),
     ("megatron-deepspeed", "sp2-flash-overlap"): Variant(
         True,
         (*SP2, "--flash-overlap"),
         ("flash_overlap",),
         "sp2-patched-off",
-        "flash_overlap: Ulysses attention with overlapped all-to-alls over 2 ranks",
+        ULYSSES,
+        clipping=0.0,
     ),
     # stock ZeRO-3 partitions and reduces over sequence x data parallel ranks: the levels too
     ("megatron-deepspeed", "sp2-hierarchical-zero"): Variant(
@@ -184,6 +231,7 @@ VARIANTS = {
         "sp2-patched-off",
         "hierarchical ZeRO: DP group 4 = 2 node(s)",
         nodes=2,
+        clipping=0.0,
     ),
     ("megatron-deepspeed", "sp2-hierarchical-zero-flash-overlap"): Variant(
         True,
@@ -192,33 +240,29 @@ VARIANTS = {
         "sp2-patched-off",
         "hierarchical ZeRO: DP group 4 = 2 node(s)",
         nodes=2,
+        clipping=0.0,
     ),
     # GQA (4 query heads, 2 key/value heads): stock Ulysses asserts against it, so the reference is
     # the same model at SP=1 with the 4 ranks as DP (same global batch), on the patched tree, whose
-    # fused-QKV split the patch fixes for GQA
-    ("megatron-deepspeed", "gqa-dp4"): Variant(True, tuple(GQA), baseline=None, accumulation=1),
+    # fused-QKV split the patch fixes for GQA. SP=2 sums each gradient over other ranks in another
+    # order than SP=1 (and Adam sees half of it): rounding, 1e-6 relative on the loss.
+    ("megatron-deepspeed", "gqa-dp4"): Variant(True, tuple(GQA), baseline=None, accumulation=1, clipping=0.0),
     ("megatron-deepspeed", "sp2-gqa-flash-overlap"): Variant(
-        True,
-        (*SP2, *GQA, "--flash-overlap"),
-        ("flash_overlap",),
-        "gqa-dp4",
-        "flash_overlap: Ulysses attention with overlapped all-to-alls over 2 ranks",
-        rtol=1e-5,
+        True, (*SP2, *GQA, "--flash-overlap"), ("flash_overlap",), "gqa-dp4", ULYSSES, rtol=1e-6, clipping=0.0
     ),
     # A Llama-like attention: GQA with rotary embeddings. Stock Ulysses drops RoPE on this (non-flash)
-    # path (iteration 1: 5.972702 against SP=1's 5.972714), so the reference is SP=1 again. Ours prints
-    # SP=1's losses at iterations 1-2 to the last digit and 5.774538 against 5.774268 at 3 (4.7e-5).
-    # That gap matches the tree's own SP=2 vs SP=1 difference, which Adam's normalisation mostly hides: with
-    # --adam-eps 1e-4, stock SP=2 without RoPE or plugins is 1.5e-4 / 5.3e-4 from SP=1 at iterations
-    # 2 / 3, and ours with GQA and RoPE 1.5e-4 / 5.0e-4.
-    ("megatron-deepspeed", "gqa-rope-dp4"): Variant(True, (*GQA, *ROPE), baseline=None, accumulation=1),
+    # path (iteration 1: 5.972702 against SP=1's 5.972714), so the reference is SP=1 again.
+    ("megatron-deepspeed", "gqa-rope-dp4"): Variant(
+        True, (*GQA, *ROPE), baseline=None, accumulation=1, clipping=0.0
+    ),
     ("megatron-deepspeed", "sp2-gqa-rope-flash-overlap"): Variant(
         True,
         (*SP2, *GQA, *ROPE, "--flash-overlap"),
         ("flash_overlap",),
         "gqa-rope-dp4",
-        "flash_overlap: Ulysses attention with overlapped all-to-alls over 2 ranks",
-        rtol=1e-4,
+        ULYSSES,
+        rtol=1e-6,
+        clipping=0.0,
     ),
 }
 _runs: dict[tuple[str, str], tuple[list[tuple[int, str]], str]] = {}
@@ -236,34 +280,25 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tree]:
     return trees
 
 
-def _command(
-    tree: Tree,
-    kind: str,
-    patched: bool,
-    flags: list[str],
-    work: Path,
-    port: int,
-    node: tuple[int, int] = (0, 1),
-    accumulation: int = 2,
-) -> list[str]:
-    """The launch of node ``node[0]`` of ``node[1]`` (4 ranks in all)."""
+def _command(tree: Tree, kind: str, how: Variant, work: Path, port: int, node: int) -> list[str]:
+    """The launch of node ``node`` of ``how.nodes`` (4 ranks in all)."""
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nnodes",
-        str(node[1]),
+        str(how.nodes),
         "--node-rank",
-        str(node[0]),
+        str(node),
         "--nproc-per-node",
-        str(4 // node[1]),
+        str(4 // how.nodes),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
         str(port),
         "-m",
         "megatron_ext.launch",
-        str((tree.patched if patched else tree.pristine) / "pretrain_gpt.py"),
+        str((tree.patched if how.patched else tree.pristine) / "pretrain_gpt.py"),
         *COMMON,
         "--data-path",
         tree.data,
@@ -271,10 +306,17 @@ def _command(
         str(work / f"index-{kind}"),
     ]
     if kind == "megatron-lm":
-        return cmd + MEGATRON_LM + flags
-    config = work / f"ds_config_{accumulation}.json"
-    config.write_text(json.dumps({**DS_CONFIG, "gradient_accumulation_steps": accumulation}))
-    return cmd + DEEPSPEED + ["--deepspeed_config", str(config)] + flags
+        return cmd + MEGATRON_LM + list(how.flags)
+    ds = {
+        **DS_CONFIG,
+        "gradient_accumulation_steps": how.accumulation,
+        "zero_optimization": {"stage": how.zero_stage},
+        "gradient_clipping": how.clipping,
+    }
+    config = work / f"ds_config_{how.accumulation}_{how.zero_stage}_{how.clipping}.json"
+    config.write_text(json.dumps(ds))
+    stage = ["--zero-stage", str(how.zero_stage)]
+    return cmd + DEEPSPEED + stage + ["--deepspeed_config", str(config)] + list(how.flags)
 
 
 def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str]], str]:
@@ -299,16 +341,7 @@ def _launch(upstream: dict, kind: str, variant: str, how: Variant) -> tuple[list
     }
     launches = [
         subprocess.Popen(
-            _command(
-                upstream[kind],
-                kind,
-                how.patched,
-                list(how.flags),
-                work,
-                port,
-                (node, how.nodes),
-                how.accumulation,
-            ),
+            _command(upstream[kind], kind, how, work, port, node),
             cwd=work,
             env=env,
             stdout=subprocess.PIPE,

@@ -197,17 +197,33 @@ def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
             "Megatron-LM trains without DeepSpeed, so disable hierarchical_zero there"
         )
     if config.flash_overlap.enabled and mds:
-        # Megatron-DeepSpeed's model is the legacy one: Flash-Overlap covers its Ulysses attention.
-        if getattr(args, "ds_sequence_parallel_size", 1) <= 1:
-            raise ConfigError(
-                "flash_overlap on Megatron-DeepSpeed overlaps Ulysses' all-to-alls with the attention "
-                "projections: pass --ds-sequence-parallel-size > 1, or drop --flash-overlap (its TP linears "
-                "are megatron-core's, which Megatron-DeepSpeed's legacy model does not use)"
+        # Megatron-DeepSpeed's legacy model: Ulysses attention at TP=1, the TP/SP linears at TP > 1.
+        tp = getattr(args, "tensor_model_parallel_size", 1)
+        ulysses = getattr(args, "ds_sequence_parallel_size", 1) > 1
+        refused = []
+        if ulysses and tp > 1:
+            refused.append(
+                f"its Ulysses attention runs at TP=1 (this job: TP={tp} with --ds-sequence-parallel-size > 1): "
+                "use --tensor-model-parallel-size 1"
             )
-        if getattr(args, "tensor_model_parallel_size", 1) > 1:
+        if not ulysses and tp == 1:
+            refused.append(
+                "at TP=1 without Ulysses there is nothing to overlap: pass --ds-sequence-parallel-size > 1, "
+                "or --tensor-model-parallel-size > 1 with --sequence-parallel"
+            )
+        if tp > 1 and not getattr(args, "sequence_parallel", False):
+            refused.append(
+                f"its TP linears overlap the sequence-parallel all-gather/reduce-scatter: pass --sequence-parallel (TP={tp})"
+            )
+        if tp > 1 and getattr(args, "enable_zbh1_pipeline", False):
+            refused.append(
+                "the zero-bubble pipeline defers the linears' weight gradients: drop --enable-zbh1-pipeline"
+            )
+        if tp > 1 and config.flash_overlap.backend == "symm_mem":
+            refused.append('backend "symm_mem" runs in megatron-core\'s linears only: use "p2p" or "auto"')
+        if refused:
             raise ConfigError(
-                "flash_overlap's Ulysses attention runs at --tensor-model-parallel-size 1 (Megatron-DeepSpeed "
-                "slices its Ulysses QKV by the full projection size): drop --flash-overlap or use TP=1"
+                "flash_overlap on Megatron-DeepSpeed: " + "; ".join(refused) + " (or drop --flash-overlap)"
             )
     elif config.flash_overlap.enabled:
         spec = getattr(args, "spec", None)

@@ -1,8 +1,9 @@
 """The hooks upstream Megatron-DeepSpeed (commit 4efb479) calls through
 ``patches/megatron-deepspeed-4efb479.patch``: the plugin flags, the shared-memory loader's data
 iterators and batches, hierarchical ZeRO-3 in place of ``deepspeed.zero.Init`` /
-``deepspeed.initialize``, and Ulysses attention (the stock call fixed for DeepSpeed 0.19, and
-Flash-Overlap's overlapped all-to-alls with ``--flash-overlap``).
+``deepspeed.initialize``, Ulysses attention (the stock call fixed for DeepSpeed 0.19, and
+Flash-Overlap's overlapped all-to-alls with ``--flash-overlap``), and Flash-Overlap's TP/SP
+linears (:mod:`megatron_ext.upstream.ds_linears`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_ext.upstream.ds_linears import overlap_linears
 from megatron_ext.upstream.hooks import (
     external_data_iterators,
     installer,
@@ -33,6 +35,7 @@ __all__ = [
     "TextSamples",
     "data_iterators",
     "deepspeed_initialize",
+    "overlap_linears",
     "per_head_attention",
     "shm_loader_enabled",
     "text_batch",
@@ -143,10 +146,45 @@ def zero_init(**kwargs: Any) -> Any:
     return deepspeed.zero.Init(**kwargs)
 
 
+def _sequence_parallel(model: torch.nn.Module) -> None:
+    """Megatron's ``--sequence-parallel`` under DeepSpeed, as the patch mends it: the transformer
+    layers see a slice of the sequence, so the gradients of their TP-replicated parameters (norms,
+    row-parallel biases) are partial sums, which Megatron's optimizer sums over TP and DeepSpeed's
+    does not: summed here when autograd makes them. Learned absolute positions are refused (the tree
+    keeps a slice of them per TP rank, initialised alike on every rank: not the model without SP)."""
+    from megatron.core import parallel_state
+
+    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
+
+    args = megatron_args()
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if not getattr(args, "sequence_parallel", False) or tp == 1:
+        return
+    language_model = getattr(model, "language_model", None)
+    if language_model is None or getattr(language_model, "encoder", None) is None:
+        raise ConfigError(
+            f"--sequence-parallel under DeepSpeed is wired for the GPT model ({type(model).__name__} has no "
+            "language_model.encoder): pass --no-pipeline-parallel, or drop --sequence-parallel"
+        )
+    if getattr(args, "add_position_embedding", False):
+        raise ConfigError(
+            f"--sequence-parallel at TP={tp} with learned absolute position embeddings: the tree gives each TP "
+            "rank its own slice of them, initialised alike (another model than without SP); pass "
+            "--use-rotary-position-embeddings (or --no-position-embedding), or drop --sequence-parallel"
+        )
+    for param in language_model.encoder.parameters():
+        if not getattr(param, "tensor_model_parallel", False):
+            param.sequence_parallel = True
+    count = allreduce_sequence_parallel_grads(model, parallel_state.get_tensor_model_parallel_group())
+    logger.info("sequence parallelism: %d TP-replicated parameters' gradients summed over TP", count)
+
+
 def deepspeed_initialize(**kwargs: Any) -> tuple:
-    """``deepspeed.initialize(**kwargs)``, or the hierarchical ZeRO-3 variant when it is enabled."""
+    """``deepspeed.initialize(**kwargs)``, or the hierarchical ZeRO-3 variant when it is enabled;
+    with ``--sequence-parallel``, checked and given the TP gradient sums DeepSpeed leaves out."""
     import deepspeed
 
+    _sequence_parallel(kwargs["model"])
     config = plugin_config()
     if not config.hierarchical_zero.enabled:
         return deepspeed.initialize(**kwargs)
@@ -256,12 +294,7 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     if not overlap.enabled:
         return None
     if not getattr(attention, "enable_ds_sequence_parallel", False):
-        if getattr(attention, "layer_number", 1) == 1:
-            logger.warning(
-                "flash_overlap is on without DeepSpeed-Ulysses (--ds-sequence-parallel-size > 1): in "
-                "Megatron-DeepSpeed it covers the Ulysses attention only, so it changes nothing in this job"
-            )
-        return None
+        return None  # the TP/SP linears, if any: ds_linears.overlap_linears
     import deepspeed
     from megatron.core import parallel_state
 
