@@ -45,11 +45,12 @@ def test_cpu_ns_counts_threads_in_nanoseconds() -> None:
     # process may run too, so no upper bound): this one's 50 ms at least, none lost, none new.
     assert spent["cpu_ns"] >= end[main] - start[main]
     assert spent["lost_threads"] == 0 and spent["new_threads"] == 0
-    alive = threading.Event()
-    worker = threading.Thread(target=lambda: (_spin(0.05), alive.wait()))
+    alive, spun = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (_spin(0.05), spun.set(), alive.wait()))
     worker.start()
     try:
-        time.sleep(0.2)
+        # its 50 ms of CPU may take far longer on a busy host: wait for them, bounded
+        assert spun.wait(timeout=120), "the worker thread got no 50 ms of CPU in 120 s"
         spent = window_cpu(start, cpu_ns([me]))
         assert spent["new_threads"] == 1  # born in the window: all its time counts
         assert spent["cpu_ns"] > 0.09e9
