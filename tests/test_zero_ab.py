@@ -127,8 +127,7 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
         # measured spread alone is up to 2x (ours 0.30-0.60 s in one run), and other work on the
         # host stretches the measured steps further than the prediction (2.3x under two busy
         # loops), so a test that timed it would fail by chance. This bound, 10x either way (error
-        # -0.9 to +9),
-        # catches a broken model's units (ms for s, bytes for bits).
+        # -0.9 to +9), catches a broken model's units (ms for s, bytes for bits).
         parts = row["predicted"]
         assert row["predicted_step_s"] == pytest.approx(
             parts["compute_s"] + parts["comm_s"] - parts["hidden_s"]
