@@ -140,6 +140,23 @@ DS_CONFIG = {
 }
 
 
+def save(name: str) -> tuple[str, ...]:
+    """Flags that save the run's last iteration to ``{work}/ckpt-<name>``."""
+    return ("--save", f"{{work}}/ckpt-{name}", "--save-interval", str(ITERS))
+
+
+def resume(name: str) -> tuple[str, ...]:
+    """Flags that load ``{work}/ckpt-<name>`` and train one iteration more (the schedule from the
+    flags: the checkpoint's holds the shorter run's length)."""
+    return (
+        "--load",
+        f"{{work}}/ckpt-{name}",
+        "--train-iters",
+        str(ITERS + 1),
+        "--override-opt_param-scheduler",
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     patched: bool
@@ -179,12 +196,12 @@ VARIANTS = {
     # row biases' gradients over TP; the patch mends both, so every run prints TP=2's losses without it.
     ("megatron-deepspeed", "tp2-rope"): Variant(False, (*TP2, *ROPE), baseline=None),
     ("megatron-deepspeed", "tp2-sp-patched-off"): Variant(
-        True, (*TP2, *SEQUENCE_PARALLEL), baseline="tp2-rope", rtol=1e-6
+        True, (*TP2, *SEQUENCE_PARALLEL, *save("tp2-sp")), baseline="tp2-rope", rtol=1e-6
     ),
     # Flash-Overlap's TP/SP linears
     ("megatron-deepspeed", "tp2-sp-flash-overlap"): Variant(
         True,
-        (*TP2, *SEQUENCE_PARALLEL, "--flash-overlap"),
+        (*TP2, *SEQUENCE_PARALLEL, "--flash-overlap", *save("tp2-sp-flash-overlap")),
         ("flash_overlap",),
         "tp2-rope",
         TP_LINEARS,
@@ -265,6 +282,15 @@ VARIANTS = {
         clipping=0.0,
     ),
 }
+# A checkpoint of either TP/SP run loads into the other: one more iteration each way
+RESUMED = {
+    ("megatron-deepspeed", "tp2-sp-flash-overlap-from-patched-off"): Variant(
+        True, (*TP2, *SEQUENCE_PARALLEL, "--flash-overlap", *resume("tp2-sp")), ("flash_overlap",), None
+    ),
+    ("megatron-deepspeed", "tp2-sp-patched-off-from-flash-overlap"): Variant(
+        True, (*TP2, *SEQUENCE_PARALLEL, *resume("tp2-sp-flash-overlap")), baseline=None
+    ),
+}
 _runs: dict[tuple[str, str], tuple[list[tuple[int, str]], str]] = {}
 
 
@@ -305,8 +331,9 @@ def _command(tree: Tree, kind: str, how: Variant, work: Path, port: int, node: i
         "--data-cache-path",
         str(work / f"index-{kind}"),
     ]
+    flags = [flag.replace("{work}", str(work)) for flag in how.flags]
     if kind == "megatron-lm":
-        return cmd + MEGATRON_LM + list(how.flags)
+        return cmd + MEGATRON_LM + flags
     ds = {
         **DS_CONFIG,
         "gradient_accumulation_steps": how.accumulation,
@@ -316,13 +343,13 @@ def _command(tree: Tree, kind: str, how: Variant, work: Path, port: int, node: i
     config = work / f"ds_config_{how.accumulation}_{how.zero_stage}_{how.clipping}.json"
     config.write_text(json.dumps(ds))
     stage = ["--zero-stage", str(how.zero_stage)]
-    return cmd + DEEPSPEED + stage + ["--deepspeed_config", str(config)] + list(how.flags)
+    return cmd + DEEPSPEED + stage + ["--deepspeed_config", str(config)] + flags
 
 
 def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str]], str]:
     if (kind, variant) in _runs:
         return _runs[(kind, variant)]
-    codes, log = _launch(upstream, kind, variant, VARIANTS[(kind, variant)])
+    codes, log = _launch(upstream, kind, variant, {**VARIANTS, **RESUMED}[(kind, variant)])
     assert not any(codes), f"{kind} {variant} exited {codes}; output ends:\n{log[-6000:]}"
     losses = sorted({int(it): loss for it, total, loss in LOSS.findall(log)}.items())
     print(f"{kind} {variant}: lm loss {[loss for _, loss in losses]}")
@@ -405,6 +432,43 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
         assert got == want if not how.rtol else abs(float(got) / float(want) - 1) <= how.rtol, (
             f"{kind} {variant}: {losses} != {how.baseline} {baseline}"
         )
+
+
+def _layout(value: object) -> object:
+    """A checkpoint's structure: its keys, and each tensor's shape and dtype (values aside)."""
+    import torch
+
+    if isinstance(value, dict):
+        return {key: _layout(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_layout(item) for item in value]
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    return type(value).__name__
+
+
+def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(upstream: dict) -> None:
+    import torch
+
+    kind = "megatron-deepspeed"
+    for variant in ("tp2-sp-patched-off", "tp2-sp-flash-overlap"):
+        _train(upstream, kind, variant)
+    stock, ours = (
+        upstream["work"] / f"ckpt-{name}" / f"global_step{ITERS}"
+        for name in ("tp2-sp", "tp2-sp-flash-overlap")
+    )
+    files = sorted(path.name for path in stock.iterdir())
+    assert files == sorted(path.name for path in ours.iterdir()) and any(
+        "model_states" in f for f in files
+    ), files
+    for name in files:
+        saved = [torch.load(d / name, map_location="cpu", weights_only=False) for d in (stock, ours)]
+        assert _layout(saved[0]) == _layout(saved[1]), name
+    # each loads into the other's model and trains on: iteration 4 agrees to rounding
+    resumed = [_train(upstream, kind, variant)[0] for variant in (v for _, v in RESUMED)]
+    assert [it for it, _ in resumed[0]] == [it for it, _ in resumed[1]] == [ITERS + 1], resumed
+    (_, a), (_, b) = resumed[0][0], resumed[1][0]
+    assert abs(float(a) / float(b) - 1) <= 1e-6, resumed
 
 
 @pytest.mark.slurm

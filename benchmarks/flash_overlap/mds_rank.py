@@ -1,0 +1,49 @@
+"""One rank of the Megatron-DeepSpeed layer benchmark: the patched tree's ``pretrain_gpt.py`` through
+``python -m megatron_ext.launch``, its printed per-iteration times returned as this rank's result.
+
+    python -m benchmarks.flash_overlap.mds_rank PATH/TO/pretrain_gpt.py [upstream flags...]
+
+Started by :mod:`benchmarks.flash_overlap.mds_layer` on the emulated cluster (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT set). Megatron-DeepSpeed prints ``elapsed time per iteration (ms)`` on the
+last rank; the other ranks return an empty list.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+
+from megatron_ext import launch
+from multirank import write_result
+
+ITERATION_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|")
+
+
+class _Tee(io.TextIOBase):
+    """Writes to the real stdout and keeps a copy."""
+
+    def __init__(self, out: io.TextIOBase) -> None:
+        self.out, self.kept = out, io.StringIO()
+
+    def write(self, text: str) -> int:
+        self.kept.write(text)
+        return self.out.write(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def main() -> int:
+    tee = _Tee(sys.stdout)
+    with contextlib.redirect_stdout(tee):
+        code = launch.main(sys.argv[1:])
+    if code == 0:
+        found = ITERATION_MS.findall(tee.kept.getvalue())
+        write_result({"iteration_ms": [(int(it), float(ms)) for it, ms in found]})
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
