@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import tempfile
 from pathlib import Path
 
 from multirank import launch_ranks
@@ -61,7 +63,7 @@ def _flags(args: argparse.Namespace, tp: int, work: Path) -> list[str]:
     return flags + (["--sequence-parallel"] if tp > 1 else [])
 
 
-def _step_ms(per_rank: list[dict], warmup: int) -> float:
+def launch_step_ms(per_rank: list[dict], warmup: int) -> float:
     """A launch's step: the median of the last rank's iterations after the warm-up."""
     times = [ms for it, ms in per_rank[-1]["iteration_ms"] if it > warmup]
     if not times:
@@ -78,30 +80,33 @@ def measure(args: argparse.Namespace) -> dict:
     from benchmarks.cluster import ClusterSpec, EmulatedCluster
 
     script = str(args.tree / "pretrain_gpt.py")
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = args.out / "mds_layer_work"
-    work.mkdir(exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="mds-layer-"))  # the DeepSpeed JSON and the dataset's index maps
     steps: dict[str, list[float]] = {name: [] for name in (*METHODS, "compute_only")}
     load = [os.getloadavg()[0]]
     spec = ClusterSpec(1, 1, TP, args.mbit, args.mbit, args.mbit, name=f"mds-layer-tp{TP}")
     env = {"DS_ACCELERATOR": "cpu"}
-    with EmulatedCluster(spec, prefix="emmds") as cluster:
-        for rep in range(args.repeats):
-            for name, extra in METHODS.items():
-                argv = [*RANK, script, *_flags(args, TP, work), *extra]
-                steps[name].append(_step_ms(cluster.launch(argv, timeout=args.timeout, env=env), args.warmup))
-            twin = launch_ranks(
-                [*RANK, script, *_flags(args, 1, work)], world_size=1, timeout=args.timeout, env=env
-            )
-            steps["compute_only"].append(_step_ms(twin, args.warmup))
-            print(
-                f"repetition {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f} ms" for k, v in steps.items()),
-                flush=True,
-            )
+    try:
+        with EmulatedCluster(spec, prefix="emmds") as cluster:
+            for rep in range(args.repeats):
+                for name, extra in METHODS.items():
+                    argv = [*RANK, script, *_flags(args, TP, work), *extra]
+                    steps[name].append(
+                        launch_step_ms(cluster.launch(argv, timeout=args.timeout, env=env), args.warmup)
+                    )
+                twin = launch_ranks(
+                    [*RANK, script, *_flags(args, 1, work)], world_size=1, timeout=args.timeout, env=env
+                )
+                steps["compute_only"].append(launch_step_ms(twin, args.warmup))
+                print(
+                    f"repetition {rep + 1}: " + ", ".join(f"{k} {v[-1]:.1f} ms" for k, v in steps.items()),
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     load.append(os.getloadavg()[0])
     exposed = {name: [s - c for s, c in zip(steps[name], steps["compute_only"])] for name in METHODS}
     return {
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": {k: v for k, v in vars(args).items() if not isinstance(v, Path) and k != "data_path"},
         "load_average": load,
         "step_ms": steps,
         "exposed_ms": exposed,
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("heads", "ffn", "seq"):
         if getattr(args, name) % TP:
             parser.error(f"--{name} {getattr(args, name)} must be a multiple of TP={TP}")
+    args.out.mkdir(parents=True, exist_ok=True)
     result = measure(args)
     table = report(result)
     print(table)
