@@ -299,6 +299,7 @@ TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
         ),
         (["--flash-overlap"], {}, {"tensor_model_parallel_size": 2}, "pass --sequence-parallel (TP=2)"),
         (["--flash-overlap"], {}, {**TP2_SP, "enable_zbh1_pipeline": True}, "drop --enable-zbh1-pipeline"),
+        (["--flash-overlap"], {}, {**TP2_SP, "fp8_hybrid": True}, "drop --fp8-e4m3/--fp8-hybrid"),
         (
             ["--flash-overlap"],
             {"flash_overlap": {"backend": "symm_mem"}},

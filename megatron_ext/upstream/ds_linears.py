@@ -10,9 +10,10 @@ schedules on the module's own weight and bias. Nothing else changes: constructor
 initialisation and checkpoint layout are the tree's, and a checkpoint loads with or without the flag.
 
 What these schedules do not cover is refused at start-up by name (no ``--sequence-parallel``, the
-zero-bubble pipeline, ``backend: symm_mem``, Ulysses at TP > 1: ``hooks._check_supported``) or
-left stock and logged (expert
-MLPs, cross-attention, FPDT's chunked attention, and the LM head, which is outside the layers).
+zero-bubble pipeline, ``backend: symm_mem``, Ulysses at TP > 1: ``hooks._check_supported``) or left
+stock and logged (expert MLPs, cross-attention, FPDT's chunked attention, and the LM head, which is
+outside the layers). Weight gradients are returned, not accumulated into ``main_grad``: the tree
+computes them so under DeepSpeed (its fused accumulation is commented out upstream).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def _column(linear: Any, og: OverlapGroup) -> Forward:
 
     def forward(input_: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         weight = linear.weight if weight is None else weight
-        output = P2PAllGatherLinear.apply(input_, weight, og, False)
+        output = P2PAllGatherLinear.apply(input_, weight, og, False)  # False: no main_grad fusion
         if linear.skip_bias_add:
             return output, linear.bias
         return (output if linear.bias is None else output + linear.bias), None
@@ -63,7 +64,7 @@ def _row(linear: Any, og: OverlapGroup) -> Forward:
                 f"layer {og.name!r}: sequence length {input_.shape[0]} is not divisible by the "
                 f"tensor-parallel size {og.size}: pad the sequence to a multiple of {og.size}"
             )
-        output = P2PLinearReduceScatter.apply(input_, linear.weight, og, False)
+        output = P2PLinearReduceScatter.apply(input_, linear.weight, og, False)  # no main_grad fusion
         if linear.skip_bias_add:
             return output, linear.bias
         return (output if linear.bias is None else output + linear.bias), None
@@ -94,6 +95,9 @@ def overlap_linears(layer: Any) -> None:
                 stock.append(f"{role}.{attribute} (not in flash_overlap.layers)")
                 continue
             linear = getattr(module, attribute)
+            if getattr(linear, "gather_output", False):  # the overlapped column keeps its output split
+                stock.append(f"{role}.{attribute} (gather_output)")
+                continue
             og = OverlapGroup(
                 group, overlap.mode, overlap.timeout_s, f"layer {layer.layer_number} {name.value}"
             )

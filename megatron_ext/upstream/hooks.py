@@ -219,6 +219,10 @@ def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
             refused.append(
                 "the zero-bubble pipeline defers the linears' weight gradients: drop --enable-zbh1-pipeline"
             )
+        if tp > 1 and (getattr(args, "fp8_e4m3", False) or getattr(args, "fp8_hybrid", False)):
+            refused.append(
+                "fp8 GEMMs are TransformerEngine's, not these linears': drop --fp8-e4m3/--fp8-hybrid"
+            )
         if tp > 1 and config.flash_overlap.backend == "symm_mem":
             refused.append('backend "symm_mem" runs in megatron-core\'s linears only: use "p2p" or "auto"')
         if refused:
