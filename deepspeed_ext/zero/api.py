@@ -95,15 +95,15 @@ def partition_group(mpu: Any) -> dist.ProcessGroup | None:
 
 
 def measured_profile(config: HierarchicalZeroConfig, topology: Topology) -> Profile | None:
-    """The probe profile ``auto`` and the planner read, or None, with the reason logged: without a
-    usable profile every hop runs the library's collective. A profile that does not fit this job
-    (another topology, other library versions, corrupt) is reported as an error, not used. Rank 0
-    reads it and every rank gets rank 0's answer (collective), so all ranks pick alike."""
-    answer: list[Profile | None] = [None]
+    """The probe profile ``auto`` and the planner read, or None: without a usable profile every hop
+    runs the library's collective. A profile that does not fit this job (another topology, other
+    library versions, corrupt, unreadable) is an error line on every rank, not used. Rank 0 reads it
+    and every rank gets rank 0's answer (collective), so all ranks pick alike."""
+    answer: list = [None, None]  # the profile, or the reason it is not used
     if dist.get_rank() == 0:
         if config.profile is None:
             if config.inter_node_algorithm == InterNodeAlgorithm.AUTO:
-                logger.info(
+                logger.warning(
                     "hierarchical ZeRO: no profile measured on this cluster (hierarchical_zero.profile): "
                     "every hop runs the library's collective; python -m deepspeed_ext.zero.probe measures one"
                 )
@@ -112,11 +112,11 @@ def measured_profile(config: HierarchicalZeroConfig, topology: Topology) -> Prof
                 answer[0] = load_profile(config.profile, topology)
                 logger.info(f"hierarchical ZeRO: auto and the planner read the profile {config.profile}")
             except ProfileError as exc:
-                logger.error(
-                    f"hierarchical ZeRO: {exc}. This job runs every hop on the library's collectives."
-                )
+                answer[1] = str(exc)
     if config.profile is not None:
         dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        logger.error(f"hierarchical ZeRO: {answer[1]}. This job runs every hop on the library's collectives.")
     return answer[0]
 
 
@@ -155,8 +155,8 @@ def prepare(
         buckets=Buckets.from_json(ds),
         profile=measured,
     )
-    if dist.get_rank() == 0:
-        logger.info(describe(choice, shape))
+    if dist.get_rank() == 0:  # a warning: seen also where nothing configures logging
+        logger.warning(describe(choice, shape))
     levels = build_levels(topology, dp_group, choice.level, hz, measured)
     plan = HierarchicalPlan(levels=levels, choice=choice, model=spec)
     known_plans.remember(plan)

@@ -247,9 +247,18 @@ def parse(data: object, source: str) -> Profile:
         topology = {str(k): int(v) for k, v in data["topology"].items()}
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProfileError(f"{source} is corrupt ({type(exc).__name__}: {exc}): run the probe again") from exc
-    bad = [t for t in timings if not t.seconds or min(t.seconds) <= 0 or t.nbytes <= 0 or t.members < 2]
+    bad = [
+        t
+        for t in timings
+        if not t.seconds
+        or not all(math.isfinite(s) and s > 0 for s in t.seconds)
+        or t.nbytes <= 0
+        or t.members < 2
+    ]
     if bad:
-        raise ProfileError(f"{source} is corrupt: a timing without positive sizes and times ({bad[0]})")
+        raise ProfileError(
+            f"{source} is corrupt: a timing without positive, finite sizes and times ({bad[0]})"
+        )
     return Profile(versions=versions, topology=topology, timings=timings)
 
 
