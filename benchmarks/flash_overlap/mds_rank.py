@@ -1,7 +1,11 @@
 """One rank of the Megatron-DeepSpeed layer benchmark: the patched tree's ``pretrain_gpt.py`` through
 ``python -m megatron_ext.launch``, its printed per-iteration times returned as this rank's result.
 
-    python -m benchmarks.flash_overlap.mds_rank PATH/TO/pretrain_gpt.py [upstream flags...]
+    python -m benchmarks.flash_overlap.mds_rank [--on-p2p] PATH/TO/pretrain_gpt.py [upstream flags...]
+
+``--on-p2p`` runs the job with torch.distributed's all-gather and reduce-scatter on the project's P2P
+exchange (:func:`benchmarks.flash_overlap.same_transport.torch_on_p2p`): the stock linears on the
+transport Flash-Overlap's schedules use.
 
 Started by :mod:`benchmarks.flash_overlap.mds_layer` on the emulated cluster (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT set). Megatron-DeepSpeed prints ``elapsed time per iteration (ms)`` on the
@@ -15,6 +19,7 @@ import io
 import re
 import sys
 
+from benchmarks.flash_overlap.same_transport import torch_on_p2p
 from megatron_ext import launch
 from multirank import write_result
 
@@ -36,9 +41,11 @@ class _Tee(io.TextIOBase):
 
 
 def main() -> int:
+    argv = sys.argv[1:]
+    on_p2p = argv[:1] == ["--on-p2p"]
     tee = _Tee(sys.stdout)
-    with contextlib.redirect_stdout(tee):
-        code = launch.main(sys.argv[1:])
+    with contextlib.redirect_stdout(tee), torch_on_p2p() if on_p2p else contextlib.nullcontext():
+        code = launch.main(argv[on_p2p:])
     if code == 0:
         found = ITERATION_MS.findall(tee.kept.getvalue())
         write_result({"iteration_ms": [(int(it), float(ms)) for it, ms in found]})

@@ -14,6 +14,10 @@ Two context managers, used by the benchmark only, each restoring what it swapped
   posted as P2P (:func:`megatron_ext.layers.p2p_overlap.start_all_gather` /
   :func:`~megatron_ext.layers.p2p_overlap.start_reduce_scatter`, direct pattern); ``async_op=True``
   returns a handle whose ``wait()`` waits for it, so megatron-core's own overlap is unchanged.
+* :func:`torch_on_p2p` swaps torch.distributed's own ``all_gather_into_tensor`` / ``_all_gather_base``
+  and ``reduce_scatter_tensor`` / ``_reduce_scatter_base``, through which Megatron-DeepSpeed's
+  tree (its own copy of the tensor-parallel layers) reaches them at call time: for a whole upstream
+  job in a benchmark rank (``mds_rank.py``), its only collectives of those kinds being the TP ones.
 * :func:`deepspeed_on_p2p` swaps ``deepspeed.comm.all_to_all_single`` (what
   ``DistributedAttention``'s ``single_all_to_all`` calls) for an all-to-all of n-1 P2P steps posted at
   once (:func:`megatron_ext.layers.p2p_all_to_all.start_all_to_all`), synchronously or, for its
@@ -106,6 +110,26 @@ def megatron_core_on_p2p() -> Iterator[None]:
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
+
+
+@contextmanager
+def torch_on_p2p() -> Iterator[None]:
+    """torch.distributed's all-gather and reduce-scatter into/of one tensor on the P2P exchange, for
+    every caller in this process; restored on exit."""
+    swaps = {
+        "all_gather_into_tensor": p2p_all_gather_into_tensor,
+        "_all_gather_base": p2p_all_gather_into_tensor,
+        "reduce_scatter_tensor": p2p_reduce_scatter_tensor,
+        "_reduce_scatter_base": p2p_reduce_scatter_tensor,
+    }
+    originals = {name: getattr(dist, name) for name in swaps}
+    try:
+        for name, fn in swaps.items():
+            setattr(dist, name, fn)
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def p2p_all_to_all_single(
