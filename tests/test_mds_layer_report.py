@@ -22,10 +22,11 @@ def _result(stock: list[float], on_p2p: list[float], ours: list[float]) -> dict:
 def test_separated_ranges_give_the_ratio_of_medians_and_overlapping_ones_nothing():
     table = report(_result([300, 310, 320], [250, 315, 330], [200, 205, 210]))
     assert "| stock | 310.0 (300.0-320.0) | 210.0 (200.0-220.0) |" in table
-    assert "against stock's: 0.50x." in table  # 105 / 210
-    assert "against stock_on_p2p's: 0.49x." in table  # 105 / 215, ranges 150-230 and 100-110 part
+    assert "exposed time against stock's: 0.50x." in table  # 105 / 210
+    assert "exposed time against stock_on_p2p's: 0.49x." in table  # 105 / 215: 150-230 and 100-110 part
+    assert "step against stock's: 0.66x." in table  # 205 / 310
     table = report(_result([300, 310, 320], [200, 215, 230], [200, 205, 210]))
-    assert "against stock_on_p2p's: not separated." in table
+    assert "exposed time against stock_on_p2p's: not separated." in table
 
 
 def test_a_launch_step_is_the_median_after_the_warmup_on_the_last_rank():

@@ -138,13 +138,14 @@ def report(result: dict) -> str:
         e = result["exposed_ms"].get(name)
         ex = "" if e is None else "{median:.1f} ({min:.1f}-{max:.1f})".format(**_spread(e))
         lines.append(f"| {name} | {cell} | {ex} |")
-    ours = _spread(result["exposed_ms"]["flash_overlap"])
     lines.append("")
-    for baseline in ("stock", "stock_on_p2p"):
-        other = _spread(result["exposed_ms"][baseline])
-        separated = ours["max"] < other["min"] or other["max"] < ours["min"]
-        verdict = f"{ours['median'] / other['median']:.2f}x" if separated else "not separated"
-        lines.append(f"Flash-Overlap's exposed time against {baseline}'s: {verdict}.")
+    for what, key in (("step", "step_ms"), ("exposed time", "exposed_ms")):
+        ours = _spread(result[key]["flash_overlap"])
+        for baseline in ("stock", "stock_on_p2p"):
+            other = _spread(result[key][baseline])
+            separated = ours["max"] < other["min"] or other["max"] < ours["min"]
+            verdict = f"{ours['median'] / other['median']:.2f}x" if separated else "not separated"
+            lines.append(f"Flash-Overlap's {what} against {baseline}'s: {verdict}.")
     return "\n".join(lines)
 
 
