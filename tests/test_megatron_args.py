@@ -313,3 +313,13 @@ TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 def test_megatron_deepspeed_unsupported_settings_fail(argv, ds, fields, needle):
     with pytest.raises(ConfigError, match=re.escape(needle)):
         hooks.plugin_config(_megatron_deepspeed_args(argv, ds, **fields))
+
+
+def test_ulysses_with_clipping_under_zero3_is_told_how_sp_scales_its_gradients():
+    from megatron_ext.upstream.ds_parallelism import ulysses_clipping_notice
+
+    notice = ulysses_clipping_notice(sp=2, clipping=1.0, zero_stage=3)
+    assert notice is not None and "1/2 of the gradient" in notice and "SP=1 would clip at 2" in notice
+    assert "gradient_clipping to clipping/SP" in notice
+    for quiet in ((1, 1.0, 3), (2, 0.0, 3), (2, 1.0, 1)):  # no Ulysses, no clipping, not ZeRO-3
+        assert ulysses_clipping_notice(*quiet) is None

@@ -26,7 +26,12 @@ EXPECTED = {
         "55ac7082517c3878ae653c07c09c534b8aed49f6",
     ),
     "megatron-deepspeed-4efb479.patch": (
-        {"pretrain_gpt.py", "megatron/training.py", "megatron/model/transformer.py"},
+        {
+            "pretrain_gpt.py",
+            "megatron/training.py",
+            "megatron/model/transformer.py",
+            "megatron/core/tensor_parallel/layers.py",
+        },
         "MEGATRON_DEEPSPEED_DIR",
         "4efb479d5317ce9b86096b9d8e3e8030b0b5263b",
     ),

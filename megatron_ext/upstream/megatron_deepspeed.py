@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.upstream.ds_linears import overlap_linears
+from megatron_ext.upstream.ds_parallelism import sequence_parallel_under_deepspeed, ulysses_clipping_notice
 from megatron_ext.upstream.hooks import (
     external_data_iterators,
     installer,
@@ -146,45 +147,21 @@ def zero_init(**kwargs: Any) -> Any:
     return deepspeed.zero.Init(**kwargs)
 
 
-def _sequence_parallel(model: torch.nn.Module) -> None:
-    """Megatron's ``--sequence-parallel`` under DeepSpeed, as the patch mends it: the transformer
-    layers see a slice of the sequence, so the gradients of their TP-replicated parameters (norms,
-    row-parallel biases) are partial sums, which Megatron's optimizer sums over TP and DeepSpeed's
-    does not: summed here when autograd makes them. Learned absolute positions are refused (the tree
-    keeps a slice of them per TP rank, initialised alike on every rank: not the model without SP)."""
-    from megatron.core import parallel_state
-
-    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
-
-    args = megatron_args()
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    if not getattr(args, "sequence_parallel", False) or tp == 1:
-        return
-    language_model = getattr(model, "language_model", None)
-    if language_model is None or getattr(language_model, "encoder", None) is None:
-        raise ConfigError(
-            f"--sequence-parallel under DeepSpeed is wired for the GPT model ({type(model).__name__} has no "
-            "language_model.encoder): pass --no-pipeline-parallel, or drop --sequence-parallel"
-        )
-    if getattr(args, "add_position_embedding", False):
-        raise ConfigError(
-            f"--sequence-parallel at TP={tp} with learned absolute position embeddings: the tree gives each TP "
-            "rank its own slice of them, initialised alike (another model than without SP); pass "
-            "--use-rotary-position-embeddings (or --no-position-embedding), or drop --sequence-parallel"
-        )
-    for param in language_model.encoder.parameters():
-        if not getattr(param, "tensor_model_parallel", False):
-            param.sequence_parallel = True
-    count = allreduce_sequence_parallel_grads(model, parallel_state.get_tensor_model_parallel_group())
-    logger.info("sequence parallelism: %d TP-replicated parameters' gradients summed over TP", count)
-
-
 def deepspeed_initialize(**kwargs: Any) -> tuple:
     """``deepspeed.initialize(**kwargs)``, or the hierarchical ZeRO-3 variant when it is enabled;
     with ``--sequence-parallel``, checked and given the TP gradient sums DeepSpeed leaves out."""
     import deepspeed
 
-    _sequence_parallel(kwargs["model"])
+    sequence_parallel_under_deepspeed(kwargs["model"])
+    args = megatron_args()
+    ds = getattr(args, "deepspeed_config_dict", None) or {}
+    notice = ulysses_clipping_notice(
+        getattr(args, "ds_sequence_parallel_size", 1),
+        float(ds.get("gradient_clipping", 1.0)),  # DeepSpeed's default
+        int((ds.get("zero_optimization") or {}).get("stage", 0)),
+    )
+    if notice and dist.get_rank() == 0:
+        logger.warning(notice)
     config = plugin_config()
     if not config.hierarchical_zero.enabled:
         return deepspeed.initialize(**kwargs)
