@@ -97,6 +97,30 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
         assert resumed[it] == pytest.approx(full[it], rel=1e-5), it
 
 
+@pytest.mark.slow
+def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(tmp_path):
+    """One node of two packages: the hops run package, then node. Nothing is built whole, and the
+    model is the one stock's whole build makes: the losses are stock ZeRO-3's, to the last bit."""
+    losses = {}
+    for name, extra in (("stock", {}), ("ours", {"hierarchical_zero": {"enabled": True}})):
+        ds = tmp_path / f"{name}.json"
+        ds.write_text(
+            json.dumps(
+                {
+                    "zero_optimization": {"stage": 3},
+                    "optimizer": {"type": "Adam", "params": {"torch_adam": True}},
+                    "topology": {"ranks_per_node": 4, "ranks_per_package": 2},
+                    **extra,
+                }
+            )
+        )
+        log = tmp_path / f"{name}.jsonl"
+        out = _torchrun(tmp_path, 4, "--train-iters", "3", "--deepspeed-config", str(ds), "--log-json", str(log))
+        losses[name] = _losses(log)
+    assert "hierarchical_zero: the model is built partitioned over 4 ranks (secondary level package)" in out
+    assert losses["ours"] == losses["stock"] and sorted(losses["stock"]) == [1, 2, 3]
+
+
 @pytest.fixture
 def pretrain_main(lone_rank):
     """The main job's ``main(argv)`` in this process, as a lone rank with a clean environment."""

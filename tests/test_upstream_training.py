@@ -118,16 +118,13 @@ TP_LINEARS = (
 )
 GQA = ["--num-key-value-heads", "2"]
 ROPE = ["--use-rotary-position-embeddings"]
-# Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1;
-# its ZeRO-3 drops weight decay for parameters partitioned under zero.Init, which hierarchical ZeRO
-# builds unpartitioned: weight decay 0 keeps the runs comparable.
+# Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1.
+# Weight decay stays at the tree's default (0.01): hierarchical ZeRO builds under zero.Init as stock does.
 DEEPSPEED = [
     "--micro-batch-size",
     "1",
     "--global-batch-size",
     "4",
-    "--weight-decay",
-    "0",
     "--deepspeed",
     "--no-pipeline-parallel",
 ]

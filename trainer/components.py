@@ -120,10 +120,16 @@ def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
 
 
 def build_model(
-    args: argparse.Namespace, plugins: PluginConfig, tokenizer: Any, topology: Topology, installer: Installer
+    args: argparse.Namespace,
+    plugins: PluginConfig,
+    tokenizer: Any,
+    topology: Topology,
+    ds_config: dict[str, Any],
+    installer: Installer,
 ) -> torch.nn.Module:
     """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled (the
-    topology lets their ``backend: auto`` check that the TP group sits in one node)."""
+    topology lets their ``backend: auto`` check that the TP group sits in one node). With
+    hierarchical ZeRO it is built partitioned, each module as it is made: no rank holds it whole."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -164,7 +170,18 @@ def build_model(
     vocab = padded_vocab_size(
         tokenizer.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
     )
-    model = build_gpt_model(config, vocab, args.max_position_embeddings, layer_spec)
+
+    def build() -> torch.nn.Module:
+        return build_gpt_model(config, vocab, args.max_position_embeddings, layer_spec)
+
+    if plugins.hierarchical_zero.enabled:
+        from megatron_ext.mpu import MegatronMPU
+        from megatron_ext.partitioned_build import hierarchical_init
+
+        with hierarchical_init(build, ds_config, plugins, MegatronMPU(), installer, topology):
+            model = build()
+    else:
+        model = build()
     allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
     if torch.cuda.is_available():
         model.cuda()

@@ -59,7 +59,7 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
 
     tokenizer = d.build_tokenizer(args)
     data_prefix = d.prepare_data(args, rank, tokenizer)
-    model = c.build_model(args, plugins, tokenizer, topology, installer)
+    model = c.build_model(args, plugins, tokenizer, topology, ds_config, installer)
     log(
         rank,
         f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "

@@ -18,7 +18,7 @@ _EXPORTS = {
     "model_spec": "contract",
     "prepare": "api",
     "validate_deepspeed_config": "contract",
-    "Init": "inject",
+    "Init": "construction",
     "LevelMPU": "inject",
     "ModelSpec": "cost.volume",
     "uninstall_dispatchers": "inject",

@@ -9,7 +9,9 @@ may be quantized (int8 / int4 with error feedback, :mod:`.quantize`).
 
 Held blocks and error-feedback residuals belong to a bucket: the k-th reduce-scatter call since
 the engine's last forward. DeepSpeed fills its buckets in backward order, so the k-th call holds
-the same tensors every micro-batch; the layout is checked at every call.
+the same tensors every micro-batch; the layout is checked at every call. The residuals go into
+checkpoints (:data:`CHECKPOINT_KEY`): without them a resumed run quantizes other values than the
+uninterrupted one.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,9 +28,13 @@ import torch.distributed as dist
 from deepspeed_ext.zero import hops, quantize
 from deepspeed_ext.zero.hop_worker import HopWorker
 from deepspeed_ext.zero.levels import HopPlan
+from plugin_base.section import ConfigError
 from plugin_base.topology import LinkClass
 
 logger = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "hierarchical_zero_residuals"
+"""Key of each rank's ZeRO optimizer state (its checkpoint file) that holds its residuals."""
 
 
 @dataclass
@@ -121,12 +128,53 @@ class GradientReducer:
             node_block = bucket.held.add_(node_block).to(node_block.dtype)
             bucket.held = None
         if self.grad_bits:
+            # a residual loaded from a checkpoint stays on the CPU until its bucket's first call
+            residual = None if bucket.residual is None else bucket.residual.to(node_block.device)
             mine, bucket.residual = quantize.reduce_scatter_quantized(
-                node_block, plan.groups[self._cross], self.grad_bits, self.block, bucket.residual
+                node_block, plan.groups[self._cross], self.grad_bits, self.block, residual
             )
         else:
             mine = hops.reduce_scatter_hops(plan, node_block, range(self._cross, len(plan.sizes)))
         return hops.unpack(mine, tensors, chunks, me)
+
+    def residual_state(self) -> dict[str, Any]:
+        """This rank's error feedback for a checkpoint: the layout its elements belong to, and per
+        bucket its chunks and residual. The residuals are saved where they live, without a copy (a call
+        replaces its bucket's residual, never writes into it), as DeepSpeed saves its fp32 partitions."""
+        return {
+            "layout": self._layout(),
+            "buckets": [{"chunks": list(b.chunks), "residual": b.residual} for b in self._buckets],
+        }
+
+    def load_residual_state(self, state: dict[str, Any] | None) -> None:
+        """Replace the error feedback with ``state`` (:meth:`residual_state` of this DP rank; None: a
+        checkpoint without residuals, after which feedback starts from zero, with a warning). A
+        residual of another layout holds other elements of the gradient, so it is refused; a bucket
+        whose chunks differ at its first call starts again (:meth:`_bucket`)."""
+        if state is None:
+            logger.warning(
+                "hierarchical_zero: the checkpoint holds no error-feedback residuals (it was saved with "
+                "quantized_gradients none or by an older version), so the quantized gradients' error "
+                "feedback starts again from zero"
+            )
+            self._buckets = []
+            return
+        if state["layout"] != self._layout():
+            raise ConfigError(
+                f"hierarchical_zero.quantized_gradients: the checkpoint's error-feedback residuals were "
+                f"saved with the layout {state['layout']}, this engine's is {self._layout()}: resume with the "
+                "topology and data-parallel size it was saved with, or with quantized_gradients none"
+            )
+        self._buckets = [_Bucket(tuple(b["chunks"]), residual=b["residual"]) for b in state["buckets"]]
+        self._track_memory()
+
+    def _layout(self) -> dict[str, Any]:
+        """What a residual's elements are: the hops' sizes, which one crosses nodes, this rank's place."""
+        return {
+            "hops": list(self.plan.sizes),
+            "cross": self._cross,
+            "position": self.plan.parent.index(dist.get_rank()),
+        }
 
     def _track_memory(self) -> None:
         held = [t for b in self._buckets for t in (b.held, b.residual) if t is not None]
@@ -156,3 +204,30 @@ class GradientReducer:
             self._warned = True
         self._buckets[index] = _Bucket(chunks)
         return self._buckets[index]
+
+
+def restore_residuals(
+    reducer: GradientReducer | None, rank_state: dict[str, Any] | None, universal: bool
+) -> None:
+    """Before DeepSpeed loads a checkpoint's optimizer state: its residuals into ``reducer``
+    (``rank_state``: this rank's optimizer state). A universal checkpoint is resharded, which a
+    residual (per rank, in the node-block layout of the DP group) cannot be, so a quantizing engine
+    refuses it; an engine that does not quantize drops the residuals, saying so."""
+    quantized = reducer is not None and reducer.grad_bits
+    if universal:
+        if quantized:
+            raise ConfigError(
+                f"hierarchical_zero.quantized_gradients=int{reducer.grad_bits} keeps per-rank error-feedback "
+                "residuals that a universal checkpoint cannot reshard: set checkpoint.load_universal false "
+                "and resume from the ZeRO checkpoint at the data-parallel size and topology it was saved "
+                "with, or set quantized_gradients none"
+            )
+        return
+    state = None if rank_state is None else rank_state.get(CHECKPOINT_KEY)
+    if quantized:
+        reducer.load_residual_state(state)
+    elif state is not None and any(b["residual"] is not None for b in state["buckets"]):
+        logger.warning(
+            "hierarchical_zero: the checkpoint holds error-feedback residuals of quantized gradients, "
+            "which this engine (quantized_gradients none) does not use: they are dropped"
+        )

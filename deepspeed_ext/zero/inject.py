@@ -23,7 +23,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import deepspeed
 import deepspeed.comm as ds_comm
 import torch
 import torch.distributed as dist
@@ -32,7 +31,7 @@ from deepspeed.runtime.zero import stage3 as ds_stage3
 from deepspeed.utils import groups as ds_groups
 
 from deepspeed_ext.zero import hops
-from deepspeed_ext.zero.grad_sync import GradientReducer
+from deepspeed_ext.zero.grad_sync import CHECKPOINT_KEY, GradientReducer, restore_residuals
 from deepspeed_ext.zero.hop_worker import HopWorker
 from deepspeed_ext.zero.levels import HopPlan, ZeroLevels
 
@@ -138,7 +137,9 @@ def uninstall_dispatchers() -> None:
 
 def unregister(levels: ZeroLevels) -> None:
     """Forget the routes of ``levels`` and stop their worker; with no route left, DeepSpeed's
-    functions are restored."""
+    functions are restored. Levels whose groups are destroyed were unregistered before."""
+    if not levels.groups.groups:
+        return
     for group in (levels.dp_group, levels.secondary_group):
         route = _route(group)
         if route is not None:
@@ -218,26 +219,28 @@ def hierarchical_stage3(levels: ZeroLevels, reducer: GradientReducer | None) -> 
                 reducer.check_flushed()
             return super().step(*args, **kwargs)
 
+        def state_dict(self) -> dict[str, Any]:  # with error feedback's residuals: a resume continues them
+            state = super().state_dict()
+            if reducer is not None and reducer.grad_bits:
+                state[CHECKPOINT_KEY] = reducer.residual_state()
+            return state
+
+        def load_state_dict(
+            self, state_dict_list: Any, load_optimizer_states: bool = True, **kwargs: Any
+        ) -> None:
+            """DeepSpeed's load (the engine passes keywords), after this rank's residuals: read first,
+            as a serial load deletes them."""
+            if load_optimizer_states:
+                folder = kwargs.get("checkpoint_folder")
+                mine = None if folder else state_dict_list[dist.get_rank(self.dp_process_group)]
+                restore_residuals(reducer, mine, universal=bool(folder))
+            super().load_state_dict(state_dict_list, load_optimizer_states, **kwargs)
+
     ds_stage3.DeepSpeedZeroOptimizer_Stage3 = HierarchicalZeroOptimizer
     try:
         yield HierarchicalZeroOptimizer
     finally:
         ds_stage3.DeepSpeedZeroOptimizer_Stage3 = base
-
-
-class Init(deepspeed.zero.Init):
-    """``deepspeed.zero.Init`` that partitions over our data-parallel group and builds the secondary
-    copy on our secondary group: use it (with the same ``levels``) to build a model partitioned."""
-
-    def __init__(self, levels: ZeroLevels, **kwargs: Any) -> None:
-        for key in ("data_parallel_group", "zero_param_parallel_group", "sequence_data_parallel_group"):
-            if kwargs.get(key) is not None:
-                raise ValueError(f"Init({key}=...) is set from levels; remove the argument")
-        register(levels)
-        kwargs["data_parallel_group"] = levels.dp_group
-        kwargs["zero_param_parallel_group"] = levels.secondary_group
-        with secondary_group_global(levels.secondary_group):
-            super().__init__(**kwargs)
 
 
 class LevelMPU:

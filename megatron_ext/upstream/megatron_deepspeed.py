@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from megatron_ext.upstream.ds_linears import overlap_linears
 from megatron_ext.upstream.ds_parallelism import sequence_parallel_under_deepspeed, ulysses_clipping_notice
+from megatron_ext.upstream.ds_zero_init import hierarchical_zero_init
 from megatron_ext.upstream.hooks import (
     external_data_iterators,
     installer,
@@ -136,14 +137,12 @@ def text_batch(keys: Sequence[str], data_iterator: Any, datatype: torch.dtype) -
 
 
 def zero_init(**kwargs: Any) -> Any:
-    """``deepspeed.zero.Init(**kwargs)``; with hierarchical ZeRO it is disabled, because the variant
-    partitions over its own level groups when :func:`deepspeed_initialize` builds the engine (the
-    model is built whole on each rank first, as in the suite's main job)."""
+    """``deepspeed.zero.Init(**kwargs)``; with hierarchical ZeRO ours, partitioned over the level
+    groups from construction (:mod:`megatron_ext.upstream.ds_zero_init`)."""
     import deepspeed
 
     if plugin_config().hierarchical_zero.enabled and kwargs.get("enabled", True):
-        logger.info("hierarchical_zero: the model is built unpartitioned and partitioned by the engine")
-        kwargs["enabled"] = False
+        return hierarchical_zero_init(kwargs)
     return deepspeed.zero.Init(**kwargs)
 
 
