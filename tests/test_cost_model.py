@@ -9,7 +9,7 @@ from deepspeed_ext.zero.contract import largest_collectives
 from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.cost.memory import HopBuffers, hop_buffers
 from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.planner import choose_secondary_level, describe
+from deepspeed_ext.zero.planner import as_charged, choose_secondary_level, describe
 from plugin_base.section import ConfigError
 from plugin_base.topology import Topology
 
@@ -166,6 +166,19 @@ def test_planner_counts_gradients_held_for_the_cross_node_hop_in_the_budget():
     choice = choose_secondary_level(both, FRONTIER_384, MODEL, FRONTIER_TOPOLOGY)
     assert choice.extra_bytes == {"package": M // 2 + held, "node": M // 8 + held, "global": held}
     assert choice.level == "global"
+
+
+def test_boundary_sync_at_one_micro_batch_per_step_is_charged_nothing():
+    """At gradient accumulation 1 every micro-batch is a boundary: nothing is held, and the level the
+    planner picks is the one every-micro-batch sync gets."""
+    tight = dict(enabled=True, secondary_memory_budget_gb=M / 8 / 1e9 + 1e-3)
+    boundary = HierarchicalZeroConfig(**tight, grad_sync="accumulation_boundary")
+    plain = HierarchicalZeroConfig(**tight)
+    assert as_charged(boundary, 2) is boundary
+    charged = choose_secondary_level(as_charged(boundary, 1), FRONTIER_384, MODEL, FRONTIER_TOPOLOGY)
+    assert charged == choose_secondary_level(plain, FRONTIER_384, MODEL, FRONTIER_TOPOLOGY)
+    assert charged.extra_bytes["global"] == 0 and charged.level == "node"
+    assert choose_secondary_level(boundary, FRONTIER_384, MODEL, FRONTIER_TOPOLOGY).level == "global"
 
 
 def test_planner_counts_transient_hop_buffers_in_every_level():

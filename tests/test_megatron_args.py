@@ -142,6 +142,10 @@ CASES = [
         {"hierarchical_zero": {"inter_node_algorithm": "recursive"}},
     ),
     (["--hierarchical-zero-pipeline-chunks", "4"], {"hierarchical_zero": {"pipeline_chunks": 4}}),
+    (
+        ["--hierarchical-zero-sequence-parallel-gradients", "mean"],
+        {"hierarchical_zero": {"sequence_parallel_gradients": "mean"}},
+    ),
     (["--hierarchical-zero-profile", "profile.json"], {"hierarchical_zero": {"profile": "profile.json"}}),
     (["--flash-overlap"], {"flash_overlap": {"enabled": True}}),
     (["--flash-overlap-layers", "qkv", "fc2"], {"flash_overlap": {"layers": ["qkv", "fc2"]}}),

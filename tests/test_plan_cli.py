@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ from deepspeed_ext.zero import plan as plan_cli
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.cost.projection import Plan, Scheme
-from deepspeed_ext.zero.cost.search import Rules, fitting
+from deepspeed_ext.zero.cost.search import Rules, build_bytes, fitting
 from deepspeed_ext.zero.cost.workload import Model
 from deepspeed_ext.zero.profile import Profile, Timing, library_versions
 from deepspeed_ext.zero.verified import Backend, markdown_table
@@ -101,22 +100,25 @@ def test_free_batch_lets_the_micro_batch_grow():
     assert max(r.plan.micro_batch * (48 * 8 // r.plan.tp) for r in rows) > 96
 
 
-def test_memory_keeps_the_headroom_and_counts_the_whole_model_build():
+def test_memory_keeps_the_headroom_and_counts_the_partitioned_build():
     for headroom in (0.1, 0.3):
         rows = plan_cli.main([*FRONTIER_20B, "--free-batch", "--headroom", str(headroom), "--top", "0"])
         for row in rows:
             assert row.peak_bytes <= 64e9 * (1 - headroom)
-            # Built whole in bf16 (the preset's bf16) on every rank before the engine partitions it.
-            assert row.peak_bytes >= 2 * 20_554_555_392 / row.plan.tp
-    # With 40 % headroom (38.4 GB) a TP=1 step would fit, but its 41.1 GB build would not.
+    # The 20B model whole is 41.1 GB in bf16 per rank at TP=1: built partitioned, no rank holds it.
     system, model = (
         plan_cli.TOPOLOGIES["frontier"][0],
         Model.from_megatron_args(plan_cli.MODELS["gpt-20b-frontier"]),
     )
     plan = Plan(Scheme.OURS, tp=1)
     rules = Rules(Backend.RCCL, headroom=0.4)
-    assert fitting(system, model, 48, plan, replace(rules, build_bytes_per_param=0)) is not None
-    assert fitting(system, model, 48, plan, rules) is None
+    found = fitting(system, model, 48, plan, rules)
+    assert found is not None and found[2] < 2 * 20_554_555_392
+    # the build's peak: the model's bf16 share of 384 ranks and two of its largest module whole
+    # (the word embeddings, vocab x h, larger than fc1's 4 h^2 here)
+    largest = model.vocab * model.hidden
+    assert largest > 4 * model.hidden**2
+    assert build_bytes(model, plan, 384, rules) == 2 * (model.params / 384 + 2 * largest)
 
 
 def test_the_written_json_is_the_users_config_with_the_plans_changes(tmp_path, capsys):

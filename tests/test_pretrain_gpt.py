@@ -115,7 +115,9 @@ def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(tmp
             )
         )
         log = tmp_path / f"{name}.jsonl"
-        out = _torchrun(tmp_path, 4, "--train-iters", "3", "--deepspeed-config", str(ds), "--log-json", str(log))
+        out = _torchrun(
+            tmp_path, 4, "--train-iters", "3", "--deepspeed-config", str(ds), "--log-json", str(log)
+        )
         losses[name] = _losses(log)
     assert "hierarchical_zero: the model is built partitioned over 4 ranks (secondary level package)" in out
     assert losses["ours"] == losses["stock"] and sorted(losses["stock"]) == [1, 2, 3]

@@ -256,6 +256,19 @@ VARIANTS = {
         nodes=2,
         clipping=0.0,
     ),
+    # With clipping on (DeepSpeed's default 1.0, which clips SP=1 here and would leave SP=2 alone),
+    # hierarchical ZeRO's sequence_parallel_gradients=mean hands the optimizer SP=1's gradient: SP=2
+    # prints SP=1's losses (the 4 ranks as DP, same global batch), to SP's rounding.
+    ("megatron-deepspeed", "dp4"): Variant(True, (), baseline=None, accumulation=1),
+    ("megatron-deepspeed", "sp2-hierarchical-zero-mean"): Variant(
+        True,
+        (*SP2, "--hierarchical-zero", "--hierarchical-zero-sequence-parallel-gradients", "mean"),
+        ("hierarchical_zero",),
+        "dp4",
+        "hierarchical_zero.sequence_parallel_gradients=mean: the optimizer gets SP=1's gradient",
+        nodes=2,
+        rtol=1e-6,
+    ),
     # GQA (4 query heads, 2 key/value heads): stock Ulysses asserts against it, so the reference is
     # the same model at SP=1 with the 4 ranks as DP (same global batch), on the patched tree, whose
     # fused-QKV split the patch fixes for GQA. SP=2 sums each gradient over other ranks in another

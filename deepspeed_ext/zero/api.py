@@ -27,6 +27,7 @@ from deepspeed_ext.zero.cost.workload import Buckets
 from deepspeed_ext.zero.levels import ZeroLevels, build_levels, dp_shape
 from deepspeed_ext.zero.planner import (
     SecondaryChoice,
+    as_charged,
     choose_secondary_level,
     describe,
     variant_for,
@@ -142,11 +143,12 @@ def prepare(
     shape = dp_shape(topology, dp_ranks)
     spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
     micro = int(ds.get("gradient_accumulation_steps") or 1)
+    charged = as_charged(hz, micro)
     gather, reduce = largest_collectives(ds, spec)
-    buffers = hop_buffers(hz, shape, spec, gather, reduce)
+    buffers = hop_buffers(charged, shape, spec, gather, reduce)
     measured = measured_profile(hz, topology)
     choice = choose_secondary_level(
-        hz,
+        charged,
         shape,
         spec,
         topology,

@@ -51,6 +51,15 @@ class GradientQuantization(StrEnum):
     """Blockwise int4 with error feedback."""
 
 
+class SequenceParallelGradients(StrEnum):
+    """The gradient the optimizer gets under Ulysses sequence parallelism (SP > 1)."""
+
+    DEEPSPEED = "deepspeed"
+    """DeepSpeed ZeRO-3's: the mean over sequence x data-parallel ranks, 1/SP of what SP=1 gets."""
+    MEAN = "mean"
+    """The mean over data-parallel replicas: the gradient SP=1 gets, so clipping acts as at SP=1."""
+
+
 def check_zero_stage(stage: int) -> None:
     """The variant is a ZeRO-3 engine: any other stage is refused, naming the fix."""
     if stage != 3:
@@ -96,6 +105,8 @@ class HierarchicalZeroConfig(Section):
     """Algorithm of the hops across nodes: recursive (log-latency P2P), ring (the backend's collective) or auto (per call, the faster in the profile; ring without one)."""
     profile: str | None = None
     """Path of a profile measured on this cluster by python -m deepspeed_ext.zero.probe: auto and the planner read it (null: ring everywhere, documented costs for the planner)."""
+    sequence_parallel_gradients: SequenceParallelGradients = SequenceParallelGradients.DEEPSPEED
+    """Under Ulysses (SP > 1): deepspeed (stock ZeRO-3's gradient, 1/SP of SP=1's) or mean (SP=1's gradient, so gradient_clipping clips as at SP=1)."""
     pipeline_chunks: int = Field(default=1, ge=1, le=64)
     """Pieces each unquantized hop gather / reduce-scatter is cut into so that its levels run at once (a thread or stream per group); 1 (the default) runs them one after another on the caller's stream."""
 

@@ -196,6 +196,7 @@ def secondary_group_global(group: dist.ProcessGroup | None) -> Iterator[None]:
 def hierarchical_stage3(levels: ZeroLevels, reducer: GradientReducer | None) -> Iterator[type]:
     """While active, the engine builds our stage-3 optimizer (it looks the class up in ``stage3``)."""
     base = ds_stage3.DeepSpeedZeroOptimizer_Stage3
+    sp_mean = levels.config.sequence_parallel_gradients == "mean"
 
     class HierarchicalZeroOptimizer(base):  # type: ignore[misc, valid-type]
         """ZeRO-3 whose secondary weight copy lives on ``levels.secondary_group`` and whose gradient
@@ -208,6 +209,14 @@ def hierarchical_stage3(levels: ZeroLevels, reducer: GradientReducer | None) -> 
             self.hierarchical_reducer = reducer
             if reducer is not None:
                 reducer.bind(self.is_gradient_accumulation_boundary)
+
+        def _DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(self, params: Any, dtype: Any) -> list:
+            """DeepSpeed's reduce-scatter of a gradient bucket (its mean over the partition group);
+            with ``sequence_parallel_gradients: mean`` times SP: the mean over data-parallel replicas."""
+            parts = super()._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads(params, dtype)
+            if sp_mean and self.sequence_parallel_size > 1:
+                return [part.mul_(self.sequence_parallel_size) for part in parts]
+            return parts
 
         def clear_backward_seen_flag(self) -> None:  # the engine calls it at every forward
             super().clear_backward_seen_flag()

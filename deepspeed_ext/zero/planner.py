@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.config import GradSync, HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost import collectives, projection
 from deepspeed_ext.zero.cost.memory import NO_BUFFERS, HopBuffers, held_bytes
 from deepspeed_ext.zero.cost.volume import ModelSpec, Variant, hierarchical
@@ -45,6 +45,14 @@ def variant_for(config: HierarchicalZeroConfig, level: Level, model: ModelSpec) 
     grads = (config.grad_bits / 8 + per_scale) / model.grad_bytes if config.grad_bits else 1.0
     boundary = config.grad_sync == "accumulation_boundary"
     return hierarchical(level, config.grad_reduce, boundary, weights, grads)
+
+
+def as_charged(config: HierarchicalZeroConfig, micro_batches: int) -> HierarchicalZeroConfig:
+    """The config as the planner charges it: boundary sync at one micro-batch per step holds
+    nothing (every micro-batch is a boundary) and moves what every-micro-batch sync moves."""
+    if micro_batches == 1 and config.grad_sync == GradSync.ACCUMULATION_BOUNDARY:
+        return config.model_copy(update={"grad_sync": GradSync.EVERY_MICRO_BATCH})
+    return config
 
 
 def level_seconds(

@@ -48,13 +48,22 @@ def sequence_parallel_under_deepspeed(model: torch.nn.Module) -> None:
     logger.info("sequence parallelism: %d TP-replicated parameters' gradients summed over TP", count)
 
 
-def ulysses_clipping_notice(sp: int, clipping: float, zero_stage: int) -> str | None:
-    """What a Ulysses job with gradient clipping should know about DeepSpeed's ZeRO-3, or None."""
-    if sp <= 1 or clipping <= 0 or zero_stage != 3:
+def ulysses_clipping_notice(sp: int, clipping: float, zero_stage: int, mean: bool = False) -> str | None:
+    """What a Ulysses job with gradient clipping should know about DeepSpeed's ZeRO-3, or None;
+    ``mean``: hierarchical ZeRO's ``sequence_parallel_gradients: mean`` is on."""
+    if sp <= 1 or zero_stage != 3:
+        return None
+    if mean:
+        return (
+            f"hierarchical_zero.sequence_parallel_gradients=mean: the optimizer gets SP=1's gradient "
+            f"(DeepSpeed's ZeRO-3 gradient times SP={sp}), so gradient clipping acts as at SP=1"
+        )
+    if clipping <= 0:
         return None
     return (
         f"Ulysses SP={sp} under ZeRO-3: DeepSpeed hands the optimizer 1/{sp} of the gradient an SP=1 run "
         f"gets (stock DistributedAttention and Flash-Overlap alike), so gradient_clipping={clipping:g} clips "
         f"where SP=1 would clip at {clipping * sp:g}: with clipping active the run trains apart from SP=1 "
-        "(Adam's steps are otherwise scale-free). Set gradient_clipping to clipping/SP to match SP=1."
+        "(Adam's steps are otherwise scale-free). Set gradient_clipping to clipping/SP to match SP=1, or "
+        "with --hierarchical-zero set hierarchical_zero.sequence_parallel_gradients to mean."
     )

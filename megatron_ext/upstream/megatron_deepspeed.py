@@ -154,14 +154,15 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
     sequence_parallel_under_deepspeed(kwargs["model"])
     args = megatron_args()
     ds = getattr(args, "deepspeed_config_dict", None) or {}
+    config = plugin_config()
     notice = ulysses_clipping_notice(
         getattr(args, "ds_sequence_parallel_size", 1),
         float(ds.get("gradient_clipping", 1.0)),  # DeepSpeed's default
         int((ds.get("zero_optimization") or {}).get("stage", 0)),
+        config.hierarchical_zero.enabled and config.hierarchical_zero.sequence_parallel_gradients == "mean",
     )
     if notice and dist.get_rank() == 0:
         logger.warning(notice)
-    config = plugin_config()
     if not config.hierarchical_zero.enabled:
         return deepspeed.initialize(**kwargs)
     if kwargs.get("mpu") is None:

@@ -45,8 +45,8 @@ class Rules:
     headroom: float = 0.1
     """Fraction of the device's memory left free (allocator fragmentation, the library's buffers)."""
     build_bytes_per_param: int = 2
-    """Bytes per parameter of the model as built, whole, on every rank before the engine
-    partitions it (2 with bf16, 4 with fp32); 0 where a build never holds it whole."""
+    """Bytes per parameter of the model as built (2 with bf16, 4 with fp32); 0: the build is not
+    counted."""
 
     def budget_bytes(self, system: System) -> float:
         return system.memory_gb * 1e9 * (1 - self.headroom)
@@ -84,9 +84,12 @@ class Row:
     """Settings that have not run on the job's backend (empty: all have)."""
 
 
-def build_bytes(model: Model, plan: Plan, rules: Rules) -> float:
-    """The model as built on one rank, whole (its TP shard), before the engine partitions it."""
-    return rules.build_bytes_per_param * model.params / plan.tp
+def build_bytes(model: Model, plan: Plan, dp: int, rules: Rules) -> float:
+    """The build's peak on one rank: the variant builds partitioned from construction
+    (``deepspeed_ext.zero.Init``), so its partition of the model (TP shard over ``dp``) and one
+    module with its children whole, at most two of the largest (an MLP's fc1 and fc2; the word
+    and position embeddings)."""
+    return rules.build_bytes_per_param * (model.params / plan.tp / dp + 2 * max(model.modules(plan.tp)))
 
 
 def micro_batches(system: System, nodes: int, plan: Plan, rules: Rules) -> tuple[int, ...]:
@@ -108,7 +111,7 @@ def fitting(
     for rc in Recompute:
         for mb in micro_batches(system, nodes, plan, rules):
             candidate = replace(plan, micro_batch=mb, recompute=rc)
-            peak = max(memory(system, model, s, candidate)["total"], build_bytes(model, candidate, rules))
+            peak = max(memory(system, model, s, candidate)["total"], build_bytes(model, candidate, s.size, rules))
             if peak <= rules.budget_bytes(system):
                 mine = project(system, model, nodes, candidate)
                 if best is None or mine.tflops_per_gcd > best[1].tflops_per_gcd:
