@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from plugin_base.topology import LinkClass, Topology
 
-LINK_CLASSES = tuple(LinkClass)
+LINK_CLASSES: tuple[LinkClass, ...] = tuple(LinkClass)
 
 # torch 2.13 deprecates the *_tensor names (a FutureWarning per call on gloo); the *_single ones are
 # the same collectives under their new names. Older torch has only the old names.

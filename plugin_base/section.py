@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, TypeVar, Union
+from typing import Any, Self, TypeVar, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -29,7 +29,7 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
     @classmethod
-    def parse(cls, raw: dict | None, name: str) -> Section:
+    def parse(cls, raw: dict | None, name: str) -> Self:
         """The section ``name`` of a DeepSpeed config (None: every default); a bad key or value
         raises ConfigError naming it."""
         if raw is not None and not isinstance(raw, dict):

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.upstream
 ITERS = 3
 RUN_TIMEOUT_S = 300
 LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| grad norm: ([0-9.]+) \|")
 PLUGIN_CONFIG = re.compile(r"plugin config: (\{.*\})")
 UNDONE = re.compile(r"undoing the run's process-wide changes, newest first: (.*)")
 # the module that owns each plugin's process-wide changes in an upstream run
@@ -166,6 +167,7 @@ class Variant:
     rtol: float = 0.0  # losses agree to this relative difference (0: the baseline's printed losses exactly)
     zero_stage: int = 3  # Megatron-DeepSpeed's ZeRO stage
     clipping: float = 1.0  # the JSON's gradient_clipping (1.0: DeepSpeed's default)
+    grad_norms: bool = False  # the log's grad norms (3 decimals) are the baseline's too
 
 
 # (upstream, variant) -> how it runs; 4 ranks each
@@ -258,7 +260,8 @@ VARIANTS = {
     ),
     # With clipping on (DeepSpeed's default 1.0, which clips SP=1 here and would leave SP=2 alone),
     # hierarchical ZeRO's sequence_parallel_gradients=mean hands the optimizer SP=1's gradient: SP=2
-    # prints SP=1's losses (the 4 ranks as DP, same global batch), to SP's rounding.
+    # prints SP=1's losses (the 4 ranks as DP, same global batch), to SP's rounding, and its grad
+    # norms (stock's are half: Adam hides that in 3 iterations, the norm does not).
     ("megatron-deepspeed", "dp4"): Variant(True, (), baseline=None, accumulation=1),
     ("megatron-deepspeed", "sp2-hierarchical-zero-mean"): Variant(
         True,
@@ -268,6 +271,7 @@ VARIANTS = {
         "hierarchical_zero.sequence_parallel_gradients=mean: the optimizer gets SP=1's gradient",
         nodes=2,
         rtol=1e-6,
+        grad_norms=True,
     ),
     # GQA (4 query heads, 2 key/value heads): stock Ulysses asserts against it, so the reference is
     # the same model at SP=1 with the 4 ranks as DP (same global batch), on the patched tree, whose
@@ -420,8 +424,13 @@ def test_baseline_upstream_runs_train_on_cpu(upstream: dict, kind: str, variant:
 )
 def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: str, variant: str) -> None:
     how = VARIANTS[(kind, variant)]
-    baseline, _ = _train(upstream, kind, how.baseline)
+    baseline, baseline_log = _train(upstream, kind, how.baseline)
     losses, log = _train(upstream, kind, variant)
+    if how.grad_norms:
+        assert GRAD_NORM.findall(log) == GRAD_NORM.findall(baseline_log) != [], (
+            variant,
+            GRAD_NORM.findall(log),
+        )
     configs = [json.loads(m) for m in PLUGIN_CONFIG.findall(log)]
     if how.plugins:
         assert configs, f"{kind} {variant}: no 'plugin config:' line logged"
