@@ -34,7 +34,6 @@ pytestmark = pytest.mark.upstream
 ITERS = 3
 RUN_TIMEOUT_S = 300
 LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
-GRAD_NORM = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| grad norm: ([0-9.]+) \|")
 PLUGIN_CONFIG = re.compile(r"plugin config: (\{.*\})")
 UNDONE = re.compile(r"undoing the run's process-wide changes, newest first: (.*)")
 # the module that owns each plugin's process-wide changes in an upstream run
@@ -118,6 +117,7 @@ TP_LINEARS = (
     "attention.query_key_value (qkv), attention.dense (proj), mlp.dense_h_to_4h (fc1), mlp.dense_4h_to_h (fc2)"
 )
 GQA = ["--num-key-value-heads", "2"]
+TEN = ("--train-iters", "10")
 ROPE = ["--use-rotary-position-embeddings"]
 # Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1.
 # Weight decay stays at the tree's default (0.01): hierarchical ZeRO builds under zero.Init as stock does.
@@ -167,7 +167,7 @@ class Variant:
     rtol: float = 0.0  # losses agree to this relative difference (0: the baseline's printed losses exactly)
     zero_stage: int = 3  # Megatron-DeepSpeed's ZeRO stage
     clipping: float = 1.0  # the JSON's gradient_clipping (1.0: DeepSpeed's default)
-    grad_norms: bool = False  # the log's grad norms (3 decimals) are the baseline's too
+    iters: int = ITERS  # iterations it trains (the flags' --train-iters where not ITERS)
 
 
 # (upstream, variant) -> how it runs; 4 ranks each
@@ -260,18 +260,19 @@ VARIANTS = {
     ),
     # With clipping on (DeepSpeed's default 1.0, which clips SP=1 here and would leave SP=2 alone),
     # hierarchical ZeRO's sequence_parallel_gradients=mean hands the optimizer SP=1's gradient: SP=2
-    # prints SP=1's losses (the 4 ranks as DP, same global batch), to SP's rounding, and its grad
-    # norms (stock's are half: Adam hides that in 3 iterations, the norm does not).
-    ("megatron-deepspeed", "dp4"): Variant(True, (), baseline=None, accumulation=1),
+    # prints SP=1's losses (the 4 ranks as DP, same global batch) to SP's rounding. Over 10
+    # iterations: stock's 1/SP gradient drifts to 1.6e-4 relative by iteration 8.
+    ("megatron-deepspeed", "dp4-10-iterations"): Variant(True, TEN, baseline=None, accumulation=1, iters=10),
+    ("megatron-deepspeed", "sp2-10-iterations"): Variant(True, (*SP2, *TEN), baseline=None, iters=10),
     ("megatron-deepspeed", "sp2-hierarchical-zero-mean"): Variant(
         True,
-        (*SP2, "--hierarchical-zero", "--hierarchical-zero-sequence-parallel-gradients", "mean"),
+        (*SP2, *TEN, "--hierarchical-zero", "--hierarchical-zero-sequence-parallel-gradients", "mean"),
         ("hierarchical_zero",),
-        "dp4",
+        "dp4-10-iterations",
         "hierarchical_zero.sequence_parallel_gradients=mean: the optimizer gets SP=1's gradient",
         nodes=2,
         rtol=1e-6,
-        grad_norms=True,
+        iters=10,
     ),
     # GQA (4 query heads, 2 key/value heads): stock Ulysses asserts against it, so the reference is
     # the same model at SP=1 with the 4 ranks as DP (same global batch), on the patched tree, whose
@@ -413,7 +414,7 @@ def _launch(upstream: dict, kind: str, variant: str, how: Variant) -> tuple[list
 )
 def test_baseline_upstream_runs_train_on_cpu(upstream: dict, kind: str, variant: str) -> None:
     losses, log = _train(upstream, kind, variant)
-    assert [it for it, _ in losses] == list(range(1, ITERS + 1)), (
+    assert [it for it, _ in losses] == list(range(1, VARIANTS[(kind, variant)].iters + 1)), (
         f"no lm loss for every iteration:\n{log[-4000:]}"
     )
     assert float(losses[-1][1]) < float(losses[0][1]), f"loss did not fall: {losses}"
@@ -424,13 +425,8 @@ def test_baseline_upstream_runs_train_on_cpu(upstream: dict, kind: str, variant:
 )
 def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: str, variant: str) -> None:
     how = VARIANTS[(kind, variant)]
-    baseline, baseline_log = _train(upstream, kind, how.baseline)
+    baseline, _ = _train(upstream, kind, how.baseline)
     losses, log = _train(upstream, kind, variant)
-    if how.grad_norms:
-        assert GRAD_NORM.findall(log) == GRAD_NORM.findall(baseline_log) != [], (
-            variant,
-            GRAD_NORM.findall(log),
-        )
     configs = [json.loads(m) for m in PLUGIN_CONFIG.findall(log)]
     if how.plugins:
         assert configs, f"{kind} {variant}: no 'plugin config:' line logged"
@@ -443,7 +439,7 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
     assert len(undone) == 4, f"{kind} {variant}: {len(undone)} of 4 ranks undid their changes:\n{log[-2500:]}"
     for plugin in how.plugins:
         assert all(f"{OWNERS[plugin]}: " in line for line in undone), (plugin, undone[0])
-    assert len(baseline) == ITERS and [it for it, _ in losses] == [it for it, _ in baseline], (
+    assert len(baseline) == how.iters and [it for it, _ in losses] == [it for it, _ in baseline], (
         losses,
         baseline,
     )
