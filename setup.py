@@ -30,7 +30,14 @@ setup(
         "numpy",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "ruff>=0.6", "matplotlib", "tensorboard"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff>=0.6",
+            "mypy==1.13.0",
+            "matplotlib",
+            "tensorboard",
+        ],
         # What upstream Megatron-LM / Megatron-DeepSpeed pretrain_gpt.py import (and their dataset
         # helper's build) beyond the suite: the upstream training tests and python -m megatron_ext.launch.
         "upstream": ["transformers", "pyyaml", "triton", "pybind11", "nltk", "six"],

@@ -67,7 +67,9 @@ def _options(field: FieldInfo) -> dict[str, Any] | None:
 def _generated_flags() -> dict[str, tuple[str, dict[str, Any]]]:
     flags = {}
     for section in SECTIONS:
-        for name, field in PluginConfig.model_fields[section].annotation.model_fields.items():
+        model = PluginConfig.model_fields[section].annotation
+        assert model is not None  # each section's field is annotated with its model
+        for name, field in model.model_fields.items():
             options = _options(field)
             if options is not None:
                 flags[_flag_name(section, name)] = (f"{section}.{name}", options)

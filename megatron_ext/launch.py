@@ -183,7 +183,7 @@ def run(script: str, args: list[str]) -> None:
             installer.add(
                 OWNER,
                 "the process groups the script leaves (destroyed when it ends normally)",
-                lambda: ended[0] and _destroy_process_groups(),
+                lambda: _destroy_process_groups() if ended[0] else None,
             )
         try:
             runpy.run_path(script, run_name="__main__")

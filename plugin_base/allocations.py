@@ -100,7 +100,9 @@ class AllocationTrace:
             yield event.start_time_ns, event.typed[1].total_allocated - base
 
     def _events(self) -> list[Any]:
-        return sorted(_walk(self._profile.profiler.kineto_results.experimental_event_tree()), key=_start)
+        profiler = self._profile.profiler
+        assert profiler is not None and profiler.kineto_results is not None  # read once the trace closed
+        return sorted(_walk(profiler.kineto_results.experimental_event_tree()), key=_start)
 
     @staticmethod
     def _span(events: list[Any], region: str | None) -> tuple[int, int | None]:

@@ -139,7 +139,7 @@ class CommCounter:
 
     def per_link(self, phase: str | None = None, kind: str | None = None) -> dict[str, int]:
         """Bytes per link class, summed over the phases and kinds that match (None matches all)."""
-        out = dict.fromkeys(LINK_CLASSES, 0)
+        out: dict[str, int] = dict.fromkeys(LINK_CLASSES, 0)
         for (ph, kd, link), n in self.bytes.items():
             if (phase is None or ph == phase) and (kind is None or kd == kind):
                 out[link] += n
@@ -335,6 +335,7 @@ def patch_deepspeed_comm() -> bool:
     if ds_comm.cdb is None:
         ds_dist.init_distributed(dist_backend=dist.get_backend())
     cdb = ds_comm.cdb
+    assert cdb is not None  # init_distributed made it
     if _patched.get("cdb") is cdb:
         return False
     replaced = ("all_gather_function", "reduce_scatter_function", *_DS_METHODS)

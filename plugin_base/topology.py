@@ -147,7 +147,7 @@ def _is_frontier(env: Mapping[str, str]) -> bool:
 def _int_env(env: Mapping[str, str], *names: str) -> int | None:
     for name in names:
         value = env.get(name)
-        if value not in (None, ""):
+        if value:  # neither unset nor empty
             try:
                 return int(value.split("(")[0].split(",")[0])  # SLURM_TASKS_PER_NODE looks like "8(x2)"
             except ValueError:

@@ -10,6 +10,8 @@ export TORCH_EXTENSIONS_DIR="$root/.venv/torch_extensions"
 export PATH="$root/.venv/bin:$PATH"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# Static types of the libraries (what and how: [tool.mypy] in pyproject.toml).
+.venv/bin/mypy
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
 .venv/bin/python -m pytest "$@"
 # The whole suite's numeric tests once more with oneDNN held to AVX2: their bounds come from the

@@ -36,7 +36,7 @@ from deepspeed_ext.zero.profile import Profile, ProfileError
 from deepspeed_ext.zero.profile import load as load_profile
 from plugin_base import comm
 from plugin_base.section import ConfigError, read_ds_config
-from plugin_base.topology import Topology, TopologyConfig, check_data_parallel, detect_topology
+from plugin_base.topology import LinkClass, Topology, TopologyConfig, check_data_parallel, detect_topology
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +45,11 @@ class Sections(Protocol):
     """What the variant reads of the effective configuration: its own section and the topology's
     (``plugin_config.PluginConfig`` is one; without one they are read from the DeepSpeed JSON)."""
 
-    hierarchical_zero: HierarchicalZeroConfig
-    topology: TopologyConfig
+    # Read-only, so that a frozen dataclass (JsonSections) conforms as well as a pydantic model.
+    @property
+    def hierarchical_zero(self) -> HierarchicalZeroConfig: ...
+    @property
+    def topology(self) -> TopologyConfig: ...
 
 
 @dataclass(frozen=True)
@@ -77,7 +80,7 @@ class HierarchicalPlan:
     model: ModelSpec
     """This rank's parameters as the cost model sees them."""
 
-    def predicted_bytes(self, micro_batches: int = 1) -> dict[str, int]:
+    def predicted_bytes(self, micro_batches: int = 1) -> dict[LinkClass, int]:
         """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
         variant = variant_for(self.levels.config, self.levels.secondary_level, self.model)
         return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))

@@ -52,9 +52,9 @@ def variants(topology: Topology, device: torch.device) -> list[Variant]:
             Variant("hpZ", ours=False, skipped=f"no secondary size between 1 and the world ({world}) here")
         )
     node = topology.ranks_per_node if 1 < topology.ranks_per_node < world else None
-    zeropp = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+    zeropp: dict[str, Any] = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
     if node is None:
-        reason = "ZeRO++'s hpZ needs more than one node"
+        reason: str | None = "ZeRO++'s hpZ needs more than one node"
     else:
         reason = quantizer_unavailable(device)
         zeropp["zero_hpz_partition_size"] = node

@@ -113,6 +113,7 @@ class GradientReducer:
             return hops.unpack(
                 hops.reduce_scatter_hops(plan, held, range(len(plan.sizes))), tensors, chunks, me
             )
+        assert self._cross is not None  # not plain: a hop crosses nodes
         node_block = hops.reduce_scatter_hops(plan, held, range(self._cross))
         bucket = self._bucket(tuple(chunks))
         if self.at_boundary and not self._is_boundary():
@@ -216,6 +217,7 @@ def restore_residuals(
     quantized = reducer is not None and reducer.grad_bits
     if universal:
         if quantized:
+            assert reducer is not None
             raise ConfigError(
                 f"hierarchical_zero.quantized_gradients=int{reducer.grad_bits} keeps per-rank error-feedback "
                 "residuals that a universal checkpoint cannot reshard: set checkpoint.load_universal false "
@@ -225,6 +227,7 @@ def restore_residuals(
         return
     state = None if rank_state is None else rank_state.get(CHECKPOINT_KEY)
     if quantized:
+        assert reducer is not None
         reducer.load_residual_state(state)
     elif state is not None and any(b["residual"] is not None for b in state["buckets"]):
         logger.warning(

@@ -136,7 +136,8 @@ class HopWorker:
 
     def _on_streams(self, device: torch.device, stages: Sequence[Stage]) -> _EventHandle:
         ready = torch.cuda.current_stream(device).record_event()
-        events, made = [], []
+        events: list[torch.cuda.Event] = []
+        made: list[Any] = []
         for stage in stages:
             stream = self._streams.get((id(stage.group), device))
             if stream is None:

@@ -175,6 +175,7 @@ def register(levels: ZeroLevels) -> GradientReducer | None:
         )
     secondary = levels.secondary_plan()
     if secondary is not None:  # also when it is one hop: its package group is a hop group of the DP plan
+        assert levels.secondary_group is not None  # a secondary plan has its group
         _routes[id(levels.secondary_group)] = _Route(
             levels.secondary_group, secondary, worker, pieces=config.pipeline_chunks
         )
@@ -297,7 +298,10 @@ class LevelMPU:
         return len(self._levels.dp_ranks)
 
     def get_model_parallel_group(self) -> dist.ProcessGroup:
-        return self._single if self._base is None else self._base.get_model_parallel_group()
+        if self._base is None:
+            assert self._single is not None  # __init__ refuses a missing base and single both
+            return self._single
+        return self._base.get_model_parallel_group()
 
     def get_model_parallel_rank(self) -> int:
         return 0 if self._base is None else self._base.get_model_parallel_rank()

@@ -9,12 +9,15 @@ that a destroyed plan is still told apart from a foreign partition.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 
 from plugin_base.section import ConfigError
+
+if TYPE_CHECKING:  # api imports this module
+    from deepspeed_ext.zero.api import HierarchicalPlan
 
 
 @dataclass
@@ -23,7 +26,7 @@ class KnownPlan:
 
     dp_group: dist.ProcessGroup
     """Held, so that its id is not reused by another group while the entry exists."""
-    plan: Any
+    plan: HierarchicalPlan
     """The :class:`~.api.HierarchicalPlan`."""
     engines: int = 0
     """Engines built on it and not destroyed: the last one's ``destroy()`` destroys its groups."""
@@ -52,12 +55,13 @@ def plan_of_partition(model: torch.nn.Module, plan: Any) -> KnownPlan | None:
             "deepspeed.zero.Init (or under deepspeed_ext.zero.Init(plan.levels) and pass plan=plan), "
             "or a fresh model for the hierarchical engine"
         )
-    if len({id(entry.plan) for entry in known}) > 1:
+    entries = cast(list[KnownPlan], known)  # none is None: refused above
+    if len({id(entry.plan) for entry in entries}) > 1:
         raise ConfigError(
             "the model's parameters are partitioned by several hierarchical plans (modules of different "
             "engines put together): build the model again, under one deepspeed_ext.zero.Init at most"
         )
-    entry = known[0]
+    entry = entries[0]
     if not entry.plan.levels.groups.groups:
         raise ConfigError(
             "the model's parameters are partitioned over the groups of a hierarchical engine whose destroy() "

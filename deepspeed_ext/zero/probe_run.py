@@ -10,6 +10,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,6 +60,7 @@ def collectives(topology: Topology) -> Iterator[Collective]:
     if world < 2:
         return
     link = comm.span_class(topology, range(world))
+    assert dist.group.WORLD is not None  # the probe runs in an initialized process group
     flat = [] if world in plan.sizes else [Operation.ALL_GATHER, Operation.REDUCE_SCATTER]
     for operation in flat:
         yield Collective(link, dist.group.WORLD, world, 1, operation, Algorithm.RING)
@@ -66,7 +68,7 @@ def collectives(topology: Topology) -> Iterator[Collective]:
         yield Collective(link, dist.group.WORLD, world, 1, operation, Algorithm.RING, smallest_only=True)
 
 
-def call(c: Collective, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], None]:
+def call(c: Collective, numel: int, dtype: torch.dtype, device: torch.device) -> Callable[[], object]:
     """One call of ``c`` on a message of ``numel`` elements (gathered output / reduce-scatter input)."""
     full = torch.zeros(numel, dtype=dtype, device=device)
     if c.operation == Operation.ALL_REDUCE:
@@ -86,7 +88,7 @@ def call(c: Collective, numel: int, dtype: torch.dtype, device: torch.device) ->
 
 
 def timed(
-    run: Callable[[], None], repeats: int, device: torch.device, started: float
+    run: Callable[[], object], repeats: int, device: torch.device, started: float
 ) -> tuple[list[float], float]:
     """Each repeat's slowest-rank seconds (after one warm-up call), and the slowest rank's elapsed
     time since ``started``: one all-reduce, so every rank takes the same decisions from them."""
@@ -157,7 +159,7 @@ def summary(profile: Profile) -> str:
 
 def topology_config(args: argparse.Namespace) -> TopologyConfig:
     """The job's topology section, with the flags on top."""
-    section = {}
+    section: dict[str, Any] = {}
     if args.deepspeed_config:
         with open(args.deepspeed_config) as f:
             section = json.load(f).get("topology") or {}

@@ -29,7 +29,7 @@ from plugin_base.section import ConfigError
 from plugin_base.topology import Topology
 
 # Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
-MEGATRON_SAMPLERS = {"single": "single", "cyclic": "random"}
+MEGATRON_SAMPLERS: dict[str, SamplerKind] = {"single": "single", "cyclic": "random"}
 
 
 def indexed_prefixes(dataset: Any) -> list[str]:

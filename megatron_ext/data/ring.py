@@ -354,11 +354,11 @@ class Ring:
 
     def seal(self, slot: int, stream: int) -> None:
         """Store the checksum of the stream's token ids, once they are written (before publishing)."""
-        self._set(self._region(slot, stream) // 8, zlib.crc32(self.tokens(slot, stream)))
+        self._set(self._region(slot, stream) // 8, zlib.crc32(self.tokens(slot, stream)))  # type: ignore[arg-type]  # numpy declares the buffer protocol on 3.12+ only
 
     def check_sealed(self, slot: int, stream: int, ids: np.ndarray, step: int) -> None:
         """Raise :class:`RingError` when ``ids`` (a copy of the stream's ids) are not what was sealed."""
-        sealed, got = self._get(self._region(slot, stream) // 8), zlib.crc32(ids)
+        sealed, got = self._get(self._region(slot, stream) // 8), zlib.crc32(ids)  # type: ignore[arg-type]  # numpy declares the buffer protocol on 3.12+ only
         if sealed != got:
             raise RingError(
                 f"slot {slot} (step {step}) of stream {stream} is corrupt: its token ids have CRC-32 {got:#010x}, "

@@ -102,7 +102,8 @@ class _PinnedRing:
         self.device = device
         self.stream = torch.cuda.current_stream(device)
         """The stream the copies are queued on and their events recorded on."""
-        self._pages = np.frombuffer(ring.segment.mm, dtype=np.uint8)  # pins the map until close
+        # pins the map until close
+        self._pages: np.ndarray | None = np.frombuffer(ring.segment.mm, dtype=np.uint8)
         self._ptr = self._pages.ctypes.data
         with torch.cuda.device(device):
             torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(self._ptr, self._pages.nbytes, 0))
@@ -198,7 +199,8 @@ class ShmBatchIterator:
             self._create_and_start(dataset, streams, settings)
         else:
             self._attach()
-        self._rows = [self._ring.tokens(slot, self._stream) for slot in range(config.slots)]
+        assert self._ring is not None  # either way the ring is open now
+        self._rows: list[np.ndarray] = [self._ring.tokens(slot, self._stream) for slot in range(config.slots)]
         if self._device.type == "cuda" and config.pinned_ring:
             self._handle.pinned = _PinnedRing(self._ring, self._device)
 
@@ -274,6 +276,7 @@ class ShmBatchIterator:
             "rank fail, or use another job id or shm_dir?",
             max_sleep_s=20e-3,
         )
+        assert self._ring is not None  # try_open succeeded
         theirs = self._ring.layout
         if theirs != self._layout:
             self.close()
@@ -297,6 +300,7 @@ class ShmBatchIterator:
     # -- iteration ------------------------------------------------------------------------------
     def _check_producer(self) -> None:
         ring = self._ring
+        assert ring is not None  # checked while a step is awaited, with the ring open
         state = ring.state
         if state == State.FAILED:
             raise RingError(ring.error())

@@ -15,7 +15,7 @@ its tokens go (:func:`derive_batch`), on the GPU for a CUDA device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -56,7 +56,7 @@ class TextRules:
         pads = {getattr(d, "_pad_token_id", None) for d in _gpt_datasets(dataset)}
         if len(pads) > 1:
             raise ValueError(
-                f"the blended datasets pad with different ids {sorted(pads)}: give them one tokenizer"
+                f"the blended datasets pad with different ids {sorted(pads)}: give them one tokenizer"  # type: ignore[type-var]  # every GPTDataset sets one: no None among several
             )
         rules = cls(
             extra_token=int(getattr(config, "add_extra_token_to_sequence", True)),
@@ -118,13 +118,14 @@ class TokenCodec:
         code = self._pad_code
         is_pad = text == self.pad if self.pad is not None else np.zeros(text.shape, dtype=bool)
         bad = ~is_pad & ((text < info.min) | (text > high))
-        if bad.any() or (is_pad.any() and code is None and not info.min <= self.pad <= high):
+        if bad.any() or (is_pad.any() and code is None and not info.min <= cast(int, self.pad) <= high):
             value = int(text[bad][0]) if bad.any() else self.pad
             raise ValueError(
                 f"{where} holds token id {value}, which the ring's {self.dtype} cannot hold (the tokenizer's "
                 f"vocabulary chose {self.token_bytes}-byte ids): the .bin was written with another tokenizer, or the "
                 "tokenizer's vocab_size is wrong"
             )
+        assert self.pad is not None  # every id out of range is the pad
         out[:] = np.where(is_pad, code if code is not None else self.pad, text)
 
     def decode(self, stored: torch.Tensor) -> torch.Tensor:
@@ -135,6 +136,7 @@ class TokenCodec:
             ids = stored.to(torch.int64)
         code = self._pad_code
         if code is not None:
+            assert self.pad is not None  # a code stands for the pad
             ids.masked_fill_(ids == code, self.pad)
         return ids
 
@@ -209,6 +211,7 @@ def derive_batch(
     if "loss_mask" in keys:
         loss_mask = torch.ones(mbs, seq, dtype=torch.float32, device=text.device)
         if rules.eod_mask_loss:
+            assert is_eod is not None  # TextRules.of refuses EOD settings without an EOD id
             loss_mask.masked_fill_(is_eod, 0.0)
         if rules.pad is not None:
             loss_mask.masked_fill_(labels == rules.pad, 0.0)
@@ -217,12 +220,16 @@ def derive_batch(
         positions = torch.arange(seq, device=text.device).repeat(mbs, 1)
         if rules.reset_position_ids:
             # A position restarts after the last EOD before it: subtract (that EOD's index + 1).
+            assert is_eod is not None  # TextRules.of refuses EOD settings without an EOD id
             after_eod = torch.where(is_eod, positions + 1, torch.zeros_like(positions))
             start = after_eod.cummax(dim=1).values
             positions[:, 1:] -= start[:, :-1]
         out["position_ids"] = positions
     if "attention_mask" in keys and masks is not None:
-        documents = document_ids(tokens, rules.eod) if rules.reset_attention_mask else None
+        documents = None
+        if rules.reset_attention_mask:
+            assert rules.eod is not None  # TextRules.of refuses EOD settings without an EOD id
+            documents = cast(torch.Tensor, document_ids(tokens, rules.eod))  # a tensor's are a tensor
         out["attention_mask"] = masks.build(mbs, seq, documents)
     if rules.pad is not None:
         if "tokens" in keys:

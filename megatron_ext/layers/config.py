@@ -45,7 +45,7 @@ class LayerName(StrEnum):
 class FlashOverlapConfig(Section):
     enabled: bool = False
     """Replace megatron-core's TP linears by the overlapped ones through the GPT layer spec (needs sequence parallelism)."""
-    layers: list[LayerName] = Field(default_factory=lambda: list(LayerName))
+    layers: list[LayerName] = Field(default_factory=lambda: list[LayerName](LayerName))
     """Which linears of each transformer layer are replaced."""
     mode: Mode = Mode.DIRECT
     """P2P pattern: direct (each step a different peer) or ring (neighbours only)."""

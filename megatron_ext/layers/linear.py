@@ -53,21 +53,25 @@ class _GatherLastDim(torch.autograd.Function):
         return torch.cat(parts, dim=-1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         return grad.chunk(ctx.group.size(), dim=-1)[ctx.group.rank()].contiguous(), None
 
 
 class _FlashOverlapMixin:
     """Option checks, the P2P settings and the backend choice shared by both layers."""
 
-    p2p_mode: ClassVar[Mode] = "direct"
+    p2p_mode: ClassVar[Mode] = Mode.DIRECT
     """P2P pattern used when the constructor gets none (the spec sets it per config)."""
     p2p_timeout_s: ClassVar[float] = DEFAULT_TIMEOUT_S
     """Wait bound used when the constructor gets none."""
-    overlap_backend: ClassVar[Requested] = "p2p"
+    overlap_backend: ClassVar[Requested] = Requested.P2P
     """Backend requested when the constructor gets none: p2p, auto or symm_mem."""
     overlap_topology: ClassVar[Topology | None] = None
     """Where the ranks sit, used when the constructor gets none (auto checks the TP group's node)."""
+    # Set by the megatron-core layer this mixes into.
+    config: Any
+    tp_group: dist.ProcessGroup | None
+    is_expert: bool
 
     def _setup_overlap(
         self,
@@ -112,6 +116,7 @@ class _FlashOverlapMixin:
         )
         self.fused = None
         if chosen == "symm_mem":
+            assert self.tp_group is not None  # chosen only with TP peers
             self.fused = FusedGroup(
                 self.tp_group.group_name, tp, symm_mem.torch_fused_ops(), self.overlap.name
             )

@@ -19,10 +19,11 @@ are :mod:`megatron_ext.layers.p2p_link`'s; the block order is the ``direct`` pat
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 
-from megatron_ext.layers.p2p_link import Link, OverlapGroup
+from megatron_ext.layers.p2p_link import Link, OverlapGroup, Posted
 from megatron_ext.layers.p2p_overlap import timed
 
 # Tags clear of the other schedules' (steps 1 .. n-1, and the whole-collective tags 1 << 20 and
@@ -44,21 +45,22 @@ def compute_all_to_all(compute: Callable[[int], torch.Tensor], og: OverlapGroup)
     pending = []
     for step in range(1, n):
         dst, src = (r + step) % n, (r - step) % n
-        block = timed(og, f"block for rank {dst}", lambda dst=dst: compute(dst).contiguous())
+        block = timed(og, f"block for rank {dst}", lambda dst=dst: compute(dst).contiguous())  # type: ignore[misc]  # mypy infers no lambda with defaults
         if link is None:
             link = Link(og, block.device, "all-to-all")
         received[src] = torch.empty_like(block)
         pending.append((link.exchange(received[src], src, block, dst, step=_PRODUCE_TAG + step), src))
     received[r] = timed(og, f"block for rank {r}", lambda: compute(r))
+    assert link is not None  # n > 1: the first step made it
     for posted, src in pending:
         link.wait(posted, True, src, f"receive of block {r} from rank {src}")
     link.finish()
-    return received
+    return cast(list[torch.Tensor], received)  # every rank's block is set by now
 
 
 def _post_blocks(
     blocks: list[torch.Tensor], og: OverlapGroup, into: list[torch.Tensor] | None = None
-) -> tuple[Link, list[tuple[torch.Tensor, object, int]]]:
+) -> tuple[Link, list[tuple[torch.Tensor, Posted, int]]]:
     """Post every remote block of an all-to-all at once: (link, [(receive buffer, transfer, source)]);
     each received block lands in ``into[source]`` when given, else in a new buffer."""
     n, r = og.size, og.rank
@@ -87,7 +89,7 @@ def all_to_all_compute(
     timed(og, f"block from rank {r}", lambda: compute(r, blocks[r]))
     for buf, posted, src in pending:
         link.wait(posted, True, src, f"receive of block {r} from rank {src}")
-        timed(og, f"block from rank {src}", lambda src=src, buf=buf: compute(src, buf))
+        timed(og, f"block from rank {src}", lambda src=src, buf=buf: compute(src, buf))  # type: ignore[misc]  # mypy infers no lambda with defaults
     link.finish()
 
 

@@ -9,6 +9,7 @@ fused symmetric-memory ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +46,7 @@ class P2PAllGatherLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(
+    def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
@@ -53,7 +54,7 @@ class P2PAllGatherLinear(torch.autograd.Function):
         want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         g = precision.cast(grad_out).contiguous()
         with precision.exact():
-            gathered = None
+            gathered: Callable[[], torch.Tensor] | None = None
             if want_w:  # at TP=1 the saved input is the whole sequence already
                 gathered = (
                     start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:])))
@@ -61,8 +62,8 @@ class P2PAllGatherLinear(torch.autograd.Function):
                     else lambda: x
                 )
             scattered = start_reduce_scatter(torch.matmul(g, precision.cast(weight)), og) if want_x else None
-            grad_w = weight_gradient(g, gathered(), weight, ctx.fuse_wgrad) if want_w else None
-            grad_x = scattered() if want_x else None
+            grad_w = weight_gradient(g, gathered(), weight, ctx.fuse_wgrad) if gathered is not None else None
+            grad_x = scattered() if scattered is not None else None
         return grad_x, grad_w, None, None
 
 
@@ -85,7 +86,7 @@ class P2PLinearReduceScatter(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(
+    def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
@@ -99,10 +100,10 @@ class P2PLinearReduceScatter(torch.autograd.Function):
         gathered = g.new_empty((g.shape[0] * n, *g.shape[1:])) if want_w else None
 
         def dgrad(j: int, gj: torch.Tensor) -> None:
-            if want_x:
+            if grad_x is not None:
                 torch.matmul(gj, wc, out=rows(grad_x, j, n))
 
         with precision.exact():
             all_gather_compute(g, dgrad, og, out=gathered)
-            grad_w = weight_gradient(gathered, x, weight, ctx.fuse_wgrad) if want_w else None
+            grad_w = weight_gradient(gathered, x, weight, ctx.fuse_wgrad) if gathered is not None else None
         return grad_x, grad_w, None, None

@@ -169,6 +169,7 @@ class Link:
         self.sends: list[tuple[Posted, int]] = []
 
     def _global(self, group_rank: int) -> int:
+        assert self.og.group is not None  # a link joins ranks of a group
         return dist.get_global_rank(self.og.group, group_rank)
 
     def exchange(

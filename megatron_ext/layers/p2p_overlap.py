@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from megatron_ext.layers.p2p_link import Link, OverlapGroup, Posted
+
+T = TypeVar("T")
 
 
 def rows(t: torch.Tensor, j: int, n: int) -> torch.Tensor:
@@ -36,7 +39,7 @@ def rows(t: torch.Tensor, j: int, n: int) -> torch.Tensor:
     return t[j * size : (j + 1) * size]
 
 
-def timed(og: OverlapGroup, label: str, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+def timed(og: OverlapGroup, label: str, fn: Callable[[], T]) -> T:
     """``fn()``, recorded as a compute slice named ``label`` when the group carries a trace."""
     if og.trace is None:
         return fn()
@@ -48,7 +51,7 @@ def timed(og: OverlapGroup, label: str, fn: Callable[[], torch.Tensor | None]) -
 
 def all_gather_compute(
     shard: torch.Tensor,
-    compute: Callable[[int, torch.Tensor], None],
+    compute: Callable[[int, torch.Tensor], object],
     og: OverlapGroup,
     out: torch.Tensor | None = None,
 ) -> None:
@@ -88,7 +91,7 @@ def all_gather_compute(
             outgoing = shard if og.mode == "direct" else buffers[step - 1]
             pending = link.exchange(buffers[step], next_src, outgoing, next_dst, step=step + 1)
         received = buffers[step - 1]
-        timed(og, f"slice {owner}", lambda owner=owner, received=received: compute(owner, received))
+        timed(og, f"slice {owner}", lambda owner=owner, received=received: compute(owner, received))  # type: ignore[misc]  # mypy infers no lambda with defaults
     link.finish()
 
 
@@ -110,7 +113,7 @@ def compute_reduce_scatter(compute: Callable[[int], torch.Tensor], og: OverlapGr
             owner, src, dst = (r + step) % n, (r - step) % n, (r + step) % n
         else:
             owner, src, dst = (r - step) % n, (r - 1) % n, (r + 1) % n
-        part = timed(og, f"slice {owner}", lambda owner=owner: compute(owner).contiguous())
+        part = timed(og, f"slice {owner}", lambda owner=owner: compute(owner).contiguous())  # type: ignore[misc]  # mypy infers no lambda with defaults
         if link is None:
             link = Link(og, part.device, "reduce-scatter")
         if og.mode == "ring" and carried is not None:
@@ -124,7 +127,9 @@ def compute_reduce_scatter(compute: Callable[[int], torch.Tensor], og: OverlapGr
         else:
             carried = (buf, posted)
     own = timed(og, f"slice {r}", lambda: compute(r).contiguous())
+    assert link is not None  # n > 1: the first step made it
     if og.mode == "ring":
+        assert carried is not None  # the last step's running sum
         received.append((*carried, (r - 1) % n))
     for buf, posted, src in received:
         link.wait(posted, True, src, f"receive of a partial of slice {r} from rank {src}")

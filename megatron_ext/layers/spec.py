@@ -105,7 +105,7 @@ def _configured(cls: type, config: FlashOverlapConfig, topology: Topology | None
 
 def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
     """The submodules holding ``slot``'s linear; refused unless the container is the dense module."""
-    container = getattr(spec.submodules, slot.container, None)
+    container: Any = getattr(spec.submodules, slot.container, None)
     if getattr(container, "module", None) is not slot.container_module:
         raise ValueError(
             f"flash_overlap.layers has '{layer}', but the base layer spec's {slot.container} is "
@@ -118,6 +118,7 @@ def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
 def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: Any) -> None:
     """Put the norm that ``fused`` applies into the layer's norm slot, as megatron-core's local spec
     has it (the norm and the key map that keeps checkpoints in the fused layer's layout)."""
+    assert slot.norm is not None  # called for slots with a norm only
     present = getattr(spec.submodules, slot.norm)
     if present is not IdentityOp:
         raise ValueError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -54,7 +54,10 @@ def torch_reference_ops() -> FusedOps:
         _fused_matmul_reduce_scatter_fallback,
     )
 
-    return FusedOps(_fused_all_gather_matmul_fallback, _fused_matmul_reduce_scatter_fallback)
+    # torch types its group_name GroupName, a NewType of the str the layers pass
+    return FusedOps(
+        _fused_all_gather_matmul_fallback, cast(MatmulReduceScatter, _fused_matmul_reduce_scatter_fallback)
+    )
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,7 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(
+    def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         gathered, weight = ctx.saved_tensors
@@ -124,7 +127,7 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(
+    def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors

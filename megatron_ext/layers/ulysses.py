@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ class HeadSplit:
             self.head_dim,
         )
         starts = (group * q, self.heads * d + group * kv, (self.heads + self.kv_heads) * d + group * kv)
-        return tuple(slice(a, a + n) for a, n in zip(starts, (q, kv, kv)))
+        return cast(tuple[slice, slice, slice], tuple(slice(a, a + n) for a, n in zip(starts, (q, kv, kv))))
 
     def qkv_blocks(self, group: int) -> list[tuple[slice, slice]]:
         """(rows of this split's QKV weight, columns of the group's [q | k | v] block) per GEMM that
@@ -162,7 +162,7 @@ class _QKVAllToAll(torch.autograd.Function):
         return torch.cat(compute_all_to_all(project, og), dim=0)  # block i: rank i's tokens
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         x, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
         wide = _sums_in_fp32(x)  # n (or 3n) dgrad products add up to grad_x: in fp32, rounded once
@@ -211,12 +211,13 @@ class _AllToAllOutput(torch.autograd.Function):
                 out.append(partial)
 
         all_to_all_compute(_sequence_blocks(context.contiguous(), og.size), project, og)
-        ctx.save_for_backward(torch.cat(received, dim=-1), weight)  # [s/n, b, c]: the gathered context
+        # [s/n, b, c]: the gathered context (every group's block has arrived)
+        ctx.save_for_backward(torch.cat(cast(list[torch.Tensor], received), dim=-1), weight)
         ctx.split, ctx.og = split, og
         return out[0].to(context.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         gathered, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
         grad = grad.contiguous()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, OverlapGroup, check_nccl_waits, run_device
+from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits, run_device
 from megatron_ext.layers.ulysses import HeadSplit, LocalAttention, ulysses_attention
 
 
@@ -22,6 +22,8 @@ class UlyssesSelfAttention(torch.nn.Module):
     between this module and upstream's both ways. ``forward(hidden [s/n, b, h], *args)`` returns
     ``(output [s/n, b, h], dense bias or None)``: the bias is left to the caller, as Megatron's
     ``skip_bias_add``."""
+
+    _qkv_order: torch.Tensor  # a buffer (register_buffer in __init__)
 
     def __init__(
         self,
@@ -41,7 +43,7 @@ class UlyssesSelfAttention(torch.nn.Module):
             raise ValueError(f"the head split is for {split.ranks} ranks but the sequence group has {size}")
         self.split = dataclasses.replace(split, group_major=True)
         self.local_attention = local_attention
-        self.og = OverlapGroup(sequence_group, "direct", timeout_s, "ulysses_attention")
+        self.og = OverlapGroup(sequence_group, Mode.DIRECT, timeout_s, "ulysses_attention")
         width = (split.heads + 2 * split.kv_heads) * split.head_dim
         kw = {"device": device, "dtype": dtype}
         self.query_key_value = torch.nn.Linear(hidden_size, width, bias=bias, **kw)

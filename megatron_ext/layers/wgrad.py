@@ -69,7 +69,7 @@ def weight_gradient(
     x = total_input.reshape(-1, total_input.shape[-1])
     if not fuse:
         return g.t().matmul(x)
-    main_grad = weight.main_grad  # checked by require_main_grad before any transfer was posted
+    main_grad = weight.main_grad  # type: ignore[attr-defined]  # checked by require_main_grad before any transfer was posted
     _accumulate(main_grad, g, x)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None

@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 ENV_DEFAULTS = {"TORCH_COMPILE_DISABLE": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
 _CUDA_TO_CPU = ("device_count", "set_device", "synchronize", "Stream", "Event", "current_stream", "stream")
 
-_undo: list[Callable[[], None]] = []  # in order of application; disable() runs them backwards
+_undo: list[Callable[[], object]] = []  # in order of application; disable() runs them backwards
 _mode: CudaToCpu | None = None
 
 

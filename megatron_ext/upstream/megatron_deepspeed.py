@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -110,7 +110,7 @@ def data_iterators(provider: Callable[..., Any]) -> tuple[Any, ...]:
     # Upstream builds on TP rank 0 only, and its index maps are written by rank 0 and awaited within the
     # data-parallel group: those ranks go first, the others then find the maps written.
     first = mpu.get_tensor_model_parallel_rank() == 0
-    built = build_train_valid_test_datasets(provider) if first else None
+    built: Any = build_train_valid_test_datasets(provider) if first else None
     dist.barrier()
     built = built if first else build_train_valid_test_datasets(provider)
     datasets = [None if d is None else TextSamples(d, args.seq_length) for d in built]
@@ -207,7 +207,10 @@ def split_qkv(attention: Any, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.
     q = attention.num_attention_heads_per_partition * d
     kv = attention.num_key_value_heads_per_partition * d
     s, b = mixed.shape[:2]
-    return tuple(part.reshape(s, b, -1, d) for part in torch.split(mixed, [q, kv, kv], dim=-1))
+    return cast(
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        tuple(part.reshape(s, b, -1, d) for part in torch.split(mixed, [q, kv, kv], dim=-1)),
+    )
 
 
 def ulysses_context(dist_attn: Any, query: Any, key: Any, value: Any, attention_mask: Any) -> torch.Tensor:
@@ -275,7 +278,7 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     import deepspeed
     from megatron.core import parallel_state
 
-    from megatron_ext.layers.p2p_link import OverlapGroup, check_nccl_waits, run_device
+    from megatron_ext.layers.p2p_link import Mode, OverlapGroup, check_nccl_waits, run_device
     from megatron_ext.layers.ulysses import HeadSplit, check_sequence_length, ulysses_attention
 
     args = megatron_args()
@@ -287,7 +290,7 @@ def ulysses_overlap(attention: Any) -> Callable[..., tuple[torch.Tensor, Any]] |
     check_sequence_length(args.seq_length, group.size())
     og = OverlapGroup(
         group,
-        "direct",
+        Mode.DIRECT,
         overlap.timeout_s,
         f"ulysses attention {attention.layer_number}",
     )

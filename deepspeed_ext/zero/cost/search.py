@@ -111,7 +111,9 @@ def fitting(
     for rc in Recompute:
         for mb in micro_batches(system, nodes, plan, rules):
             candidate = replace(plan, micro_batch=mb, recompute=rc)
-            peak = max(memory(system, model, s, candidate)["total"], build_bytes(model, candidate, s.size, rules))
+            peak = max(
+                memory(system, model, s, candidate)["total"], build_bytes(model, candidate, s.size, rules)
+            )
             if peak <= rules.budget_bytes(system):
                 mine = project(system, model, nodes, candidate)
                 if best is None or mine.tflops_per_gcd > best[1].tflops_per_gcd:

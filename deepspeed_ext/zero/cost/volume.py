@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from deepspeed_ext.zero.levels import DPShape
 from plugin_base.comm import LINK_CLASSES, volume
@@ -205,7 +206,7 @@ def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches:
         lay = (1, 1, variant.hpz_size) if variant.hpz_link == PACKAGE else (1, variant.hpz_size // k, k)
         secondary = [(lay, volume("all_gather", w, variant.hpz_size))]
     else:
-        secondary = _gather_hops(shape, variant.secondary, w, variant.hierarchical_gather)
+        secondary = _gather_hops(shape, cast(Level, variant.secondary), w, variant.hierarchical_gather)
     hops: list[Hop] = []
     for lay, b in primary:
         hops.append(Hop("forward", "gather", _link(lay), math.prod(lay), b, model.gathers_per_pass, 1, lay))
