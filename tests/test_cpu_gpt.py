@@ -3,30 +3,21 @@ parallelism) trains exactly as a single process does, and the shim is inert when
 
 import pytest
 import torch
+from gpt_helpers import seeded_gpt
 
 STEPS = 4
 
 
 def _train_losses(tp: int, sequence_parallel: bool) -> list[float]:
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_ext.cpu import enable_cpu_support
-    from megatron_ext.gpt import build_gpt_model, gpt_config, gpt_loss
+    from megatron_ext.gpt import gpt_loss
     from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
-    torch.manual_seed(1)
-    model_parallel_cuda_manual_seed(1)
-    config = gpt_config(
-        num_layers=2,
-        hidden_size=48,
-        num_attention_heads=4,
-        tensor_model_parallel_size=tp,
-        sequence_parallel=sequence_parallel,
-    )
-    model = build_gpt_model(config, vocab_size=128, seq_length=16)
+    model = seeded_gpt(1, hidden=48, vocab=128, seq=16, tp=tp, sequence_parallel=sequence_parallel)
     allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
     tokens = torch.randint(0, 128, (2, 17), generator=torch.Generator().manual_seed(0))

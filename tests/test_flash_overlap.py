@@ -16,6 +16,7 @@ from functools import partial
 import pytest
 import torch
 from flash_overlap_helpers import setup_tp
+from gpt_helpers import seeded_gpt
 
 from megatron_ext.layers.config import FlashOverlapConfig
 from multirank import RankError
@@ -200,9 +201,8 @@ def test_matches_dense_and_megatron_core(case_results, case):
 
 def _train_gpt(tp: int, steps: int) -> dict[str, list[float]]:
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.gpt import build_gpt_model, gpt_config, gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.gpt import gpt_loss, local_layer_spec, padded_vocab_size
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
     from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
@@ -215,17 +215,16 @@ def _train_gpt(tp: int, steps: int) -> dict[str, list[float]]:
     }
     losses: dict[str, list[float]] = {}
     for name, spec in specs.items():
-        torch.manual_seed(5)
-        model_parallel_cuda_manual_seed(5)
-        config = gpt_config(
-            num_layers=2,
-            hidden_size=24,
-            num_attention_heads=4,
-            ffn_hidden_size=40,
-            tensor_model_parallel_size=tp,
+        model = seeded_gpt(
+            5,
+            hidden=24,
+            vocab=vocab,
+            seq=seq,
+            tp=tp,
             sequence_parallel=True,
+            ffn=40,
+            layer_spec=copy.deepcopy(spec),
         )
-        model = build_gpt_model(config, vocab, seq, copy.deepcopy(spec))
         allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
         optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
         losses[name] = []

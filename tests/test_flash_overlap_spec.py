@@ -17,6 +17,7 @@ from unittest import mock
 import pytest
 import torch
 from flash_overlap_helpers import setup_tp
+from gpt_helpers import seeded_gpt
 
 from megatron_ext.layers.config import FlashOverlapConfig
 
@@ -104,9 +105,8 @@ def test_a_te_spec_gets_its_norms_back_in_their_own_slots():
 
 def _te_composed_against_megatron_core_local(tp: int) -> dict[str, float]:
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.gpt import build_gpt_model, gpt_config, gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.gpt import gpt_loss, local_layer_spec, padded_vocab_size
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
     from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
@@ -125,17 +125,9 @@ def _te_composed_against_megatron_core_local(tp: int) -> dict[str, float]:
     }
     runs = {}
     for name, spec in specs.items():
-        torch.manual_seed(5)
-        model_parallel_cuda_manual_seed(5)
-        config = gpt_config(
-            num_layers=2,
-            hidden_size=24,
-            num_attention_heads=4,
-            ffn_hidden_size=40,
-            tensor_model_parallel_size=tp,
-            sequence_parallel=True,
+        model = seeded_gpt(
+            5, hidden=24, vocab=vocab, seq=seq, tp=tp, sequence_parallel=True, ffn=40, layer_spec=spec
         )
-        model = build_gpt_model(config, vocab, seq, spec)
         allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
         loss = gpt_loss(model, batch)
         loss.backward()

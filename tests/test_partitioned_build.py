@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from gpt_helpers import seeded_gpt
 
 from plugin_base.topology import Topology
 
@@ -24,22 +25,7 @@ DS = {
 
 def _gpt() -> torch.nn.Module:
     """A tiny megatron-core GPT, seeded as the main job seeds it."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_ext.gpt import build_gpt_model, gpt_config
-
-    torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234)
-    config = gpt_config(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=None,
-        tensor_model_parallel_size=1,
-        sequence_parallel=False,
-        bf16=False,
-    )
-    return build_gpt_model(config, 128, 32)
+    return seeded_gpt(1234, hidden=32, vocab=128, seq=32)
 
 
 def _gathered(model: torch.nn.Module) -> dict[str, torch.Tensor]:
