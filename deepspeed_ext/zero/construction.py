@@ -3,12 +3,12 @@
 No rank ever holds the model whole: each module's parameters are broadcast from the group's
 first rank, partitioned over the levels' data-parallel group, and copied into the secondary
 partition as construction goes. One difference from DeepSpeed's own Init, for models that
-initialise a child's weight in the parent's ``__init__`` (megatron-core's position embeddings:
-``init_method(self.position_embeddings.weight)`` after ``torch.nn.Embedding(...)``): a module's
-parameters are partitioned when its parent's ``__init__`` ends, not its own. Under DeepSpeed's
-Init that initialisation writes into an empty partitioned placeholder and is lost, without a
-word, and every random number drawn after it shifts. The price is one module with its children
-whole at a time instead of one leaf.
+initialise a child's weight in the parent's ``__init__`` right after building it (megatron-core's
+position embeddings: ``init_method(self.position_embeddings.weight)`` after
+``torch.nn.Embedding(...)``): a module's parameters are partitioned when the next module's
+``__init__`` ends (or the Init's block does), not when its own does. Under DeepSpeed's Init that
+initialisation writes into an empty partitioned placeholder and is lost, without a word, and every
+random number drawn after it shifts. The price is one module more whole at a time.
 """
 
 from __future__ import annotations
@@ -46,15 +46,14 @@ class Init(deepspeed.zero.Init):
         kwargs["zero_param_parallel_group"] = levels.secondary_group
         self._levels = levels
         self._waiting: list[torch.nn.Module] = []
-        """Modules built whose parent's ``__init__`` has not ended: their parameters are whole."""
+        """The module built last: its parameters are whole until the next module is built."""
         with secondary_group_global(levels.secondary_group):
             super().__init__(**kwargs)
 
     def _post_init_method(self, module: torch.nn.Module) -> None:
-        """``module``'s ``__init__`` ended: partition its children's parameters; its own wait."""
-        children = {id(child) for child in module.children()}
-        ready = [m for m in self._waiting if id(m) in children]
-        self._waiting = [m for m in self._waiting if id(m) not in children] + [module]
+        """``module``'s ``__init__`` ended: the module that ended before it is partitioned (its
+        parent has moved on to build another); ``module`` waits for the next one."""
+        ready, self._waiting = self._waiting, [module]
         self._partition_modules(ready)
 
     def _partition_modules(self, modules: list[torch.nn.Module]) -> None:
@@ -64,6 +63,6 @@ class Init(deepspeed.zero.Init):
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> Any:
         waiting, self._waiting = self._waiting, []
-        if exc_type is None:  # the outermost modules (and any built but never attached)
+        if exc_type is None:  # the last module built
             self._partition_modules(waiting)
         return super().__exit__(exc_type, exc_value, traceback)
