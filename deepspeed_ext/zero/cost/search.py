@@ -86,9 +86,8 @@ class Row:
 
 def build_bytes(model: Model, plan: Plan, dp: int, rules: Rules) -> float:
     """The build's peak on one rank: the variant builds partitioned from construction
-    (``deepspeed_ext.zero.Init``), so its partition of the model (TP shard over ``dp``) and one
-    module with its children whole, at most two of the largest (an MLP's fc1 and fc2; the word
-    and position embeddings)."""
+    (``deepspeed_ext.zero.Init``), so its partition of the model (TP shard over ``dp``) and the two
+    modules built last whole, at most two of the largest."""
     return rules.build_bytes_per_param * (model.params / plan.tp / dp + 2 * max(model.modules(plan.tp)))
 
 
