@@ -134,6 +134,12 @@ def steps(network: str, quick: bool) -> list[Step]:
             + (("--micro", "1") if quick else ()),
             (f"zero/{network}.md",),
         ),
+        Step(
+            "ZeRO-3 build and first-step memory per rank: ZeRO-3, hpZ, ours built partitioned and whole (4 CPU ranks)",
+            "benchmarks.zero.memory",
+            ("--repeats", "2" if quick else "5", "--out", f"{RESULTS_ARG}/zero"),
+            ("zero/build_memory.md",),
+        ),
         *[scale] * cluster,
         *[ab] * cluster,
         Step(

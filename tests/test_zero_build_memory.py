@@ -1,9 +1,9 @@
 """Memory of a ZeRO-3 engine's build on 4 ranks (2 nodes x 2), measured as ``benchmarks.zero.memory``
 measures it: the peak resident set of each rank above the one before the phase.
 
-A model built under stock ``deepspeed.zero.Init`` never holds the whole model, one built under ours
-keeps only its share and the node's secondary copy, and one built whole holds the whole model before
-the engine partitions it. After initialize every rank holds the state the model's size gives
+A model built under stock ``deepspeed.zero.Init`` or under ours never holds the whole model (ours
+keeps its share and the node's secondary copy), one built whole holds it before the engine
+partitions it. After initialize every rank holds the state the model's size gives
 (computed: weight, fp32 master and gradient partitions, plus the secondary copy for ours), whichever
 way the model was built.
 
@@ -46,15 +46,17 @@ def test_stock_init_never_holds_the_whole_model(ranks, expected):
 
 def test_ours_under_init_keeps_only_its_share_and_the_node_copy(ranks, expected):
     for rank in ranks:
-        held = rank["ours"]["held_after_construction"]
-        assert held == pytest.approx(expected["held_after_construction"]["ours"], rel=TOL), rank["ours"]
-        assert held < 0.8 * expected["whole"]
+        figures = rank["ours"]
+        held = figures["held_after_construction"]
+        assert held == pytest.approx(expected["held_after_construction"]["ours"], rel=TOL), figures
+        # 3/4 of the model stays (share and node copy); a layer or two more whole while it is built
+        assert figures["construction"] < expected["whole"], figures
 
 
 def test_built_whole_holds_the_whole_model(ranks, expected):
     for rank in ranks:
         figures = rank["ours_whole"]
-        # page-rounded, the weights alone come to the model's bytes; 5 % for a page given back on the way
+        # page-rounded, the weights alone are the model's bytes; 5 % for pages the process gives back meanwhile
         assert figures["held_after_construction"] >= 0.95 * expected["whole"], figures
         assert figures["build"] > expected["whole"], figures
 
