@@ -27,11 +27,11 @@ def _measure(hidden: int, layers: int) -> dict[str, dict[str, int]]:
     return {variant: rises(measure_rank(variant, hidden, layers)) for variant in VARIANTS}
 
 
-@pytest.fixture(scope="module")
-def ranks(run_ranks):
-    # measure_rank leaves the workers' mmap threshold fixed at 64 KiB: later calls on this pool map
-    # their large blocks one by one (a little slower), nothing else.
-    return run_ranks(4, _measure, HIDDEN, LAYERS, timeout=300)
+@pytest.fixture
+def ranks(own_ranks):
+    # Fresh processes, as the benchmark launches them: a worker that ran other tests keeps freed
+    # heap that hides a rise of the resident set, and measure_rank fixes the worker's mmap threshold.
+    return own_ranks(4, _measure, HIDDEN, LAYERS, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -39,30 +39,21 @@ def expected() -> dict:
     return computed(HIDDEN, LAYERS)
 
 
-def test_stock_init_never_holds_the_whole_model(ranks, expected):
+def test_build_memory_per_rank(ranks, expected):
+    """Stock Init never holds the whole model; ours under Init keeps its share and the node's copy
+    (a module or two more whole while it is built); built whole holds the whole model; after
+    initialize every variant holds the computed state."""
     for rank in ranks:
         assert rank["zero3"]["construction"] < 0.6 * expected["whole"], rank["zero3"]
-
-
-def test_ours_under_init_keeps_only_its_share_and_the_node_copy(ranks, expected):
-    for rank in ranks:
-        figures = rank["ours"]
-        held = figures["held_after_construction"]
-        assert held == pytest.approx(expected["held_after_construction"]["ours"], rel=TOL), figures
-        # 3/4 of the model stays (share and node copy); a layer or two more whole while it is built
-        assert figures["construction"] < expected["whole"], figures
-
-
-def test_built_whole_holds_the_whole_model(ranks, expected):
-    for rank in ranks:
-        figures = rank["ours_whole"]
-        # page-rounded, the weights alone are the model's bytes; 5 % for pages the process gives back meanwhile
-        assert figures["held_after_construction"] >= 0.95 * expected["whole"], figures
-        assert figures["build"] > expected["whole"], figures
-
-
-def test_held_after_build_is_the_computed_state(ranks, expected):
-    for rank in ranks:
+        ours = rank["ours"]
+        assert ours["held_after_construction"] == pytest.approx(
+            expected["held_after_construction"]["ours"], rel=TOL
+        ), ours
+        assert ours["construction"] < expected["whole"], ours
+        whole = rank["ours_whole"]
+        # page-rounded, the weights alone are the model's bytes; 5 % for pages given back meanwhile
+        assert whole["held_after_construction"] >= 0.95 * expected["whole"], whole
+        assert whole["build"] > expected["whole"], whole
         for variant in VARIANTS:
             want = expected["held_after_build"][variant]
             assert rank[variant]["held_after_build"] == pytest.approx(want, rel=TOL), (variant, rank[variant])
