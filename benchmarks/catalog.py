@@ -62,7 +62,10 @@ def left_out(network: str) -> dict[str, str]:
             "needs the emulated cluster's per-link latency (16 ranks on 8 nodes): `--network cluster` only (root)"
         )
         out["benchmarks.zero.ab"] = (
-            "the probe and the A/B command on the emulated cluster (16 ranks on 8 nodes): `--network cluster` only (root)"
+            "the probe and the A/B command on the emulated cluster (8 ranks on 4 nodes): `--network cluster` only (root)"
+        )
+        out["benchmarks.zero.regime"] = (
+            "sets Frontier's regime against the emulated cluster's A/B runs: `--network cluster` only (root)"
         )
     return out
 
@@ -118,11 +121,22 @@ def steps(network: str, quick: bool) -> list[Step]:
         ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/zero"),
         (f"zero/scale_8x2{'_quick' if quick else ''}.md",),
     )
-    ab = Step(
-        "Hierarchical ZeRO's probe and A/B command: 8 nodes of 2 ranks (emulated cluster)",
-        "benchmarks.zero.ab",
-        ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/zero"),
-        (f"zero/ab{'_quick' if quick else ''}.md",),
+    ab = [
+        Step(
+            f"Hierarchical ZeRO's probe and A/B command, {regime} regime: 4 nodes of 2 ranks (emulated cluster)",
+            "benchmarks.zero.ab",
+            ("--regime", regime, *("--quick",) * quick, "--out", f"{RESULTS_ARG}/zero"),
+            (f"zero/ab_{regime}{'_quick' if quick else ''}.md",),
+        )
+        for regime in ("frontier", "latency")
+    ]
+    suffix = "_quick" if quick else ""
+    regime = Step(
+        "The regimes' dimensionless numbers: Frontier's (computed) against both A/B runs'",
+        "benchmarks.zero.regime",
+        (f"{RESULTS_ARG}/zero/ab_frontier{suffix}.json", f"{RESULTS_ARG}/zero/ab_latency{suffix}.json")
+        + ("--out", f"{RESULTS_ARG}/zero/regime{suffix}.md"),
+        (f"zero/regime{suffix}.md",),
     )
     return [
         *[calibration] * cluster,
@@ -141,7 +155,8 @@ def steps(network: str, quick: bool) -> list[Step]:
             ("zero/build_memory.md",),
         ),
         *[scale] * cluster,
-        *[ab] * cluster,
+        *ab * cluster,
+        *[regime] * cluster,
         Step(
             f"Flash-Overlap MLP and layer, forward + backward, vs megatron-core and 4-chunk slicing ({network})",
             "benchmarks.flash_overlap.run",

@@ -113,8 +113,10 @@ def test_the_slurm_scripts_run_the_probe_then_the_ab_command_with_its_profile(pl
 def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
     from benchmarks.zero import ab
 
-    ab.main(["--quick", "--nodes", "2", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "ab_quick.json").read_text())
+    ab.main(["--quick", "--nodes", "2", "--out", str(tmp_path)])  # the frontier regime, the default
+    result = json.loads((tmp_path / "ab_frontier_quick.json").read_text())
+    assert result["regime"] == "frontier" and result["spec"]["name"] == "frontier_bandwidth"
+    assert [result["spec"][f"{link}_latency_ms"] for link in ("package", "node", "inter_node")] == [0, 0, 0]
     rows = {row["variant"]: row for row in result["variants"]}
     assert list(rows) == ["zero3", "hpZ(2)", "zero++ (hpZ + qwZ + qgZ)", "ours"]
     assert not rows["zero++ (hpZ + qwZ + qgZ)"]["ran"]
@@ -134,6 +136,10 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
         )
         assert parts["compute_s"] > 0 and parts["comm_s"] > 0 and row["calls_per_step"]
         assert -0.9 <= prediction_error(row) <= 9.0, (name, row["predicted_step_s"], row["step_s"])
+        # every step waits for the first module's gather at least, and no longer than the step
+        assert 0 < row["gather_wait_s"] and 0 < row["gather_wait_share"] < 1
+        numbers = result["dimensionless"][name]
+        assert numbers["links"]["inter_node"]["message_over_product"] > 0 and numbers["comm_over_compute"] > 0
     assert result["auto_check"] and len(result["probe_s"]) == 2
-    assert (tmp_path / "ab_quick.png").stat().st_size > 0
-    assert (tmp_path / "ab_quick_profile.json").exists()
+    assert (tmp_path / "ab_frontier_quick.png").stat().st_size > 0
+    assert (tmp_path / "ab_frontier_quick_profile.json").exists()

@@ -252,6 +252,15 @@ def frontier_latency(
     )
 
 
+def frontier_bandwidth(nodes: int = 4, packages_per_node: int = 1, shared_nic: bool = True) -> ClusterSpec:
+    """The frontier profile's rates with no delay added: each algorithm step then costs what the
+    host's processes and kernel take (a few ms with 8 ranks on 2 cores, measured by the probe), so
+    a message of ~1 MB is some hundred times the inter-node latency x bandwidth product, as a 20B
+    step's ~100 MB are on Frontier (``python -m benchmarks.zero.regime``). Default layout: 4 nodes
+    of one MI250X each (2 ranks sharing one NIC)."""
+    return replace(frontier(nodes, packages_per_node, shared_nic), name="frontier_bandwidth")
+
+
 def generic(
     nodes: int = 2, ranks_per_node: int = 2, node_mbit: float = 400.0, inter_node_mbit: float = 100.0
 ) -> ClusterSpec:
@@ -260,7 +269,12 @@ def generic(
     return ClusterSpec(nodes, ranks_per_node, 1, node_mbit, node_mbit, inter_node_mbit, name="generic")
 
 
-PROFILES = {"frontier": frontier, "frontier_latency": frontier_latency, "generic": generic}
+PROFILES = {
+    "frontier": frontier,
+    "frontier_latency": frontier_latency,
+    "frontier_bandwidth": frontier_bandwidth,
+    "generic": generic,
+}
 
 
 def profile(name: str) -> ClusterSpec:

@@ -1,14 +1,19 @@
 """The probe and the A/B command on the emulated cluster, as a user runs them on 2+ nodes.
 
-  python -m benchmarks.zero.ab            (root; 8 ranks as 4 nodes x 2 sharing one NIC per node)
-  python -m benchmarks.zero.ab --quick    (a smoke test: small sweep, tiny model, 5 timed steps)
+  python -m benchmarks.zero.ab [--regime frontier]   (root; 8 ranks as 4 nodes x 2 sharing one NIC per node)
+  python -m benchmarks.zero.ab --regime latency      (the latency-bound regime: 2 / 4 / 10 ms delays)
+  python -m benchmarks.zero.ab --quick               (a smoke test: small sweep, tiny model, 5 timed steps)
 
-Three launches on one cluster (benchmarks.cluster.spec.frontier_latency): the probe (its wall time
-from launch to exit, against the 2-minute target), the probe again (a held-out measurement), and
-``deepspeed_ext.zero.bench`` with the first profile. The check of ``auto``: at every size both
-probes measured across nodes, the algorithm the first profile picks is timed in the second, and
-its median is compared with the faster of ring and recursive there (target: at most 5% slower).
-Writes benchmarks/results/zero/ab{,_quick}.{json,md,png} and the first profile beside them.
+Two regimes (``python -m benchmarks.zero.regime`` prints their dimensionless numbers against
+Frontier's): ``frontier`` (benchmarks.cluster.spec.frontier_bandwidth: Frontier's rate ratios, no
+delay added, a micro-batch whose compute outweighs the communication as a 20B step's does on
+Frontier) and ``latency`` (frontier_latency: delays 1000x Frontier's, a small batch). Three launches
+on one cluster: the probe (its wall time from launch to exit, against the 2-minute target), the
+probe again (a held-out measurement), and ``deepspeed_ext.zero.bench`` with the first profile. The
+check of ``auto``: at every size both probes measured across nodes, the algorithm the first
+profile picks is timed in the second, and its median is compared with the faster of ring and
+recursive there (target: at most 5% slower). Writes benchmarks/results/zero/ab_<regime>{,_quick}
+.{json,md,png} and the first profile beside them.
 """
 
 from __future__ import annotations
@@ -18,23 +23,25 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster.spec import frontier_latency
+from benchmarks.cluster.spec import ClusterSpec, frontier_bandwidth, frontier_latency
+from benchmarks.zero.regime import emulated
 from benchmarks.zero.run import OUT
-from deepspeed_ext.zero.cost.collectives import Algorithm
+from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
 from deepspeed_ext.zero.profile import Profile, parse
 from plugin_base.topology import LinkClass
 
 # 8 ranks as 4 nodes x 2: 16 ranks drove a 2-core host to a load average of 17
 DEFAULT_NODES = 4
-# Small enough that 8 ranks on a small host stay network-bound: 0.66 M parameters, 2.6 MB in fp32
-MODEL = ["--layers", "2", "--hidden", "128", "--heads", "4", "--seq-length", "64", "--vocab", "1024"]
+# A GPT of 2 layers, 4 heads and a 1024-token vocabulary; hidden size and sequence per regime
+MODEL = ("--layers", "2", "--heads", "4", "--vocab", "1024")
 # Every parameter gathered in each forward and backward, buckets of the model's size (DeepSpeed's
 # default reduce bucket, 5e8 elements, preallocates 2 GB, which would be every variant's peak)
 DS_CONFIG = {
-    "train_micro_batch_size_per_gpu": 2,
     "zero_optimization": {
         "stage3_param_persistence_threshold": 0,
         "stage3_max_reuse_distance": 0,
@@ -42,6 +49,40 @@ DS_CONFIG = {
         "stage3_prefetch_bucket_size": 500_000,
         "stage3_max_live_parameters": 300_000,
     },
+}
+
+
+@dataclass(frozen=True)
+class Regime:
+    """A cluster and a batch that put the step in one regime."""
+
+    spec: Callable[[int], ClusterSpec]
+    """The emulated cluster for a node count."""
+    model: tuple[str, ...]
+    """The A/B command's model flags: the parameters' sizes set the messages."""
+    micro_batch: int
+    """train_micro_batch_size_per_gpu: sets compute against the (batch-independent) communication."""
+    about: str
+    """One line for the report."""
+
+
+REGIMES = {
+    # hidden 256: modules of ~1 MB, ~200x the inter-node latency x bandwidth product the probe
+    # measures with no delay added (1.6 ms x 2.9 MB/s); 48 x 256 tokens per rank: compute ~1-2x the
+    # communication, as the best 20B plans' on Frontier (python -m benchmarks.zero.regime)
+    "frontier": Regime(
+        lambda nodes: frontier_bandwidth(nodes=nodes),
+        model=(*MODEL, "--hidden", "256", "--seq-length", "256"),
+        micro_batch=48,
+        about="Frontier's regime: no delay added, messages hundreds of times the latency x bandwidth "
+        "product, compute above communication",
+    ),
+    "latency": Regime(
+        lambda nodes: frontier_latency(nodes=nodes),
+        model=(*MODEL, "--hidden", "128", "--seq-length", "64"),
+        micro_batch=2,
+        about="latency-bound regime: one-way delays 1000x Frontier's, compute a few percent of the step",
+    ),
 }
 PROBE_TARGET_S = 120.0
 AUTO_TARGET = 1.05
@@ -100,6 +141,8 @@ def markdown(result: dict[str, Any]) -> str:
     spec, checks = result["spec"], result["auto_check"]
     worst = max(c["ratio"] for c in checks) if checks else float("nan")
     lines = [
+        f"Regime: {result['about']}.",
+        "",
         f"Emulated cluster: {spec['nodes']} nodes x {spec['ranks_per_package'] * spec['packages_per_node']} ranks "
         f"sharing one {spec['inter_node_mbit']:g} Mbit/s NIC, one-way delays {spec['package_latency_ms']:g} / "
         f"{spec['inter_node_latency_ms']:g} ms (package / inter-node). Command: `{result['command']}`.",
@@ -126,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument(
+        "--regime", choices=sorted(REGIMES), default="frontier", help="frontier (default) or latency"
+    )
     parser.add_argument("--quick", action="store_true", help="small sweep, tiny model, 5 timed steps")
     parser.add_argument(
         "--nodes",
@@ -139,13 +185,17 @@ def main(argv: list[str] | None = None) -> None:
     from benchmarks.cluster import EmulatedCluster
     from deepspeed_ext.zero.bench_report import comparison, plot, predictions, table
 
-    spec = frontier_latency(nodes=args.nodes)
-    name = "ab_quick" if args.quick else "ab"
+    regime = REGIMES[args.regime]
+    spec = regime.spec(args.nodes)
+    name = f"ab_{args.regime}" + ("_quick" if args.quick else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     topology = {"ranks_per_node": spec.ranks_per_node, "ranks_per_package": spec.ranks_per_package}
     config = out / f"{name}_ds_config.json"
-    config.write_text(json.dumps({**DS_CONFIG, "topology": topology}, indent=1) + "\n")
+    # --quick: a smoke test of the regime's cluster, not of its compute
+    micro_batch = min(regime.micro_batch, 2) if args.quick else regime.micro_batch
+    ds = {**DS_CONFIG, "train_micro_batch_size_per_gpu": micro_batch, "topology": topology}
+    config.write_text(json.dumps(ds, indent=1) + "\n")
     # --quick: up to 1 MiB, the quick model's largest message, so that no prediction extrapolates
     sweep = ["--largest", str(2**20), "--repeats", "2"] if args.quick else []
     profiles = [out / f"{name}_profile.json", out / f"{name}_profile_heldout.json"]
@@ -161,20 +211,23 @@ def main(argv: list[str] | None = None) -> None:
             seconds.append(time.monotonic() - start)
             print(f"probe: {seconds[-1]:.0f} s", flush=True)
         bench = ["--deepspeed-config", str(config), "--profile", str(profiles[0])]
-        bench += ["--quick"] if args.quick else ["--steps", "5", "--warmup", "2", *MODEL]
+        bench += ["--quick"] if args.quick else ["--steps", "5", "--warmup", "2", *regime.model]
         rows = cluster.launch([*rank, "bench", *bench], timeout=args.timeout)[0]
     first, second = (parse(json.loads(p.read_text()), str(p)) for p in profiles)
     shown = [os.path.relpath(a) if a.startswith(os.sep) else a for a in bench]  # paths as from the checkout
     header = f"{spec.world_size} emulated ranks; deepspeed_ext.zero.bench {' '.join(shown)}"
     result = {
-        "command": "python -m benchmarks.zero.ab"
+        "command": f"python -m benchmarks.zero.ab --regime {args.regime}"
         + (f" --nodes {args.nodes}" if args.nodes != DEFAULT_NODES else "")
         + (" --quick" if args.quick else ""),
+        "regime": args.regime,
+        "about": regime.about,
         "spec": spec.to_dict(),
         "probe_s": seconds,
         "loadavg": [before, os.getloadavg()],
         "auto_check": auto_check(first, second),
         "variants": rows,
+        "dimensionless": emulated(rows, first.costs(FRONTIER_RCCL)),
         "table": table(rows, header) + "\n" + "\n".join(comparison(rows) + predictions(rows)),
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")

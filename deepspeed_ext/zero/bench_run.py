@@ -21,6 +21,7 @@ from deepspeed_ext.zero.bench_model import build_model, flops_per_step
 from deepspeed_ext.zero.bench_prediction import compute_steps, predicted, slowest
 from deepspeed_ext.zero.bench_variants import Variant, ds_config, variants
 from deepspeed_ext.zero.cost.workload import ModelShape
+from deepspeed_ext.zero.gather_wait import GatherWait
 from deepspeed_ext.zero.profile import Profile
 from deepspeed_ext.zero.profile import load as load_profile
 from plugin_base import comm
@@ -121,13 +122,16 @@ def run_variant(
     for step in range(args.warmup):
         one_step(engine, shape, step, device)
     seconds = []
-    with comm.counting(counter):
+    with comm.counting(counter), GatherWait() as waited:
         for step in range(args.steps):
             seconds.append(one_step(engine, shape, args.warmup + step, device))
     sent = torch.tensor(
         [counter.per_link()[link] / args.steps for link in LINK_CLASSES], dtype=torch.float64, device=device
     )
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
+    wait = torch.tensor([waited.seconds / args.steps], dtype=torch.float64, device=device)
+    dist.all_reduce(wait, op=dist.ReduceOp.SUM)
+    wait_s = wait.item() / topology.world_size  # the mean rank's
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     _release(engine)
@@ -141,6 +145,8 @@ def run_variant(
         tflops=[flops / s / topology.world_size / 1e12 for s in seconds],
         bytes_per_step=dict(zip(LINK_CLASSES, (int(x) for x in sent.tolist()))),
         peak_bytes=peak,
+        gather_wait_s=wait_s,
+        gather_wait_share=wait_s / statistics.median(seconds),
     )
     if profile is not None and compute_s is not None:
         calls = {call: count / args.steps for call, count in counter.calls.items()}

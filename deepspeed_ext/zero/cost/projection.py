@@ -123,6 +123,18 @@ def flat(costs: CollectiveCosts, op: Operation, s: DPShape, system: System, nbyt
     return max(across, inside)
 
 
+def hop_levels(s: DPShape, nbytes: float, across: float = 1.0) -> list[tuple[int, LinkClass, float]]:
+    """Members, link class and bytes of each level of a hop collective of ``nbytes`` (gathered
+    output / reduce-scatter input) over the DP group ``s``, outermost first; levels of one member
+    are left out."""
+    levels = (
+        (s.nodes, INTER, nbytes / s.per_node * across),
+        (s.packages_per_node, NODE, nbytes / s.per_package),
+        (s.per_package, PACKAGE, nbytes),
+    )
+    return [level for level in levels if level[0] > 1]
+
+
 def hops(
     costs: CollectiveCosts,
     op: Operation,
@@ -138,16 +150,9 @@ def hops(
     levels inside it. ``across`` scales the inter-node bytes (quantization: a quantized gradient
     hop is an all-to-all, integers are not summed in flight). Pipelined over ``pipeline_chunks``:
     the slowest level plus one chunk of every other (fill and drain)."""
-    packages = s.packages_per_node
     c = plan.pipeline_chunks
     levels = []
-    for members, link, size in (
-        (s.nodes, INTER, nbytes / s.per_node * across),
-        (packages, NODE, nbytes / s.per_package),
-        (s.per_package, PACKAGE, nbytes),
-    ):
-        if members <= 1:
-            continue
+    for members, link, size in hop_levels(s, nbytes, across):
         if link != INTER:
             levels.append(c * seconds(costs, op, Algorithm.RING, members, size / c, link))
             continue

@@ -1,0 +1,64 @@
+"""How long a step waits for its parameters: the time spent in ZeRO-3's parameter fetch.
+
+DeepSpeed's ``PartitionedParameterCoordinator.fetch_sub_module`` runs before every module's forward
+and backward: it launches the module's all-gather unless a prefetch already did, then blocks until
+the module's parameters are whole, then launches the next prefetches. Its wall time is what
+computation waited on parameter gathers (the part no prefetch hid) plus the launches. The A/B
+command times it around its timed steps, for stock ZeRO-3, hpZ and ours alike (ours runs under the
+same coordinator, its hops below the all-gather it launches).
+
+Process-wide change: while a :class:`GatherWait` is entered, the coordinator's method is wrapped;
+the original is put back on exit.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from types import TracebackType
+from typing import Any
+
+
+class GatherWait:
+    """Context manager: ``seconds`` spent in parameter fetches and ``fetches`` counted while entered."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.fetches = 0
+        self._lock = threading.Lock()  # backward hooks may run on autograd's threads
+        self._original: Any = None
+
+    def __enter__(self) -> GatherWait:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+
+        if getattr(C.fetch_sub_module, "_gather_wait", False):
+            raise RuntimeError("a GatherWait is already timing parameter fetches: nest none")
+        original = C.fetch_sub_module
+
+        @functools.wraps(original)
+        def timed(coordinator: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(coordinator, *args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                with self._lock:
+                    self.seconds += elapsed
+                    self.fetches += 1
+
+        timed._gather_wait = True  # type: ignore[attr-defined]
+        self._original = original
+        C.fetch_sub_module = timed  # type: ignore[method-assign]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
+
+        C.fetch_sub_module = self._original  # type: ignore[method-assign]
+        self._original = None
