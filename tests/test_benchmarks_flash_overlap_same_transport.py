@@ -64,11 +64,11 @@ def _distributed_attention_on_p2p() -> dict:
     import deepspeed.comm as ds_comm
     from deepspeed.accelerator import get_accelerator
 
-    from benchmarks.flash_overlap.ulysses_rank import METHODS, Sizes, UlyssesBlock, _check
+    from benchmarks.flash_overlap.ulysses_rank import METHODS, Sizes, UlyssesBlock, agreement
 
     sizes = Sizes(seq_per_rank=8, batch=2, hidden=32, heads=8, kv_heads=4, head_dim=8)
     originals = (ds_comm.all_to_all_single, get_accelerator().current_stream)
-    errors = _check({method: UlyssesBlock(method, sizes, seed=0) for method in METHODS})
+    errors = agreement({method: UlyssesBlock(method, sizes, seed=0) for method in METHODS})
     restored = (ds_comm.all_to_all_single, get_accelerator().current_stream) == originals
     return {"errors": errors, "restored": restored}
 

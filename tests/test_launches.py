@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.flash_overlap.launches_rank import _ulysses
+from benchmarks.flash_overlap.launches_rank import ulysses_launches
 
 
 def _count(method: str) -> dict:
-    return _ulysses(method, seq=32, hidden=64, heads=8, kv_heads=4, head_dim=8)
+    return ulysses_launches(method, seq=32, hidden=64, heads=8, kv_heads=4, head_dim=8)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.zero.regime import Message, frontier_messages, link_regimes, weighted_median
-from deepspeed_ext.zero.cost.collectives import AlgorithmFit, CollectiveCosts
 from deepspeed_ext.zero.cost.collectives import Algorithm as A
+from deepspeed_ext.zero.cost.collectives import AlgorithmFit, CollectiveCosts
 from deepspeed_ext.zero.cost.collectives import Operation as Op
 from deepspeed_ext.zero.cost.projection import Plan, Scheme
 from deepspeed_ext.zero.cost.workload import Buckets, Model, System

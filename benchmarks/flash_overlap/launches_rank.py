@@ -80,7 +80,9 @@ def _tp_layer(method: str, shapes: Shapes, group: dist.ProcessGroup) -> dict:
     return count(lambda: block.module(x, attention_mask=block.mask)[0], torch.ones_like(x))
 
 
-def _ulysses(method: str, seq: int, hidden: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+def ulysses_launches(method: str, seq: int, hidden: int, heads: int, kv_heads: int, head_dim: int) -> dict:
+    """One forward and backward of a Ulysses attention ``method`` on this rank's group, with the
+    kernel launches it made counted."""
     n = dist.get_world_size()
     split = HeadSplit(heads, kv_heads, head_dim, n, group_major=method == "ulysses_group_major")
     w_qkv = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, requires_grad=True)
@@ -134,7 +136,7 @@ def main() -> None:
     for method in ("megatron_core", "flash_overlap"):
         result["tp_layer"][method] = _tp_layer(method, shapes, ps.get_tensor_model_parallel_group())
     for method in ("distributed_attention", "ulysses_qkv_layout", "ulysses_group_major"):
-        result["ulysses"][method] = _ulysses(
+        result["ulysses"][method] = ulysses_launches(
             method, args.seq, hidden, args.heads, args.kv_heads, args.head_dim
         )
     dist.barrier()

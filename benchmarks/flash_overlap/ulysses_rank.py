@@ -179,7 +179,7 @@ def comm_only(transport: str, sizes: Sizes) -> None:
         move(torch.empty_like(src), src)
 
 
-def _check(blocks: dict[str, UlyssesBlock]) -> dict[str, float]:
+def agreement(blocks: dict[str, UlyssesBlock]) -> dict[str, float]:
     """One warm-up step of each method; largest difference of output and gradients from DeepSpeed's."""
     results = {}
     for name, block in blocks.items():
@@ -212,7 +212,7 @@ def main() -> None:
     sizes = Sizes(args.seq_per_rank, args.batch, hidden, args.heads, args.kv_heads, args.head_dim)
     blocks = {m: UlyssesBlock(m, sizes) for m in (*METHODS, "compute_only")}
     load = [os.getloadavg()[0]]
-    check = _check({m: blocks[m] for m in METHODS})
+    check = agreement({m: blocks[m] for m in METHODS})
     steps = {name: block.step for name, block in blocks.items()}
     for transport in ("p2p", "collectives"):
         steps[f"comm_only_{transport}"] = lambda t=transport: comm_only(t, sizes)

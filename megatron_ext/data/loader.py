@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,19 @@ from plugin_base.topology import Topology
 
 # Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
 MEGATRON_SAMPLERS: dict[str, SamplerKind] = {"single": "single", "cyclic": "random"}
+
+
+class RankRecord(NamedTuple):
+    """What each rank tells the others when the loader is built (one all_gather_object)."""
+
+    dp_rank: int
+    """Its data-parallel rank."""
+    token: str
+    """A random token: the node's first reading rank's names the node's segment."""
+    reads_batches: bool
+    """Whether its pipeline stage reads batches (first or last stage)."""
+    job_id: str
+    """Its job label; the node's first reading rank's goes into the segment name."""
 
 
 def indexed_prefixes(dataset: Any) -> list[str]:
@@ -185,23 +198,23 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
     check_platform()  # every rank, before the collective: none is left waiting in it
     check_slots(settings.config, settings.pipeline_stages)
     rank, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[Any] = [None] * world
+    gathered: list[Any] = [None] * world  # each a RankRecord once gathered
     # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or
     # other), and a random token per rank: that of the node's first rank names the node's segment, so
     # the name appears nowhere another user can read before that rank creates it; with it goes that
     # rank's label, so the name depends on nothing a rank computes for itself. Each rank also
     # says whether its stage reads batches.
-    dist.all_gather_object(
-        gathered, (settings.dp_rank, new_token(), bool(keys.returned), resolve_job_id(settings.job_id))
-    )
+    mine = RankRecord(settings.dp_rank, new_token(), bool(keys.returned), resolve_job_id(settings.job_id))
+    dist.all_gather_object(gathered, tuple(mine))  # a plain tuple: the receiver unpickles no class of ours
+    records = [RankRecord(*r) for r in gathered]
     if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
         return StockBatchIterator(
             dataset, order, tp_group=None, dp_rank=settings.dp_rank, keys=keys, device=settings.device
         )
     node = settings.topology.node(rank)
-    local = [r for r in range(world) if settings.topology.node(r) == node and gathered[r][2]]
-    first = gathered[local[0]]
-    path = segment_path(settings.config.shm_dir, f"{first[3]}-{settings.name}", node, token=first[1])
+    local = [r for r in range(world) if settings.topology.node(r) == node and records[r].reads_batches]
+    first = records[local[0]]
+    path = segment_path(settings.config.shm_dir, f"{first.job_id}-{settings.name}", node, token=first.token)
     check_shm_dir(
         settings.config.shm_dir
     )  # every rank: the node's ranks fail together, none waits for another
@@ -211,7 +224,7 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
         config=settings.config,
         path=path,
         local_index=local.index(rank),
-        node_dp_ranks=[gathered[r][0] for r in local],
+        node_dp_ranks=[records[r].dp_rank for r in local],
         rank=rank,
         keys=keys,
         device=settings.device,

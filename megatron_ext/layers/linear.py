@@ -68,10 +68,43 @@ class _FlashOverlapMixin:
     """Backend requested when the constructor gets none: p2p, auto or symm_mem."""
     overlap_topology: ClassVar[Topology | None] = None
     """Where the ranks sit, used when the constructor gets none (auto checks the TP group's node)."""
+    fusion_off_while_built: ClassVar[bool] = False
+    """Build megatron-core's layer with ``gradient_accumulation_fusion`` off (its constructor insists
+    on Apex's fused wgrad kernel for it; these layers accumulate into main_grad with torch ops), and
+    honour the option after."""
     # Set by the megatron-core layer this mixes into.
     config: Any
     tp_group: dist.ProcessGroup | None
     is_expert: bool
+    sequence_parallel: bool
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        p2p_mode: Mode | None = None,
+        timeout_s: float | None = None,
+        backend: Requested | None = None,
+        topology: Topology | None = None,
+        **megatron_kwargs: Any,
+    ) -> None:
+        config = megatron_kwargs["config"]
+        if self.fusion_off_while_built and config.gradient_accumulation_fusion:
+            without = copy.copy(config)
+            without.gradient_accumulation_fusion = False
+            megatron_kwargs = {**megatron_kwargs, "config": without}
+        super().__init__(input_size, output_size, **megatron_kwargs)  # type: ignore[call-arg]  # megatron-core's layer
+        if self.fusion_off_while_built:
+            self.config, self.gradient_accumulation_fusion = config, config.gradient_accumulation_fusion
+        self._setup_overlap(
+            p2p_mode,
+            timeout_s,
+            backend,
+            topology,
+            megatron_kwargs.get("tp_comm_buffer_name"),
+            self.sequence_parallel,
+        )
 
     def _setup_overlap(
         self,
@@ -146,34 +179,7 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
     "ring"), ``timeout_s`` (gloo waits), ``backend`` ("p2p", "auto" or "symm_mem") and ``topology``
     (where the ranks sit, for auto); ``tp_comm_buffer_name`` names the layer in error messages."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        p2p_mode: Mode | None = None,
-        timeout_s: float | None = None,
-        backend: Requested | None = None,
-        topology: Topology | None = None,
-        **megatron_kwargs: Any,
-    ) -> None:
-        config = megatron_kwargs["config"]
-        if config.gradient_accumulation_fusion:
-            # megatron-core's constructor refuses this option without Apex's fused wgrad kernel;
-            # these layers accumulate into main_grad with torch ops, so build with a copy that has it off.
-            without = copy.copy(config)
-            without.gradient_accumulation_fusion = False
-            megatron_kwargs = {**megatron_kwargs, "config": without}
-        super().__init__(input_size, output_size, **megatron_kwargs)
-        self.config, self.gradient_accumulation_fusion = config, config.gradient_accumulation_fusion
-        self._setup_overlap(
-            p2p_mode,
-            timeout_s,
-            backend,
-            topology,
-            megatron_kwargs.get("tp_comm_buffer_name"),
-            self.sequence_parallel,
-        )
+    fusion_off_while_built = True
 
     def forward(
         self,
@@ -209,27 +215,6 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
 class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
     """megatron-core's RowParallelLinear (same arguments, same ``(output, bias)`` return) whose
     sequence reduce-scatter is fused with the GEMM. Extra keyword arguments as for the column layer."""
-
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        *,
-        p2p_mode: Mode | None = None,
-        timeout_s: float | None = None,
-        backend: Requested | None = None,
-        topology: Topology | None = None,
-        **megatron_kwargs: Any,
-    ) -> None:
-        super().__init__(input_size, output_size, **megatron_kwargs)
-        self._setup_overlap(
-            p2p_mode,
-            timeout_s,
-            backend,
-            topology,
-            megatron_kwargs.get("tp_comm_buffer_name"),
-            self.sequence_parallel,
-        )
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._check_input(input_, self.weight, self.input_size_per_partition)

@@ -22,7 +22,7 @@ from megatron_ext.layers.p2p_overlap import (
     start_all_gather,
     start_reduce_scatter,
 )
-from megatron_ext.layers.wgrad import GemmPrecision, weight_gradient
+from megatron_ext.layers.wgrad import GemmPrecision, save_linear, saved_linear, weight_gradient
 
 
 class P2PAllGatherLinear(torch.autograd.Function):
@@ -40,29 +40,35 @@ class P2PAllGatherLinear(torch.autograd.Function):
         out = xc.new_empty((x.shape[0] * n, *x.shape[1:-1], weight.shape[0]))
         with precision.exact():
             all_gather_compute(xc, lambda j, xj: torch.matmul(xj, wc.t(), out=rows(out, j, n)), og)
-        # Frozen weights need no wgrad, hence no saved input (as megatron-core's frozen path).
-        ctx.save_for_backward(xc if weight.requires_grad else None, weight)
-        ctx.og, ctx.precision, ctx.fuse_wgrad = og, precision, fuse_wgrad
+        save_linear(ctx, xc, weight, og, precision, fuse_wgrad)
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        x, weight = ctx.saved_tensors
-        og, precision = ctx.og, ctx.precision
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        saved = saved_linear(ctx)
+        og, precision = saved.group, saved.precision
         g = precision.cast(grad_out).contiguous()
         with precision.exact():
             gathered: Callable[[], torch.Tensor] | None = None
-            if want_w:  # at TP=1 the saved input is the whole sequence already
+            if saved.want_w:  # at TP=1 the saved input is the whole sequence already
+                x = saved.kept()
                 gathered = (
                     start_all_gather(x, og, x.new_empty((g.shape[0], *x.shape[1:])))
                     if og.size > 1
                     else lambda: x
                 )
-            scattered = start_reduce_scatter(torch.matmul(g, precision.cast(weight)), og) if want_x else None
-            grad_w = weight_gradient(g, gathered(), weight, ctx.fuse_wgrad) if gathered is not None else None
+            scattered = (
+                start_reduce_scatter(torch.matmul(g, precision.cast(saved.weight)), og)
+                if saved.want_x
+                else None
+            )
+            grad_w = (
+                weight_gradient(g, gathered(), saved.weight, saved.fuse_wgrad)
+                if gathered is not None
+                else None
+            )
             grad_x = scattered() if scattered is not None else None
         return grad_x, grad_w, None, None
 
@@ -81,23 +87,21 @@ class P2PLinearReduceScatter(torch.autograd.Function):
         xc, wc = precision.cast(x), precision.cast(weight)
         with precision.exact():
             out = compute_reduce_scatter(lambda j: torch.matmul(rows(xc, j, n), wc.t()), og)
-        ctx.save_for_backward(xc if weight.requires_grad else None, weight)
-        ctx.og, ctx.precision, ctx.fuse_wgrad = og, precision, fuse_wgrad
+        save_linear(ctx, xc, weight, og, precision, fuse_wgrad)
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        x, weight = ctx.saved_tensors
-        og, precision = ctx.og, ctx.precision
+        saved = saved_linear(ctx)
+        og, precision, weight = saved.group, saved.precision, saved.weight
         n = og.size
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (want_x or want_w):
+        if not (saved.want_x or saved.want_w):
             return None, None, None, None
         g, wc = precision.cast(grad_out).contiguous(), precision.cast(weight)
-        grad_x = g.new_empty((g.shape[0] * n, *g.shape[1:-1], weight.shape[1])) if want_x else None
-        gathered = g.new_empty((g.shape[0] * n, *g.shape[1:])) if want_w else None
+        grad_x = g.new_empty((g.shape[0] * n, *g.shape[1:-1], weight.shape[1])) if saved.want_x else None
+        gathered = g.new_empty((g.shape[0] * n, *g.shape[1:])) if saved.want_w else None
 
         def dgrad(j: int, gj: torch.Tensor) -> None:
             if grad_x is not None:
@@ -105,5 +109,9 @@ class P2PLinearReduceScatter(torch.autograd.Function):
 
         with precision.exact():
             all_gather_compute(g, dgrad, og, out=gathered)
-            grad_w = weight_gradient(gathered, x, weight, ctx.fuse_wgrad) if gathered is not None else None
+            grad_w = (
+                weight_gradient(gathered, saved.kept(), weight, saved.fuse_wgrad)
+                if gathered is not None
+                else None
+            )
         return grad_x, grad_w, None, None

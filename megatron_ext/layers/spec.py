@@ -91,8 +91,9 @@ def _describe(obj: Any) -> str:
 
 def _configured(cls: type, config: FlashOverlapConfig, topology: Topology | None) -> type:
     """A subclass of ``cls`` with the config's P2P mode, timeout and backend, and ``topology``, as
-    defaults. A class, not a partial: megatron-core's ``build_module`` instantiates only classes,
-    functions or ModuleSpecs."""
+    defaults. A class, not ``ModuleSpec(params=...)``: megatron-core's SelfAttention calls
+    ``submodules.linear_qkv(...)`` itself, not through ``build_module``, so a ModuleSpec in that slot
+    is not callable; and not a partial, which ``build_module`` cannot instantiate."""
     name = f"{cls.__name__}_{config.mode}_{config.backend}"
     defaults = {
         "p2p_mode": config.mode,

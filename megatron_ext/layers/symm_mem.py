@@ -18,7 +18,7 @@ from typing import Any, cast
 
 import torch
 
-from megatron_ext.layers.wgrad import GemmPrecision, weight_gradient
+from megatron_ext.layers.wgrad import GemmPrecision, save_linear, saved_linear, weight_gradient
 
 AllGatherMatmul = Callable[..., tuple[torch.Tensor | None, list[torch.Tensor]]]
 """(A_shard, [B, ...], gather_dim, group_name, *, return_A) -> (gathered A or None, [A @ B, ...])."""
@@ -87,25 +87,25 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
             )
         # The gathered input costs n times the shard's memory until backward; the P2P path keeps the
         # shard and gathers again under the dgrad GEMM, which torch's forward-only ops cannot do.
-        ctx.save_for_backward(gathered if keep else None, weight)
-        ctx.fg, ctx.precision, ctx.fuse_wgrad = fg, precision, fuse_wgrad
+        save_linear(ctx, gathered, weight, fg, precision, fuse_wgrad)
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        gathered, weight = ctx.saved_tensors
-        fg, precision = ctx.fg, ctx.precision
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        saved = saved_linear(ctx)
+        fg, precision = saved.group, saved.precision
         g = precision.cast(grad_out).contiguous()
         with precision.exact():
             grad_x = (
-                fg.ops.matmul_reduce_scatter(g, precision.cast(weight), "sum", 0, fg.group_name)
-                if want_x
+                fg.ops.matmul_reduce_scatter(g, precision.cast(saved.weight), "sum", 0, fg.group_name)
+                if saved.want_x
                 else None
             )
-            grad_w = weight_gradient(g, gathered, weight, ctx.fuse_wgrad) if want_w else None
+            grad_w = (
+                weight_gradient(g, saved.kept(), saved.weight, saved.fuse_wgrad) if saved.want_w else None
+            )
         return grad_x, grad_w, None, None
 
 
@@ -122,24 +122,26 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
         xc = precision.cast(x).contiguous()
         with precision.exact():
             out = fg.ops.matmul_reduce_scatter(xc, precision.cast(weight).t(), "sum", 0, fg.group_name)
-        ctx.save_for_backward(xc if weight.requires_grad else None, weight)
-        ctx.fg, ctx.precision, ctx.fuse_wgrad = fg, precision, fuse_wgrad
+        save_linear(ctx, xc, weight, fg, precision, fuse_wgrad)
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         ctx: Any, grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        x, weight = ctx.saved_tensors
-        fg, precision = ctx.fg, ctx.precision
-        want_x, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if not (want_x or want_w):
+        saved = saved_linear(ctx)
+        fg, precision = saved.group, saved.precision
+        if not (saved.want_x or saved.want_w):
             return None, None, None, None
         g = precision.cast(grad_out).contiguous()
         with precision.exact():
             # One fused op gathers the gradient for both: its dgrad is dropped when only wgrad is wanted.
             gathered, (grad_x,) = fg.ops.all_gather_matmul(
-                g, [precision.cast(weight)], 0, fg.group_name, return_A=want_w
+                g, [precision.cast(saved.weight)], 0, fg.group_name, return_A=saved.want_w
             )
-            grad_w = weight_gradient(gathered, x, weight, ctx.fuse_wgrad) if want_w else None
-        return (grad_x if want_x else None), grad_w, None, None
+            grad_w = (
+                weight_gradient(gathered, saved.kept(), saved.weight, saved.fuse_wgrad)
+                if saved.want_w
+                else None
+            )
+        return (grad_x if saved.want_x else None), grad_w, None, None

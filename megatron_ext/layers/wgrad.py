@@ -6,12 +6,15 @@
 * :func:`weight_gradient`: one wgrad GEMM over the whole (gathered) sequence; with megatron-core's
   ``gradient_accumulation_fusion`` it accumulates into ``weight.main_grad`` in that buffer's dtype
   (fp32 for Megatron's DDP) and returns what megatron-core returns in place of the gradient.
+* :func:`save_linear` / :func:`saved_linear`: what every Flash-Overlap autograd function keeps from
+  forward for backward, saved and read back alike.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -76,3 +79,54 @@ def weight_gradient(
     weight.grad_added_to_main_grad = True
     make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
     return make(main_grad.shape, dtype=g.dtype, device=g.device)
+
+
+@dataclass(frozen=True)
+class SavedLinear:
+    """What a Flash-Overlap linear's backward reads, as its forward saved it."""
+
+    activation: torch.Tensor | None
+    """The tensor the wgrad GEMM needs (None for a frozen weight)."""
+    weight: torch.Tensor
+    group: Any
+    """The layer's communication group (an OverlapGroup or a FusedGroup)."""
+    precision: GemmPrecision
+    fuse_wgrad: bool
+    want_x: bool
+    """The input needs a gradient."""
+    want_w: bool
+    """The weight needs a gradient."""
+
+    def kept(self) -> torch.Tensor:
+        """The activation, where the weight takes a gradient (the only case it is read)."""
+        if self.activation is None:
+            raise RuntimeError("a frozen weight's layer kept no activation: its wgrad is not computed")
+        return self.activation
+
+
+def save_linear(
+    ctx: Any,
+    activation: torch.Tensor | None,
+    weight: torch.Tensor,
+    group: Any,
+    precision: GemmPrecision,
+    fuse_wgrad: bool,
+) -> None:
+    """Forward's half of every Flash-Overlap autograd function: ``activation`` is kept only where the
+    weight takes a gradient (a frozen weight needs no wgrad, as in megatron-core's frozen path)."""
+    ctx.save_for_backward(activation if weight.requires_grad else None, weight)
+    ctx.group, ctx.precision, ctx.fuse_wgrad = group, precision, fuse_wgrad
+
+
+def saved_linear(ctx: Any) -> SavedLinear:
+    """Backward's half: what :func:`save_linear` kept, and which gradients are wanted."""
+    activation, weight = ctx.saved_tensors
+    return SavedLinear(
+        activation,
+        weight,
+        ctx.group,
+        ctx.precision,
+        ctx.fuse_wgrad,
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+    )
