@@ -307,7 +307,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per launch")
     parser.add_argument("--launches", type=int, default=1, help="rounds of launches, pooled")
     parser.add_argument(
-        "--from-json", type=Path, help="rebuild the tables from the runs of an earlier result file"
+        "--from-json", type=Path, help="rebuild the tables from an earlier run's raw/NAME.json"
     )
     args, rank_args = parser.parse_known_args()
     if args.from_json:
@@ -335,7 +335,10 @@ def main() -> None:
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     name = args.name or args.network
-    (args.out / f"{name}.json").write_text(
+    # the summary beside the tables (the summary plot reads it); every rank's steps under raw/
+    (args.out / f"{name}.json").write_text(json.dumps({"summary": summaries, "spec": spec}, indent=1))
+    (args.out / "raw").mkdir(exist_ok=True)
+    (args.out / "raw" / f"{name}.json").write_text(
         json.dumps({"summary": summaries, "spec": spec, "runs": runs}, indent=1)
     )
     (args.out / f"{name}.md").write_text(text)

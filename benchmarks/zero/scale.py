@@ -3,7 +3,7 @@
   python -m benchmarks.zero.scale --quick                 (root; 1 launch, 2 timed steps: a smoke test)
   python -m benchmarks.zero.scale                         (root; the benchmark: 3 launches x 3 steps)
   python -m benchmarks.zero.scale --nodes 6               (12 ranks)
-  python -m benchmarks.zero.scale --from-json benchmarks/results/zero/scale_8x2.json   (tables again)
+  python -m benchmarks.zero.scale --from-json benchmarks/results/zero/scale_8x2.json   (tables again, after a run)
   python -m benchmarks.zero.scale --nodes 4 --question algorithm   (one question: see Question)
 
 The cluster (benchmarks.cluster.spec.frontier_latency): ``--nodes`` nodes of one MI250X each, i.e.
