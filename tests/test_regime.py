@@ -80,3 +80,16 @@ def test_the_collectives_of_a_step_counted_by_hand():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="only exact"):
         frontier_messages(system, model, 2, Plan(Scheme.OURS, quantized_weights=True))
+
+
+def test_a_latency_the_probe_did_not_resolve_is_the_links_all_gather_latency():
+    from dataclasses import replace
+
+    unresolved = AlgorithmFit(step_us=0.0, bus_gbps=12.5)  # a fit whose intercept was clipped to 0
+    costs = replace(COSTS, by_operation={(Op.REDUCE_SCATTER, L.INTER_NODE, A.RECURSIVE): unresolved})
+    numbers = link_regimes([Message(Op.REDUCE_SCATTER, A.RECURSIVE, L.INTER_NODE, 4, 1.25e6, 1)], costs)
+    # the recursive all-gather's 10 us with the reduce-scatter's own 12.5 GB/s: a 125 KB product
+    assert numbers["inter_node"].message_over_product == pytest.approx(10.0)
+    none = replace(COSTS, fits={(L.PACKAGE, A.RING): AlgorithmFit(step_us=0.0, bus_gbps=1.0)})
+    with pytest.raises(ValueError, match="no latency fitted on package"):
+        link_regimes([Message(Op.ALL_GATHER, A.RING, L.PACKAGE, 2, 1e6, 1)], none)

@@ -78,6 +78,20 @@ def test_a_ratio_is_claimed_only_where_the_ranges_do_not_overlap():
     ]
 
 
+def test_the_gather_wait_timer_wraps_deepspeeds_fetch_only_while_entered():
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    from deepspeed_ext.zero.gather_wait import GatherWait
+
+    original = PartitionedParameterCoordinator.fetch_sub_module
+    with GatherWait() as waited:
+        assert PartitionedParameterCoordinator.fetch_sub_module is not original
+        with pytest.raises(RuntimeError, match="already timing"):
+            GatherWait().__enter__()
+    assert PartitionedParameterCoordinator.fetch_sub_module is original
+    assert (waited.seconds, waited.fetches) == (0.0, 0)
+
+
 @pytest.mark.parametrize("platform", ["frontier", "nvidia"])
 def test_the_slurm_scripts_run_the_probe_then_the_ab_command_with_its_profile(platform, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}

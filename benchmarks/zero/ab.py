@@ -137,6 +137,16 @@ def auto_check(first: Profile, second: Profile) -> list[dict[str, Any]]:
     return rows
 
 
+def dimensionless(rows: list[dict], profile: Profile) -> dict[str, Any]:
+    """The run's regime numbers (:func:`benchmarks.zero.regime.emulated`), or why they could not be
+    placed: the run's own figures are written either way."""
+    try:
+        return emulated(rows, profile.costs(FRONTIER_RCCL))
+    except ValueError as exc:
+        print(f"regime numbers not computed: {exc}", file=sys.stderr)
+        return {"error": str(exc)}
+
+
 def markdown(result: dict[str, Any]) -> str:
     spec, checks = result["spec"], result["auto_check"]
     worst = max(c["ratio"] for c in checks) if checks else float("nan")
@@ -227,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
         "loadavg": [before, os.getloadavg()],
         "auto_check": auto_check(first, second),
         "variants": rows,
-        "dimensionless": emulated(rows, first.costs(FRONTIER_RCCL)),
+        "dimensionless": dimensionless(rows, first),
         "table": table(rows, header) + "\n" + "\n".join(comparison(rows) + predictions(rows)),
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")

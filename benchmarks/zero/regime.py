@@ -83,6 +83,25 @@ def weighted_median(pairs: Iterable[tuple[float, float]]) -> float:
     raise ValueError("no messages: a link class with no launches has no regime")
 
 
+def _latency_us(costs: CollectiveCosts, m: Message) -> float:
+    """One algorithm step's latency for ``m``: its own fit's, else, where the probe did not resolve
+    an intercept (clipped to 0), the same link's all-gather, then its ring: latency belongs to the
+    link more than to the operation."""
+    for operation, algorithm in (
+        (m.operation, m.algorithm),
+        (Operation.ALL_GATHER, m.algorithm),
+        (m.operation, Algorithm.RING),
+        (Operation.ALL_GATHER, Algorithm.RING),
+    ):
+        try:
+            step_us = costs.fit(operation, algorithm, m.link).step_us
+        except KeyError:
+            continue
+        if step_us > 0:
+            return step_us
+    raise ValueError(f"no latency fitted on {m.link}: the profile cannot place {m.operation} {m.algorithm}")
+
+
 def link_regimes(messages: Iterable[Message], costs: CollectiveCosts) -> dict[str, LinkRegime]:
     """Per link class, the dimensionless numbers of ``messages`` under ``costs``' fits."""
     by_link: dict[LinkClass, list[Message]] = {}
@@ -94,12 +113,7 @@ def link_regimes(messages: Iterable[Message], costs: CollectiveCosts) -> dict[st
         ratios, per_step = [], []
         for m in group:
             fit = costs.fit(m.operation, m.algorithm, m.link)
-            # a fit whose intercept the probe did not resolve (clipped to 0) takes the link's
-            # all-gather latency: latency belongs to the link, not to the operation
-            step_us = fit.step_us or costs.fit(Operation.ALL_GATHER, m.algorithm, m.link).step_us
-            if step_us <= 0:
-                raise ValueError(f"no latency fitted for {m.link} {m.algorithm}: the profile cannot place it")
-            product = step_us * 1e-6 * fit.bus_gbps * 1e9
+            product = _latency_us(costs, m) * 1e-6 * fit.bus_gbps * 1e9
             steps = algorithm_steps(m.algorithm, m.members)
             ratios.append((m.nbytes / product, m.count))
             per_step.append((m.nbytes / max(steps, 1) / product if m.algorithm == Algorithm.RECURSIVE
@@ -262,9 +276,10 @@ def main(argv: list[str] | None = None) -> str:
             runs.append(json.loads(path.read_text()))
         except (OSError, json.JSONDecodeError) as exc:
             parser.exit(2, f"error: {path}: {exc}: give an A/B result JSON (python -m benchmarks.zero.ab)\n")
-        if "dimensionless" not in runs[-1]:
+        if "dimensionless" not in runs[-1] or "error" in runs[-1]["dimensionless"]:
+            said = runs[-1].get("dimensionless", {}).get("error", "none written")
             parser.exit(
-                2, f"error: {path} has no 'dimensionless' numbers: rerun python -m benchmarks.zero.ab\n"
+                2, f"error: {path} has no regime numbers ({said}): rerun python -m benchmarks.zero.ab\n"
             )
     table = markdown(frontier(), runs)
     print(table)

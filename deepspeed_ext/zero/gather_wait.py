@@ -49,7 +49,7 @@ class GatherWait:
 
         timed._gather_wait = True  # type: ignore[attr-defined]
         self._original = original
-        C.fetch_sub_module = timed  # type: ignore[method-assign]
+        C.fetch_sub_module = timed
         return self
 
     def __exit__(
@@ -60,5 +60,5 @@ class GatherWait:
     ) -> None:
         from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as C
 
-        C.fetch_sub_module = self._original  # type: ignore[method-assign]
+        C.fetch_sub_module = self._original
         self._original = None
