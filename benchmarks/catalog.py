@@ -37,7 +37,6 @@ class Step:
 RANKS = {
     "benchmarks.cluster.p2p": "one rank of the calibration; started by `benchmarks.cluster.calibrate`",
     "benchmarks.data_loader.node_rank": "one rank of `benchmarks.data_loader.node`, started by it",
-    "benchmarks.data_loader.rank": "one rank of `benchmarks.data_loader.run`, started by it",
     "benchmarks.flash_overlap.rank": "one rank of `benchmarks.flash_overlap.run` and `.overlap`, started by them",
     "benchmarks.flash_overlap.ulysses_rank": "one rank of `benchmarks.flash_overlap.overlap`'s UP part, started by it",
     "benchmarks.flash_overlap.launches_rank": "one rank of `benchmarks.flash_overlap.launches`, started by it",
@@ -177,13 +176,6 @@ def steps(network: str, quick: bool) -> list[Step]:
         ),
         *_activation_memory(quick),
         Step(
-            "Shared-memory node loader vs Megatron's DataLoader path with 0/1/2 workers (one node, 4 ranks)",
-            "benchmarks.data_loader.run",
-            ("--steps", "20", "--repeats", "2", "--tokens", "8000000") * quick
-            + ("--out", f"{RESULTS_ARG}/data_loader"),
-            ("data_loader/results.md",),
-        ),
-        Step(
             "Node loader vs Megatron's TP-rank-0 DataLoader path at 8 ranks, TP=1/2/4/8, cold reads from a slowed filesystem; mask memory",
             "benchmarks.data_loader.node",
             ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/data_loader"),
@@ -195,19 +187,6 @@ def steps(network: str, quick: bool) -> list[Step]:
             ("--samples", "1000000") * quick,
             ("data_loader/sampler_setup.md",),
             stdout="data_loader/sampler_setup.md",
-        ),
-        Step(
-            "Node loader ring: bytes per token and per slot before and after it carried only token ids (computed)",
-            "benchmarks.data_loader.ring_bytes",
-            (),
-            ("data_loader/ring_bytes.md",),
-            stdout="data_loader/ring_bytes.md",
-        ),
-        Step(
-            "Attention mask of a micro-batch: ours vs megatron-core's GPTDataset",
-            "benchmarks.attention_mask",
-            ("--seq", "2048", "--mbs", "1", "--repeats", "3") * quick + ("--out", RESULTS_ARG),
-            ("attention_mask.md",),
         ),
         Step(
             "Main job on one GPU with and without the plugins",

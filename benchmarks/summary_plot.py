@@ -52,23 +52,6 @@ def _zero(ax: Axes, data: dict[str, Any], name: str) -> None:
     ax.set_title(f"hierarchical ZeRO ({name}, accumulation {micro})", fontsize=9)
 
 
-def _loader(ax: Axes, data: dict[str, Any], name: str) -> None:
-    rows = data["rows"]
-
-    def median(row: dict[str, Any], key: str) -> float:
-        values = sorted(run[key] for run in row["runs"])
-        return values[len(values) // 2]
-
-    labels = [f"TP{r['tp']} CP{r['cp']}\n{r['label']}" for r in rows]
-    ax.bar(range(len(rows)), [median(r, "cpu_s") for r in rows], color="tab:blue")
-    ax.set_xticks(range(len(rows)), labels, rotation=60, fontsize=6)
-    ax.set_ylabel("CPU s of the 4 ranks and their children (median)")
-    twin = ax.twinx()
-    twin.plot(range(len(rows)), [median(r, "wait_ms") for r in rows], "o", color="tab:red")
-    twin.set_ylabel("data wait per step, ms (median)", color="tab:red")
-    ax.set_title("node loader vs Megatron's DataLoader path", fontsize=9)
-
-
 def _node_loader(ax: Axes, data: dict[str, Any], name: str) -> None:
     rows, ranks = data["layouts"]["rows"], data["settings"]["ranks"]
     tps = sorted({r["tp"] for r in rows if r["scheme"] != "none"})
@@ -105,19 +88,6 @@ def _calibration(ax: Axes, data: dict[str, Any], name: str) -> None:
     ax.set_title("emulated cluster calibration", fontsize=9)
 
 
-def _attention_mask(ax: Axes, data: dict[str, Any], name: str) -> None:
-    rows = data["rows"]
-    cases = list(dict.fromkeys((r["mbs"], r["mask"]) for r in rows))
-    for shift, path in ((-0.2, "megatron dataset"), (0.2, "ours")):
-        ms = {(r["mbs"], r["mask"]): r["median"] for r in rows if r["path"] == path}
-        ax.bar([i + shift for i in range(len(cases))], [ms[c] for c in cases], width=0.4, label=path)
-    ax.set_xticks(range(len(cases)), [f"mbs {m}, {mask}" for m, mask in cases], fontsize=7)
-    ax.set_ylabel("ms per micro-batch mask (median)")
-    ax.set_yscale("log")
-    ax.legend(fontsize=7)
-    ax.set_title(f"attention mask, s={data['seq']}", fontsize=9)
-
-
 def _flash_overlap(ax: Axes, data: dict[str, Any], name: str) -> None:
     summaries = data["summaries"]
     methods = list(dict.fromkeys(m for s in summaries for m in s["methods"]))
@@ -149,9 +119,7 @@ def panels(results: Path, network: str) -> list[tuple[Path, Panel]]:
         (results / "cluster" / "calibration.json", _calibration),
         (results / "zero" / f"{network}.json", _zero),
         (results / "flash_overlap" / f"{fo}_tp2.json", _flash_overlap),
-        (results / "data_loader" / "results.json", _loader),
         (results / "data_loader" / "node.json", _node_loader),
-        (results / "attention_mask.json", _attention_mask),
     ]
 
 

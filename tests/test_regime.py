@@ -91,5 +91,5 @@ def test_a_latency_the_probe_did_not_resolve_is_the_links_all_gather_latency():
     # the recursive all-gather's 10 us with the reduce-scatter's own 12.5 GB/s: a 125 KB product
     assert numbers["inter_node"].message_over_product == pytest.approx(10.0)
     none = replace(COSTS, fits={(L.PACKAGE, A.RING): AlgorithmFit(step_us=0.0, bus_gbps=1.0)})
-    with pytest.raises(ValueError, match="no latency fitted on package"):
+    with pytest.raises(ValueError, match="no latency fitted or measured on package"):
         link_regimes([Message(Op.ALL_GATHER, A.RING, L.PACKAGE, 2, 1e6, 1)], none)

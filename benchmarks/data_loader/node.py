@@ -4,7 +4,7 @@ node, TP = 1, 2, 4, 8 (DP = 8 / TP), cold reads from a slowed filesystem.
     sudo .venv/bin/python -m benchmarks.data_loader.node [--repeats 5] [--steps 30] [--quick]
 
 Every launch is 8 fresh rank processes (``benchmarks.data_loader.node_rank``, gloo over a file
-rendezvous) reading a synthetic corpus of random byte tokens (``run.make_corpus``, 64M tokens,
+rendezvous) reading a synthetic corpus of random byte tokens (``corpus.make_corpus``, 64M tokens,
 122 MiB) through megatron-core's GPTDataset (memory-mapped ``.bin``, Megatron's default).
 
 Paths compared, both through ``megatron_ext.data.loader.build_batch_iterator``:
@@ -86,8 +86,8 @@ import time
 import warnings
 
 from benchmarks.data_loader import node_report, node_storage
+from benchmarks.data_loader.corpus import OUT, QUIET, RAW, ROOT, drop_cache, make_corpus
 from benchmarks.data_loader.node_rank import DEFAULT_WORKERS
-from benchmarks.data_loader.run import OUT, QUIET, RAW, ROOT, drop_cache, make_corpus
 from multirank import rank_env
 
 FULL = dict(repeats=5, steps=30, warmup=5, seq_length=4096, step_ms=100.0, mask_calls=3, tps=[1, 2, 4, 8])

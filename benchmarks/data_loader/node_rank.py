@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from benchmarks.data_loader.corpus import drop_cache
 from benchmarks.data_loader.node_proc import (
     cpu_ns,
     descendants,
@@ -41,7 +42,6 @@ from benchmarks.data_loader.node_proc import (
     tree_memory,
     window_cpu,
 )
-from benchmarks.data_loader.run import drop_cache
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from plugin_base.topology import Topology

@@ -141,7 +141,7 @@ def dimensionless(rows: list[dict], profile: Profile) -> dict[str, Any]:
     """The run's regime numbers (:func:`benchmarks.zero.regime.emulated`), or why they could not be
     placed: the run's own figures are written either way."""
     try:
-        return emulated(rows, profile.costs(FRONTIER_RCCL))
+        return emulated(rows, profile, FRONTIER_RCCL)
     except ValueError as exc:
         print(f"regime numbers not computed: {exc}", file=sys.stderr)
         return {"error": str(exc)}

@@ -35,6 +35,7 @@ from deepspeed_ext.zero.cost.projection import (
 from deepspeed_ext.zero.cost.search import Rules, evaluate, fitting
 from deepspeed_ext.zero.cost.workload import Buckets, Model, System
 from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.profile import Profile
 from deepspeed_ext.zero.verified import Backend
 from plugin_base.topology import LinkClass
 
@@ -83,10 +84,11 @@ def weighted_median(pairs: Iterable[tuple[float, float]]) -> float:
     raise ValueError("no messages: a link class with no launches has no regime")
 
 
-def _latency_us(costs: CollectiveCosts, m: Message) -> float:
+def _latency_us(costs: CollectiveCosts, m: Message, profile: Profile | None) -> float:
     """One algorithm step's latency for ``m``: its own fit's, else, where the probe did not resolve
-    an intercept (clipped to 0), the same link's all-gather, then its ring: latency belongs to the
-    link more than to the operation."""
+    an intercept (clipped to 0), the same link's all-gather, then its ring (latency belongs to the
+    link more than to the operation); else, with a ``profile``, its smallest message's measured time
+    per algorithm step on that link (an upper bound: it includes that message's transfer)."""
     for operation, algorithm in (
         (m.operation, m.algorithm),
         (Operation.ALL_GATHER, m.algorithm),
@@ -99,11 +101,23 @@ def _latency_us(costs: CollectiveCosts, m: Message) -> float:
             continue
         if step_us > 0:
             return step_us
-    raise ValueError(f"no latency fitted on {m.link}: the profile cannot place {m.operation} {m.algorithm}")
+    smallest = [
+        t.median / max(1, algorithm_steps(t.algorithm, t.members)) * 1e6
+        for t in (profile.timings if profile is not None else [])
+        if t.link == m.link and t.nbytes == min(u.nbytes for u in profile.timings if u.link == m.link)
+    ]
+    if smallest:
+        return min(smallest)
+    raise ValueError(
+        f"no latency fitted or measured on {m.link}: the profile cannot place {m.operation} {m.algorithm}"
+    )
 
 
-def link_regimes(messages: Iterable[Message], costs: CollectiveCosts) -> dict[str, LinkRegime]:
-    """Per link class, the dimensionless numbers of ``messages`` under ``costs``' fits."""
+def link_regimes(
+    messages: Iterable[Message], costs: CollectiveCosts, profile: Profile | None = None
+) -> dict[str, LinkRegime]:
+    """Per link class, the dimensionless numbers of ``messages`` under ``costs``' fits (and, for a
+    latency no fit resolves, ``profile``'s smallest measured messages)."""
     by_link: dict[LinkClass, list[Message]] = {}
     for m in messages:
         if m.members > 1 and m.nbytes > 64:  # a scalar all-reduce (loss, norm) carries no weight
@@ -113,7 +127,7 @@ def link_regimes(messages: Iterable[Message], costs: CollectiveCosts) -> dict[st
         ratios, per_step = [], []
         for m in group:
             fit = costs.fit(m.operation, m.algorithm, m.link)
-            product = _latency_us(costs, m) * 1e-6 * fit.bus_gbps * 1e9
+            product = _latency_us(costs, m, profile) * 1e-6 * fit.bus_gbps * 1e9
             steps = algorithm_steps(m.algorithm, m.members)
             ratios.append((m.nbytes / product, m.count))
             per_step.append((m.nbytes / max(steps, 1) / product if m.algorithm == Algorithm.RECURSIVE
@@ -214,9 +228,10 @@ def measured_messages(calls: Iterable[Mapping]) -> list[Message]:
     ]  # fmt: skip
 
 
-def emulated(rows: Iterable[Mapping], costs: CollectiveCosts) -> dict[str, dict]:
+def emulated(rows: Iterable[Mapping], profile: Profile, fallback: CollectiveCosts) -> dict[str, dict]:
     """The emulated cluster's numbers from an A/B run's rows (each with ``calls_per_step`` and
-    ``predicted``) under the probe profile's fitted ``costs``."""
+    ``predicted``) under the probe ``profile``'s fits (``fallback`` where it measured nothing)."""
+    costs = profile.costs(fallback)
     out = {}
     for row in rows:
         if not row.get("ran") or "predicted" not in row:
@@ -224,7 +239,8 @@ def emulated(rows: Iterable[Mapping], costs: CollectiveCosts) -> dict[str, dict]
         predicted = row["predicted"]
         out[row["variant"]] = {
             "links": {
-                k: vars(v) for k, v in link_regimes(measured_messages(row["calls_per_step"]), costs).items()
+                k: vars(v)
+                for k, v in link_regimes(measured_messages(row["calls_per_step"]), costs, profile).items()
             },
             "comm_over_compute": predicted["comm_s"] / predicted["compute_s"],
             "measured_comm_over_compute": (statistics.median(row["step_s"]) - predicted["compute_s"])
