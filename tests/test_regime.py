@@ -69,6 +69,9 @@ def test_the_collectives_of_a_step_counted_by_hand():
     hpz = frontier_messages(system, model, 2, Plan(Scheme.HPZ, buckets=Buckets()))
     # forward across the whole group, backward from the node's copy (8 ranks, across packages)
     assert [(x.link, x.members, x.count) for x in hpz[:2]] == [(L.INTER_NODE, 16, 1), (L.NODE, 8, 1)]
+    # at TP > 1 DeepSpeed's hpZ group is the node's 8 consecutive ranks, TP peers included
+    hpz_tp2 = frontier_messages(system, model, 2, Plan(Scheme.HPZ, tp=2, buckets=Buckets()))
+    assert [(x.link, x.members) for x in hpz_tp2[:2]] == [(L.INTER_NODE, 8), (L.NODE, 8)]
     ours = frontier_messages(system, model, 2, Plan(Scheme.OURS, inter_node="ring", buckets=Buckets()))
     first = [(x.link, x.members, x.nbytes, x.count) for x in ours[:5]]
     # forward: across the 2 nodes a node's 1/8, across 4 packages a package's 1/2, in the package

@@ -159,7 +159,8 @@ def _hops(op: Operation, s: DPShape, nbytes: float, count: float, inter: Algorit
 
 def frontier_messages(system: System, model: Model, nodes: int, plan: Plan) -> list[Message]:
     """The collectives of one step of an exact ``plan`` (ZeRO-3, hpZ or ours) as the cost model
-    charges them (:func:`deepspeed_ext.zero.cost.projection.comm_seconds`)."""
+    charges them (:func:`deepspeed_ext.zero.cost.projection.comm_seconds`), a flat collective by the
+    link that sets its time; ours' inter-node hops by the plan's algorithm (``auto`` taken as ring)."""
     if plan.quantized_weights or plan.quantized_gradients or plan.scheme not in (
         Scheme.ZERO3, Scheme.HPZ, Scheme.OURS,
     ):  # fmt: skip
@@ -174,6 +175,10 @@ def frontier_messages(system: System, model: Model, nodes: int, plan: Plan) -> l
         b = 2.0 * elems
         if plan.scheme == Scheme.ZERO3:
             out += _flat(ag, s, b, 2 * ga)
+        elif plan.scheme == Scheme.HPZ and plan.tp > 1:  # DeepSpeed's group: the node's consecutive ranks
+            out += _flat(ag, s, b, 1) + [
+                Message(ag, Algorithm.RING, LinkClass.NODE, system.ranks_per_node, b, 2 * ga - 1)
+            ]
         elif plan.scheme == Scheme.HPZ:
             out += _flat(ag, s, b, 1) + _flat(ag, inner, b, 2 * ga - 1)
         else:
