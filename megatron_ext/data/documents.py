@@ -1,6 +1,6 @@
 """Attention masks, and the document boundaries they need, without the dataset's [s, s] mask.
 
-megatron-core's GPTDataset builds a [1, s, s] mask per sample on the CPU (0.1-0.3 s at s=8192).
+megatron-core's GPTDataset builds a [1, s, s] bool mask per sample on the CPU (64 MiB at s=8192).
 Instead every rank builds its micro-batch's mask where its tokens live, from one int32 per token:
 the *document id*, the number of end-of-document tokens strictly before that position. With
 ``reset_attention_mask`` a query and a key in different documents are masked, which is what
