@@ -152,6 +152,7 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
         assert -0.9 <= prediction_error(row) <= 9.0, (name, row["predicted_step_s"], row["step_s"])
         # every step waits for the first module's gather at least, and no longer than the step
         assert row["gather_wait_s"] > 0 and 0 < row["gather_wait_share"] < 1
+        assert 0 < row["forward_gather_wait_s"] < row["gather_wait_s"]  # both passes fetch
         numbers = result["dimensionless"][name]
         assert numbers["links"]["inter_node"]["message_over_product"] > 0 and numbers["comm_over_compute"] > 0
     assert result["auto_check"] and len(result["probe_s"]) == 2

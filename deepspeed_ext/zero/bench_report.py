@@ -24,12 +24,12 @@ def _size(nbytes: float | None) -> str:
 
 def table(rows: Sequence[dict], header: str) -> str:
     """One line per variant: step time and TFLOPS as median (min-max), bytes per link class per
-    step, peak memory, the share of the step the mean rank waited in parameter fetches; variants
-    not run with their reason."""
+    step, peak memory, the share of the step the mean rank waited in parameter fetches (in brackets:
+    before forward passes); variants not run with their reason."""
     links = " ".join(f"{link + ' /step':>16}" for link in LINK_CLASSES)
     lines = [
         header,
-        f"{'variant':28} {'step ms, median (min-max)':30} {'TFLOPS/rank':22} {links} {'peak/rank':>10} {'gather wait':>11}",
+        f"{'variant':28} {'step ms, median (min-max)':30} {'TFLOPS/rank':22} {links} {'peak/rank':>10} {'gather wait (fwd)':>18}",
     ]
     for row in rows:
         if not row["ran"]:
@@ -38,9 +38,15 @@ def table(rows: Sequence[dict], header: str) -> str:
         sent = " ".join(f"{_size(row['bytes_per_step'][link]):>16}" for link in LINK_CLASSES)
         lines.append(
             f"{row['variant']:28} {_spread(row['step_s'], 1e3, 1):30} {_spread(row['tflops'], 1, 4):22} "
-            f"{sent} {_size(row['peak_bytes']):>10} {row['gather_wait_share']:>11.1%}"
+            f"{sent} {_size(row['peak_bytes']):>10} {_wait(row):>18}"
         )
     return "\n".join(lines)
+
+
+def _wait(row: dict) -> str:
+    """The step's share spent waiting for parameters, and the forward passes' part of it."""
+    forward = row["forward_gather_wait_s"] / statistics.median(row["step_s"])
+    return f"{row['gather_wait_share']:.1%} ({forward:.1%})"
 
 
 def separated(a: Sequence[float], b: Sequence[float]) -> bool:

@@ -129,9 +129,9 @@ def run_variant(
         [counter.per_link()[link] / args.steps for link in LINK_CLASSES], dtype=torch.float64, device=device
     )
     dist.all_reduce(sent, op=dist.ReduceOp.MAX)
-    wait = torch.tensor([waited.seconds / args.steps], dtype=torch.float64, device=device)
+    wait = torch.tensor([waited.seconds, waited.forward_seconds], dtype=torch.float64, device=device)
     dist.all_reduce(wait, op=dist.ReduceOp.SUM)
-    wait_s = wait.item() / topology.world_size  # the mean rank's
+    wait_s, forward_wait_s = (x / args.steps / topology.world_size for x in wait.tolist())  # the mean rank's
     micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     _release(engine)
@@ -147,6 +147,7 @@ def run_variant(
         peak_bytes=peak,
         gather_wait_s=wait_s,
         gather_wait_share=wait_s / statistics.median(seconds),
+        forward_gather_wait_s=forward_wait_s,
     )
     if profile is not None and compute_s is not None:
         calls = {call: count / args.steps for call, count in counter.calls.items()}

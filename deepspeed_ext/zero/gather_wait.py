@@ -21,10 +21,12 @@ from typing import Any
 
 
 class GatherWait:
-    """Context manager: ``seconds`` spent in parameter fetches and ``fetches`` counted while entered."""
+    """Context manager: ``seconds`` spent in parameter fetches and ``fetches`` counted while entered,
+    and of those seconds the ones before forward passes (``forward_seconds``)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.forward_seconds = 0.0
         self.fetches = 0
         self._lock = threading.Lock()  # backward hooks may run on autograd's threads
         self._original: Any = None
@@ -37,14 +39,15 @@ class GatherWait:
         original = C.fetch_sub_module
 
         @functools.wraps(original)
-        def timed(coordinator: Any, *args: Any, **kwargs: Any) -> Any:
+        def timed(coordinator: Any, current_submodule: Any, forward: bool, *args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
             try:
-                return original(coordinator, *args, **kwargs)
+                return original(coordinator, current_submodule, forward, *args, **kwargs)
             finally:
                 elapsed = time.perf_counter() - start
                 with self._lock:
                     self.seconds += elapsed
+                    self.forward_seconds += elapsed if forward else 0.0
                     self.fetches += 1
 
         timed._gather_wait = True  # type: ignore[attr-defined]
