@@ -7,19 +7,16 @@ setup(
     description="Shared-memory node loader, hierarchical ZeRO-3 and Flash-Overlap TP linears for megatron-core + DeepSpeed",
     packages=find_packages(
         include=[
-            "plugin_base",
-            "plugin_base.*",
+            "mdsp_base",
+            "mdsp_base.*",
             "deepspeed_ext",
             "deepspeed_ext.*",
             "megatron_ext",
             "megatron_ext.*",
-            "trainer",
-            "trainer.*",
         ]
     ),
-    py_modules=["plugin_config"],
-    # The model and DeepSpeed presets (scripts/presets links here): the planner reads them in a wheel too.
-    package_data={"plugin_base": ["presets/*.args", "presets/*.json", "presets/upstream/*"]},
+    # The model and DeepSpeed presets (scripts/presets links here): the recommendation CLI reads them in a wheel too.
+    package_data={"mdsp_base": ["presets/*.args", "presets/*.json", "presets/upstream/*"]},
     python_requires=">=3.11",  # enum.StrEnum
     # torch is pinned by the set-up script before this installs; a range here must admit that build.
     install_requires=[

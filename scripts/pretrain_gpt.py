@@ -6,14 +6,14 @@ job itself is the ``trainer`` package.
 
 import sys
 
-from trainer.cli import parse_args
+from megatron_ext.trainer.cli import parse_args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the flags, then run the job: ``--help`` and flag errors answer before torch,
     megatron-core and DeepSpeed load."""
     args = parse_args(argv)
-    from trainer.main import run
+    from megatron_ext.trainer.main import run
 
     return run(args)
 

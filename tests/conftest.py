@@ -113,7 +113,7 @@ def gpt_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     before any rank reads it (the mask settings are not part of its key: every variant shares it)."""
     from shm_helpers import gpt_dataset
 
-    from trainer.corpus import synthetic_documents, write_indexed_dataset
+    from megatron_ext.trainer.corpus import synthetic_documents, write_indexed_dataset
 
     root = tmp_path_factory.mktemp("gpt-corpus")
     prefix, cache = str(root / "corpus"), str(root / "cache")
@@ -127,7 +127,7 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(prefix, index cache) of a 40-document corpus, its training split's cache built here, once."""
     from shm_helpers import SEQ
 
-    from trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
+    from megatron_ext.trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
 
     root = tmp_path_factory.mktemp("small-corpus")
     prefix, cache = str(root / "corpus"), str(root / "cache")
@@ -141,7 +141,7 @@ def shm_dataset(small_corpus: tuple[str, str]) -> Any:
     """The training split of ``small_corpus`` (sequences of shm_helpers.SEQ tokens)."""
     from shm_helpers import SEQ
 
-    from trainer.corpus import build_train_dataset
+    from megatron_ext.trainer.corpus import build_train_dataset
 
     prefix, cache = small_corpus
     return build_train_dataset(prefix, SEQ, 10, 1234, cache)
@@ -153,7 +153,7 @@ def shm_path() -> Iterator[str]:
     import glob
     import uuid
 
-    from megatron_ext.data.shm_segment import segment_path
+    from megatron_ext.data.shm.segment import segment_path
 
     path = segment_path("/dev/shm", f"test{uuid.uuid4().hex[:8]}", 0)
     yield path

@@ -14,7 +14,7 @@ def setup_tp(tp: int, sequence_parallel: bool = True) -> tuple[Any, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.model_parallel_config import ModelParallelConfig
 
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)

@@ -19,10 +19,10 @@ def seeded_gpt(
     ffn: int | None = None,
     layer_spec: Any = None,
 ) -> torch.nn.Module:
-    """``megatron_ext.gpt.build_gpt_model`` of a 2-layer, 4-head GPT after seeding both RNGs."""
+    """``megatron_ext.integration.gpt.build_gpt_model`` of a 2-layer, 4-head GPT after seeding both RNGs."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.gpt import build_gpt_model, gpt_config
+    from megatron_ext.integration.gpt import build_gpt_model, gpt_config
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)

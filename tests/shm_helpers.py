@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from megatron_samplers import megatron_order
 
-from trainer.corpus import ByteTokenizer, gpt_dataset_config
+from megatron_ext.trainer.corpus import ByteTokenizer, gpt_dataset_config
 
 SEQ, MBS = 32, 2
 ATTACKER, VICTIM = "mdspattacker", "mdspvictim"  # local users of the attacks (conftest's ``users``)
@@ -110,7 +110,7 @@ def node_iterator(
     from megatron_ext.data.batch import ALL_KEYS
     from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.samplers import SamplerSettings
-    from megatron_ext.data.shm_loader import ShmBatchIterator
+    from megatron_ext.data.shm.node_loader import ShmBatchIterator
 
     return ShmBatchIterator(
         dataset,

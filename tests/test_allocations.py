@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.profiler import record_function
 
-from plugin_base.allocations import AllocationTrace
+from mdsp_base.allocations import AllocationTrace
 
 MB = 1 << 20
 

@@ -10,7 +10,12 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, _get_ltor_masks_and_p
 
 from megatron_ext.data.documents import MaskBuilder, attention_mask, document_ids
 from megatron_ext.data.token_ids import TextReader, TextRules, derive_batch
-from trainer.corpus import ByteTokenizer, gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.trainer.corpus import (
+    ByteTokenizer,
+    gpt_dataset_config,
+    synthetic_documents,
+    write_indexed_dataset,
+)
 
 EOD = 7
 

@@ -17,7 +17,7 @@ def _blocks_against_megatron_core(tp: int) -> dict:
     from megatron.core.tensor_parallel import layers, mappings, model_parallel_cuda_manual_seed
 
     from benchmarks.flash_overlap.blocks import Block, Shapes
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
 
     enable_cpu_support()
     ps.destroy_model_parallel()

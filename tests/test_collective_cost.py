@@ -18,7 +18,7 @@ from deepspeed_ext.zero.cost.collectives import (
     for_topology,
     seconds,
 )
-from plugin_base.topology import LinkClass
+from mdsp_base.topology import LinkClass
 
 AG, RS, AR = Operation.ALL_GATHER, Operation.REDUCE_SCATTER, Operation.ALL_REDUCE
 TOY = CollectiveCosts(

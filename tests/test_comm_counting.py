@@ -7,8 +7,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from plugin_base import comm
-from plugin_base.topology import Topology
+from mdsp_base import comm
+from mdsp_base.topology import Topology
 
 TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
 
@@ -17,9 +17,9 @@ def _flat_vs_hops() -> dict:
     import deepspeed.comm as ds_dist
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced as ds_rs
 
-    from deepspeed_ext.zero import hops
     from deepspeed_ext.zero.config import HierarchicalZeroConfig
-    from deepspeed_ext.zero.levels import build_levels
+    from deepspeed_ext.zero.engine import hops
+    from deepspeed_ext.zero.engine.levels import build_levels
 
     comm.patch_deepspeed_comm()  # also brings up DeepSpeed's communication backend
     rank = dist.get_rank()

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from megatron_ext.args import extra_args_provider, plugin_config_from_args
-from plugin_base.section import ConfigError
-from plugin_config import PluginConfig, load_plugin_config, validate_against_world
+from mdsp_base.section import ConfigError
+from megatron_ext.integration.args import extra_args_provider, plugin_config_from_args
+from megatron_ext.integration.plugin_config import PluginConfig, load_plugin_config, validate_against_world
 
 
 def test_defaults_leave_every_plugin_off():
@@ -113,7 +113,7 @@ def test_the_loaders_directory_is_checked_at_start_up(tmp_path, caplog):
 
 def test_a_ring_that_cannot_fit_fails_at_start_up_with_its_numbers():
     from megatron_ext.data.config import check_shm_space_at_start
-    from megatron_ext.data.shm_segment import free_bytes
+    from megatron_ext.data.shm.segment import free_bytes
 
     config = load_plugin_config({"shm_data_loader": {"enabled": True, "shm_dir": "/dev/shm", "slots": 4}})
     # 8 ranks at TP=1, micro-batch 4 of 2048 tokens, int32 ids: 4 slots of 8 x 4 x 2049 x 4 bytes, about 1 MiB

@@ -7,8 +7,8 @@ import json
 import re
 from pathlib import Path
 
-from megatron_ext.args import flag_of
-from plugin_config import SECTIONS, PluginConfig
+from megatron_ext.integration.args import flag_of
+from megatron_ext.integration.plugin_config import SECTIONS, PluginConfig
 
 KEY_TABLE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 HEADER = "| key | default | flag | meaning |"

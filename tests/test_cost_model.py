@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
-from deepspeed_ext.zero.contract import largest_collectives
 from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.cost.memory import HopBuffers, hop_buffers
-from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.planner import as_charged, choose_secondary_level, describe
-from plugin_base.section import ConfigError
-from plugin_base.topology import Topology
+from deepspeed_ext.zero.cost.secondary_level import as_charged, choose_secondary_level, describe
+from deepspeed_ext.zero.cost.shape import DPShape
+from deepspeed_ext.zero.engine.contract import largest_collectives
+from mdsp_base.section import ConfigError
+from mdsp_base.topology import Topology
 
 FRONTIER_384 = DPShape(nodes=48, packages_per_node=4, per_package=2)
 FRONTIER_TOPOLOGY = Topology(world_size=384, ranks_per_node=8, ranks_per_package=2)

@@ -11,9 +11,9 @@ STEPS = 4
 def _train_losses(tp: int, sequence_parallel: bool) -> list[float]:
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.cpu import enable_cpu_support
-    from megatron_ext.gpt import gpt_loss
-    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
+    from megatron_ext.integration.gpt import gpt_loss
+    from megatron_ext.layers.sequence_parallel import allreduce_sequence_parallel_grads
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
@@ -63,7 +63,7 @@ def test_tensor_and_sequence_parallel_gpt_match_a_single_process(run_ranks):
 
 
 def test_shim_is_inert_when_cuda_is_present(monkeypatch):
-    import megatron_ext.cpu as cpu
+    import megatron_ext.integration.core_on_cpu as cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(cpu, "_undo", [])
@@ -75,7 +75,7 @@ def test_shim_is_inert_when_cuda_is_present(monkeypatch):
 def test_shim_is_undone_by_disable(monkeypatch):
     from megatron.core.tensor_parallel import random as mp_random
 
-    import megatron_ext.cpu as cpu
+    import megatron_ext.integration.core_on_cpu as cpu
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(cpu, "_undo", [])  # as in a fresh process, whatever earlier tests enabled

@@ -17,7 +17,7 @@ PAGES = [
 ]
 TOP = tuple(p.name + "/" for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".")) + (
     "setup.py",
-    "plugin_config.py",
+    "megatron_ext/integration/plugin_config.py",
     "pyproject.toml",
     "README.md",
 )

@@ -202,9 +202,9 @@ def test_matches_dense_and_megatron_core(case_results, case):
 def _train_gpt(tp: int, steps: int) -> dict[str, list[float]]:
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.gpt import gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.integration.gpt import gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.layers.sequence_parallel import allreduce_sequence_parallel_grads
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
-    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
     setup_tp(tp)
     seq, vocab = 12, padded_vocab_size(100, tp)
@@ -434,10 +434,10 @@ def test_single_rank_layers_need_no_process_group():
 
 
 def test_spec_replaces_the_chosen_linears_and_passes_mode_timeout_backend_and_topology():
-    from megatron_ext.gpt import local_layer_spec
+    from mdsp_base.topology import Topology
+    from megatron_ext.integration.gpt import local_layer_spec
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
-    from plugin_base.topology import Topology
 
     topology = Topology(world_size=16, ranks_per_node=8, ranks_per_package=2)
     spec = get_flash_overlap_layer_spec(

@@ -23,12 +23,12 @@ import torch.distributed as dist
 from flash_overlap_helpers import FakeGroup
 from torch.distributed import _symmetric_memory
 
+from mdsp_base.topology import Topology
 from megatron_ext.layers import backend as backends
 from megatron_ext.layers.backend import BackendUnavailableError, peer_problem, resolve_backend
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear
-from megatron_ext.layers.p2p_link import OverlapGroup, check_nccl_waits
-from plugin_base.topology import Topology
+from megatron_ext.layers.p2p.link import OverlapGroup, check_nccl_waits
 
 GPU0 = torch.device("cuda", 0)
 ONE_NODE = Topology(world_size=2, ranks_per_node=2, ranks_per_package=1)
@@ -94,7 +94,7 @@ def test_auto_keeps_p2p_when_the_group_spans_nodes_and_symm_mem_refuses(gpus):
 def test_auto_without_a_topology_keeps_p2p_and_says_how_to_pass_one(gpus):
     assert resolve_backend("auto", FakeGroup([0, 1]), GPU0, None) == "p2p"
     assert "no topology was given" in _logged_reason(gpus["log"])
-    assert "topology=plugin_base.topology.detect_topology(...)" in _logged_reason(gpus["log"])
+    assert "topology=mdsp_base.topology.detect_topology(...)" in _logged_reason(gpus["log"])
 
 
 def test_auto_keeps_p2p_when_the_gpus_do_not_reach_each_other(gpus):

@@ -13,7 +13,7 @@ def _blocks_against_megatron_core() -> dict:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from benchmarks.flash_overlap.blocks import Block, Shapes
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)

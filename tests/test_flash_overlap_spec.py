@@ -75,7 +75,7 @@ def test_a_te_spec_gets_its_norms_back_in_their_own_slots():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.identity_op import IdentityOp
 
-    from megatron_ext.gpt import local_layer_spec
+    from megatron_ext.integration.gpt import local_layer_spec
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
@@ -106,9 +106,9 @@ def test_a_te_spec_gets_its_norms_back_in_their_own_slots():
 def _te_composed_against_megatron_core_local(tp: int) -> dict[str, float]:
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.gpt import gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.integration.gpt import gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.layers.sequence_parallel import allreduce_sequence_parallel_grads
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
-    from megatron_ext.sequence_parallel import allreduce_sequence_parallel_grads
 
     setup_tp(tp)
     seq, vocab = 12, padded_vocab_size(100, tp)
@@ -188,7 +188,7 @@ def test_multi_latent_attention_and_te_fused_mlp_are_refused_by_name():
 def test_a_linear_it_does_not_know_is_refused_by_name():
     from megatron.core.transformer.heterogeneous.linear_replacements import ColumnParallelLinearGathered
 
-    from megatron_ext.gpt import local_layer_spec
+    from megatron_ext.integration.gpt import local_layer_spec
 
     spec = local_layer_spec()
     spec.submodules.self_attention.submodules.linear_qkv = ColumnParallelLinearGathered

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from flash_overlap_helpers import FakeGroup
 
-from megatron_ext.layers import p2p_link
-from megatron_ext.layers.p2p_link import OverlapGroup
+from megatron_ext.layers.p2p import link as p2p_link
+from megatron_ext.layers.p2p.link import OverlapGroup
 
 
 class _Work:

@@ -1,4 +1,4 @@
-"""Floors: each plugin imports the common base (``plugin_base``) and itself, never another plugin nor
+"""Floors: each plugin imports the common base (``mdsp_base``) and itself, never another plugin nor
 anything above the plugins (the configuration assembler, the Megatron glue, the main job). Every
 module of a plugin must import in a fresh interpreter where those packages cannot be found."""
 
@@ -11,11 +11,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-ABOVE = ["plugin_config", "trainer", "megatron_ext.upstream", "megatron_ext.args", "megatron_ext.launch"]
+ABOVE = ["megatron_ext.integration", "megatron_ext.trainer", "megatron_ext.upstream", "megatron_ext.launch"]
+ZERO = "deepspeed_ext.zero"
 PLUGINS = {
-    "deepspeed_ext.zero": ["megatron_ext", *ABOVE],
-    "megatron_ext.data": ["deepspeed_ext", "megatron_ext.layers", "megatron_ext.gpt", *ABOVE],
-    "megatron_ext.layers": ["deepspeed_ext", "megatron_ext.data", "megatron_ext.gpt", *ABOVE],
+    ZERO: ["megatron_ext", *ABOVE],
+    "megatron_ext.data": ["deepspeed_ext", "megatron_ext.layers", *ABOVE],
+    "megatron_ext.layers": ["deepspeed_ext", "megatron_ext.data", *ABOVE],
+    # Inside hierarchical ZeRO: the cost model below the engine, the engine below the tools.
+    f"{ZERO}.cost": [f"{ZERO}.engine", f"{ZERO}.tools", "megatron_ext", *ABOVE],
+    f"{ZERO}.engine": [f"{ZERO}.tools", "megatron_ext", *ABOVE],
 }
 PROBE = """
 import importlib, importlib.abc, pkgutil, sys

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.zero.cost import volume as cm
-from plugin_base import comm
-from plugin_base.topology import Topology
+from mdsp_base import comm
+from mdsp_base.topology import Topology
 
 TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
 STEPS = 10
@@ -342,9 +342,9 @@ def test_persistent_parameters_are_gathered_in_hops(runs):
 def test_pack_writes_hop_order_with_an_index_made_once_per_plan():
     """pack equals the flat chunking put in hop order, its row index is kept on the plan (made once
     per device) and the cache leaves plan equality and hashing alone."""
-    from deepspeed_ext.zero import hops
-    from deepspeed_ext.zero.levels import HopPlan
-    from plugin_base.topology import LinkClass
+    from deepspeed_ext.zero.engine import hops
+    from deepspeed_ext.zero.engine.levels import HopPlan
+    from mdsp_base.topology import LinkClass
 
     g = torch.Generator().manual_seed(3)
     for sizes in ((2, 2, 2), (1, 2, 2), (2, 3, 4), (3, 1, 5), (4,)):

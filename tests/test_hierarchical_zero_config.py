@@ -7,8 +7,8 @@ import torch.distributed as dist
 from test_hierarchical_zero import ds_config, mlp
 
 from deepspeed_ext.zero import check_deepspeed_version, dp_shape
-from plugin_base.section import ConfigError
-from plugin_base.topology import Topology
+from mdsp_base.section import ConfigError
+from mdsp_base.topology import Topology
 
 COLLECTIVES = (
     "new_group",

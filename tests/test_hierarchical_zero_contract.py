@@ -49,7 +49,7 @@ def _second_engine_on_the_same_module(kind: str, ckpt_dir: str) -> dict:
 
 
 def _refusal(build) -> str:
-    from plugin_base.section import ConfigError
+    from mdsp_base.section import ConfigError
 
     try:
         build()

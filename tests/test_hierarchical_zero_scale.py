@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from test_hierarchical_zero import TOL, ds_config, full_params, make_engine, mlp, train
 
-from plugin_base import comm
-from plugin_base.topology import Topology
+from mdsp_base import comm
+from mdsp_base.topology import Topology
 
 MICRO = 4
 STEPS = 3

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from test_hierarchical_zero import batch, ds_config, mlp
 
-from plugin_base.topology import Topology
+from mdsp_base.topology import Topology
 
 FOUR_RANKS = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)  # 2 nodes x 2 packages: real hops
 

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from test_hierarchical_zero import MICRO, STEPS, TOL, ds_config, full_params, make_engine, train
 
 from deepspeed_ext.zero.cost import volume as cm
-from deepspeed_ext.zero.levels import DPShape
+from deepspeed_ext.zero.cost.shape import DPShape
 
 
 class TPMLP(torch.nn.Module):
@@ -43,7 +43,7 @@ def tp_numels() -> tuple[int, ...]:
 def _tp_variants() -> dict:
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.mpu import MegatronMPU
+    from megatron_ext.integration.mpu import MegatronMPU
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     mpu = MegatronMPU()

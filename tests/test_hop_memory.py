@@ -22,10 +22,10 @@ import torch.distributed as dist
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.cost.memory import hop_buffers
-from deepspeed_ext.zero.levels import DPShape
-from plugin_base import comm
-from plugin_base.allocations import AllocationTrace
-from plugin_base.topology import Topology
+from deepspeed_ext.zero.cost.shape import DPShape
+from mdsp_base import comm
+from mdsp_base.allocations import AllocationTrace
+from mdsp_base.topology import Topology
 
 TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
 SHAPE = DPShape(nodes=2, packages_per_node=2, per_package=2)
@@ -56,9 +56,9 @@ def one_peak(fn: Callable[[], Any]) -> int:
 def _measure() -> dict:
     from deepspeed.runtime.comm.coalesced_collectives import reduce_scatter_coalesced as ds_rs
 
-    from deepspeed_ext.zero import hops
-    from deepspeed_ext.zero.grad_sync import GradientReducer
-    from deepspeed_ext.zero.levels import build_levels
+    from deepspeed_ext.zero.engine import hops
+    from deepspeed_ext.zero.engine.grad_sync import GradientReducer
+    from deepspeed_ext.zero.engine.levels import build_levels
 
     comm.patch_deepspeed_comm()
     levels = build_levels(TOPOLOGY, None, "global", CONFIGS["plain"])

@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from deepspeed_ext.zero.hop_worker import HopWorker, Stage
-from plugin_base import comm
-from plugin_base.topology import Topology
+from deepspeed_ext.zero.engine.hop_worker import HopWorker, Stage
+from mdsp_base import comm
+from mdsp_base.topology import Topology
 
 CPU = torch.device("cpu")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_ext import launch
-from megatron_ext.upstream import cpu as cpu_upstream
-from megatron_ext.upstream import standins
+from megatron_ext.integration import launch
+from megatron_ext.integration.upstream import scripts_on_cpu as cpu_upstream
+from megatron_ext.integration.upstream import standins
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -221,7 +221,7 @@ def test_the_hooks_changes_are_undone_first_then_the_launchers(tmp_path: Path) -
     """A hook's change (as the upstream hooks register engines, loaders and threads) goes through
     the launcher's installer: undone when the script ends, while the launcher's own changes (here
     its LOCAL_SIZE) still hold, and those after it; outside a run the hooks have no owner."""
-    from megatron_ext.upstream import hooks
+    from megatron_ext.integration.upstream import hooks
 
     tree = tmp_path / "mds"
     (tree / "megatron").mkdir(parents=True)
@@ -229,7 +229,7 @@ def test_the_hooks_changes_are_undone_first_then_the_launchers(tmp_path: Path) -
     script = tree / "pretrain_gpt.py"
     script.write_text(
         "import os, test_launch\n"
-        "from megatron_ext.upstream import hooks\n"
+        "from megatron_ext.integration.upstream import hooks\n"
         "hooks.installer().add('test', 'a hook', lambda: test_launch.EVENTS.append(('undone', os.environ.get('LOCAL_SIZE'))))\n"
         "test_launch.EVENTS.append(('ran', os.environ.get('LOCAL_SIZE')))\n"
     )

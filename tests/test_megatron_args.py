@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from megatron_ext.args import extra_args_provider, plugin_config_from_args
-from megatron_ext.upstream import hooks
-from plugin_base.section import ConfigError
-from plugin_config import load_plugin_config
+from mdsp_base.section import ConfigError
+from megatron_ext.integration.args import extra_args_provider, plugin_config_from_args
+from megatron_ext.integration.plugin_config import load_plugin_config
+from megatron_ext.integration.upstream import hooks
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 PRESETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "presets")
@@ -238,7 +238,11 @@ def test_megatron_lm_spec_and_loader_accepted_with_pipeline_parallelism():
 @pytest.mark.parametrize(
     ("argv", "fields", "needle"),
     [
-        (["--flash-overlap"], {}, "--spec megatron_ext.upstream.megatron_lm flash_overlap_layer_spec"),
+        (
+            ["--flash-overlap"],
+            {},
+            "--spec megatron_ext.integration.upstream.megatron_lm flash_overlap_layer_spec",
+        ),
         (
             ["--flash-overlap"],
             {"spec": list(hooks.SPEC_FLAG), "tensor_model_parallel_size": 2},
@@ -320,7 +324,7 @@ def test_megatron_deepspeed_unsupported_settings_fail(argv, ds, fields, needle):
 
 
 def test_ulysses_with_clipping_under_zero3_is_told_how_sp_scales_its_gradients():
-    from megatron_ext.upstream.ds_parallelism import ulysses_clipping_notice
+    from megatron_ext.integration.upstream.ds_parallelism import ulysses_clipping_notice
 
     notice = ulysses_clipping_notice(sp=2, clipping=1.0, zero_stage=3)
     assert notice is not None and "1/2 of the gradient" in notice and "SP=1 would clip at 2" in notice

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.zero import p2p_hops
-from plugin_base import comm
-from plugin_base.topology import Topology
+from deepspeed_ext.zero.engine import p2p_hops
+from mdsp_base import comm
+from mdsp_base.topology import Topology
 
 WORLD = 6
 # Whole groups, strided groups (as the hops' cross-node groups are) and sizes 2..6.

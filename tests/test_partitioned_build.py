@@ -11,7 +11,7 @@ import pytest
 import torch
 from gpt_helpers import seeded_gpt
 
-from plugin_base.topology import Topology
+from mdsp_base.topology import Topology
 
 WORLD = 4
 TOPOLOGY = Topology(world_size=WORLD, ranks_per_node=4, ranks_per_package=2)
@@ -41,10 +41,10 @@ def _three_builds() -> dict:
     from megatron.core import parallel_state as ps
 
     from deepspeed_ext.zero import Init, prepare
-    from deepspeed_ext.zero.inject import unregister
-    from megatron_ext.cpu import disable_cpu_support, enable_cpu_support
-    from megatron_ext.mpu import MegatronMPU
-    from megatron_ext.partitioned_build import megatron_model_spec
+    from deepspeed_ext.zero.engine.inject import unregister
+    from megatron_ext.integration.core_on_cpu import disable_cpu_support, enable_cpu_support
+    from megatron_ext.integration.mpu import MegatronMPU
+    from megatron_ext.integration.partitioned_build import megatron_model_spec
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_ext.upstream import megatron_deepspeed, megatron_lm
+from megatron_ext.integration.upstream import megatron_deepspeed, megatron_lm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = os.path.join(ROOT, "patches")
@@ -150,9 +150,9 @@ def test_spec_is_what_megatron_lm_imports():
 def test_flash_overlap_submodules_follow_the_config():
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+    from megatron_ext.integration.upstream.layer_specs import flash_overlap_submodules, layer_spec
     from megatron_ext.layers.config import FlashOverlapConfig
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
-    from megatron_ext.upstream.spec import flash_overlap_submodules, layer_spec
 
     base = layer_spec().submodules
     overlap = FlashOverlapConfig(enabled=True, layers=["qkv", "fc2"], mode="ring", timeout_s=7)
@@ -188,7 +188,7 @@ SEQ, MBS, STEPS = 32, 2, 5
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from trainer.corpus import synthetic_documents, write_indexed_dataset
+    from megatron_ext.trainer.corpus import synthetic_documents, write_indexed_dataset
 
     root = tmp_path_factory.mktemp("hooks-corpus")
     prefix = str(root / "corpus")
@@ -201,7 +201,7 @@ def _dataset(prefix, cache):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from trainer.corpus import gpt_dataset_config
+    from megatron_ext.trainer.corpus import gpt_dataset_config
 
     config = gpt_dataset_config(prefix, SEQ, 1234, cache, create_attention_mask=True)
     return BlendedMegatronDatasetBuilder(GPTDataset, [40, 0, 0], lambda: True, config).build()[0]
@@ -237,10 +237,10 @@ def _hooks_match_loader(prefix, cache, tp, consumed, job):
     from megatron.core import parallel_state as ps
     from megatron.core.rerun_state_machine import RerunDataIterator
 
+    from mdsp_base.installer import Installer
     from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
-    from megatron_ext.upstream import hooks
-    from plugin_base.installer import Installer
+    from megatron_ext.integration.upstream import hooks
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
     dataset = _dataset(prefix, cache)
@@ -302,8 +302,8 @@ def _megatron_training(args, config):
     """Stand-ins for the two ``megatron.training`` functions the spec reads (upstream's args and its
     TransformerConfig), installed for the block, removed after; the hooks' changes go through an
     installer of the block's own, as the launcher's in an upstream run."""
-    from megatron_ext.upstream import hooks
-    from plugin_base.installer import Installer
+    from mdsp_base.installer import Installer
+    from megatron_ext.integration.upstream import hooks
 
     fake, fake_arguments = (
         types.ModuleType("megatron.training"),
@@ -325,8 +325,8 @@ def _spec_layer_matches_stock(mode):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module, import_module
 
-    from megatron_ext.cpu import enable_cpu_support
-    from megatron_ext.gpt import causal_mask, gpt_config, local_layer_spec
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
+    from megatron_ext.integration.gpt import causal_mask, gpt_config, local_layer_spec
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
     from megatron_ext.layers.norm import SequenceParallelNorm
 
@@ -373,7 +373,7 @@ def test_spec_layer_equals_megatron_core_layer(run_ranks):
 
 def _local_block_matches_upstreams_default():
     """Two layers and the final norm as upstream Megatron-LM builds them under
-    ``--spec megatron_ext.upstream.megatron_lm local_layer_spec`` and with no --spec (its
+    ``--spec megatron_ext.integration.upstream.megatron_lm local_layer_spec`` and with no --spec (its
     ``_get_transformer_layer_spec``: megatron-core's local layer spec, dense, LayerNorm)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -382,8 +382,8 @@ def _local_block_matches_upstreams_default():
     from megatron.core.transformer.spec_utils import import_module
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_ext.cpu import enable_cpu_support
-    from megatron_ext.gpt import causal_mask, gpt_config
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
+    from megatron_ext.integration.gpt import causal_mask, gpt_config
 
     enable_cpu_support()
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
@@ -433,10 +433,10 @@ def _megatron_deepspeed_path(prefix, cache, job):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from mdsp_base.installer import Installer
     from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
-    from megatron_ext.upstream import hooks
-    from plugin_base.installer import Installer
+    from megatron_ext.integration.upstream import hooks
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
     dataset = _dataset(prefix, cache)

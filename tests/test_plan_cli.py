@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_ext.zero import plan as plan_cli
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
+from deepspeed_ext.zero.cost.profile import Profile, Timing, library_versions
 from deepspeed_ext.zero.cost.projection import Plan, Scheme
 from deepspeed_ext.zero.cost.search import Rules, build_bytes, fitting
+from deepspeed_ext.zero.cost.verified import Backend, markdown_table
 from deepspeed_ext.zero.cost.workload import Model
-from deepspeed_ext.zero.profile import Profile, Timing, library_versions
-from deepspeed_ext.zero.verified import Backend, markdown_table
-from plugin_base.topology import LinkClass
+from deepspeed_ext.zero.tools import recommend as plan_cli
+from mdsp_base.topology import LinkClass
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONTIER_20B = ["--model", "gpt-20b-frontier", "--nodes", "48", "--topology", "frontier"]
@@ -194,7 +194,7 @@ def test_the_cli_speaks_like_its_neighbours(capsys):
 
 
 def test_model_names_are_the_slurm_scripts_presets_shipped_in_the_package():
-    assert plan_cli.PRESETS.resolve().is_relative_to((ROOT / "plugin_base").resolve())
+    assert plan_cli.PRESETS.resolve().is_relative_to((ROOT / "mdsp_base").resolve())
     slurm_defaults = {"gpt-20b-frontier", "gpt-1.3b", "tiny-cpu"}
     assert slurm_defaults <= set(plan_cli.MODELS)
     for name in slurm_defaults:

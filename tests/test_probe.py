@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from deepspeed_ext.zero import hops
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
-from deepspeed_ext.zero.levels import HopPlan
-from deepspeed_ext.zero.profile import Profile, ProfileError, Timing, load
+from deepspeed_ext.zero.cost.profile import Profile, ProfileError, Timing, load
+from deepspeed_ext.zero.engine import hops
+from deepspeed_ext.zero.engine.levels import HopPlan
+from mdsp_base.topology import LinkClass, Topology
 from multirank.processes import launch_ranks
-from plugin_base.topology import LinkClass, Topology
 
 AG, RS = Operation.ALL_GATHER, Operation.REDUCE_SCATTER
 RING, RECURSIVE = Algorithm.RING, Algorithm.RECURSIVE
@@ -150,7 +150,7 @@ def test_a_profile_that_does_not_fit_this_job_is_refused_with_the_reason(tmp_pat
 
 def _job_reads(path: str) -> tuple[bool, list[str]]:
     """On a rank: whether a job of 4 ranks as 2 nodes uses the profile, and what rank 0 logged."""
-    from deepspeed_ext.zero.api import logger, measured_profile
+    from deepspeed_ext.zero.engine.api import logger, measured_profile
 
     messages: list[str] = []
     handler = logging.Handler()
@@ -167,7 +167,7 @@ def _job_reads(path: str) -> tuple[bool, list[str]]:
 
 PROBE = """
 import sys
-from deepspeed_ext.zero import probe
+from deepspeed_ext.zero.tools import probe
 from multirank.processes import write_result
 probe.main(sys.argv[1:])
 write_result(True)

@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from plugin_base.installer import Installer
+from mdsp_base.installer import Installer
 
 ROOT = Path(__file__).resolve().parents[1]
 EVENTS: list[list[tuple[str, str]]] = []
@@ -39,9 +39,9 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
     from deepspeed.runtime.zero import partition_parameters, stage3
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.cpu import cpu_support_enabled
-    from trainer import main as job
-    from trainer.cli import parse_args
+    from megatron_ext.integration.core_on_cpu import cpu_support_enabled
+    from megatron_ext.trainer import main as job
+    from megatron_ext.trainer.cli import parse_args
 
     (lone_rank / "ds.json").write_text(
         json.dumps(
@@ -93,7 +93,7 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
 
 
 def test_the_launcher_and_its_hooks_record_the_documented_rows(tmp_path):
-    from megatron_ext import launch
+    from megatron_ext.integration import launch
 
     tree = tmp_path / "mds"
     (tree / "megatron").mkdir(parents=True)
@@ -101,7 +101,7 @@ def test_the_launcher_and_its_hooks_record_the_documented_rows(tmp_path):
     script = tree / "pretrain_gpt.py"
     script.write_text(
         "import test_process_changes\n"
-        "from megatron_ext.upstream import hooks\n"
+        "from megatron_ext.integration.upstream import hooks\n"
         "test_process_changes.EVENTS.append([(c.owner, c.what) for c in hooks.installer().changes])\n"
     )
     EVENTS.clear()

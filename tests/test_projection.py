@@ -24,12 +24,12 @@ from deepspeed_ext.zero.cost.projection import (
     reduce_calls,
     shape,
 )
+from deepspeed_ext.zero.cost.secondary_level import choose_secondary_level
+from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.cost.volume import ModelSpec
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
-from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.plan import PRESETS
-from deepspeed_ext.zero.planner import choose_secondary_level
-from plugin_base.topology import LinkClass, Topology
+from deepspeed_ext.zero.tools.recommend import PRESETS
+from mdsp_base.topology import LinkClass, Topology
 
 GPT_20B = Model(layers=44, hidden=6144, heads=64, seq=2048)
 PRESET = Buckets(prefetch=50_000_000, reduce=50_000_000, persistence=100_000, max_live=1_000_000_000)

@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 from test_hierarchical_zero import ds_config, make_engine
 
-from deepspeed_ext.zero import quantize
 from deepspeed_ext.zero.cost import volume as cm
-from deepspeed_ext.zero.levels import DPShape
-from plugin_base import comm
-from plugin_base.topology import Level, Topology
+from deepspeed_ext.zero.cost.shape import DPShape
+from deepspeed_ext.zero.engine import quantize
+from mdsp_base import comm
+from mdsp_base.topology import Level, Topology
 
 TWO_NODES = Topology(world_size=4, ranks_per_node=2, ranks_per_package=2)  # 2 nodes x 1 package x 2
 QMAX = {8: 127, 4: 7}

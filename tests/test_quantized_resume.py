@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from test_hierarchical_zero import MICRO, ds_config, full_params, make_engine, mlp, train
 
-from deepspeed_ext.zero import grad_sync
-from plugin_base.section import ConfigError
+from deepspeed_ext.zero.engine import grad_sync
+from mdsp_base.section import ConfigError
 
 STEPS, SAVED_AT = 4, 2
 BITS = ("int8", "int4")

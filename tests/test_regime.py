@@ -11,7 +11,7 @@ from deepspeed_ext.zero.cost.collectives import AlgorithmFit, CollectiveCosts
 from deepspeed_ext.zero.cost.collectives import Operation as Op
 from deepspeed_ext.zero.cost.projection import Plan, Scheme
 from deepspeed_ext.zero.cost.workload import Buckets, Model, System
-from plugin_base.topology import LinkClass as L
+from mdsp_base.topology import LinkClass as L
 
 COSTS = CollectiveCosts(
     "hand",

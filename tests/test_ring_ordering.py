@@ -16,7 +16,6 @@ import tempfile
 import pytest
 from shm_helpers import is_alive, process_start_time
 
-from megatron_ext.data import ring as ring_module
 from megatron_ext.data.ordering import (
     Architecture,
     LibatomicFences,
@@ -25,9 +24,10 @@ from megatron_ext.data.ordering import (
     architecture,
     fences_for,
 )
-from megatron_ext.data.polling import wait_until
-from megatron_ext.data.ring import Ring, RingLayout, State, Writer
-from megatron_ext.data.segment_file import SegmentFile
+from megatron_ext.data.shm import ring as ring_module
+from megatron_ext.data.shm.polling import wait_until
+from megatron_ext.data.shm.ring import Ring, RingLayout, State, Writer
+from megatron_ext.data.shm.segment_file import SegmentFile
 
 
 @pytest.mark.parametrize(

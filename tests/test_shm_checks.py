@@ -11,8 +11,8 @@ import pytest
 from shm_helpers import ATTACKER
 from waits import hang_guard
 
-from megatron_ext.data.ring import RingLayout
-from megatron_ext.data.shm_segment import (
+from megatron_ext.data.shm.ring import RingLayout
+from megatron_ext.data.shm.segment import (
     RING,
     ShmSecurityError,
     create_segment,

@@ -17,8 +17,8 @@ import pytest
 from shm_helpers import is_alive, node_iterator, process_start_time
 from waits import HANG_S, first_error, receive, wait_for
 
-from megatron_ext.data.polling import wait_until
-from megatron_ext.data.ring import Ring, RingError, State, Writer
+from megatron_ext.data.shm.polling import wait_until
+from megatron_ext.data.shm.ring import Ring, RingError, State, Writer
 
 TIMEOUT_S = 2 * HANG_S  # the loaders' own timeout: a failure only it noticed would fail the message checks
 STALL_S = 1.0  # the timeout of the tests about the timeout itself

@@ -17,10 +17,11 @@ import pytest
 from shm_helpers import node_iterator, process_start_time
 from waits import HANG_S, first_error, receive, wait_for
 
-from megatron_ext.data import producer as producer_module
-from megatron_ext.data import shm_loader, shm_segment
-from megatron_ext.data.ring import RingError
-from megatron_ext.data.shm_segment import remove_stale_segments
+from megatron_ext.data.shm import node_loader as shm_loader
+from megatron_ext.data.shm import producer as producer_module
+from megatron_ext.data.shm import segment as shm_segment
+from megatron_ext.data.shm.ring import RingError
+from megatron_ext.data.shm.segment import remove_stale_segments
 
 ctx = mp.get_context("fork")
 TIMEOUT_S = 2 * HANG_S  # the loaders' own timeout: every failure must be noticed before it

@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 from shm_helpers import MBS, MEGATRON_KEYS, batch_differences, gpt_dataset, megatron_batches, take
 
+from mdsp_base.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
-from plugin_base.topology import Topology
 
 SLOTS = 3
 
@@ -156,7 +156,7 @@ def test_the_producers_workers_deliver_megatrons_order_whatever_their_number(
     # Workers fill steps in turn and publish independently; the rank must still see step after step.
     from megatron_ext.data.batch import ALL_KEYS
     from megatron_ext.data.samplers import SamplerSettings
-    from megatron_ext.data.shm_loader import ShmBatchIterator
+    from megatron_ext.data.shm.node_loader import ShmBatchIterator
 
     dataset = gpt_dataset(*gpt_corpus)
     it = ShmBatchIterator(

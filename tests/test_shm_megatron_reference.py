@@ -10,7 +10,7 @@ parallelism with megatron-core's ``get_batch_on_this_cp_rank``.
 
 Ours: the patched ``pretrain_gpt.py`` builds the loader through the hook (``DatasetsProvider`` ->
 ``external_data_iterators`` -> ``build_batch_iterator`` with ``shm_data_loader`` enabled), and
-calls ``megatron_ext.upstream.megatron_lm.get_batch_on_this_tp_rank`` instead. Every rank's dicts
+calls ``megatron_ext.integration.upstream.megatron_lm.get_batch_on_this_tp_rank`` instead. Every rank's dicts
 must equal upstream's: the same keys in the same order (``get_batch`` hands the values on by
 position), None where upstream has None, tensors equal in dtype, shape and value.
 
@@ -35,8 +35,8 @@ from shm_helpers import MBS, SEQ
 from upstream_setup import SetupError, prepare
 
 from megatron_ext.data.config import ShmDataLoaderConfig
-from plugin_config import PluginConfig
-from trainer.corpus import gpt_dataset_config
+from megatron_ext.integration.plugin_config import PluginConfig
+from megatron_ext.trainer.corpus import gpt_dataset_config
 
 STEPS = 6
 ALL = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
@@ -119,7 +119,7 @@ def _upstream_megatron_lm(tree: str, args: argparse.Namespace) -> Iterator[None]
     import megatron.core
     from megatron.core import rerun_state_machine
 
-    from megatron_ext.upstream import cpu as upstream_cpu
+    from megatron_ext.integration.upstream import scripts_on_cpu as upstream_cpu
 
     inside = tree.rstrip(os.sep) + os.sep
     before = set(sys.modules)
@@ -178,8 +178,8 @@ def _our_iterator(dataset: Any, args: argparse.Namespace) -> Any:
     wrapped as upstream wraps an ``external`` one."""
     from megatron.core.rerun_state_machine import RerunDataIterator
 
-    from megatron_ext.data.shm_loader import ShmBatchIterator
-    from megatron_ext.upstream.hooks import external_data_iterators
+    from megatron_ext.data.shm.node_loader import ShmBatchIterator
+    from megatron_ext.integration.upstream.hooks import external_data_iterators
 
     config = PluginConfig(shm_data_loader=ShmDataLoaderConfig(enabled=True, slots=3, timeout_s=60))
     ours = external_data_iterators((dataset, None, None), args, config)[0]
@@ -239,7 +239,7 @@ def _compare(tree: str, prefix: str, cache: str, args: argparse.Namespace, cp_sl
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.upstream.megatron_lm import get_batch_on_this_tp_rank as ours_get_batch
+    from megatron_ext.integration.upstream.megatron_lm import get_batch_on_this_tp_rank as ours_get_batch
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -166,8 +166,8 @@ class Process:
 def hold_a_live_segment(path: str) -> None:
     """A creator: make the segment at ``path``, say "ready", then live (holding what create_segment
     returned, unclosed) until killed. Run in a child process."""
-    from megatron_ext.data.ring import RingLayout
-    from megatron_ext.data.shm_segment import create_segment
+    from megatron_ext.data.shm.ring import RingLayout
+    from megatron_ext.data.shm.segment import create_segment
 
     layout = RingLayout(slots=2, streams=1, micro_batch_size=1, seq_length=8, consumers=1)
     _held = create_segment(path, layout.size, layout.header(os.getpid()))  # referenced until the process dies
@@ -181,7 +181,7 @@ def test_a_live_segment_of_another_pid_namespace_is_kept_and_a_dead_ones_removed
     own_namespaces, shm_dir, tmp_path
 ):
     _need_namespaces(own_namespaces)
-    from megatron_ext.data.shm_segment import remove_stale_segments, segment_path
+    from megatron_ext.data.shm.segment import remove_stale_segments, segment_path
 
     path = segment_path(shm_dir, "namespaces", 0)
     creator = Process(

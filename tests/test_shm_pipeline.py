@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from shm_helpers import MBS, batch_differences, gpt_dataset, megatron_batches, take
 
+from mdsp_base.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
-from megatron_ext.data.shm_loader import ShmBatchIterator
-from plugin_base.topology import Topology
+from megatron_ext.data.shm.node_loader import ShmBatchIterator
 
 ALL = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 

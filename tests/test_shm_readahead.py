@@ -9,9 +9,14 @@ import pytest
 import torch
 from megatron_samplers import megatron_order
 
-from megatron_ext.data import readahead
-from megatron_ext.data.readahead import ReadAhead, sample_ranges
-from trainer.corpus import build_train_dataset, gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.data.shm import readahead
+from megatron_ext.data.shm.readahead import ReadAhead, sample_ranges
+from megatron_ext.trainer.corpus import (
+    build_train_dataset,
+    gpt_dataset_config,
+    synthetic_documents,
+    write_indexed_dataset,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +99,7 @@ def test_the_producer_advises_the_samples_of_the_steps_ahead(corpora, tmp_path, 
     from megatron_ext.data.batch import ALL_KEYS
     from megatron_ext.data.config import ShmDataLoaderConfig
     from megatron_ext.data.samplers import SamplerSettings
-    from megatron_ext.data.shm_loader import ShmBatchIterator
+    from megatron_ext.data.shm.node_loader import ShmBatchIterator
 
     (prefix, _), cache = corpora
     dataset = build_train_dataset(prefix, 32, 10, 1234, cache)

@@ -18,12 +18,12 @@ import torch.distributed as dist
 from megatron_samplers import megatron_order
 from shm_helpers import ATTACKER, VICTIM, dead_pid
 
+from mdsp_base.topology import Topology
 from megatron_ext.data import loader as loader_module
-from megatron_ext.data import ring as ring_module
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
-from megatron_ext.data.segment_file import OWNER_LOCK, SegmentFile
-from megatron_ext.data.shm_segment import (
+from megatron_ext.data.shm import ring as ring_module
+from megatron_ext.data.shm.segment import (
     RING,
     create_segment,
     current_user,
@@ -32,8 +32,8 @@ from megatron_ext.data.shm_segment import (
     remove_stale_segments,
     segment_path,
 )
-from plugin_base.topology import Topology
-from trainer.corpus import build_train_dataset
+from megatron_ext.data.shm.segment_file import OWNER_LOCK, SegmentFile
+from megatron_ext.trainer.corpus import build_train_dataset
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="creating a second local user needs root")
 

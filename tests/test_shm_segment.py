@@ -16,16 +16,18 @@ import pytest
 from shm_helpers import dead_pid
 from waits import HANG_S
 
-from megatron_ext.data import shm_segment
+from mdsp_base.section import ConfigError
+from mdsp_base.topology import Topology
 from megatron_ext.data.batch import ALL_KEYS
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.indexed import DatasetFileError
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.data.ordering import UnsupportedPlatformError
-from megatron_ext.data.ring import RingLayout
 from megatron_ext.data.samplers import SamplerSettings
-from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_segment import (
+from megatron_ext.data.shm import segment as shm_segment
+from megatron_ext.data.shm.node_loader import ShmBatchIterator
+from megatron_ext.data.shm.ring import RingLayout
+from megatron_ext.data.shm.segment import (
     RING,
     ShmSpaceError,
     create_segment,
@@ -35,9 +37,7 @@ from megatron_ext.data.shm_segment import (
     resolve_job_id,
     segment_path,
 )
-from plugin_base.section import ConfigError
-from plugin_base.topology import Topology
-from trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
+from megatron_ext.trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYOUT = RingLayout(slots=2, streams=1, micro_batch_size=2, seq_length=32, consumers=1)
@@ -364,8 +364,8 @@ def test_a_creation_in_progress_is_neither_abandoned_nor_stale(monkeypatch, who)
 
 _WITHOUT_PROC = """
 import os
-from megatron_ext.data.ring import RingLayout
-from megatron_ext.data.shm_segment import create_segment, open_segment, remove_segment, segment_path
+from megatron_ext.data.shm.ring import RingLayout
+from megatron_ext.data.shm.segment import create_segment, open_segment, remove_segment, segment_path
 layout = RingLayout(2, 1, 2, 32, 2)
 path = segment_path("/dev/shm", "noproc", 0)
 mine = create_segment(path, layout.size, layout.header(os.getpid()), peers=True)

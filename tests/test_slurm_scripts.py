@@ -527,7 +527,7 @@ def test_cpu_config_uses_torch_adam_fp32() -> None:
 
 @pytest.mark.parametrize("config", sorted(p.name for p in PRESETS.glob("ds_*.json")))
 def test_config_plugin_sections_validate(config: str) -> None:
-    from plugin_config import load_plugin_config
+    from megatron_ext.integration.plugin_config import load_plugin_config
 
     plugins = load_plugin_config(str(PRESETS / config))
     assert (

@@ -14,10 +14,10 @@ from deepspeed_ext.zero.cost.collectives import (
     CollectiveCosts,
     Operation,
 )
+from deepspeed_ext.zero.cost.profile import Profile, Timing
 from deepspeed_ext.zero.cost.step import overlapped, predict, prefetch_hidden
-from deepspeed_ext.zero.profile import Profile, Timing
-from plugin_base.comm import CallKey
-from plugin_base.topology import LinkClass
+from mdsp_base.comm import CallKey
+from mdsp_base.topology import LinkClass
 
 INTER, PACKAGE = LinkClass.INTER_NODE, LinkClass.PACKAGE
 AG, RS = Operation.ALL_GATHER, Operation.REDUCE_SCATTER

@@ -14,7 +14,12 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from megatron_ext.data.documents import MaskBuilder
 from megatron_ext.data.token_ids import TextReader, TextRules, TokenCodec, derive_batch
-from trainer.corpus import ByteTokenizer, gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.trainer.corpus import (
+    ByteTokenizer,
+    gpt_dataset_config,
+    synthetic_documents,
+    write_indexed_dataset,
+)
 
 KEYS = ("tokens", "labels", "loss_mask", "attention_mask", "position_ids")
 SEQ = 48

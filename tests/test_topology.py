@@ -3,8 +3,8 @@
 import pytest
 import torch.distributed as dist
 
-from plugin_base.section import ConfigError
-from plugin_base.topology import (
+from mdsp_base.section import ConfigError
+from mdsp_base.topology import (
     GroupKind,
     Topology,
     TopologyConfig,
@@ -152,7 +152,7 @@ def test_each_member_set_is_one_group_at_tp4_on_frontier_nodes(monkeypatch):
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from deepspeed_ext.zero.config import HierarchicalZeroConfig
-    from deepspeed_ext.zero.levels import build_levels
+    from deepspeed_ext.zero.engine.levels import build_levels
 
     topo, tp, rank = Topology(64, 8, 2), 4, 5
     parents = [list(range(first, 64, tp)) for first in range(tp)]
@@ -203,7 +203,7 @@ def test_a_secondary_level_spanning_the_data_parallel_group_is_refused():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from deepspeed_ext.zero.config import HierarchicalZeroConfig
-    from deepspeed_ext.zero.levels import build_levels
+    from deepspeed_ext.zero.engine.levels import build_levels
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:

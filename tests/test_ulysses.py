@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_ext.layers.p2p_link import OverlapGroup
+from megatron_ext.layers.p2p.link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, check_sequence_length, ulysses_attention
 from megatron_ext.layers.ulysses_module import UlyssesSelfAttention
 
@@ -197,7 +197,7 @@ def test_group_major_rows_put_each_destinations_q_k_v_together():
 
 def _gather_shaped_as_megatron_deepspeeds_ulysses_loss() -> list[float]:
     """[s/n * b] losses gathered into [s, b], as Megatron-DeepSpeed's sequence-parallel loss does."""
-    from megatron_ext.upstream.cpu import _gather_by_element_count
+    from megatron_ext.integration.upstream.scripts_on_cpu import _gather_by_element_count
 
     n, r = dist.get_world_size(), dist.get_rank()
     gather = _gather_by_element_count(dist.all_gather_into_tensor)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from test_ulysses import local_attention
 
-from megatron_ext.layers.p2p_link import OverlapGroup
+from megatron_ext.layers.p2p.link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, ulysses_attention
 
 pytestmark = pytest.mark.numeric  # run again under ONEDNN_MAX_CPU_ISA=AVX2 (scripts/run_tests.sh)

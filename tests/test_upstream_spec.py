@@ -1,4 +1,4 @@
-"""``--spec megatron_ext.upstream.megatron_lm <block>`` against upstream's own spec builder: every
+"""``--spec megatron_ext.integration.upstream.megatron_lm <block>`` against upstream's own spec builder: every
 option Megatron-LM core_v0.16.1's ``gpt_builders.py`` reads is either honoured by the block or
 refused at model build with the flag's name, never silently dropped."""
 
@@ -11,8 +11,8 @@ import tarfile
 import pytest
 from upstream_setup import TARBALLS, UPSTREAM
 
-from megatron_ext.upstream.spec import _REFUSED, check_layer_options
-from plugin_base.section import ConfigError
+from mdsp_base.section import ConfigError
+from megatron_ext.integration.upstream.layer_specs import _REFUSED, check_layer_options
 
 # What gpt_builder passes to GPTModel itself, whichever spec is used: --spec changes none of it.
 GPT_MODEL_ARGUMENTS = {

@@ -99,10 +99,15 @@ MEGATRON_LM = [
     "--no-masked-softmax-fusion",
 ]
 # Sequence parallelism through our block (upstream's own local spec refuses it without Apex/TE).
-LOCAL_SPEC = ["--spec", "megatron_ext.upstream.megatron_lm", "local_layer_spec", "--sequence-parallel"]
+LOCAL_SPEC = [
+    "--spec",
+    "megatron_ext.integration.upstream.megatron_lm",
+    "local_layer_spec",
+    "--sequence-parallel",
+]
 FLASH = [
     "--spec",
-    "megatron_ext.upstream.megatron_lm",
+    "megatron_ext.integration.upstream.megatron_lm",
     "flash_overlap_layer_spec",
     "--sequence-parallel",
     "--flash-overlap",

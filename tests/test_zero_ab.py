@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspeed_ext.zero.bench_model import ModelShape, build_model, flops_per_step
-from deepspeed_ext.zero.bench_report import comparison, prediction_error, separated
-from deepspeed_ext.zero.bench_variants import Variant, ds_config, variants
-from plugin_base.topology import Topology
+from deepspeed_ext.zero.tools.ab.model import ModelShape, build_model, flops_per_step
+from deepspeed_ext.zero.tools.ab.report import comparison, prediction_error, separated
+from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
+from mdsp_base.topology import Topology
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
@@ -81,7 +81,7 @@ def test_a_ratio_is_claimed_only_where_the_ranges_do_not_overlap():
 def test_the_gather_wait_timer_wraps_deepspeeds_fetch_only_while_entered():
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
-    from deepspeed_ext.zero.gather_wait import GatherWait
+    from deepspeed_ext.zero.tools.ab.gather_wait import GatherWait
 
     original = PartitionedParameterCoordinator.fetch_sub_module
     with GatherWait() as waited:

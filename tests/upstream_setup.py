@@ -92,7 +92,7 @@ def _digest() -> str:
 
 def tool_env() -> dict[str, str]:
     """Upstream's helper Makefiles run ``python3``: make it this interpreter (it has pybind11)."""
-    from megatron_ext.launch import launch_env
+    from megatron_ext.integration.launch import launch_env
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
     return {**env, "PATH": launch_env(env)["PATH"], "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}

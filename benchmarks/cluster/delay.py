@@ -24,8 +24,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from plugin_base.comm import LINK_CLASSES
-from plugin_base.topology import LinkClass
+from mdsp_base.comm import LINK_CLASSES
+from mdsp_base.topology import LinkClass
 
 from .spec import ClusterSpec
 

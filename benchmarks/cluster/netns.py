@@ -25,8 +25,8 @@ import signal
 import subprocess
 from pathlib import Path
 
-from plugin_base.comm import LINK_CLASSES
-from plugin_base.topology import LinkClass
+from mdsp_base.comm import LINK_CLASSES
+from mdsp_base.topology import LinkClass
 
 from . import delay
 from .spec import SUBNET, ClusterSpec

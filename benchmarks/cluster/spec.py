@@ -6,7 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
-from plugin_base.topology import LinkClass
+from mdsp_base.topology import LinkClass
 
 # Shaping through veth + tbf stays accurate up to about this rate on a small host; above it the
 # kernel's packet processing, not the shaper, becomes the limit and measurements stop meaning much.

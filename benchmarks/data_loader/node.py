@@ -35,7 +35,7 @@ kernel's default 128 KiB (``--readahead-kb``); it also sets how much a page faul
 memory-mapped ``.bin`` reads around the faulting page, which is how upstream's DataLoader workers
 read (megatron-core maps the ``.bin`` by default, ``--mmap-bin-files``); the node loader's producer
 first asks the kernel for each sample's exact byte ranges (``posix_fadvise(POSIX_FADV_WILLNEED)``,
-``megatron_ext/data/readahead.py``). The "device MiB read" column shows what each path took from the
+``megatron_ext/data/shm/readahead.py``). The "device MiB read" column shows what each path took from the
 device. Before each launch the launcher drops the corpus from the page cache
 (``posix_fadvise(POSIX_FADV_DONTNEED)`` on the ``.bin`` and ``.idx``), and rank 0 drops it again
 once the ranks have built their datasets, right before the loader is built (``--warm-cache``

@@ -16,7 +16,7 @@ Modes:
 * ``mask``: one rank, the node loader with ``create_attention_mask`` and ``reset_attention_mask``;
   after warm-up, per ``next()``: the rise of VmHWM above the VmRSS just before the call (VmHWM reset
   through ``/proc/self/clear_refs``), then, on separate calls, the peak of torch's CPU allocator
-  (``plugin_base.allocations``: torch tensors only).
+  (``mdsp_base.allocations``: torch tensors only).
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ from benchmarks.data_loader.node_proc import (
     tree_memory,
     window_cpu,
 )
+from mdsp_base.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
-from plugin_base.topology import Topology
 
 TIMEOUT_S = 60.0  # the node loader's timeout_s: a launch's ranks wait seconds at most when all is well
 PREFETCH_MARGIN = 16  # steps a loader may read past the last one (producer lead, DataLoader prefetch)
@@ -56,7 +56,7 @@ def build_dataset(prefix: str, seq_length: int, num_samples: int, cache: str, ma
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
     from megatron_ext.data.indexed import check_indexed_dataset
-    from trainer.corpus import gpt_dataset_config
+    from megatron_ext.trainer.corpus import gpt_dataset_config
 
     check_indexed_dataset(prefix)
     config = dataclasses.replace(
@@ -195,7 +195,7 @@ def mask_peak(r: Rank) -> dict:
         hwm.append(
             {"peak_kib": status_kib("VmHWM") - rss0, "kept_kib": status_kib("VmRSS") - rss0, "s": seconds}
         )
-    from plugin_base.allocations import AllocationTrace
+    from mdsp_base.allocations import AllocationTrace
 
     for _ in range(args.mask_calls):
         batch = None

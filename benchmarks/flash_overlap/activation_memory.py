@@ -87,7 +87,13 @@ def measure(args: argparse.Namespace, backend: str) -> dict[str, int]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.gpt import build_gpt_model, gpt_config, gpt_loss, local_layer_spec, padded_vocab_size
+    from megatron_ext.integration.gpt import (
+        build_gpt_model,
+        gpt_config,
+        gpt_loss,
+        local_layer_spec,
+        padded_vocab_size,
+    )
     from megatron_ext.layers.config import FlashOverlapConfig
     from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
@@ -152,7 +158,7 @@ def _rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
     from multirank import write_result
 
     warnings.filterwarnings("ignore")  # gloo's tensor collectives warn on every call in torch 2.13

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from benchmarks.flash_overlap.chunked import ChunkedColumnParallelLinear, ChunkedRowParallelLinear
 from benchmarks.flash_overlap.same_transport import megatron_core_on_p2p
 from benchmarks.flash_overlap.te_split import TESplitColumnParallelLinear, TESplitRowParallelLinear
-from megatron_ext.gpt import causal_mask, local_layer_spec
+from megatron_ext.integration.gpt import causal_mask, local_layer_spec
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 

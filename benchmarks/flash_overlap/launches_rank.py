@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.flash_overlap.blocks import Block, Shapes
 from benchmarks.flash_overlap.ulysses_rank import local_attention
-from megatron_ext.layers.p2p_link import OverlapGroup
+from megatron_ext.layers.p2p.link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, ulysses_attention
 
 _NO_KERNEL = {
@@ -124,7 +124,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
 
     enable_cpu_support()
     n = dist.get_world_size()

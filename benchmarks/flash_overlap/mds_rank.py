@@ -20,7 +20,7 @@ import re
 import sys
 
 from benchmarks.flash_overlap.same_transport import torch_on_p2p
-from megatron_ext import launch
+from megatron_ext.integration import launch
 from multirank import write_result
 
 ITERATION_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|")

@@ -181,7 +181,7 @@ def main() -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_ext.cpu import enable_cpu_support
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
 
     enable_cpu_support()
     n = dist.get_world_size()

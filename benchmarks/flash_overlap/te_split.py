@@ -28,8 +28,8 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from benchmarks.flash_overlap.chunked import CHUNKS, _chunk_rows, _with_bias
-from megatron_ext.layers.p2p_link import Link, OverlapGroup
-from megatron_ext.layers.p2p_overlap import all_gather_compute, rows, start_all_gather, start_reduce_scatter
+from megatron_ext.layers.p2p.link import Link, OverlapGroup
+from megatron_ext.layers.p2p.overlap import all_gather_compute, rows, start_all_gather, start_reduce_scatter
 
 # Tags clear of the project's schedules (steps 1 .. n-1 and k << 20 for k = 1..4).
 _PIPELINE_TAG = 5 << 20

@@ -46,7 +46,7 @@ def write_random_corpus(prefix: str, tokens: int, seed: int = 0) -> None:
     """Documents of random byte tokens (mean length 3000), each ended by the byte tokenizer's EOD."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    from trainer.corpus import ByteTokenizer
+    from megatron_ext.trainer.corpus import ByteTokenizer
 
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
@@ -63,7 +63,7 @@ def build_dataset(prefix: str, cache: str, seq: int, samples: int, mask: str) ->
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    from trainer.corpus import gpt_dataset_config
+    from megatron_ext.trainer.corpus import gpt_dataset_config
 
     config = dataclasses.replace(
         gpt_dataset_config(prefix, seq, 1234, cache, create_attention_mask=mask != "none"),

@@ -2,7 +2,7 @@
 
     python -m benchmarks.gpu.sliced_gemm [--out benchmarks/results/gpu]
 
-The overlap schedules (megatron_ext/layers/p2p_overlap.py) run a tensor-parallel layer's GEMM as N
+The overlap schedules (megatron_ext/layers/p2p/overlap.py) run a tensor-parallel layer's GEMM as N
 smaller GEMMs, one per sequence slice, so that each can start when its slice arrives. This measures,
 on one GPU in bf16, one GEMM against the same work cut into 2, 4 and 8 slices, for the per-rank
 GEMMs of a GPT layer (qkv, proj, fc1, fc2) of the 1.3B and 20B presets at TP = 2, 4, 8:

@@ -32,8 +32,8 @@ from benchmarks.cluster.spec import ClusterSpec, frontier_bandwidth, frontier_la
 from benchmarks.zero.regime import emulated
 from benchmarks.zero.run import OUT
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
-from deepspeed_ext.zero.profile import Profile, parse
-from plugin_base.topology import LinkClass
+from deepspeed_ext.zero.cost.profile import Profile, parse
+from mdsp_base.topology import LinkClass
 
 # 8 ranks as 4 nodes x 2: 16 ranks drove a 2-core host to a load average of 17
 DEFAULT_NODES = 4
@@ -93,12 +93,12 @@ def rank_main(argv: list[str]) -> None:
     from benchmarks.cluster import write_result
 
     if argv[0] == "probe":
-        from deepspeed_ext.zero import probe
+        from deepspeed_ext.zero.tools import probe
 
         probe.main(argv[1:])
         write_result(True)
     else:
-        from deepspeed_ext.zero import bench
+        from deepspeed_ext.zero.tools.ab import cli as bench
 
         write_result(bench.main(argv[1:]))
     # everything is written and the groups destroyed: skip the interpreter's teardown, where a
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(OUT), help="where the results go")
     args = parser.parse_args(argv)
     from benchmarks.cluster import EmulatedCluster
-    from deepspeed_ext.zero.bench_report import comparison, plot, predictions, table
+    from deepspeed_ext.zero.tools.ab.report import comparison, plot, predictions, table
 
     regime = REGIMES[args.regime]
     spec = regime.spec(args.nodes)

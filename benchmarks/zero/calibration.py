@@ -24,9 +24,9 @@ from deepspeed_ext.zero.cost.projection import (
     hops,
     project,
 )
+from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute
-from deepspeed_ext.zero.levels import DPShape
-from plugin_base.topology import LinkClass
+from mdsp_base.topology import LinkClass
 
 FRONTIER = System(FRONTIER_RCCL)
 H100 = System(H100_NCCL, ranks_per_node=8, ranks_per_package=1, peak_tflops=989.0, memory_gb=80.0)

@@ -32,9 +32,9 @@ from deepspeed.utils import groups
 
 from deepspeed_ext import zero
 from deepspeed_ext.zero.cost.volume import ModelSpec
+from mdsp_base import comm
+from mdsp_base.topology import Topology
 from multirank import launch_ranks, write_result
-from plugin_base import comm
-from plugin_base.topology import Topology
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
 TOPOLOGY = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)

@@ -27,13 +27,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.zero import calibration
-from deepspeed_ext.zero import plan as planner_cli
 from deepspeed_ext.zero.cost.projection import Plan, Scheme, project
 from deepspeed_ext.zero.cost.search import BASELINES, Rules, evaluate, own_best
 from deepspeed_ext.zero.cost.uncertainty import systems
+from deepspeed_ext.zero.cost.verified import Backend
 from deepspeed_ext.zero.cost.workload import Buckets, System
-from deepspeed_ext.zero.plan_inputs import measured_costs
-from deepspeed_ext.zero.verified import Backend
+from deepspeed_ext.zero.tools import recommend as planner_cli
+from deepspeed_ext.zero.tools.recommend_inputs import measured_costs
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
 TARGET_VS_HPZ, TARGET_VS_ZEROPP, PAPER_TOLERANCE = 1.5, 1.2, 0.20

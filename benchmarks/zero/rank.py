@@ -9,7 +9,7 @@ bytes this rank's interface sent per link class, read from its tc classes (measu
 bytes of the engine's tensors (partitions, secondary copy, fp32 master, Adam states, gradient
 partitions) read after the last backward of a step, when the secondary copy exists; and, after the
 timed steps, the peak: a fresh copy of each engine is built and stepped twice under an allocation
-trace (plugin_base/allocations.py), and the most bytes the rank held at once during the second step
+trace (mdsp_base/allocations.py), and the most bytes the rank held at once during the second step
 is read from the allocator's running total (everything allocated since the engine's model was
 made, on every thread: state, gathered parameters, activations, gradients, hop buffers, and gloo's
 own buffers, which NCCL would not have).
@@ -31,9 +31,9 @@ from torch.profiler import record_function
 
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.zero.variants import Question, scale_variants
-from plugin_base import comm
-from plugin_base.allocations import AllocationTrace
-from plugin_base.topology import Level, Topology
+from mdsp_base import comm
+from mdsp_base.allocations import AllocationTrace
+from mdsp_base.topology import Level, Topology
 
 
 def model(hidden: int, layers: int) -> torch.nn.Module:

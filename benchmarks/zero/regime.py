@@ -23,6 +23,7 @@ from pathlib import Path
 
 from benchmarks.zero import calibration
 from deepspeed_ext.zero.cost.collectives import Algorithm, CollectiveCosts, Operation, algorithm_steps
+from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.projection import (
     Plan,
     Projection,
@@ -33,11 +34,10 @@ from deepspeed_ext.zero.cost.projection import (
     shape,
 )
 from deepspeed_ext.zero.cost.search import Rules, evaluate, fitting
+from deepspeed_ext.zero.cost.shape import DPShape
+from deepspeed_ext.zero.cost.verified import Backend
 from deepspeed_ext.zero.cost.workload import Buckets, Model, System
-from deepspeed_ext.zero.levels import DPShape
-from deepspeed_ext.zero.profile import Profile
-from deepspeed_ext.zero.verified import Backend
-from plugin_base.topology import LinkClass
+from mdsp_base.topology import LinkClass
 
 FRONTIER_NODES = 48
 PRESET = Path(__file__).resolve().parents[2] / "scripts" / "presets" / "ds_frontier_20b.json"

@@ -30,10 +30,10 @@ from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.cost.collectives import Algorithm, AlgorithmFit, CollectiveCosts, Operation
-from deepspeed_ext.zero.planner import variant_for
+from deepspeed_ext.zero.cost.secondary_level import variant_for
+from mdsp_base.comm import LINK_CLASSES
+from mdsp_base.topology import Level, LinkClass
 from multirank import launch_ranks
-from plugin_base.comm import LINK_CLASSES
-from plugin_base.topology import Level, LinkClass
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.zero.rank"]

@@ -36,13 +36,13 @@ from typing import Any
 from benchmarks.cluster.spec import FRONTIER_LATENCY_SCALE, frontier_latency
 from benchmarks.zero.run import OUT, RANK_MODULE, model_for, step_times
 from benchmarks.zero.variants import Question, scale_variants
-from deepspeed_ext.zero.bench_report import separated
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost import volume as cm
-from deepspeed_ext.zero.planner import variant_for
+from deepspeed_ext.zero.cost.secondary_level import variant_for
+from deepspeed_ext.zero.tools.ab.report import separated
+from mdsp_base.comm import LINK_CLASSES
+from mdsp_base.topology import Level, LinkClass
 from multirank import launch_ranks
-from plugin_base.comm import LINK_CLASSES
-from plugin_base.topology import Level, LinkClass
 
 TARGET_VS_HPZ = 1.5
 TARGET_VS_SERIAL = 1.2

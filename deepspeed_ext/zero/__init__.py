@@ -2,8 +2,10 @@
 
 The main job calls :func:`initialize` where it would call ``deepspeed.initialize``; with
 ``hierarchical_zero.enabled`` false it is ``deepspeed.initialize``. See docs/hierarchical_zero.md.
-Names are imported on first use, so that the cost model (:mod:`.cost`) and the planner load
-without DeepSpeed.
+Three floors, each importing only those below it and the section (:mod:`.config`): the cost model
+(:mod:`.cost`), the engine that runs inside a step (:mod:`.engine`) and the tools a user runs
+beside training (:mod:`.tools`). Names are imported on first use, so that the cost model and the
+recommendation CLI load without DeepSpeed.
 """
 
 from __future__ import annotations
@@ -12,30 +14,21 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "HierarchicalPlan": "api",
-    "check_deepspeed_version": "contract",
-    "initialize": "api",
-    "model_spec": "contract",
-    "prepare": "api",
-    "validate_deepspeed_config": "contract",
-    "Init": "construction",
-    "LevelMPU": "inject",
+    "HierarchicalPlan": "engine.api",
+    "check_deepspeed_version": "engine.contract",
+    "initialize": "engine.api",
+    "model_spec": "engine.contract",
+    "prepare": "engine.api",
+    "validate_deepspeed_config": "engine.contract",
+    "Init": "engine.construction",
+    "LevelMPU": "engine.inject",
     "ModelSpec": "cost.volume",
-    "uninstall_dispatchers": "inject",
-    "ZeroLevels": "levels",
-    "dp_shape": "levels",
+    "uninstall_dispatchers": "engine.inject",
+    "ZeroLevels": "engine.levels",
+    "dp_shape": "cost.shape",
 }
 
-_SUBMODULES = (
-    "api",
-    "contract",
-    "cost",
-    "hops",
-    "inject",
-    "levels",
-    "planner",
-    "plan",
-)
+_SUBMODULES = ("config", "cost", "engine", "tools")
 
 __all__ = sorted(_EXPORTS)
 

@@ -7,8 +7,8 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from plugin_base.section import ConfigError, Section
-from plugin_base.topology import LinkClass
+from mdsp_base.section import ConfigError, Section
+from mdsp_base.topology import LinkClass
 
 
 class SecondaryLevel(StrEnum):

@@ -2,4 +2,4 @@
 TP-rank-0 loader + broadcast as the fallback (``stock``), the node loader (``shm_private``,
 ``shm_segment``, ``ring``, ``producer``, ``readahead``, ``shm_loader``), the check of indexed
 dataset files (``indexed``); ``loader.build_batch_iterator`` picks one. The main job's generated
-corpus lives with the main job (``trainer.corpus``)."""
+corpus lives with the main job (``megatron_ext.trainer.corpus``)."""

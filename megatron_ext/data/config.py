@@ -6,8 +6,8 @@ import os
 
 from pydantic import Field
 
-from megatron_ext.data.ring import MAX_WORKERS
-from plugin_base.section import ConfigError, Section
+from mdsp_base.section import ConfigError, Section
+from megatron_ext.data.shm.ring import MAX_WORKERS
 
 
 class ShmDataLoaderConfig(Section):
@@ -30,9 +30,9 @@ class ShmDataLoaderConfig(Section):
 def check_shm_dir_at_start(config: ShmDataLoaderConfig) -> list[str]:
     """What needs no model about ``shm_dir``, checked when the job starts (before any model,
     engine or collective): it exists, is a directory no other user can slip files into (raises
-    :class:`~plugin_base.section.ConfigError` naming the key); returns a warning when it is not a
+    :class:`~mdsp_base.section.ConfigError` naming the key); returns a warning when it is not a
     tmpfs (the ring then lives on a disk's page cache, and a full disk fails late)."""
-    from megatron_ext.data.shm_private import ShmSecurityError, check_shm_dir
+    from megatron_ext.data.shm.private import ShmSecurityError, check_shm_dir
 
     if not config.enabled:
         return []
@@ -77,8 +77,8 @@ def check_shm_space_at_start(
     """The node's ring (``slots`` steps of every DP rank of the node's micro-batch) against the free
     space of ``shm_dir``, when the job starts: a ring that cannot fit fails here, before any model,
     with the numbers and what to change, not when the first rank creates it."""
-    from megatron_ext.data.ring import RingLayout
-    from megatron_ext.data.shm_segment import free_bytes, space_message
+    from megatron_ext.data.shm.ring import RingLayout
+    from megatron_ext.data.shm.segment import free_bytes, space_message
 
     if not config.enabled:
         return

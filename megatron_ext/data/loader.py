@@ -17,16 +17,16 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from mdsp_base.section import ConfigError
+from mdsp_base.topology import Topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
 from megatron_ext.data.config import ShmDataLoaderConfig
-from megatron_ext.data.ring import check_platform
 from megatron_ext.data.samplers import SamplerKind, SamplerSettings
-from megatron_ext.data.shm_loader import ShmBatchIterator
-from megatron_ext.data.shm_private import check_shm_dir
-from megatron_ext.data.shm_segment import new_token, resolve_job_id, segment_path
+from megatron_ext.data.shm.node_loader import ShmBatchIterator
+from megatron_ext.data.shm.private import check_shm_dir
+from megatron_ext.data.shm.ring import check_platform
+from megatron_ext.data.shm.segment import new_token, resolve_job_id, segment_path
 from megatron_ext.data.stock import StockBatchIterator
-from plugin_base.section import ConfigError
-from plugin_base.topology import Topology
 
 # Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
 MEGATRON_SAMPLERS: dict[str, SamplerKind] = {"single": "single", "cyclic": "random"}

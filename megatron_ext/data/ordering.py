@@ -34,7 +34,7 @@ import functools
 import platform
 from typing import Protocol
 
-from plugin_base.section import ConfigError
+from mdsp_base.section import ConfigError
 
 
 class Architecture(enum.StrEnum):

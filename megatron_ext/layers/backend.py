@@ -22,10 +22,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from mdsp_base.topology import Topology
 from megatron_ext.layers.config import Requested
-from megatron_ext.layers.p2p_link import cuda_backend
+from megatron_ext.layers.p2p.link import cuda_backend
 from megatron_ext.layers.symm_mem import torch_fused_ops
-from plugin_base.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def node_problem(ranks: Sequence[int], topology: Topology | None) -> str | None:
     if topology is None:
         return (
             "no topology was given, so whether the tensor-parallel group sits in one node is unknown: "
-            "pass topology=plugin_base.topology.detect_topology(...) to the layers or the layer spec"
+            "pass topology=mdsp_base.topology.detect_topology(...) to the layers or the layer spec"
         )
     nodes = sorted({topology.node(rank) for rank in ranks})
     if len(nodes) > 1:

@@ -6,7 +6,7 @@ from enum import StrEnum
 
 from pydantic import Field
 
-from plugin_base.section import Section
+from mdsp_base.section import Section
 
 
 class Mode(StrEnum):

@@ -18,7 +18,7 @@ own slice last; row backward gathers the output gradient fused with the dgrad GE
 gathers it before computing anything), then computes wgrad as one GEMM: slicing the wgrad GEMM's
 reduction costs up to half its speed on Hopper at TP=8 (docs/gpu.md).
 
-The autograd functions behind ``forward`` are the backends': :mod:`megatron_ext.layers.p2p_linear`
+The autograd functions behind ``forward`` are the backends': :mod:`megatron_ext.layers.p2p.linear`
 (the default) and, where ``flash_overlap.backend`` (auto or symm_mem) picks torch's
 symmetric-memory fused ops, :mod:`megatron_ext.layers.symm_mem`.
 """
@@ -32,14 +32,14 @@ import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from mdsp_base.topology import Topology
 from megatron_ext.layers import backend as backends
 from megatron_ext.layers import symm_mem
 from megatron_ext.layers.backend import Requested
-from megatron_ext.layers.p2p_linear import P2PAllGatherLinear, P2PLinearReduceScatter
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits, run_device
+from megatron_ext.layers.p2p.linear import P2PAllGatherLinear, P2PLinearReduceScatter
+from megatron_ext.layers.p2p.link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits, run_device
 from megatron_ext.layers.symm_mem import FusedGroup, SymmMemAllGatherLinear, SymmMemLinearReduceScatter
 from megatron_ext.layers.wgrad import require_main_grad
-from plugin_base.topology import Topology
 
 
 class _GatherLastDim(torch.autograd.Function):

@@ -3,7 +3,7 @@
 megatron-core's torch fallback norm refuses sequence parallelism because, with the sequence split
 over TP ranks, each rank's norm weight sees only its slice: the weight gradients must be summed
 over the TP group. We mark the parameters ``sequence_parallel`` (megatron-core's convention) and
-:func:`megatron_ext.sequence_parallel.allreduce_sequence_parallel_grads` sums them.
+:func:`megatron_ext.layers.sequence_parallel.allreduce_sequence_parallel_grads` sums them.
 """
 
 from __future__ import annotations

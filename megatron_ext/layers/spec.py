@@ -25,10 +25,10 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from mdsp_base.topology import Topology
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
 from megatron_ext.layers.norm import SequenceParallelNorm
-from plugin_base.topology import Topology
 
 _TE = "megatron.core.extensions.transformer_engine"
 Kind = Literal["column", "row"]

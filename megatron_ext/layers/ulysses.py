@@ -32,8 +32,8 @@ from typing import Any, cast
 import torch
 import torch.nn.functional as F
 
-from megatron_ext.layers.p2p_all_to_all import all_to_all_compute, compute_all_to_all
-from megatron_ext.layers.p2p_link import OverlapGroup
+from megatron_ext.layers.p2p.all_to_all import all_to_all_compute, compute_all_to_all
+from megatron_ext.layers.p2p.link import OverlapGroup
 
 
 @dataclass(frozen=True)

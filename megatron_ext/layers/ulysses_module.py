@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ext.layers.p2p_link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits, run_device
+from megatron_ext.layers.p2p.link import DEFAULT_TIMEOUT_S, Mode, OverlapGroup, check_nccl_waits, run_device
 from megatron_ext.layers.ulysses import HeadSplit, LocalAttention, ulysses_attention
 
 

@@ -1,8 +1,11 @@
-"""Upstream training scripts with the plugins: Megatron-LM (core_v0.16.1) and Megatron-DeepSpeed (4efb479).
+"""The module names that patched upstream trees and Megatron-LM's ``--spec`` import:
+``megatron_ext.upstream.megatron_lm`` and ``megatron_ext.upstream.megatron_deepspeed`` are the
+modules of :mod:`megatron_ext.integration.upstream` under their published names (one module object
+each, so their hooks and PEP 562 attributes are the same)."""
 
-* :mod:`.hooks`: what both share (plugin flags, effective configuration, data iterators);
-* :mod:`.megatron_lm` and :mod:`.megatron_deepspeed`: what each script calls through ``patches/``;
-* :mod:`.spec`: the blocks behind Megatron-LM's ``--spec megatron_ext.upstream.megatron_lm <name>``;
-* :mod:`.cpu` and :mod:`.standins`: what ``python -m megatron_ext.launch`` installs so that the
-  scripts run on a machine without CUDA, undone when the script returns.
-"""
+import sys
+
+from megatron_ext.integration.upstream import megatron_deepspeed, megatron_lm
+
+for _module in (megatron_lm, megatron_deepspeed):
+    sys.modules[f"{__name__}.{_module.__name__.rsplit('.', 1)[1]}"] = _module

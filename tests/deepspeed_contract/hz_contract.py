@@ -35,10 +35,10 @@ import pytest
 import torch.distributed as dist
 
 from deepspeed_ext import zero
-from deepspeed_ext.zero import inject
 from deepspeed_ext.zero.cost.volume import ModelSpec
-from plugin_base.section import ConfigError, read_ds_config
-from plugin_base.topology import Topology
+from deepspeed_ext.zero.engine import inject
+from mdsp_base.section import ConfigError, read_ds_config
+from mdsp_base.topology import Topology
 
 LOG_ENV = "HZ_CONTRACT_LOG"
 RESULTS_ENV = "HZ_CONTRACT_RESULTS"
@@ -165,7 +165,7 @@ _OWN_GROUPS = ("data_parallel_group", "zero_param_parallel_group", "sequence_dat
 
 
 def init(*args: Any, **kwargs: Any) -> Any:
-    """``deepspeed.zero.Init`` as the variant's :class:`~deepspeed_ext.zero.inject.Init`, on a plan
+    """``deepspeed.zero.Init`` as the variant's :class:`~deepspeed_ext.zero.engine.inject.Init`, on a plan
     made for it; ``deepspeed.initialize`` then finds that plan from the parameters and reuses it.
     Stock where the test picks the groups itself, disables it, or configures a stage other than 3.
     The plan is made from a one-element model: its secondary level is what ``auto`` picks there."""

@@ -175,8 +175,8 @@ def _child(path: str) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_ext.layers.p2p_link import OverlapGroup
-    from megatron_ext.layers.p2p_overlap import all_gather_compute, compute_reduce_scatter
+    from megatron_ext.layers.p2p.link import OverlapGroup
+    from megatron_ext.layers.p2p.overlap import all_gather_compute, compute_reduce_scatter
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     waits = {"timed": 0, "untimed": 0}

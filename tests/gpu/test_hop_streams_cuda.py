@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from deepspeed_ext.zero.hop_worker import HopWorker, Stage
+from deepspeed_ext.zero.engine.hop_worker import HopWorker, Stage
 
 
 def test_stages_run_on_a_stream_per_group_in_dependency_order():

@@ -12,7 +12,7 @@ from shm_helpers import megatron_batches
 
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
-from trainer.corpus import gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from megatron_ext.trainer.corpus import gpt_dataset_config, synthetic_documents, write_indexed_dataset
 
 SEQ, MBS, STEPS = 64, 4, 12
 

@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from plugin_base.topology import LinkClass
+from mdsp_base.topology import LinkClass
 
 
 class Operation(StrEnum):

@@ -8,8 +8,8 @@ import math
 from dataclasses import dataclass
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.cost.volume import ModelSpec
-from deepspeed_ext.zero.levels import DPShape
 
 
 def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec) -> int:
@@ -68,7 +68,7 @@ def hop_buffers(
         if config.inter_node_algorithm != InterNodeAlgorithm.RING:
             # Imported here: the runtime's schedule module loads torch, which the planner CLI and the
             # cost model otherwise never need.
-            from deepspeed_ext.zero import p2p_hops
+            from deepspeed_ext.zero.engine import p2p_hops
 
             # distance halving receives the largest step's blocks into one buffer
             most = max(blocks for _, blocks in p2p_hops.schedule(shape.nodes))

@@ -31,11 +31,11 @@ from deepspeed_ext.zero.cost.collectives import (
     seconds,
 )
 from deepspeed_ext.zero.cost.memory import held_bytes, hop_buffers
+from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.cost.step import overlapped
 from deepspeed_ext.zero.cost.volume import QGZ_BYTES_FACTOR, QWZ_BYTES_FACTOR, ModelSpec
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
-from deepspeed_ext.zero.levels import DPShape
-from plugin_base.topology import LinkClass
+from mdsp_base.topology import LinkClass
 
 PACKAGE, NODE, INTER = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
 QWZ, QGZ = QWZ_BYTES_FACTOR, QGZ_BYTES_FACTOR  # ZeRO++: int8 weights, int4 gradients, per 16-bit byte

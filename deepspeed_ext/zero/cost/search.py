@@ -2,7 +2,7 @@
 the micro-batch and recomputation that fit, against ZeRO-3, hpZ and ZeRO++ at the same setting.
 
 What it may propose is set by :class:`Rules`: exact plans on paths that have run on the job's
-backend by default (:mod:`deepspeed_ext.zero.verified`), lossy or unverified ones only when asked;
+backend by default (:mod:`deepspeed_ext.zero.cost.verified`), lossy or unverified ones only when asked;
 the user's global batch kept unless freed; a memory headroom and the model build's peak counted.
 All figures are computed (:mod:`.projection`).
 """
@@ -15,9 +15,9 @@ from dataclasses import dataclass, replace
 
 from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.cost.projection import Plan, Projection, Scheme, memory, project, shape
+from deepspeed_ext.zero.cost.verified import Backend, Path, has_run
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
-from deepspeed_ext.zero.verified import Backend, Path, has_run
-from plugin_base.topology import LinkClass
+from mdsp_base.topology import LinkClass
 
 BUCKETS = (50_000_000, 200_000_000)
 """Prefetch and reduce bucket sizes (elements) the search tries."""

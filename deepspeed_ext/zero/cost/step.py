@@ -6,7 +6,7 @@ variant's step from what it can know before timing it:
 - compute: a measured single-rank step of the same model and batch (no ZeRO, no communication),
   every rank at once, as the job's ranks share their host;
 - communication: every collective the engine launches in a step, by operation, algorithm, group
-  and size (counted by :class:`plugin_base.comm.CommCounter`), each at the probe profile's median
+  and size (counted by :class:`mdsp_base.comm.CommCounter`), each at the probe profile's median
   for that group and size, interpolated between measured sizes; a group the probe did not time
   is charged by :func:`.collectives.seconds` with the costs fitted to the profile's hops;
 - hidden: with ``stage3_prefetch_bucket_size`` > 0 DeepSpeed launches the next modules'
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost.collectives import Algorithm, CollectiveCosts, Operation
-from deepspeed_ext.zero.profile import Profile
-from plugin_base.comm import CallKey
-from plugin_base.topology import LinkClass
+from deepspeed_ext.zero.cost.profile import Profile
+from mdsp_base.comm import CallKey
+from mdsp_base.topology import LinkClass
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """What one ZeRO-3 step sends: every collective of ZeRO-3, ZeRO++ and the hierarchical variant as a
 :class:`Hop`, and its bytes per link class (computed from the parameter sizes, never measured).
 
-- ``bytes_per_link``: :mod:`plugin_base.comm`'s accounting (per rank, bandwidth-optimal volume,
+- ``bytes_per_link``: :mod:`mdsp_base.comm`'s accounting (per rank, bandwidth-optimal volume,
   all of it charged to the slowest link class a group spans), so a prediction can be compared
-  with a :class:`~plugin_base.comm.CommCounter`, which counts the same way.
+  with a :class:`~mdsp_base.comm.CommCounter`, which counts the same way.
 - ``ring_wire_bytes``: what a ring algorithm puts on each link class, per rank on average (a ring
   over node-contiguous ranks crosses each node boundary once; most of its edges stay inside a
   package or node). This is what interface counters can be compared with.
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from deepspeed_ext.zero.levels import DPShape
-from plugin_base.comm import LINK_CLASSES, volume
-from plugin_base.topology import Level, LinkClass
+from deepspeed_ext.zero.cost.shape import DPShape
+from mdsp_base.comm import LINK_CLASSES, volume
+from mdsp_base.topology import Level, LinkClass
 
 PACKAGE, NODE, INTER_NODE = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
 # ZeRO++ (arXiv 2306.10209): qwZ sends INT8 weights plus block scales (~half of fp16), qgZ INT4 gradients.

@@ -1,0 +1,265 @@
+"""Entry point of the hierarchical ZeRO-3 variant: checks, plan, groups, then ``deepspeed.initialize``."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Protocol, Union
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from deepspeed.accelerator import get_accelerator
+from deepspeed.utils import groups as ds_groups
+
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.cost.memory import hop_buffers
+from deepspeed_ext.zero.cost.profile import Profile, ProfileError
+from deepspeed_ext.zero.cost.profile import load as load_profile
+from deepspeed_ext.zero.cost.secondary_level import (
+    SecondaryChoice,
+    as_charged,
+    choose_secondary_level,
+    describe,
+    variant_for,
+)
+from deepspeed_ext.zero.cost.shape import dp_shape
+from deepspeed_ext.zero.cost.volume import ModelSpec, bytes_per_link, step_hops
+from deepspeed_ext.zero.cost.workload import Buckets
+from deepspeed_ext.zero.engine import inject
+from deepspeed_ext.zero.engine import known_setups as known_plans
+from deepspeed_ext.zero.engine.contract import (
+    check_before_collectives,
+    check_deepspeed_version,
+    largest_collectives,
+    model_spec,
+)
+from deepspeed_ext.zero.engine.levels import ZeroLevels, build_levels
+from mdsp_base import comm
+from mdsp_base.section import ConfigError, read_ds_config
+from mdsp_base.topology import LinkClass, Topology, TopologyConfig, check_data_parallel, detect_topology
+
+logger = logging.getLogger(__name__)
+
+
+class Sections(Protocol):
+    """What the variant reads of the effective configuration: its own section and the topology's
+    (``plugin_config.PluginConfig`` is one; without one they are read from the DeepSpeed JSON)."""
+
+    # Read-only, so that a frozen dataclass (JsonSections) conforms as well as a pydantic model.
+    @property
+    def hierarchical_zero(self) -> HierarchicalZeroConfig: ...
+    @property
+    def topology(self) -> TopologyConfig: ...
+
+
+@dataclass(frozen=True)
+class JsonSections:
+    """The two sections as the DeepSpeed JSON gives them."""
+
+    hierarchical_zero: HierarchicalZeroConfig
+    """The ``hierarchical_zero`` section."""
+    topology: TopologyConfig
+    """The ``topology`` section."""
+
+    @classmethod
+    def of(cls, ds: dict) -> JsonSections:
+        return cls(
+            HierarchicalZeroConfig.parse(ds.get("hierarchical_zero"), "hierarchical_zero"),
+            TopologyConfig.parse(ds.get("topology"), "topology"),
+        )
+
+
+@dataclass
+class HierarchicalPlan:
+    """What the variant decided for this rank, kept on the engine as ``engine.hierarchical_zero``."""
+
+    levels: ZeroLevels
+    """Groups and the chosen secondary level."""
+    choice: SecondaryChoice
+    """The planner's figures."""
+    model: ModelSpec
+    """This rank's parameters as the cost model sees them."""
+
+    def predicted_bytes(self, micro_batches: int = 1) -> dict[LinkClass, int]:
+        """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
+        variant = variant_for(self.levels.config, self.levels.secondary_level, self.model)
+        return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))
+
+
+def partition_group(mpu: Any) -> dist.ProcessGroup | None:
+    """The group stock ZeRO-3 partitions over, which the levels are cut from: the mpu's
+    sequence-data-parallel group where it has one (Ulysses, ``--ds-sequence-parallel-size`` > 1:
+    DeepSpeed's engine shards and reduces gradients over sequence x data parallel ranks, since each
+    sequence rank holds other tokens' gradients), else its data-parallel group; None: the world."""
+    if mpu is None:
+        return None
+    if hasattr(mpu, "get_sequence_data_parallel_group"):
+        return mpu.get_sequence_data_parallel_group()
+    return mpu.get_data_parallel_group()
+
+
+def measured_profile(config: HierarchicalZeroConfig, topology: Topology) -> Profile | None:
+    """The probe profile ``auto`` and the planner read, or None: without a usable profile every hop
+    runs the library's collective. A profile that does not fit this job (another topology, other
+    library versions, corrupt, unreadable) is an error line on every rank, not used. Rank 0 reads it
+    and every rank gets rank 0's answer (collective), so all ranks pick alike."""
+    answer: list = [None, None]  # the profile, or the reason it is not used
+    if dist.get_rank() == 0:
+        if config.profile is None:
+            if config.inter_node_algorithm == InterNodeAlgorithm.AUTO:
+                logger.warning(
+                    "hierarchical ZeRO: no profile measured on this cluster (hierarchical_zero.profile): "
+                    "every hop runs the library's collective; python -m deepspeed_ext.zero.probe measures one"
+                )
+        else:
+            try:
+                answer[0] = load_profile(config.profile, topology)
+                logger.info(f"hierarchical ZeRO: auto and the planner read the profile {config.profile}")
+            except ProfileError as exc:
+                answer[1] = str(exc)
+    if config.profile is not None:
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        logger.error(f"hierarchical ZeRO: {answer[1]}. This job runs every hop on the library's collectives.")
+    return answer[0]
+
+
+def prepare(
+    model: torch.nn.Module | ModelSpec,
+    config: Union[str, os.PathLike, dict],
+    plugin_config: Sections | None = None,
+    mpu: Any = None,
+    topology: Topology | None = None,
+) -> HierarchicalPlan:
+    """Check everything, choose the secondary level, then create the level groups (the first
+    collective). Pass the result to :func:`initialize` and to :class:`~.inject.Init`; before a model
+    exists (to build it under ``Init``) pass a :class:`ModelSpec` of its parameters instead."""
+    ds = read_ds_config(config)
+    plugin_config = plugin_config or JsonSections.of(ds)
+    hz = plugin_config.hierarchical_zero
+    check_before_collectives(ds, hz)
+    world = dist.get_world_size()
+    dp_group = partition_group(mpu)
+    dp_ranks = dist.get_process_group_ranks(dp_group) if dp_group is not None else list(range(world))
+    check_data_parallel(world, len(dp_ranks))  # the mpu's group, which no flag checked
+    topology = topology or detect_topology(plugin_config.topology, world_size=world)
+    shape = dp_shape(topology, dp_ranks)
+    spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
+    micro = int(ds.get("gradient_accumulation_steps") or 1)
+    charged = as_charged(hz, micro)
+    gather, reduce = largest_collectives(ds, spec)
+    buffers = hop_buffers(charged, shape, spec, gather, reduce)
+    measured = measured_profile(hz, topology)
+    choice = choose_secondary_level(
+        charged,
+        shape,
+        spec,
+        topology,
+        micro_batches=micro,
+        buffers=buffers,
+        buckets=Buckets.from_json(ds),
+        profile=measured,
+    )
+    if dist.get_rank() == 0:  # a warning: seen also where nothing configures logging
+        logger.warning(describe(choice, shape))
+    levels = build_levels(topology, dp_group, choice.level, hz, measured)
+    plan = HierarchicalPlan(levels=levels, choice=choice, model=spec)
+    known_plans.remember(plan)
+    return plan
+
+
+def _config_source(
+    config: Union[str, os.PathLike, dict, None], kwargs: dict
+) -> Union[str, os.PathLike, dict]:
+    """The DeepSpeed config wherever ``deepspeed.initialize`` would find it (config, config_params,
+    args.deepspeed_config)."""
+    source = config if config is not None else kwargs.get("config_params")
+    source = source if source is not None else getattr(kwargs.get("args"), "deepspeed_config", None)
+    if source is None:
+        raise ConfigError("no DeepSpeed config: pass config=<dict or JSON path> (or args.deepspeed_config)")
+    return source
+
+
+def initialize(
+    model: torch.nn.Module,
+    config: Union[str, os.PathLike, dict, None] = None,
+    plugin_config: Sections | None = None,
+    mpu: Any = None,
+    topology: Topology | None = None,
+    plan: HierarchicalPlan | None = None,
+    **kwargs: Any,
+) -> tuple:
+    """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``
+    (else exactly ``deepspeed.initialize``). ``kwargs`` go to ``deepspeed.initialize`` unchanged.
+    Returns what it returns; the engine carries the plan as ``engine.hierarchical_zero``."""
+    source = _config_source(config, kwargs)
+    plugin_config = plugin_config or JsonSections.of(read_ds_config(source))
+    if not plugin_config.hierarchical_zero.enabled:
+        return deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)
+    check_deepspeed_version()
+    # what deepspeed.initialize does first: a caller may leave creating the process group to it
+    deepspeed.comm.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=kwargs.get("distributed_port", 29500),
+        dist_init_required=kwargs.get("dist_init_required"),
+    )
+    known = known_plans.plan_of_partition(model, plan)
+    if known is not None:
+        if plan is None and known.plan.levels.config != plugin_config.hierarchical_zero:
+            raise ConfigError(
+                "the model's parameters are partitioned by an earlier hierarchical engine (or Init) whose "
+                "hierarchical_zero section differs from this config's: give the same section, or build the "
+                "model again"
+            )
+        check_before_collectives(read_ds_config(source), plugin_config.hierarchical_zero)
+        plan = known.plan
+    else:
+        plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
+        known = known_plans.remember(plan)
+    levels = plan.levels
+    previous_mpu = ds_groups.mpu
+    patched_comm = comm.patch_deepspeed_comm()
+    reducer = inject.register(levels)
+    level_mpu = inject.LevelMPU(levels, base=mpu, single=levels.self_group)
+    with inject.hierarchical_stage3(levels, reducer):
+        result = deepspeed.initialize(model=model, config=config, mpu=level_mpu, **kwargs)
+    engine = result[0]
+    engine.hierarchical_zero = plan
+    known.engines += 1
+    _undo_on_destroy(engine, known, level_mpu, previous_mpu, patched_comm)
+    return result
+
+
+def _undo_on_destroy(
+    engine: Any,
+    known: known_plans.KnownPlan,
+    level_mpu: inject.LevelMPU,
+    previous_mpu: Any,
+    patched_comm: bool,
+) -> None:
+    """``engine.destroy()`` then also undoes what :func:`initialize` made: DeepSpeed's ``groups.mpu``
+    where it is still ours, the communication patch if this engine applied it, and, when it is the
+    last live engine of its plan, the plan's hop routes (and the dispatchers when no plan has any)
+    and its process groups."""
+    destroy = engine.destroy
+    destroyed = False
+
+    def destroy_and_undo() -> None:
+        nonlocal destroyed
+        destroy()
+        levels = engine.hierarchical_zero.levels
+        if destroyed or not levels.groups.groups:  # destroyed already
+            return
+        destroyed = True
+        known.engines -= 1
+        if known.engines == 0:  # engines built on one module share its plan's groups: the last one frees them
+            inject.unregister(levels)
+            levels.destroy_groups()
+        if ds_groups.mpu is level_mpu:
+            ds_groups.mpu = previous_mpu
+        if patched_comm:
+            comm.unpatch_deepspeed_comm()
+
+    engine.destroy = destroy_and_undo

@@ -1,0 +1,202 @@
+"""Asynchronous hops: work handles that complete when the hops do.
+
+A flat ZeRO-3 all-gather returns at once and DeepSpeed waits on its handle only when the parameters
+are needed, which is what lets prefetching and ``overlap_comm`` hide it. Hops are several
+collectives in sequence plus a reordering copy, so they need an owner that runs them after the
+call returns:
+
+* CPU tensors (gloo blocks the calling thread): one worker thread per engine runs whole hop
+  operations (:meth:`HopWorker.submit`, :meth:`HopWorker.run`) in the order they were asked for.
+  Every rank asks in the same order (DeepSpeed issues its collectives identically on all ranks), so
+  the hop groups see the same sequence everywhere, as a communication stream would give them.
+  Pipelined operations (:meth:`HopWorker.submit_stages`) are cut into stages, each a collective on
+  one group: a thread per group (a *lane*) runs its stages in the order asked for, so the levels
+  work at once on their own links while every group still sees one order on every rank. A whole
+  operation is a fence: it starts when every earlier stage has run, and later stages wait for it.
+* CUDA tensors (ROCm reports "cuda" too): the collectives are queued on the current stream of the
+  output tensor's device (DeepSpeed's all-gather stream), which is asynchronous already; the
+  handle's ``wait`` makes that device's current stream wait for an event recorded after the hops, as
+  NCCL/RCCL work handles do. Pipelined stages are queued on a stream per group instead, each
+  waiting for the caller's stream and for the stages it needs; the handle keeps every tensor the
+  stages made until ``wait`` has put the caller's stream behind all of them, and every later
+  operation's streams start behind the caller's, so no memory is reused while a stream may read it.
+* Any other device type is refused with an error naming it: the hops have no owner for it.
+
+A failed collective re-raises in ``wait``. Waits are bounded by the process group's timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mdsp_base import comm
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One collective of a pipelined hop operation."""
+
+    group: dist.ProcessGroup
+    """The group its collective runs on: it runs on that group's lane, in the order asked for."""
+    run: Callable[[], Any]
+    """The collective; returns the tensor it made (kept alive until the operation is waited for)."""
+    after: tuple[int, ...] = ()
+    """Indices of earlier stages of the same operation whose output it needs."""
+
+
+class _FutureHandle:
+    """Work handle of hops running on worker threads: complete when every future is."""
+
+    def __init__(self, *futures: Future) -> None:
+        self._futures = futures
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        for future in self._futures:
+            future.result()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(future.done() for future in self._futures)
+
+
+class _EventHandle:
+    """Work handle of hops queued on CUDA streams of ``device``."""
+
+    def __init__(self, events: Sequence[Any], device: torch.device, keep: Any = None) -> None:
+        self._events = events
+        self._device = device
+        self._keep = keep  # what the streams read and write, released once the caller waits
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        for event in self._events:
+            torch.cuda.current_stream(self._device).wait_event(event)
+        self._keep = None
+        return True
+
+    def is_completed(self) -> bool:
+        return all(event.query() for event in self._events)
+
+
+def _on_stream(device: torch.device) -> bool:
+    """True for CUDA devices (stream path), False for the CPU (worker thread); refuses the rest."""
+    if device.type == "cuda":
+        return True
+    if device.type == "cpu":
+        return False
+    raise ValueError(
+        f"hierarchical ZeRO hops cannot run on {device.type!r} tensors: they run on 'cpu' (a worker "
+        "thread) and 'cuda' (CUDA or ROCm streams) devices"
+    )
+
+
+class HopWorker:
+    """Runs one engine's hop collectives after the call returns (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lanes: dict[int, tuple[dist.ProcessGroup, ThreadPoolExecutor]] = {}
+        self._last: dict[int, Future] = {}  # per lane, its latest stage
+        self._fence: Future | None = None  # the latest whole operation
+        self._streams: dict[tuple[int, torch.device], Any] = {}  # CUDA: a stream per (group, device)
+
+    def submit(self, device: torch.device, fn: Callable[[], Any]) -> _FutureHandle | _EventHandle:
+        """Start ``fn`` (collectives on this engine's groups, whose output lies on ``device``); the
+        handle completes when it has run."""
+        if _on_stream(device):
+            with torch.no_grad():
+                fn()
+            return _record_event(device)
+        return _FutureHandle(self._on_thread(fn))
+
+    def run(self, device: torch.device, fn: Callable[[], Any]) -> Any:
+        """``fn`` run in its turn among the submitted hops; returns its result."""
+        if _on_stream(device):
+            with torch.no_grad():
+                return fn()
+        return self._on_thread(fn).result()
+
+    def submit_stages(self, device: torch.device, stages: Sequence[Stage]) -> _FutureHandle | _EventHandle:
+        """Start a pipelined operation (stages listed so that each comes after those it needs); the
+        handle completes when every stage has run."""
+        if _on_stream(device):
+            return self._on_streams(device, stages)
+        futures: list[Future] = []
+        for stage in stages:
+            needs = [futures[i] for i in stage.after] + ([self._fence] if self._fence is not None else [])
+            future = self._lane(stage.group).submit(_after, needs, _attributed(stage.run))
+            self._last[id(stage.group)] = future
+            futures.append(future)
+        return _FutureHandle(*futures)
+
+    def _on_streams(self, device: torch.device, stages: Sequence[Stage]) -> _EventHandle:
+        ready = torch.cuda.current_stream(device).record_event()
+        events: list[torch.cuda.Event] = []
+        made: list[Any] = []
+        for stage in stages:
+            stream = self._streams.get((id(stage.group), device))
+            if stream is None:
+                stream = self._streams[(id(stage.group), device)] = torch.cuda.Stream(device)
+            stream.wait_event(ready)
+            for i in stage.after:
+                stream.wait_event(events[i])
+            with torch.cuda.stream(stream), torch.no_grad():
+                made.append(stage.run())
+            events.append(stream.record_event())
+        return _EventHandle(events, device, keep=(stages, made))
+
+    def _lane(self, group: dist.ProcessGroup) -> ThreadPoolExecutor:
+        lane = self._lanes.get(id(group))
+        if lane is None or lane[0] is not group:
+            name = f"hierarchical-zero-hops-lane{len(self._lanes)}"
+            lane = self._lanes[id(group)] = (group, ThreadPoolExecutor(1, thread_name_prefix=name))
+        return lane[1]
+
+    def _on_thread(self, fn: Callable[[], Any]) -> Future:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hierarchical-zero-hops")
+        # a whole operation waits for every stage asked for before it, and fences the later ones
+        self._fence = self._pool.submit(_after, list(self._last.values()), _attributed(fn))
+        self._last.clear()
+        return self._fence
+
+    def shutdown(self) -> None:
+        """Finish what was submitted and stop the threads."""
+        for executor in (*(lane for _, lane in self._lanes.values()), self._pool):
+            if executor is not None:
+                executor.shutdown(wait=True)
+        self._pool, self._fence = None, None
+        self._lanes.clear()
+        self._last.clear()
+        self._streams.clear()
+
+
+def _record_event(device: torch.device) -> _EventHandle:
+    return _EventHandle([torch.cuda.current_stream(device).record_event()], device)
+
+
+def _after(needs: Sequence[Future], fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` once every future in ``needs`` is done (re-raising the first failure)."""
+    for future in needs:
+        future.result()
+    return fn()
+
+
+def _attributed(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` without autograd, its bytes counted in the phase of the thread that asked for it."""
+    counter = comm.active_counter()
+    phase = counter.current_phase if counter is not None else "other"
+
+    def attributed() -> Any:
+        with torch.no_grad():
+            if counter is None:
+                return fn()
+            with counter.phase(phase):
+                return fn()
+
+    return attributed

@@ -1,0 +1,252 @@
+"""Hierarchical all-gather and reduce-scatter that hand every rank what the flat collective would.
+
+A flat collective over a parent of ``p`` members moves ``p`` equal blocks, block ``i`` belonging to
+the member with group rank ``i``. With hops of sizes ``s_0`` (innermost) .. ``s_m`` (outermost),
+``i`` is the mixed-radix number ``(d_m, ..., d_0)``. Reduce-scatter: reorder the blocks so that
+``d_0`` varies slowest, reduce-scatter over hop 0 (each member keeps the ``p/s_0`` blocks with its
+``d_0``), then hop 1 on that result, and so on; the last hop leaves block ``i``. All-gather runs
+the hops in the opposite order and undoes the reordering at the end. Each hop crosses a slower
+link with less data: the outermost (inter-node) hop carries ``1/(s_0 * ... * s_{m-1})`` of it.
+
+A hop across nodes runs the library's collective (ring) or the log-latency point-to-point
+algorithm of :mod:`.p2p_hops` (``HopPlan.inter_node``; auto takes, per call, the one the probe
+profile measured faster at that size, and ring without a profile). With
+``pieces > 1`` an operation is cut along the block into pieces, each its own chain of hops, as
+:class:`~.hop_worker.Stage` s a worker runs a lane per group: while one piece crosses nodes the
+previous one crosses packages, so the levels' links work at once.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.zero.config import InterNodeAlgorithm
+from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
+from deepspeed_ext.zero.engine import p2p_hops, quantize
+from deepspeed_ext.zero.engine.hop_worker import Stage
+from deepspeed_ext.zero.engine.levels import HopPlan
+from mdsp_base import comm
+from mdsp_base.topology import LinkClass
+
+
+def _digits_outer_first(plan: HopPlan) -> list[int]:
+    return list(reversed(plan.sizes))
+
+
+def _reversed_axes(plan: HopPlan) -> list[int]:
+    """Permutation that turns a [digit..., block] view's digit order around (its own inverse)."""
+    return [*reversed(range(len(plan.sizes))), len(plan.sizes)]
+
+
+def _inner_major(blocks: torch.Tensor, plan: HopPlan) -> torch.Tensor:
+    """[p, block] in parent order -> [p, block] with the innermost hop index varying slowest."""
+    view = blocks.view(*_digits_outer_first(plan), -1)
+    return view.permute(_reversed_axes(plan)).reshape(blocks.shape)
+
+
+def hop_order(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
+    """A reduce-scatter's input ([p * block], parent order) in the order its hops split it."""
+    p = math.prod(plan.sizes)
+    if flat.numel() % p:
+        raise ValueError(f"buffer of {flat.numel()} elements does not split into {p} equal blocks")
+    return _inner_major(flat.view(p, -1), plan).reshape(-1)
+
+
+def algorithm(plan: HopPlan, i: int, operation: Operation, nbytes: int) -> Algorithm:
+    """How hop ``i`` moves a buffer of ``nbytes`` (gathered output / reduce-scatter input)."""
+    if plan.links[i] != LinkClass.INTER_NODE or plan.inter_node == InterNodeAlgorithm.RING:
+        return Algorithm.RING
+    if plan.inter_node == InterNodeAlgorithm.RECURSIVE:
+        return Algorithm.RECURSIVE
+    if plan.profile is None:  # no measurement on this cluster: the library's collective
+        return Algorithm.RING
+    # measured with the node's rank-aligned groups crossing at once, as this hop's do
+    return plan.profile.fastest(LinkClass.INTER_NODE, operation, plan.sizes[i], nbytes)
+
+
+def gather_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:
+    """Hop ``i`` of an all-gather: every member's ``held`` in the hop group's rank order."""
+    gathered = torch.empty(held.numel() * plan.sizes[i], dtype=held.dtype, device=held.device)
+    nbytes = gathered.numel() * gathered.element_size()
+    if algorithm(plan, i, Operation.ALL_GATHER, nbytes) == Algorithm.RECURSIVE:
+        p2p_hops.all_gather(gathered, held, plan.groups[i])
+    else:
+        comm.all_gather_into_tensor(gathered, held, group=plan.groups[i])
+    return gathered
+
+
+def reduce_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:
+    """Hop ``i`` of a reduce-scatter, in place: this member's slice of ``held``, summed over the
+    hop group (as DeepSpeed's flat call leaves it, so the hops allocate nothing)."""
+    nbytes = held.numel() * held.element_size()
+    if algorithm(plan, i, Operation.REDUCE_SCATTER, nbytes) == Algorithm.RECURSIVE:
+        return p2p_hops.reduce_scatter(held, plan.groups[i])
+    out = held.view(plan.sizes[i], -1)[dist.get_rank(plan.groups[i])]
+    comm.reduce_scatter_tensor(out, held, group=plan.groups[i])
+    return out
+
+
+def reduce_scatter_hops(plan: HopPlan, held: torch.Tensor, hops: range) -> torch.Tensor:
+    """Run reduce-scatter hops ``hops`` (indices into the plan, innermost first) on ``held``, in
+    place; the result is a view into ``held``."""
+    for i in hops:
+        if plan.sizes[i] > 1:
+            held = reduce_hop(plan, i, held)
+    return held
+
+
+def reduce_scatter(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
+    """Sum of ``flat`` over the parent group, this member's ``1/p`` block (like reduce_scatter_tensor)."""
+    return reduce_scatter_hops(plan, hop_order(plan, flat), range(len(plan.sizes)))
+
+
+def _gathered_view(plan: HopPlan, out: torch.Tensor) -> torch.Tensor:
+    """``out`` ([p * n], parent order) seen as [s_0, .., s_m, n]: the layout the gather hops leave."""
+    return out.view(*_digits_outer_first(plan), -1).permute(_reversed_axes(plan))
+
+
+def _gather_source(plan: HopPlan, block: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A copy of ``block`` (it may be a view into ``out``, which the last copy overwrites), once
+    ``out`` is checked to hold every member's block."""
+    p = math.prod(plan.sizes)
+    if out.numel() != p * block.numel():
+        raise ValueError(f"output of {out.numel()} elements is not {p} blocks of {block.numel()}")
+    return block.reshape(-1).clone()
+
+
+def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None) -> None:
+    """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order; with
+    ``int8_block``, hops across nodes send blockwise int8 with that many elements per scale."""
+    held = _gather_source(plan, block, out)
+    for i in reversed(range(len(plan.sizes))):
+        if plan.sizes[i] == 1:
+            continue
+        if int8_block is not None and plan.links[i] == LinkClass.INTER_NODE:
+            gathered = torch.empty(held.numel() * plan.sizes[i], dtype=held.dtype, device=held.device)
+            quantize.all_gather_int8(gathered, held, plan.groups[i], int8_block)
+        else:
+            gathered = gather_hop(plan, i, held)
+        held = gathered
+    # copied through a view of ``out`` in the hops' layout (no third full-size buffer)
+    _gathered_view(plan, out).copy_(held.view(*plan.sizes, -1))
+
+
+def all_gather_stages(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, pieces: int) -> list[Stage]:
+    """:func:`all_gather` (unquantized) cut along the block into ``pieces`` chains of hops,
+    outermost first, each piece copied into ``out`` by its last hop."""
+    source, n = _gather_source(plan, block, out), block.numel()
+    hops = [i for i in reversed(range(len(plan.sizes))) if plan.sizes[i] > 1]
+    target, width = _gathered_view(plan, out), max(1, math.ceil(n / pieces))
+    if not hops:
+        return [Stage(plan.groups[0], functools.partial(out.view(-1).copy_, source))]
+    stages: list[Stage] = []
+    for start in range(0, n, width):
+        piece = slice(start, min(n, start + width))
+        state = [source[piece]]
+        for step, i in enumerate(hops):
+
+            def run(
+                i: int = i, state: list = state, piece: slice = piece, last: bool = i == hops[-1]
+            ) -> torch.Tensor:
+                state[0] = gather_hop(plan, i, state[0])
+                if last:
+                    target[..., piece].copy_(state[0].view(*plan.sizes, -1))
+                return state[0]
+
+            stages.append(Stage(plan.groups[i], run, (len(stages) - 1,) if step else ()))
+    return stages
+
+
+def reduce_scatter_stages(plan: HopPlan, pieces: torch.Tensor, results: list) -> list[Stage]:
+    """The reduce-scatter hops of each row of ``pieces`` (:func:`pack`'s buffer), innermost first;
+    piece ``k``'s block lands in ``results[k]``."""
+    hops = [i for i in range(len(plan.sizes)) if plan.sizes[i] > 1]
+    results[:] = list(pieces)
+    stages: list[Stage] = []
+    for k in range(pieces.shape[0]):
+        for step, i in enumerate(hops):
+
+            def run(i: int = i, k: int = k) -> torch.Tensor:
+                results[k] = reduce_hop(plan, i, results[k])
+                return results[k]
+
+            stages.append(Stage(plan.groups[i], run, (len(stages) - 1,) if step else ()))
+    return stages
+
+
+def hop_rows(plan: HopPlan, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The row in hop order of each parent member, as an index tensor on ``device`` and as ints.
+
+    Made once per plan and device and kept in ``plan.row_cache``: an index built on the host for
+    every pack would be a blocking copy from pageable memory, the host waiting for the stream each
+    bucket. On an accelerator the first use waits once for the copy, so that any stream may read
+    the index afterwards."""
+    cached = plan.row_cache.get(device)
+    if cached is None:
+        # the hop-order permutation of the members, inverted: where each member's row lands
+        rows = _inner_major(torch.arange(math.prod(plan.sizes)).view(-1, 1), plan).view(-1).argsort()
+        index = rows.to(device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        cached = plan.row_cache[device] = (index, tuple(rows.tolist()))
+    return cached
+
+
+def pack(tensors: Sequence[torch.Tensor], plan: HopPlan, pieces: int = 1) -> tuple[torch.Tensor, list[int]]:
+    """Several tensors as one buffer averaged over the parent, in hop order, with the chunking of
+    DeepSpeed's ``reduce_scatter_coalesced``: tensor ``t`` cut into ``p`` chunks of ``ceil(numel/p)``
+    (zero-padded), member ``i``'s chunks side by side in its row, the rows written straight into hop
+    order (:func:`hop_order`, without its copy). The row's columns are cut into ``pieces`` equal
+    ranges, each range's rows contiguous: returns ([pieces, p * width] buffer, chunk length per
+    tensor); with one piece, row 0 is the whole buffer."""
+    p = math.prod(plan.sizes)
+    chunks = [math.ceil(t.numel() / p) for t in tensors]
+    width = max(1, math.ceil(sum(chunks) / pieces))
+    rows = torch.zeros(pieces, p, width, dtype=tensors[0].dtype, device=tensors[0].device)
+    where, where_ints = hop_rows(plan, rows.device)
+
+    def put(index: torch.Tensor | int, column: int, values: torch.Tensor) -> None:
+        """``values`` ([rows, k] or [k]) into columns column .. column+k of the rows ``index``."""
+        done, k = 0, values.shape[-1]
+        while done < k:
+            piece, at = divmod(column + done, width)
+            take = min(k - done, width - at)
+            rows[piece][index, at : at + take] = values[..., done : done + take]
+            done += take
+
+    offset = 0
+    for t, c in zip(tensors, chunks):
+        if c == 0:
+            continue
+        flat, full = t.reshape(-1), t.numel() // c
+        put(where[:full], offset, flat[: full * c].view(full, c))
+        if full * c < t.numel():  # the last, partial chunk; later rows stay zero
+            put(where_ints[full], offset, flat[full * c :])
+        offset += c
+    return rows.div_(p).view(pieces, -1), chunks
+
+
+def unpack(
+    mine: torch.Tensor, tensors: Sequence[torch.Tensor], chunks: Sequence[int], me: int
+) -> list[torch.Tensor]:
+    """Member ``me``'s row of :func:`pack`'s buffer (reduced) as one chunk per tensor, the last
+    chunks shorter or empty where ``numel`` is not a multiple of ``p``."""
+    out, offset = [], 0
+    for t, c in zip(tensors, chunks):
+        length = max(0, min(c, t.numel() - me * c))
+        out.append(mine.narrow(0, offset, length))
+        offset += c
+    return out
+
+
+def reduce_scatter_coalesced(plan: HopPlan, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Average-reduce-scatter of several tensors at once, with the contract of DeepSpeed's
+    ``reduce_scatter_coalesced`` (see :func:`pack`)."""
+    blocks, chunks = pack(tensors, plan)
+    mine = reduce_scatter_hops(plan, blocks[0], range(len(plan.sizes)))
+    return unpack(mine, tensors, chunks, plan.parent.index(dist.get_rank()))

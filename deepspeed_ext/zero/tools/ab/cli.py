@@ -1,0 +1,95 @@
+"""A/B of ZeRO-3 variants on this cluster, in one job: what a user runs before switching.
+
+    torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.bench \\
+        --deepspeed-config ds.json --megatron-args scripts/presets/gpt-1.3b.args \\
+        [--profile profile.json] [--json ab.json] [--plot ab.png]
+    (Slurm: JOB=zero-ab sbatch -N 2 scripts/slurm/frontier.sbatch, or scripts/slurm/nvidia.sbatch)
+
+On the model shape of a Megatron preset (layers, hidden size, heads, sequence length, vocabulary)
+and the buckets, micro batch, accumulation and dtype of the user's DeepSpeed JSON, each rank
+builds, one after another: stock ZeRO-3; DeepSpeed's hpZ at each valid ``zero_hpz_partition_size``
+(the package and the node, the ranks DeepSpeed groups consecutively); ZeRO++ (hpZ of the node +
+qwZ + qgZ) where DeepSpeed's quantizer kernels build, else listed as not run with the reason; and
+the hierarchical variant with the JSON's ``hierarchical_zero`` section (``--profile`` sets its
+profile, so ``auto`` and the planner use what the probe measured). Each variant runs ``--warmup``
+untimed and ``--steps`` timed optimizer steps, each step the slowest rank's time from a barrier.
+
+Reported per variant: step time and TFLOPS per rank (min / median / max over the steps), the bytes
+per link class the most loaded rank sent per step (counted from the collectives DeepSpeed and the
+hops issue, not read from the wire), and the peak memory of a rank (CUDA: the allocator's peak
+since the engine was built; CPU: the process's allocations during a fresh engine's second step).
+TFLOPS counts 6 x matmul parameters x tokens + 12 x layers x hidden x sequence x tokens per step.
+
+With ``--profile`` each variant's step is also predicted before its timing is read
+(``predicted_step_s``, :mod:`.bench_prediction`): the model's single-rank step measured first on
+every rank at once, plus every collective the engine launched per step at the profile's median for
+its group and size, less what DeepSpeed's prefetching hides (:mod:`.cost.step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from deepspeed_ext.zero.cost.workload import ModelShape
+from mdsp_base.topology import require_launcher
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m deepspeed_ext.zero.bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--deepspeed-config",
+        help="the job's DeepSpeed JSON (buckets, micro batch, accumulation, dtype, topology, hierarchical_zero)",
+    )
+    parser.add_argument(
+        "--megatron-args", help="a Megatron flags file (scripts/presets/*.args) giving the model's shape"
+    )
+    for name, spec in ModelShape.__dataclass_fields__.items():
+        flag = "--" + name.replace("_", "-")
+        parser.add_argument(
+            flag, type=int, help=f"model {name} (overrides --megatron-args; default {spec.default})"
+        )
+    parser.add_argument("--profile", help="a probe profile for ours (hierarchical_zero.profile)")
+    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
+    parser.add_argument("--json", help="write one object per variant here (rank 0)")
+    parser.add_argument("--plot", help="write a bar plot of the step times here (rank 0; PNG)")
+    parser.add_argument(
+        "--no-peak", action="store_true", help="CPU: skip the peak-memory pass (a second engine per variant)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model, 1 warm-up and 5 timed steps: a smoke test"
+    )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = 5, 1
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    return args
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    """The preset's shape (the defaults with --quick or without a preset), the flags on top."""
+    base = (
+        ModelShape.from_megatron_args(args.megatron_args)
+        if args.megatron_args and not args.quick
+        else ModelShape()
+    )
+    given = {name: getattr(args, name) for name in vars(base) if getattr(args, name) is not None}
+    return ModelShape(**{**vars(base), **given})
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    """Run every variant; rank 0 prints the table and writes the JSON and plot. Returns the rows."""
+    args = parse_args(argv)
+    require_launcher("deepspeed_ext.zero.bench", "--deepspeed-config ds.json")
+    from deepspeed_ext.zero.tools.ab.run import run  # torch, DeepSpeed: after the flags are read
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()

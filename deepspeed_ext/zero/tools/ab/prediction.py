@@ -1,0 +1,82 @@
+"""The A/B command's prediction of each variant's step: its compute measured alone, then the cost
+model (:mod:`.cost.step`) with the probe profile and the collectives the engine launched."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from deepspeed_ext.zero.cost import collectives
+from deepspeed_ext.zero.cost.profile import Profile
+from deepspeed_ext.zero.cost.step import StepPrediction, predict
+from deepspeed_ext.zero.cost.workload import Buckets
+from deepspeed_ext.zero.tools.ab.model import ModelShape, build_model
+from deepspeed_ext.zero.tools.ab.variants import Variant
+from mdsp_base import comm
+from mdsp_base.topology import Topology
+
+
+def compute_steps(shape: ModelShape, cfg: dict, steps: int, warmup: int, device: torch.device) -> list[float]:
+    """The single-rank step the prediction takes as its compute: the same model, micro-batches and
+    Adam step with no ZeRO and no communication inside, every rank at once (they share the host
+    as the job's ranks do); each step the slowest rank's seconds."""
+    micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
+    accumulation = int(cfg.get("gradient_accumulation_steps", 1))
+    net = build_model(shape).to(device)
+    optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
+    seconds = []
+    for step in range(warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(accumulation):
+            tokens = torch.randint(shape.vocab, (micro, shape.seq_length + 1), device=device)
+            logits = net(tokens[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= warmup:
+            seconds.append(slowest(time.perf_counter() - start, device))
+    return seconds
+
+
+def slowest(value: float, device: torch.device) -> float:
+    """The largest ``value`` over the ranks."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def prefetch_concurrency(cfg: dict, variant: Variant) -> int:
+    """All-gathers DeepSpeed's prefetching keeps in flight at once (0: it does not prefetch): for a
+    stock engine its backend's (gloo runs 2 per process group, on its 2 worker threads; NCCL/RCCL
+    one per stream); for ours 1 (one hop worker, or one stream, runs whole hop operations in order)."""
+    if Buckets.from_json(cfg).prefetch <= 0:
+        return 0
+    return 2 if dist.get_backend() == "gloo" and not variant.ours else 1
+
+
+def predicted(
+    calls: dict[comm.CallKey, float],
+    cfg: dict,
+    profile: Profile,
+    topology: Topology,
+    variant: Variant,
+    accumulation: int,
+    compute_s: float,
+) -> StepPrediction:
+    """The step the model predicts from the profile, the collectives this rank launched per step
+    and the measured single-rank step."""
+    fallback = collectives.for_topology(topology.ranks_per_package)
+    return predict(
+        profile,
+        calls,
+        compute_s,
+        passes=2 * accumulation,
+        concurrency=prefetch_concurrency(cfg, variant),
+        fallback=fallback,
+    )

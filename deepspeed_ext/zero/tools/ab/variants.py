@@ -1,0 +1,80 @@
+"""What the A/B command runs: stock ZeRO-3, DeepSpeed's hpZ and ZeRO++ where they can run, ours."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mdsp_base.topology import Topology
+
+
+@dataclass
+class Variant:
+    """One engine of the A/B run."""
+
+    name: str
+    """Display name."""
+    ours: bool
+    """Built by the hierarchical variant's initialize, else by deepspeed.initialize."""
+    zero: dict[str, Any] = field(default_factory=dict)
+    """zero_optimization keys on top of the user's."""
+    skipped: str | None = None
+    """Why it is not run here (None: it runs)."""
+
+
+def quantizer_unavailable(device: torch.device) -> str | None:
+    """Why DeepSpeed's qwZ / qgZ kernels cannot run here, or None when they build."""
+    if device.type != "cuda":
+        return f"DeepSpeed's qwZ/qgZ are CUDA kernels (QuantizerBuilder); this run's device is {device.type}"
+    try:
+        from deepspeed.ops.op_builder import QuantizerBuilder
+
+        builder = QuantizerBuilder()
+        if not builder.is_compatible():
+            return "DeepSpeed's QuantizerBuilder is not compatible with this system"
+        builder.load()
+    except Exception as exc:  # a failed JIT build names its own cause
+        return f"DeepSpeed's QuantizerBuilder did not build: {type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def variants(topology: Topology, device: torch.device) -> list[Variant]:
+    """Stock ZeRO-3, hpZ at each valid secondary size, ZeRO++ (or why not), ours."""
+    world = topology.world_size
+    sizes = sorted({s for s in (topology.ranks_per_package, topology.ranks_per_node) if 1 < s < world})
+    out = [Variant("zero3", ours=False)]
+    out += [Variant(f"hpZ({s})", ours=False, zero={"zero_hpz_partition_size": s}) for s in sizes]
+    if not sizes:
+        out.append(
+            Variant("hpZ", ours=False, skipped=f"no secondary size between 1 and the world ({world}) here")
+        )
+    node = topology.ranks_per_node if 1 < topology.ranks_per_node < world else None
+    zeropp: dict[str, Any] = {"zero_quantized_weights": True, "zero_quantized_gradients": True}
+    if node is None:
+        reason: str | None = "ZeRO++'s hpZ needs more than one node"
+    else:
+        reason = quantizer_unavailable(device)
+        zeropp["zero_hpz_partition_size"] = node
+    out.append(Variant("zero++ (hpZ + qwZ + qgZ)", ours=False, zero=zeropp, skipped=reason))
+    out.append(Variant("ours", ours=True))
+    return out
+
+
+def ds_config(user: dict, variant: Variant, profile: str | None) -> dict:
+    """The user's DeepSpeed JSON as this variant runs it: ZeRO stage 3, the variant's keys, the
+    batch given by micro batch and accumulation; hierarchical_zero on for ours only."""
+    cfg = copy.deepcopy(user)
+    cfg.pop("train_batch_size", None)
+    cfg.setdefault("train_micro_batch_size_per_gpu", 1)
+    cfg.setdefault("optimizer", {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}})
+    cfg.setdefault("steps_per_print", 10**9)
+    cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": 3, **variant.zero}
+    section = dict(cfg.get("hierarchical_zero") or {})
+    section["enabled"] = variant.ours
+    if variant.ours and profile is not None:
+        section["profile"] = profile
+    cfg["hierarchical_zero"] = section
+    return cfg

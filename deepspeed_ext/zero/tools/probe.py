@@ -1,0 +1,71 @@
+"""Measure this cluster's collectives per link class and write a profile for hierarchical ZeRO.
+
+    torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.probe --out profile.json
+    srun -m block ... python -m deepspeed_ext.zero.probe --out profile.json   (scripts/slurm)
+
+Every rank takes part. The level groups are cut from the whole job as the variant cuts them from
+a data-parallel group (package, across the node's packages, across nodes), and for each link
+class every group of that class runs at once, so the node's rank-aligned groups cross nodes
+together as the job's hops do. For each message size it times the library's all-gather and
+reduce-scatter on every level, and across nodes also the point-to-point recursive algorithm the
+variant can run there; and on the whole job's group what the stock baselines run (its flat
+all-gather and reduce-scatter, and DeepSpeed's scalar all-reduce and broadcast at the smallest size
+only), for the A/B command's predictions. ``--repeats`` timed calls after one warm-up, each the
+slowest rank's time from a barrier. Sizes grow by 4x from ``--smallest`` and stop per collective once a call takes
+``--max-call-s``, and for all once ``--budget-s`` has passed (each rank agrees: the elapsed time
+is the slowest rank's). Point the job at the result with ``hierarchical_zero.profile`` or
+``--hierarchical-zero-profile``; a profile is valid for its topology and library versions only.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mdsp_base.topology import require_launcher
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m deepspeed_ext.zero.probe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", required=True, help="where rank 0 writes the profile (JSON)")
+    parser.add_argument("--deepspeed-config", help="the job's DeepSpeed JSON: its topology section is used")
+    parser.add_argument("--ranks-per-node", type=int, help="topology.ranks_per_node (default: detected)")
+    parser.add_argument(
+        "--ranks-per-package", type=int, help="topology.ranks_per_package (default: detected)"
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", help="message sizes in bytes (default: a 4x sweep)")
+    parser.add_argument("--smallest", type=int, default=4096, help="first size of the sweep (bytes)")
+    parser.add_argument("--largest", type=int, default=256 * 2**20, help="last size of the sweep (bytes)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per size (after one warm-up)")
+    parser.add_argument(
+        "--max-call-s", type=float, default=0.5, help="a collective stops growing once a call takes this long"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=90.0, help="no new size starts after this many seconds"
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float16", "float32"),
+        help="default: bfloat16 on GPUs, float32 on CPU",
+    )
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.smallest < 1 or args.largest < args.smallest:
+        parser.error(
+            f"need --repeats >= 1 and 1 <= --smallest <= --largest, got {args.repeats}, {args.smallest}, {args.largest}"
+        )
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    require_launcher("deepspeed_ext.zero.probe", "--out profile.json")
+    from deepspeed_ext.zero.tools.probe_run import run  # torch and the collectives: after the flags are read
+
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Planner: the fastest hierarchical ZeRO-3 configuration that fits, written back into your DeepSpeed
+JSON, with the Megatron flags it changes.
+
+  python -m deepspeed_ext.zero.plan --model gpt-20b-frontier --nodes 48 --topology frontier
+  python -m deepspeed_ext.zero.plan --layers 24 --hidden 2048 --heads 16 --seq 2048 --nodes 4 --topology h100
+  python -m deepspeed_ext.zero.plan --model gpt-20b-frontier --nodes 48 --profile profile.json --output-json ds.json
+
+By default it proposes exact plans (no quantization) on paths that have run on the topology's
+collective library (docs/hierarchical_zero.md, "Which paths have run on which backend"), keeps the
+global batch of your configuration, and leaves 10 % of the memory free. Every figure is computed
+by the cost model (deepspeed_ext/zero/cost/), not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from importlib import resources
+from pathlib import Path
+
+from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, H100_NCCL
+from deepspeed_ext.zero.cost.projection import Scheme, project
+from deepspeed_ext.zero.cost.search import Row, Rules, baseline, evaluate
+from deepspeed_ext.zero.cost.uncertainty import systems
+from deepspeed_ext.zero.cost.verified import Backend
+from deepspeed_ext.zero.cost.workload import Model, Recompute, System
+from deepspeed_ext.zero.tools.recommend_inputs import (
+    PlanInputError,
+    global_batch,
+    measured_costs,
+    written_config,
+)
+
+PRESETS = Path(str(resources.files("mdsp_base") / "presets"))
+"""The suite's presets (package data; scripts/presets links here)."""
+MODELS = {path.stem: path for path in sorted(PRESETS.glob("*.args"))}
+"""Model presets by the names the Slurm scripts take (MODEL=gpt-20b-frontier)."""
+ALIASES = {"20b": "gpt-20b-frontier", "1.3b": "gpt-1.3b"}
+TOPOLOGIES = {
+    "frontier": (System(FRONTIER_RCCL), Backend.RCCL, "GCD"),
+    "h100": (
+        System(H100_NCCL, ranks_per_node=8, ranks_per_package=1, peak_tflops=989.0, memory_gb=80.0),
+        Backend.NCCL,
+        "GPU",
+    ),
+}
+"""Documented machines: their costs, collective library and the name of one device."""
+
+
+def label(row: Row) -> str:
+    p = row.plan
+    quant = "int8/int4" if p.quantized_weights else "bf16"
+    return (
+        f"TP={p.tp} {p.secondary.value if p.secondary else 'no copy'} {p.inter_node} {quant} "
+        f"{'boundary' if p.boundary_sync else 'every-mb'} chunks={p.pipeline_chunks} "
+        f"bucket={p.buckets.prefetch:.0e} mb={p.micro_batch} {p.recompute.value}"
+    )
+
+
+def megatron_flags(row: Row, model: Model, batch: int) -> list[str]:
+    p = row.plan
+    flags = [
+        f"--tensor-model-parallel-size {p.tp}",
+        f"--micro-batch-size {p.micro_batch}",
+        f"--global-batch-size {batch}",
+        f"--num-layers {model.layers} --hidden-size {model.hidden} --num-attention-heads {model.heads}",
+        f"--seq-length {model.seq}",
+    ]
+    if p.recompute != Recompute.NONE:
+        flags.append(f"--recompute-granularity {p.recompute.value}")
+        flags += ["--recompute-method uniform"] if p.recompute == Recompute.FULL else []
+    return flags
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m deepspeed_ext.zero.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    names = sorted(MODELS) + sorted(ALIASES)
+    parser.add_argument("--model", choices=names, help="a preset, as the Slurm scripts name it")
+    for flag in ("--layers", "--hidden", "--heads", "--seq"):
+        parser.add_argument(flag, type=int, help="the model's shape, without --model")
+    parser.add_argument("--nodes", type=int, required=True)
+    parser.add_argument(
+        "--topology", choices=sorted(TOPOLOGIES), default="frontier", help="(default: %(default)s)"
+    )
+    parser.add_argument("--memory-gb", type=float, help="memory per device (default: the topology's)")
+    parser.add_argument(
+        "--ds-config", type=Path, default=PRESETS / "ds_frontier_20b.json", help="(default: the 20B preset)"
+    )
+    parser.add_argument(
+        "--grad-accum", type=int, help="default: the DeepSpeed JSON's gradient_accumulation_steps"
+    )
+    parser.add_argument(
+        "--global-batch", type=int, help="sequences per step to keep (default: your configuration's)"
+    )
+    parser.add_argument("--free-batch", action="store_true", help="let the plan change the global batch")
+    parser.add_argument("--headroom", type=float, default=0.1, help="memory left free (default: %(default)s)")
+    parser.add_argument(
+        "--allow-lossy", action="store_true", help="also int8 weights / int4 gradients across nodes"
+    )
+    parser.add_argument(
+        "--allow-unverified", action="store_true", help="also settings that have not run on this backend"
+    )
+    parser.add_argument("--top", type=int, default=10, help="rows to print (0: all; default: %(default)s)")
+    parser.add_argument(
+        "--profile", type=Path, help="a probe profile: this cluster's measured collective costs"
+    )
+    parser.add_argument(
+        "--output-json", type=Path, help="write --ds-config with the best plan's changes here"
+    )
+    return parser
+
+
+def _model(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Model, Path | None]:
+    if args.model:
+        path = MODELS[ALIASES.get(args.model, args.model)]
+        return Model.from_megatron_args(path), path
+    if None in (args.layers, args.hidden, args.heads, args.seq):
+        parser.error("give --model, or all of --layers --hidden --heads --seq")
+    return Model(args.layers, args.hidden, args.heads, args.seq), None
+
+
+def _print_table(rows: list[Row], top: int, device: str) -> None:
+    print(
+        f"| | candidate | TFLOPS/{device} | GB/rank (peak) | settings not run here | vs ZeRO-3 | vs hpZ (DeepSpeed) | vs hpZ (ideal) | vs ZeRO++ |"
+    )
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|")
+    for i, r in enumerate(rows[: top or None]):
+        cols = " | ".join(f"{r.ratios[k]:.2f}x" for k in ("zero3", "hpz", "hpz_ideal", "zeropp"))
+        lossy = " (lossy)" if r.plan.quantized_weights else ""
+        unrun = ", ".join(r.unverified) or "-"
+        print(
+            f"| {'best' if i == 0 else ''} | {label(r)}{lossy} | {r.projection.tflops_per_gcd:.3g} | "
+            f"{r.peak_bytes / 1e9:.1f} | {unrun} | {cols} |"
+        )
+
+
+def _ranges(
+    system: System, model: Model, nodes: int, best: Row, ds: dict, measured: bool, device: str
+) -> str:
+    """The best row's TFLOPS and ratio to hpZ (as the table prices it) over every combination of the
+    uncertain inputs."""
+    tflops, vs_hpz = [], []
+    for _, s in systems(system, sweep_collectives=system.costs is FRONTIER_RCCL and not measured):
+        mine = project(s, model, nodes, best.plan).tflops_per_gcd
+        hpz = project(s, model, nodes, baseline(best.plan, Scheme.HPZ, ds)).tflops_per_gcd
+        tflops.append(mine)
+        vs_hpz.append(mine / hpz)
+    return (
+        f"best row over the uncertain inputs ({len(tflops)} combinations): {min(tflops):.3g}-{max(tflops):.3g} "
+        f"TFLOPS/{device}, {min(vs_hpz):.2f}-{max(vs_hpz):.2f}x hpZ"
+    )
+
+
+def main(argv: list[str] | None = None) -> list[Row]:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    model, preset = _model(args, parser)
+    system, backend, device = TOPOLOGIES[args.topology]
+    system = replace(system, memory_gb=args.memory_gb) if args.memory_gb else system
+    if not 0 <= args.headroom < 1:
+        parser.error(f"--headroom {args.headroom}: give a fraction in [0, 1)")
+    try:
+        ds = json.loads(args.ds_config.read_text())
+        measured = measured_costs(args.profile, system, backend, args.nodes) if args.profile else None
+        if measured is not None:
+            system = measured.system
+            for note in measured.notes:
+                print(f"warning: {note}", file=sys.stderr)
+        grad_accum = args.grad_accum or int(ds.get("gradient_accumulation_steps", 1))
+        batch = global_batch(ds, preset, system.ranks_per_node * args.nodes, grad_accum, args.global_batch)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, PlanInputError) as exc:
+        parser.exit(2, f"error: {exc}\n")
+    rules = Rules(
+        backend,
+        measured=measured is not None and measured.verifies,
+        allow_lossy=args.allow_lossy,
+        allow_unverified=args.allow_unverified,
+        global_batch=None if args.free_batch else batch,
+        headroom=args.headroom,
+        build_bytes_per_param=2 if (ds.get("bf16") or {}).get("enabled") else 4,
+    )
+
+    def progress(done: int, total: int) -> None:
+        if done % 50 == 0:
+            print(f"projecting candidates: {done}/{total}", file=sys.stderr, flush=True)
+
+    rows = evaluate(system, model, args.nodes, ds, grad_accum, rules, progress)
+    if not rows:
+        parser.exit(
+            2,
+            f"error: no plan fits {system.memory_gb:g} GB per {device} less {args.headroom:.0%} headroom at a "
+            f"global batch of {batch} (DP x accumulation must divide it): more nodes, --free-batch, or --allow-lossy\n",
+        )
+    best = rows[0]
+    kept = f"{batch} sequences, kept" if rules.global_batch else "free (--free-batch)"
+    print(
+        f"{model.params / 1e9:.1f}B GPT on {args.nodes} nodes ({args.topology}, {backend}, {system.memory_gb:g} GB "
+        f"less {args.headroom:.0%} headroom), accumulation {grad_accum}, global batch {kept}; "
+        f"COMPUTED by the cost model (costs: {system.costs.system}), not measured. "
+        f"{'Lossy plans included. ' if args.allow_lossy else 'Exact plans only. '}"
+        f"{'Unverified settings included. ' if args.allow_unverified else f'Only settings that have run on {backend}. '}"
+        f"{len(rows)} fit."
+    )
+    print(_ranges(system, model, args.nodes, best, ds, args.profile is not None, device))
+    _print_table(rows, args.top, device)
+    plan_batch = (
+        best.plan.micro_batch * best.plan.grad_accum * system.ranks_per_node * args.nodes // best.plan.tp
+    )
+    profile = args.profile if measured is not None and measured.job_reads_it else None
+    written = written_config(ds, best.plan, profile, plan_batch)
+    print(
+        "\nDeepSpeed JSON (your --ds-config with the best plan's changes):\n" + json.dumps(written, indent=1)
+    )
+    print("\nMegatron flags:\n" + " ".join(megatron_flags(best, model, plan_batch)))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(written, indent=1) + "\n")
+        print(f"\nwrote {args.output_json}", file=sys.stderr)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

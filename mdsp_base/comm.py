@@ -1,0 +1,365 @@
+"""Collective wrappers that count the bytes each rank sends, per link class and training phase.
+
+Accounting (the same as the ZeRO++ paper's "cross-node volume"): a collective on a group of ``p``
+ranks moves the volume of the bandwidth-optimal algorithm per rank, ``(p-1)/p`` of the gathered or
+reduce-scattered buffer (twice that for an all-reduce; a point-to-point algorithm what its sends
+carry, the same total), and the whole volume is charged to the slowest link class the group spans: ``package`` when every member sits in one package, ``node`` when
+they share a node, ``inter_node`` otherwise. Counts are per rank; :mod:`deepspeed_ext.zero.cost.volume`
+predicts exactly these numbers.
+
+Two ways in: our own hops call :func:`all_gather_into_tensor` / :func:`reduce_scatter_tensor` /
+:func:`all_reduce` here, and :func:`patch_deepspeed_comm` wraps the methods of DeepSpeed's
+communication backend object, through which stock ZeRO-3 and ZeRO++ hpZ send everything, so all
+three variants are counted the same way. Counting is on while a :class:`CommCounter` is active
+(:func:`counting`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from mdsp_base.topology import LinkClass, Topology
+
+LINK_CLASSES: tuple[LinkClass, ...] = tuple(LinkClass)
+
+# torch 2.13 deprecates the *_tensor names (a FutureWarning per call on gloo); the *_single ones are
+# the same collectives under their new names. Older torch has only the old names.
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` (None is the whole job)."""
+    if group is None or group is dist.GroupMember.WORLD:
+        return list(range(dist.get_world_size()))
+    return dist.get_process_group_ranks(group)
+
+
+def span_class(topology: Topology, ranks: Sequence[int]) -> LinkClass:
+    """The slowest link class a collective among ``ranks`` crosses."""
+    first = ranks[0]
+    if all(topology.package(r) == topology.package(first) for r in ranks):
+        return LinkClass.PACKAGE
+    return (
+        LinkClass.NODE
+        if all(topology.node(r) == topology.node(first) for r in ranks)
+        else LinkClass.INTER_NODE
+    )
+
+
+def volume(kind: str, nbytes: int, group_size: int) -> int:
+    """Bytes one rank sends in a bandwidth-optimal collective over ``nbytes`` of buffer.
+
+    ``nbytes`` is the gathered output (all-gather), the input (reduce-scatter, all-to-all), the
+    tensor (all-reduce counts twice: reduce-scatter plus all-gather; broadcast once), or the tensor
+    sent (p2p: one step of an algorithm made of point-to-point transfers)."""
+    if group_size <= 1:
+        return 0
+    if kind == "p2p":  # a point-to-point send: what it carries
+        return nbytes
+    factor = 2 if kind == "all_reduce" else 1
+    return factor * nbytes * (group_size - 1) // group_size
+
+
+class CallKey(NamedTuple):
+    """One collective's shape: what it computes, how, over which group, on how many bytes."""
+
+    collective: str
+    """all_gather, reduce_scatter, all_reduce, all_to_all or broadcast."""
+    algorithm: str
+    """ring (the library's collective) or recursive (point-to-point steps)."""
+    link: str
+    """Slowest link class the group spans."""
+    members: int
+    """Group size."""
+    nbytes: int
+    """Gathered output (all-gather), input (reduce-scatter, all-to-all) or the tensor."""
+
+
+class CommCounter:
+    """Bytes per (phase, kind, link class) sent by this rank while active."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._phase = threading.local()  # per thread: hops run on a worker thread for the caller's phase
+        self._lock = threading.Lock()
+        self.bytes: dict[tuple[str, str, str], int] = defaultdict(int)
+        # launches per collective shape: what a cost model charges one by one
+        self.calls: dict[CallKey, int] = defaultdict(int)
+        self._classes: dict[int, tuple[Any, str]] = {}
+
+    def link_class(self, group: dist.ProcessGroup | None) -> str:
+        cached = self._classes.get(id(group))
+        if cached is None or cached[0] is not group:  # an id can be reused once a group is gone
+            cached = (group, span_class(self.topology, group_ranks(group)))
+            self._classes[id(group)] = cached
+        return cached[1]
+
+    def record(self, kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+        """Bytes of one send or collective; a library collective (not a point-to-point send) is also
+        counted as one ring launch."""
+        size = dist.get_world_size(group)
+        if size <= 1:
+            return
+        with self._lock:
+            link = self.link_class(group)
+            self.bytes[(self.current_phase, kind, link)] += volume(collective, nbytes, size)
+            if collective != "p2p":
+                self.calls[CallKey(collective, "ring", link, size, nbytes)] += 1
+
+    def count_launch(self, collective: str, algorithm: str, nbytes: int, group: dist.ProcessGroup) -> None:
+        """One launch of a point-to-point ``algorithm`` (its sends count their own bytes)."""
+        size = dist.get_world_size(group)
+        if size > 1:
+            with self._lock:
+                self.calls[CallKey(collective, algorithm, self.link_class(group), size, nbytes)] += 1
+
+    @property
+    def current_phase(self) -> str:
+        """The phase this thread's collectives are attributed to."""
+        return getattr(self._phase, "name", "other")
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute what runs inside to ``name`` (forward, backward, step, ...)."""
+        previous, self._phase.name = self.current_phase, name
+        try:
+            yield
+        finally:
+            self._phase.name = previous
+
+    def per_link(self, phase: str | None = None, kind: str | None = None) -> dict[str, int]:
+        """Bytes per link class, summed over the phases and kinds that match (None matches all)."""
+        out: dict[str, int] = dict.fromkeys(LINK_CLASSES, 0)
+        for (ph, kd, link), n in self.bytes.items():
+            if (phase is None or ph == phase) and (kind is None or kd == kind):
+                out[link] += n
+        return out
+
+    def snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{phase: {kind: {link: bytes}}}`` as plain dicts (JSON-ready)."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (ph, kd, link), n in sorted(self.bytes.items()):
+            out.setdefault(ph, {}).setdefault(kd, dict.fromkeys(LINK_CLASSES, 0))[link] += n
+        return out
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+_active: CommCounter | None = None
+
+
+@contextlib.contextmanager
+def counting(counter: CommCounter) -> Iterator[CommCounter]:
+    """Count every collective sent through this module or DeepSpeed's backend into ``counter``."""
+    global _active
+    previous, _active = _active, counter
+    try:
+        yield counter
+    finally:
+        _active = previous
+
+
+def active_counter() -> CommCounter | None:
+    return _active
+
+
+def _record(kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+    if _active is not None:
+        _active.record(kind, collective, nbytes, group)
+
+
+def count_launch(collective: str, algorithm: str, nbytes: int, group: dist.ProcessGroup) -> None:
+    """Count one launch of a point-to-point algorithm in the active counter, if any."""
+    if _active is not None:
+        _active.count_launch(collective, algorithm, nbytes, group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather_into_tensor(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, async_op: bool = False
+) -> Any:
+    """``output`` = concatenation of every member's ``input`` in group-rank order."""
+    _record("gather", "all_gather", _nbytes(output), group)
+    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_tensor(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    """``output`` = this member's block of the element-wise reduction of every member's ``input``."""
+    _record("reduce", "reduce_scatter", _nbytes(input), group)
+    return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_to_all_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None, kind: str = "reduce"
+) -> Any:
+    """``output`` row ``i`` = member ``i``'s input row for this member (equal splits)."""
+    _record(kind, "all_to_all", _nbytes(input), group)
+    return dist.all_to_all_single(output, input, group=group)
+
+
+def send_recv(
+    sends: Sequence[tuple[torch.Tensor, int]],
+    recvs: Sequence[tuple[torch.Tensor, int]],
+    group: dist.ProcessGroup,
+    kind: str,
+) -> None:
+    """One step of a point-to-point algorithm: post every (tensor, group rank) send and receive at
+    once, then wait for all of them. The i-th send to a peer matches that peer's i-th receive from
+    this rank (tags count per peer)."""
+    ops = []
+    for op, pairs in ((dist.isend, sends), (dist.irecv, recvs)):
+        tags: dict[int, int] = {}
+        for tensor, peer in pairs:
+            if op is dist.isend:
+                _record(kind, "p2p", _nbytes(tensor), group)
+            tags[peer] = tags.get(peer, -1) + 1
+            ops.append(dist.P2POp(op, tensor, group=group, group_peer=peer, tag=tags[peer]))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+
+def all_reduce(
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+) -> Any:
+    _record("other", "all_reduce", _nbytes(tensor), group)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+# DeepSpeed 0.19 backend methods we count: name -> (kind, collective, the argument whose size is the
+# buffer, the parameter names in order). Spelled out because DeepSpeed's decorators hide the signatures.
+_DS_METHODS: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
+    "all_gather_into_tensor": (
+        "gather",
+        "all_gather",
+        "output_tensor",
+        ("output_tensor", "input_tensor", "group", "async_op"),
+    ),
+    "all_gather": ("gather", "all_gather", "tensor_list", ("tensor_list", "tensor", "group", "async_op")),
+    "reduce_scatter_tensor": (
+        "reduce",
+        "reduce_scatter",
+        "input_tensor",
+        ("output_tensor", "input_tensor", "op", "group", "async_op"),
+    ),
+    "reduce_scatter": (
+        "reduce",
+        "reduce_scatter",
+        "input_list",
+        ("output", "input_list", "op", "group", "async_op"),
+    ),
+    "all_reduce": ("other", "all_reduce", "tensor", ("tensor", "op", "group", "async_op")),
+    "all_reduce_coalesced": ("other", "all_reduce", "tensors", ("tensors", "op", "group", "async_op")),
+    "broadcast": ("other", "broadcast", "tensor", ("tensor", "src", "group", "async_op")),
+    "all_to_all_single": (
+        "other",
+        "all_to_all",
+        "input",
+        ("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"),
+    ),
+}
+
+
+def _counted(
+    method: Callable[..., Any], kind: str, collective: str, sized: str, names: tuple[str, ...]
+) -> Callable[..., Any]:
+    signature = inspect.Signature(
+        [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None) for n in names]
+    )
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _active is not None:
+            arguments = signature.bind(*args, **kwargs).arguments
+            buffer = arguments[sized]
+            nbytes = _nbytes(buffer) if isinstance(buffer, torch.Tensor) else sum(_nbytes(t) for t in buffer)
+            _active.record(kind, collective, nbytes, arguments.get("group"))
+        return method(*args, **kwargs)
+
+    return wrapper
+
+
+def _ag_single(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any = None, async_op: bool = False
+) -> Any:
+    return _ALL_GATHER(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def _rs_single(
+    output_tensor: torch.Tensor,
+    input_tensor: torch.Tensor,
+    op: Any = dist.ReduceOp.SUM,
+    group: Any = None,
+    async_op: bool = False,
+) -> Any:
+    return _REDUCE_SCATTER(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+
+_ABSENT = object()
+# The backend object patch_deepspeed_comm changed and the attributes it replaced on it.
+_patched: dict[str, Any] = {}
+
+
+def patch_deepspeed_comm() -> bool:
+    """Count DeepSpeed's collectives and route its all-gather/reduce-scatter through the non-deprecated
+    torch names. Idempotent; inert (one attribute check per call) while no counter is active.
+    Initialises DeepSpeed's communication backend over the existing torch process group if needed.
+    Returns whether this call changed anything (False: already patched)."""
+    import deepspeed.comm as ds_dist
+    from deepspeed.comm import comm as ds_comm
+
+    if ds_comm.cdb is None:
+        ds_dist.init_distributed(dist_backend=dist.get_backend())
+    cdb = ds_comm.cdb
+    assert cdb is not None  # init_distributed made it
+    if _patched.get("cdb") is cdb:
+        return False
+    replaced = ("all_gather_function", "reduce_scatter_function", *_DS_METHODS)
+    _patched.update(cdb=cdb, before={name: cdb.__dict__.get(name, _ABSENT) for name in replaced})
+    if cdb.has_all_gather_into_tensor():
+        cdb.all_gather_function = _ag_single
+    if cdb.has_reduce_scatter_tensor():
+        cdb.reduce_scatter_function = _rs_single
+    for name, (kind, collective, sized, names) in _DS_METHODS.items():
+        method = getattr(cdb, name, None)
+        if method is None:
+            continue
+        setattr(cdb, name, _counted(method, kind, collective, sized, names))
+    return True
+
+
+def unpatch_deepspeed_comm() -> None:
+    """Undo :func:`patch_deepspeed_comm`: DeepSpeed's backend object as it was before."""
+    if not _patched:
+        return
+    cdb = _patched["cdb"]
+    for name, before in _patched["before"].items():
+        if before is _ABSENT:
+            cdb.__dict__.pop(name, None)
+        else:
+            setattr(cdb, name, before)
+    _patched.clear()

@@ -1,0 +1,64 @@
+"""A Megatron model built partitioned by hierarchical ZeRO-3 from construction (main job and
+Megatron-DeepSpeed alike): no rank ever holds it whole.
+
+The plan needs the parameters before they exist: the model's own constructor runs once with its
+large tensors on the meta device (:func:`deepspeed_ext.zero.engine.meta_build.spec_on_meta`), with
+Megatron's tensor-parallel RNG tracker restored after, so the real build under
+``deepspeed_ext.zero.Init`` draws exactly the numbers a build without the plan would draw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mdsp_base.installer import Installer
+
+
+def megatron_model_spec(build: Callable[[], torch.nn.Module], ds: dict) -> Any:
+    """The :class:`~deepspeed_ext.zero.ModelSpec` of ``build()`` from a meta-device build; Megatron's
+    model-parallel RNG states (small tensors are built for real, some under the tracker's fork) are
+    as before."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from deepspeed_ext.zero.engine.meta_build import spec_on_meta
+
+    def kept() -> torch.nn.Module:
+        tracker = get_cuda_rng_tracker()
+        states = tracker.get_states()
+        try:
+            return build()
+        finally:
+            tracker.set_states(states)
+
+    return spec_on_meta(kept, ds)
+
+
+def hierarchical_init(
+    build: Callable[[], torch.nn.Module],
+    ds: dict,
+    sections: Any,
+    mpu: Any,
+    installer: Installer,
+    topology: Any = None,
+    **init_kwargs: Any,
+) -> Any:
+    """``deepspeed_ext.zero.Init`` on the plan of ``build``'s model (``sections``: the effective
+    plugin configuration). Enter it and call ``build()`` inside: each module is partitioned over the
+    plan's groups as it is made; ``deepspeed_ext.zero.initialize`` finds the plan by the partition."""
+    from deepspeed_ext.zero import Init, prepare
+    from deepspeed_ext.zero.engine.construction import INIT_CHANGES
+    from deepspeed_ext.zero.engine.inject import unregister
+
+    plan = prepare(megatron_model_spec(build, ds), ds, sections, mpu=mpu, topology=topology)
+    installer.add("deepspeed_ext.zero", INIT_CHANGES, lambda: unregister(plan.levels))
+    if dist.get_rank() == 0:
+        print(
+            f"hierarchical_zero: the model is built partitioned over {len(plan.levels.dp_ranks)} ranks "
+            f"(secondary level {plan.levels.secondary_level})",
+            flush=True,
+        )
+    return Init(plan.levels, config_dict_or_path=ds, mpu=mpu, **init_kwargs)

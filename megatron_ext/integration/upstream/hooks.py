@@ -1,0 +1,310 @@
+"""What the upstream hooks share: the plugin flags, the effective configuration and the data iterators.
+
+:mod:`megatron_ext.integration.upstream.megatron_lm` and :mod:`megatron_ext.integration.upstream.megatron_deepspeed` hold
+what each upstream script calls (through ``patches/``); both go through the functions here.
+Megatron-LM and Megatron-DeepSpeed are not dependencies of the suite: their modules are imported
+inside the functions that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mdsp_base.installer import Installer
+from mdsp_base.section import ConfigError
+from megatron_ext.data.loader import MEGATRON_SAMPLERS
+from megatron_ext.integration.args import extra_args_provider, flag_overrides, plugin_config_from_args
+from megatron_ext.integration.plugin_config import (
+    PluginConfig,
+    load_plugin_config,
+    log_effective_config,
+    validate_against_world,
+)
+
+logger = logging.getLogger(__name__)
+
+SPEC_MODULE = "megatron_ext.integration.upstream.megatron_lm"
+SPEC_ATTRIBUTE = "flash_overlap_layer_spec"
+SPEC_FLAG = [SPEC_MODULE, SPEC_ATTRIBUTE]
+"""The value of Megatron-LM's ``args.spec`` that selects the Flash-Overlap block."""
+LOCAL_SPEC_ATTRIBUTE = (
+    "local_layer_spec"  # the same block without the plugin: the baseline at SP without Apex/TE
+)
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+_iterators: weakref.WeakSet = weakref.WeakSet()  # every iterator built here: get_batch recognises them
+_effective: tuple[argparse.Namespace, PluginConfig] | None = None
+_installer: Installer | None = None  # the launcher's, while the upstream script runs
+
+
+# -- process-wide changes -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def owning(installer: Installer) -> Iterator[Installer]:
+    """While the block runs, the hooks make their process-wide changes through ``installer``
+    (``megatron_ext.launch`` holds one around the upstream script)."""
+    global _installer
+    previous, _installer = _installer, installer
+    try:
+        yield installer
+    finally:
+        _installer = previous
+
+
+def installer() -> Installer:
+    """The installer the hooks' process-wide changes go through."""
+    if _installer is None:
+        raise RuntimeError(
+            "the upstream hooks run inside python -m megatron_ext.launch, which owns and undoes what they "
+            "start (engines, loader processes, threads): start the upstream script through it"
+        )
+    return _installer
+
+
+def own_iterators(iterators: Sequence[Any]) -> None:
+    """The loaders' producer processes and shared-memory segments end with the upstream run."""
+    for iterator in iterators:
+        if iterator is not None:
+            installer().add(
+                "megatron_ext.data", "a loader (its producer and shared-memory segment)", iterator.close
+            )
+
+
+def own_posters() -> None:
+    """Flash-Overlap's P2P poster thread (started by its first gloo step) stops with the upstream run."""
+    from megatron_ext.layers.p2p.link import shutdown_posters
+
+    owner = installer()
+    if not any(change.owner == "megatron_ext.layers" for change in owner.changes):
+        owner.add("megatron_ext.layers", "the P2P poster thread (gloo)", shutdown_posters)
+
+
+# -- flags and the effective configuration ------------------------------------------------------
+
+
+def with_plugin_args(base: ArgsProvider | None = None) -> ArgsProvider:
+    """An ``extra_args_provider`` for ``pretrain()``: ``base``'s flags (Megatron-LM passes its
+    ModelOpt flags there), the suite's flags, and ``--deepspeed-config PATH`` (the JSON with the
+    plugin sections) unless the parser already has that flag."""
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if base is not None:
+            parser = base(parser)
+        parser = extra_args_provider(parser)
+        try:
+            parser.add_argument(
+                "--deepspeed-config",
+                dest="deepspeed_config",
+                default=None,
+                help="DeepSpeed JSON whose top-level plugin sections configure the suite",
+            )
+        except argparse.ArgumentError:
+            pass  # the script defines it already
+        return parser
+
+    return provider
+
+
+def megatron_args() -> argparse.Namespace:
+    """The parsed arguments of the running Megatron-LM or Megatron-DeepSpeed job."""
+    try:
+        from megatron.training import get_args  # Megatron-LM (Megatron-DeepSpeed re-exports it there too)
+    except ImportError:
+        raise RuntimeError(
+            "Megatron-LM's megatron.training is not importable: the hooks of megatron_ext.integration.upstream run inside "
+            "Megatron-LM's or Megatron-DeepSpeed's pretrain(); outside it, call megatron_ext.data.loader and "
+            "megatron_ext.layers.spec directly"
+        ) from None
+    return get_args()
+
+
+def is_megatron_deepspeed(args: argparse.Namespace) -> bool:
+    """Megatron-DeepSpeed's parser holds DeepSpeed's ``--deepspeed`` flag; Megatron-LM's has none."""
+    return hasattr(args, "deepspeed")
+
+
+def plugin_config(args: argparse.Namespace | None = None) -> PluginConfig:
+    """The effective plugin configuration of the job (default: Megatron's global ``args``), checked
+    against what the script supports and logged the first time it is asked for."""
+    global _effective
+    args = args if args is not None else megatron_args()
+    if _effective is None or _effective[0] is not args:
+        # Megatron-DeepSpeed moves the JSON into args.deepspeed_config_dict and clears the path.
+        ds_dict = getattr(args, "deepspeed_config_dict", None)
+        config = (
+            load_plugin_config(ds_dict, **flag_overrides(args)) if ds_dict else plugin_config_from_args(args)
+        )
+        validate_against_world(config, args.world_size, args.data_parallel_size)
+        _check_supported(args, config)
+        log_effective_config(config, dist.get_rank() if dist.is_initialized() else 0)
+        _effective = (args, config)
+    return _effective[1]
+
+
+def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
+    """What the hooks cannot honour fails here, at start-up, with the flag to change."""
+    mds = is_megatron_deepspeed(args)
+    if config.shm_data_loader.enabled:
+        if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+            if mds:
+                raise ConfigError(
+                    "shm_data_loader with Megatron-DeepSpeed supports --pipeline-model-parallel-size 1 "
+                    "only: disable shm_data_loader or pipeline parallelism"
+                )
+            if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
+                raise ConfigError(
+                    "shm_data_loader does not feed virtual pipeline stages (one iterator per model "
+                    "chunk): drop --num-layers-per-virtual-pipeline-stage or disable shm_data_loader"
+                )
+            if getattr(args, "mtp_num_layers", None):
+                raise ConfigError(
+                    "shm_data_loader with pipeline parallelism gives the last stage labels and loss "
+                    "mask only, multi-token prediction needs its tokens too: drop --mtp-num-layers "
+                    "or disable shm_data_loader"
+                )
+        for flag in (
+            "full_validation",
+            "sft",
+            "hybrid_context_parallel",
+            "data_efficiency_curriculum_learning",
+        ):
+            if getattr(args, flag, False):
+                raise ConfigError(
+                    f"shm_data_loader cannot be combined with --{flag.replace('_', '-')}: drop one of them"
+                )
+        if getattr(args, "dataloader_type", "single") not in MEGATRON_SAMPLERS:
+            raise ConfigError(
+                f"--dataloader-type {args.dataloader_type} with shm_data_loader: the plugin loader "
+                "replaces the data loader; choose its order with --dataloader-type single or cyclic"
+            )
+        if getattr(args, "ds_sequence_parallel_size", 1) > 1:
+            raise ConfigError(
+                "shm_data_loader does not support --ds-sequence-parallel-size > 1: disable one of them"
+            )
+        if mds and getattr(args, "deepspeed", False) and not getattr(args, "no_pipeline_parallel", False):
+            raise ConfigError(
+                "shm_data_loader feeds get_batch, which DeepSpeed's pipeline engine bypasses: "
+                "pass --no-pipeline-parallel"
+            )
+    if config.hierarchical_zero.enabled and not getattr(args, "deepspeed", False):
+        raise ConfigError(
+            "hierarchical_zero is a DeepSpeed ZeRO-3 variant: pass --deepspeed (Megatron-DeepSpeed); "
+            "Megatron-LM trains without DeepSpeed, so disable hierarchical_zero there"
+        )
+    if config.flash_overlap.enabled and mds:
+        # Megatron-DeepSpeed's legacy model: Ulysses attention at TP=1, the TP/SP linears at TP > 1.
+        tp = getattr(args, "tensor_model_parallel_size", 1)
+        ulysses = getattr(args, "ds_sequence_parallel_size", 1) > 1
+        refused = []
+        if ulysses and tp > 1:
+            refused.append(
+                f"its Ulysses attention runs at TP=1 (this job: TP={tp} with --ds-sequence-parallel-size > 1): "
+                "use --tensor-model-parallel-size 1"
+            )
+        if not ulysses and tp == 1:
+            refused.append(
+                "at TP=1 without Ulysses there is nothing to overlap: pass --ds-sequence-parallel-size > 1, "
+                "or --tensor-model-parallel-size > 1 with --sequence-parallel"
+            )
+        if tp > 1 and not getattr(args, "sequence_parallel", False):
+            refused.append(
+                f"its TP linears overlap the sequence-parallel all-gather/reduce-scatter: pass --sequence-parallel (TP={tp})"
+            )
+        if tp > 1 and getattr(args, "enable_zbh1_pipeline", False):
+            refused.append(
+                "the zero-bubble pipeline defers the linears' weight gradients: drop --enable-zbh1-pipeline"
+            )
+        if tp > 1 and (getattr(args, "fp8_e4m3", False) or getattr(args, "fp8_hybrid", False)):
+            refused.append(
+                "fp8 GEMMs are TransformerEngine's, not these linears': drop --fp8-e4m3/--fp8-hybrid"
+            )
+        if tp > 1 and config.flash_overlap.backend == "symm_mem":
+            refused.append('backend "symm_mem" runs in megatron-core\'s linears only: use "p2p" or "auto"')
+        if refused:
+            raise ConfigError(
+                "flash_overlap on Megatron-DeepSpeed: " + "; ".join(refused) + " (or drop --flash-overlap)"
+            )
+    elif config.flash_overlap.enabled:
+        spec = getattr(args, "spec", None)
+        if list(spec or []) != SPEC_FLAG:
+            raise ConfigError(
+                f"flash_overlap is enabled but --spec is {spec}: pass "
+                f"--spec {' '.join(SPEC_FLAG)} so that Megatron-LM builds the Flash-Overlap layers"
+            )
+        # The layers refuse these too; here the message names Megatron-LM's flag.
+        if getattr(args, "tensor_model_parallel_size", 1) > 1 and not getattr(
+            args, "sequence_parallel", False
+        ):
+            raise ConfigError(
+                "flash_overlap overlaps the sequence-parallel collectives: pass --sequence-parallel"
+            )
+
+
+def shm_loader_enabled() -> bool:
+    """Whether the job feeds batches through the shared-memory loader (then every rank builds the
+    datasets: the patched ``is_dataset_built_on_rank`` asks this)."""
+    return plugin_config().shm_data_loader.enabled
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+
+def _consumed_train_samples(args: argparse.Namespace) -> int:
+    """Where training resumes in the training set (Megatron-LM counts from the last phase transition)."""
+    transitions = getattr(args, "phase_transition_iterations", None)
+    if transitions:
+        last = max(it for it in (0, *transitions) if it <= args.iteration)
+        return (args.iteration - last) * args.global_batch_size
+    return args.consumed_train_samples
+
+
+def external_data_iterators(
+    datasets: Sequence[Any],
+    args: argparse.Namespace,
+    config: PluginConfig | None = None,
+) -> tuple[Iterator[dict[str, torch.Tensor]] | None, ...]:
+    """This rank's train, valid and test iterators over ``datasets`` (None where a dataset is None),
+    built with :func:`megatron_ext.data.loader.build_batch_iterator` from Megatron's ``args``: micro
+    batch, samples consumed so far (resume), ``--dataloader-type`` single or cyclic as the sampler,
+    ``--no-data-sharding``, ``--no-create-attention-mask-in-dataloader``, ``--num-workers`` (stock path);
+    with pipeline parallelism each stage gets Megatron's keys for it. Collective: every rank calls
+    it (middle pipeline stages too: they take part in the set-up and then follow the sampler only)."""
+    from mdsp_base.topology import detect_topology
+    from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
+
+    config = config or plugin_config(args)
+    loader = config.shm_data_loader
+    topology = detect_topology(config.topology, world_size=dist.get_world_size()) if loader.enabled else None
+    consumed = (
+        0 if getattr(args, "skip_train", False) else _consumed_train_samples(args),
+        args.consumed_valid_samples,
+        0,
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    iterators: list[Any] = []
+    for name, dataset, start in zip(("train", "valid", "test"), datasets, consumed):
+        if dataset is None or (name == "train" and getattr(args, "skip_train", False)):
+            iterators.append(None)
+            continue
+        settings = LoaderSettings.from_megatron_args(
+            args, loader, topology, consumed_samples=start, name=name, device=device
+        )
+        iterator = build_batch_iterator(dataset, settings)
+        _iterators.add(iterator)
+        iterators.append(iterator)
+    return tuple(iterators)
+
+
+def is_plugin_iterator(data_iterator: Any) -> bool:
+    """Whether ``data_iterator`` (or what Megatron-LM's RerunDataIterator wraps) was built here."""
+    return getattr(data_iterator, "iterable", data_iterator) in _iterators

@@ -1,0 +1,265 @@
+"""The main job's set-up steps: process groups, DeepSpeed config, data, model and engine.
+
+Each step validates its own inputs and raises :class:`UsageError` with a one-line message that
+names the flag, the value and the fix (:func:`megatron_ext.trainer.main.main` prints it and exits 2), and makes
+its process-wide changes through the job's :class:`~mdsp_base.installer.Installer`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_ext.zero.engine.inject import ENGINE_CHANGES
+from mdsp_base.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
+from mdsp_base.installer import Installer
+from mdsp_base.section import read_ds_config
+from mdsp_base.topology import Topology
+from megatron_ext.integration.plugin_config import PluginConfig
+
+
+class UsageError(ValueError):
+    """Bad flags or environment for the main job."""
+
+
+def _env_int(*names: str, default: int) -> int:
+    for name in names:
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return default
+
+
+def init_distributed(args: argparse.Namespace, installer: Installer) -> tuple[int, int]:
+    """Join the job's process group (torchrun or srun variables; a lone process otherwise).
+    Checks the parallel layout against the world size first, so a bad flag fails before any wait."""
+    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    rank = _env_int("RANK", "SLURM_PROCID", default=0)
+    tp = args.tensor_model_parallel_size
+    if tp < 1 or world % tp:
+        raise UsageError(
+            f"--tensor-model-parallel-size {tp} does not divide the world size {world}: "
+            f"use a divisor of {world}"
+        )
+    if args.pipeline_model_parallel_size != 1:
+        raise UsageError("--pipeline-model-parallel-size other than 1 is not supported by this job")
+    if args.num_attention_heads % tp:
+        raise UsageError(
+            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+            f"--tensor-model-parallel-size {tp}"
+        )
+    if args.sequence_parallel and args.seq_length % tp:
+        raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by TP ({tp})")
+    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+    _set_env(installer, "LOCAL_RANK", str(local))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        backend = "nccl"
+    else:
+        backend = "gloo"
+    if world == 1 and "MASTER_ADDR" not in os.environ:
+        init = f"file://{tempfile.mkdtemp(prefix='pretrain-gpt-')}/rendezvous"
+    else:
+        if "MASTER_ADDR" not in os.environ:
+            raise UsageError(
+                f"world size {world} but MASTER_ADDR is not set: launch with torchrun or the Slurm scripts"
+            )
+        _set_env(installer, "MASTER_PORT", "29500")
+        init = "env://"
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
+    installer.add(
+        "megatron_ext.trainer",
+        "the job's process group (gloo on CPU, NCCL on GPUs)",
+        dist.destroy_process_group,
+    )
+    return world, rank
+
+
+def _set_env(installer: Installer, name: str, value: str) -> None:
+    """``name`` set to ``value`` for the job when the environment does not set it."""
+    if name not in os.environ:
+        os.environ[name] = value
+        installer.add(
+            "megatron_ext.trainer",
+            "LOCAL_RANK and MASTER_PORT, where the launch sets none",
+            lambda: os.environ.pop(name, None),
+        )
+
+
+def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
+    """The user's DeepSpeed JSON with the batch and precision flags applied; a conflict is an error."""
+    config = dict(read_ds_config(args.deepspeed_config))  # {} without one
+    mbs = args.micro_batch_size
+    gbs = args.global_batch_size or mbs * dp
+    if gbs % (mbs * dp):
+        raise UsageError(
+            f"--global-batch-size {gbs} is not a multiple of micro batch ({mbs}) x data-parallel ({dp})"
+        )
+    accum = gbs // (mbs * dp)
+    for key, want in (
+        ("train_micro_batch_size_per_gpu", mbs),
+        ("gradient_accumulation_steps", accum),
+        ("train_batch_size", gbs),
+    ):
+        if key in config and config[key] != want:
+            raise UsageError(
+                f"{args.deepspeed_config}: {key}={config[key]} but the flags give {want} "
+                f"(micro batch {mbs}, global batch {gbs}, data-parallel {dp}): make them agree"
+            )
+    config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=accum, train_batch_size=gbs)
+    config.setdefault("optimizer", {"type": "Adam", "params": {"torch_adam": True}})
+    config["optimizer"].setdefault("params", {})["lr"] = args.lr
+    if args.bf16:
+        config["bf16"] = {"enabled": True}
+    config.setdefault("steps_per_print", 10**9)
+    return config
+
+
+def build_model(
+    args: argparse.Namespace,
+    plugins: PluginConfig,
+    tokenizer: Any,
+    topology: Topology,
+    ds_config: dict[str, Any],
+    installer: Installer,
+) -> torch.nn.Module:
+    """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled (the
+    topology lets their ``backend: auto`` check that the TP group sits in one node). With
+    hierarchical ZeRO it is built partitioned, each module as it is made: no rank holds it whole."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_ext.integration.core_on_cpu import disable_cpu_support, enable_cpu_support
+    from megatron_ext.integration.gpt import build_gpt_model, gpt_config, padded_vocab_size
+    from megatron_ext.layers.sequence_parallel import allreduce_sequence_parallel_grads
+
+    if enable_cpu_support():
+        installer.add(
+            "megatron_ext.integration.core_on_cpu",
+            "megatron-core's CUDA device and RNG calls on the CPU",
+            disable_cpu_support,
+        )
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
+    sequence_parallel = args.sequence_parallel or plugins.flash_overlap.enabled
+    config = gpt_config(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=sequence_parallel,
+        bf16=args.bf16,
+    )
+    layer_spec = None
+    if plugins.flash_overlap.enabled and args.tensor_model_parallel_size == 1 and dist.get_rank() == 0:
+        print(
+            "warning: flash_overlap is on at --tensor-model-parallel-size 1: there is no tensor-parallel "
+            "collective to overlap, so it changes nothing; raise the TP size, or switch it off (--no-flash-overlap)",
+            file=sys.stderr,
+            flush=True,
+        )
+    if plugins.flash_overlap.enabled:
+        from megatron_ext.layers.p2p.link import shutdown_posters
+        from megatron_ext.layers.spec import get_flash_overlap_layer_spec
+
+        layer_spec = get_flash_overlap_layer_spec(plugins.flash_overlap, topology=topology)
+        installer.add("megatron_ext.layers", "the P2P poster thread (gloo)", shutdown_posters)
+    vocab = padded_vocab_size(
+        tokenizer.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+    )
+
+    def build() -> torch.nn.Module:
+        return build_gpt_model(config, vocab, args.max_position_embeddings, layer_spec)
+
+    if plugins.hierarchical_zero.enabled:
+        from megatron_ext.integration.mpu import MegatronMPU
+        from megatron_ext.integration.partitioned_build import hierarchical_init
+
+        with hierarchical_init(build, ds_config, plugins, MegatronMPU(), installer, topology):
+            model = build()
+    else:
+        model = build()
+    allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
+    if torch.cuda.is_available():
+        model.cuda()
+    return model
+
+
+def build_engine(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    ds_config: dict[str, Any],
+    plugins: PluginConfig,
+    topology: Topology,
+    lr_factor: Callable[[int], float],
+    installer: Installer,
+) -> Any:
+    """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled)."""
+    import deepspeed
+
+    from megatron_ext.integration.mpu import MegatronMPU
+
+    def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+
+    kwargs = dict(
+        model=model,
+        model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=ds_config,
+        mpu=MegatronMPU(),
+        lr_scheduler=scheduler,
+    )
+    if plugins.hierarchical_zero.enabled:
+        from deepspeed_ext.zero import initialize as hierarchical_initialize
+
+        engine, *_ = hierarchical_initialize(plugin_config=plugins, topology=topology, **kwargs)
+    else:
+        engine, *_ = deepspeed.initialize(**kwargs)
+    installer.add("deepspeed_ext.zero", ENGINE_CHANGES, engine.destroy)
+    return engine
+
+
+def comm_counter(topology: Topology, installer: Installer) -> CommCounter:
+    """A counter of DeepSpeed's collectives per link class (package, node, inter-node)."""
+    if patch_deepspeed_comm():
+        installer.add(
+            "mdsp_base.comm",
+            "DeepSpeed's backend collectives wrapped to count bytes",
+            unpatch_deepspeed_comm,
+        )
+    return CommCounter(topology)
+
+
+def plugin_figures(data: Any, counter: Any) -> dict[str, Any]:
+    """Figures of the plugins for the log line, this rank's view: time blocked on the loader and bytes
+    the node's reader took from storage (both since the start), DeepSpeed's bytes sent per link
+    class (this iteration)."""
+    figures = {
+        "data_wait_s_total": round(data.counters.wait_s, 4),
+        "storage_MB_read_total": round(data.counters.bytes_read / 1e6, 3),
+    }
+    figures.update({f"zero_MB_{link}": round(n / 1e6, 3) for link, n in counter.per_link().items()})
+    return figures
+
+
+def tensorboard_writer(args: argparse.Namespace, rank: int, installer: Installer) -> Any:
+    """Megatron's ``--tensorboard-dir``: on rank 0 a writer of each iteration's figures as scalars
+    (closed, with its flush thread, by the installer); None without the flag or on other ranks."""
+    if not args.tensorboard_dir or rank != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UsageError(
+            "--tensorboard-dir needs the tensorboard package: pip install tensorboard, or drop the flag"
+        ) from None
+    writer = SummaryWriter(log_dir=args.tensorboard_dir)
+    installer.add("megatron_ext.trainer", "a TensorBoard writer and its flush thread", writer.close)
+    return writer
