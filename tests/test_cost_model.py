@@ -16,11 +16,11 @@ from mdsp_base.topology import Topology
 FRONTIER_384 = DPShape(nodes=48, packages_per_node=4, per_package=2)
 FRONTIER_TOPOLOGY = Topology(world_size=384, ranks_per_node=8, ranks_per_package=2)
 PSI = 384 * 1_000_000  # parameters, a multiple of the DP size: no padding
-MODEL = cm.ModelSpec(param_numels=(PSI,), weight_bytes=2, grad_bytes=2)
+MODEL = cm.ShardSpec(param_numels=(PSI,), weight_bytes=2, grad_bytes=2)
 M = 2 * PSI  # bytes of the 16-bit model
 
 
-def inter_node(variant: cm.Variant, micro: int = 1) -> int:
+def inter_node(variant: cm.Placement, micro: int = 1) -> int:
     return cm.bytes_per_link(cm.step_hops(MODEL, FRONTIER_384, variant, micro))["inter_node"]
 
 
@@ -89,7 +89,7 @@ def test_quantized_factors_apply_to_inter_node_hops_only():
 
 
 def test_each_parameter_is_padded_to_a_multiple_of_the_partition_count_as_zero3_does():
-    model = cm.ModelSpec(param_numels=(13, 8, 1), weight_bytes=4, grad_bytes=4)
+    model = cm.ShardSpec(param_numels=(13, 8, 1), weight_bytes=4, grad_bytes=4)
     assert model.padded(8) == 16 + 8 + 8
 
 
@@ -205,7 +205,7 @@ def test_planner_counts_transient_hop_buffers_in_every_level():
 
 
 def test_largest_collectives_are_a_bucket_plus_one_parameter_at_most_the_model():
-    model = cm.ModelSpec(param_numels=(50, 30, 70))
+    model = cm.ShardSpec(param_numels=(50, 30, 70))
     zero = {"stage3_prefetch_bucket_size": 60, "reduce_bucket_size": 1000}
     assert largest_collectives({"zero_optimization": zero}, model) == (60 + 70, 150)
     assert largest_collectives({}, model) == (150, 150)  # DeepSpeed's default buckets exceed the model
@@ -213,7 +213,7 @@ def test_largest_collectives_are_a_bucket_plus_one_parameter_at_most_the_model()
 
 @pytest.mark.parametrize("size", ["auto", -1, 2.5, True, None])
 def test_a_bucket_size_that_is_not_a_whole_number_of_elements_is_refused_by_name(size):
-    model = cm.ModelSpec(param_numels=(50, 30, 70))
+    model = cm.ShardSpec(param_numels=(50, 30, 70))
     with pytest.raises(ConfigError, match=r"zero_optimization\.reduce_bucket_size=.* is not a bucket size"):
         largest_collectives({"zero_optimization": {"reduce_bucket_size": size}}, model)
 

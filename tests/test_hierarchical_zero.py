@@ -144,7 +144,7 @@ def _built_under_init(cfg: dict):
 
     reset_deepspeed_globals()
     comm.patch_deepspeed_comm()
-    plan = zero.prepare(cm.ModelSpec(mlp_numels(), weight_bytes=4, grad_bytes=4), cfg, topology=TOPOLOGY)
+    plan = zero.prepare(cm.ShardSpec(mlp_numels(), weight_bytes=4, grad_bytes=4), cfg, topology=TOPOLOGY)
     with zero.Init(plan.levels, config_dict_or_path=cfg):
         net = mlp()
     engine, *_ = zero.initialize(
@@ -343,12 +343,12 @@ def test_pack_writes_hop_order_with_an_index_made_once_per_plan():
     """pack equals the flat chunking put in hop order, its row index is kept on the plan (made once
     per device) and the cache leaves plan equality and hashing alone."""
     from deepspeed_ext.zero.engine import hops
-    from deepspeed_ext.zero.engine.levels import HopPlan
+    from deepspeed_ext.zero.engine.levels import HopSchedule
     from mdsp_base.topology import LinkClass
 
     g = torch.Generator().manual_seed(3)
     for sizes in ((2, 2, 2), (1, 2, 2), (2, 3, 4), (3, 1, 5), (4,)):
-        plan = HopPlan(tuple(range(24)), sizes, (None,) * len(sizes), (LinkClass.PACKAGE,) * len(sizes))
+        plan = HopSchedule(tuple(range(24)), sizes, (None,) * len(sizes), (LinkClass.PACKAGE,) * len(sizes))
         p = math.prod(sizes)
         tensors = [torch.randn(n, generator=g, dtype=torch.float64) for n in (7, 1, 0, 2 * p, 3 * p - 1)]
         chunks = [-(-t.numel() // p) for t in tensors]
@@ -372,5 +372,5 @@ def test_pack_writes_hop_order_with_an_index_made_once_per_plan():
             torch.device("cpu")
         ]
         assert index.tolist() == list(ints) and sorted(ints) == list(range(p))
-        twin = HopPlan(plan.parent, plan.sizes, plan.groups, plan.links)
+        twin = HopSchedule(plan.parent, plan.sizes, plan.groups, plan.links)
         assert twin == plan and hash(twin) == hash(plan) and not twin.row_cache

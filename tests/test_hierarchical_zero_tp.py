@@ -87,7 +87,7 @@ def test_tp2_cost_model_bytes_equal_measured(tp_runs, name):
     variant = {"zero3": cm.ZERO3, "package": cm.hierarchical("package"), "node": cm.hierarchical("node")}[
         name
     ]
-    model = cm.ModelSpec(param_numels=tp_numels(), weight_bytes=4, grad_bytes=4)
+    model = cm.ShardSpec(param_numels=tp_numels(), weight_bytes=4, grad_bytes=4)
     hops = cm.step_hops(model, DPShape(nodes=2, packages_per_node=2, per_package=1), variant, MICRO)
     for rank_runs in tp_runs:
         step = rank_runs[name]["counts"][-1]

@@ -90,7 +90,7 @@ def measured(run_ranks) -> list[dict]:
 
 
 def _computed(name: str) -> Any:
-    model = cm.ModelSpec(param_numels=BUCKET, weight_bytes=4, grad_bytes=4)
+    model = cm.ShardSpec(param_numels=BUCKET, weight_bytes=4, grad_bytes=4)
     padded_bucket = sum(-(-n // 8) * 8 for n in BUCKET)
     return hop_buffers(CONFIGS[name], SHAPE, model, GATHER, padded_bucket)
 

@@ -14,7 +14,7 @@ import pytest
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.cost.profile import Profile, Timing, library_versions
-from deepspeed_ext.zero.cost.projection import Plan, Scheme
+from deepspeed_ext.zero.cost.projection import Candidate, Scheme
 from deepspeed_ext.zero.cost.search import Rules, build_bytes, fitting
 from deepspeed_ext.zero.cost.verified import Backend, markdown_table
 from deepspeed_ext.zero.cost.workload import Model
@@ -110,7 +110,7 @@ def test_memory_keeps_the_headroom_and_counts_the_partitioned_build():
         plan_cli.TOPOLOGIES["frontier"][0],
         Model.from_megatron_args(plan_cli.MODELS["gpt-20b-frontier"]),
     )
-    plan = Plan(Scheme.OURS, tp=1)
+    plan = Candidate(Scheme.OURS, tp=1)
     rules = Rules(Backend.RCCL, headroom=0.4)
     found = fitting(system, model, 48, plan, rules)
     assert found is not None and found[2] < 2 * 20_554_555_392

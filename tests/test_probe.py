@@ -16,7 +16,7 @@ from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.cost.profile import Profile, ProfileError, Timing, load
 from deepspeed_ext.zero.engine import hops
-from deepspeed_ext.zero.engine.levels import HopPlan
+from deepspeed_ext.zero.engine.levels import HopSchedule
 from mdsp_base.topology import LinkClass, Topology
 from multirank.processes import launch_ranks
 
@@ -46,8 +46,8 @@ def _profile(measured: dict = MEASURED, operation: Operation = AG) -> Profile:
     )
 
 
-def _plan(profile: Profile | None, algorithm: InterNodeAlgorithm = InterNodeAlgorithm.AUTO) -> HopPlan:
-    return HopPlan(
+def _plan(profile: Profile | None, algorithm: InterNodeAlgorithm = InterNodeAlgorithm.AUTO) -> HopSchedule:
+    return HopSchedule(
         parent=(0, 1, 2, 3),
         sizes=(2, 2),
         groups=(None, None),  # type: ignore[arg-type]  (the choice reads no group)

@@ -16,7 +16,7 @@ from deepspeed_ext.zero.cost.collectives import (
     for_topology,
 )
 from deepspeed_ext.zero.cost.projection import (
-    Plan,
+    Candidate,
     Scheme,
     comm_seconds,
     gather_calls,
@@ -26,7 +26,7 @@ from deepspeed_ext.zero.cost.projection import (
 )
 from deepspeed_ext.zero.cost.secondary_level import choose_secondary_level
 from deepspeed_ext.zero.cost.shape import DPShape
-from deepspeed_ext.zero.cost.volume import ModelSpec
+from deepspeed_ext.zero.cost.volume import ShardSpec
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
 from deepspeed_ext.zero.tools.recommend import PRESETS
 from mdsp_base.topology import LinkClass, Topology
@@ -71,11 +71,11 @@ def test_megatron_activation_memory_and_zero3_states():
     frontier = System(UNIT)
     s = shape(frontier, 48, 4)
     assert s == DPShape(nodes=48, packages_per_node=2, per_package=1)
-    m = memory(frontier, GPT_20B, s, Plan(Scheme.ZERO3, tp=4, buckets=PRESET))
+    m = memory(frontier, GPT_20B, s, Candidate(Scheme.ZERO3, tp=4, buckets=PRESET))
     assert m["states"] == pytest.approx(16 * GPT_20B.params / 4 / 96)  # 16 bytes per element over DP 96
     assert m["secondary"] == 0
-    ideal = memory(frontier, GPT_20B, s, Plan(Scheme.HPZ_IDEAL, tp=4, buckets=PRESET))
-    deepspeed = memory(frontier, GPT_20B, s, Plan(Scheme.HPZ, tp=4, buckets=PRESET))
+    ideal = memory(frontier, GPT_20B, s, Candidate(Scheme.HPZ_IDEAL, tp=4, buckets=PRESET))
+    deepspeed = memory(frontier, GPT_20B, s, Candidate(Scheme.HPZ, tp=4, buckets=PRESET))
     assert ideal["secondary"] == pytest.approx(2 * GPT_20B.params / 4 / 2)  # the node's 2 DP members
     assert deepspeed["secondary"] == pytest.approx(2 * GPT_20B.params / 4 / 8)  # 8 consecutive ranks
 
@@ -85,7 +85,7 @@ def test_qgz_is_an_all_to_all_in_the_node_then_one_across_nodes():
     the node's 8 at 1 GB/s: 7/8 x 2 GB = 1.75 s; then 2 GB / 8 = 0.25 GB across 2 nodes, half of
     it sent, 8 communicators sharing 8 GB/s: 0.125 GB / 1 GB/s = 0.125 s."""
     s = DPShape(2, 4, 2)
-    t = comm_seconds(UNIT_SYSTEM, [], [4_000_000_000], s, Plan(Scheme.ZEROPP))
+    t = comm_seconds(UNIT_SYSTEM, [], [4_000_000_000], s, Candidate(Scheme.ZEROPP))
     assert t == pytest.approx(1.75 + 0.125)
 
 
@@ -95,17 +95,17 @@ def test_pipelined_hops_take_the_slowest_level_and_one_chunk_of_the_others():
     in the package 8 GB, half sent: 4 s. In sequence 7.5 s; in 4 chunks 4 + (0.5 + 3) / 4."""
     s = DPShape(2, 4, 2)
     calls = [4_000_000_000]  # elements, bf16: 8 GB
-    ours = Plan(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RING, grad_accum=1)
+    ours = Candidate(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RING, grad_accum=1)
     gathers = comm_seconds(UNIT_SYSTEM, calls, [], s, ours)
     assert gathers == pytest.approx(2 * 7.5)  # forward and backward
-    piped = comm_seconds(UNIT_SYSTEM, calls, [], s, Plan(**{**ours.__dict__, "pipeline_chunks": 4}))
+    piped = comm_seconds(UNIT_SYSTEM, calls, [], s, Candidate(**{**ours.__dict__, "pipeline_chunks": 4}))
     assert piped == pytest.approx(2 * (4 + 3.5 / 4))
 
 
 def test_flat_ring_is_held_by_its_edges_inside_the_node():
     """ZeRO-3's flat all-gather of 8 GB over 16 ranks: 15/16 x 8 GB = 7.5 GB per rank through every
     edge; the NICs carry it at 1 GB/s (one communicator per node), so do the links inside."""
-    t = comm_seconds(UNIT_SYSTEM, [4_000_000_000], [], DPShape(2, 4, 2), Plan(Scheme.ZERO3))
+    t = comm_seconds(UNIT_SYSTEM, [4_000_000_000], [], DPShape(2, 4, 2), Candidate(Scheme.ZERO3))
     assert t == pytest.approx(2 * 7.5)
 
 
@@ -115,13 +115,13 @@ def test_secondary_level_auto_times_levels_with_the_clis_projection():
     Without a measured profile inter_node_algorithm auto runs the library's collective, so the
     engine charges its hops across nodes as rings."""
     s = DPShape(48, 4, 2)
-    spec = ModelSpec(param_numels=(100_000_000,) * 4, gathers_per_pass=4)
+    spec = ShardSpec(param_numels=(100_000_000,) * 4, gathers_per_pass=4)
     buckets = Buckets(prefetch=100_000_000, reduce=400_000_000)
     config = HierarchicalZeroConfig(enabled=True, secondary_memory_budget_gb=1e3, pipeline_chunks=2)
     choice = choose_secondary_level(config, s, spec, FRONTIER_TOPOLOGY, micro_batches=2, buckets=buckets)
     frontier = System(for_topology(2))
     for level, link in ((LinkClass.PACKAGE, LinkClass.PACKAGE), (LinkClass.NODE, LinkClass.NODE)):
-        plan = Plan(
+        plan = Candidate(
             Scheme.OURS,
             grad_accum=2,
             secondary=link,
@@ -142,7 +142,7 @@ def test_the_step_charges_the_systems_gemm_efficiency_and_overlap():
 
     toy = Model(layers=1, hidden=256, heads=4, seq=128)
     slow, fast = (replace(UNIT_SYSTEM, peak_tflops=1.0, gemm_efficiency=e) for e in (0.25, 0.5))
-    plan = Plan(Scheme.ZERO3)
+    plan = Candidate(Scheme.ZERO3)
     a, b = project(slow, toy, 1, plan), project(fast, toy, 1, plan)
     assert a.compute_s == pytest.approx(toy.flops(1, Recompute.NONE) / 0.25e12)
     assert a.compute_s == pytest.approx(2 * b.compute_s)
@@ -157,7 +157,7 @@ def test_quantized_and_boundary_held_hops_are_charged_whole_as_the_runtime_runs_
     from dataclasses import replace
 
     s = DPShape(4, 2, 2)
-    plain = Plan(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RING)
+    plain = Candidate(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RING)
     for keys in ({"quantized_gradients": True}, {"boundary_sync": True, "grad_accum": 2}):
         one, four = (replace(plain, pipeline_chunks=c, **keys) for c in (1, 4))
         assert comm_seconds(UNIT_SYSTEM, [], [10**8], s, four) == comm_seconds(

@@ -173,7 +173,7 @@ def _train_gpt() -> dict:
 def _unquantized_inter_node_bytes() -> int:
     """The cost model's inter-node bytes of the same engine unquantized (fp32, as the counter counts)."""
     numels = tuple(p.numel() for p in TinyGPT().parameters())
-    hops = cm.step_hops(cm.ModelSpec(numels, 4, 4), DPShape(2, 1, 2), cm.hierarchical(Level.PACKAGE), 1)
+    hops = cm.step_hops(cm.ShardSpec(numels, 4, 4), DPShape(2, 1, 2), cm.hierarchical(Level.PACKAGE), 1)
     return cm.bytes_per_link(hops)["inter_node"]
 
 

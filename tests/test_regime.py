@@ -9,7 +9,7 @@ from benchmarks.zero.regime import Message, frontier_messages, link_regimes, wei
 from deepspeed_ext.zero.cost.collectives import Algorithm as A
 from deepspeed_ext.zero.cost.collectives import AlgorithmFit, CollectiveCosts
 from deepspeed_ext.zero.cost.collectives import Operation as Op
-from deepspeed_ext.zero.cost.projection import Plan, Scheme
+from deepspeed_ext.zero.cost.projection import Candidate, Scheme
 from deepspeed_ext.zero.cost.workload import Buckets, Model, System
 from mdsp_base.topology import LinkClass as L
 
@@ -62,17 +62,17 @@ def test_the_collectives_of_a_step_counted_by_hand():
     m = 1024 * 1024
     modules = [3 * m, m, 4 * m, 4 * m, m, m]
     grads = 2 * model.params  # bf16 bytes, one reduce bucket
-    zero3 = frontier_messages(system, model, 2, Plan(Scheme.ZERO3, buckets=Buckets()))
+    zero3 = frontier_messages(system, model, 2, Candidate(Scheme.ZERO3, buckets=Buckets()))
     assert zero3 == [Message(Op.ALL_GATHER, A.RING, L.INTER_NODE, 16, 2.0 * e, 2) for e in modules] + [
         Message(Op.REDUCE_SCATTER, A.RING, L.INTER_NODE, 16, grads, 1)
     ]
-    hpz = frontier_messages(system, model, 2, Plan(Scheme.HPZ, buckets=Buckets()))
+    hpz = frontier_messages(system, model, 2, Candidate(Scheme.HPZ, buckets=Buckets()))
     # forward across the whole group, backward from the node's copy (8 ranks, across packages)
     assert [(x.link, x.members, x.count) for x in hpz[:2]] == [(L.INTER_NODE, 16, 1), (L.NODE, 8, 1)]
     # at TP > 1 DeepSpeed's hpZ group is the node's 8 consecutive ranks, TP peers included
-    hpz_tp2 = frontier_messages(system, model, 2, Plan(Scheme.HPZ, tp=2, buckets=Buckets()))
+    hpz_tp2 = frontier_messages(system, model, 2, Candidate(Scheme.HPZ, tp=2, buckets=Buckets()))
     assert [(x.link, x.members) for x in hpz_tp2[:2]] == [(L.INTER_NODE, 8), (L.NODE, 8)]
-    ours = frontier_messages(system, model, 2, Plan(Scheme.OURS, inter_node="ring", buckets=Buckets()))
+    ours = frontier_messages(system, model, 2, Candidate(Scheme.OURS, inter_node="ring", buckets=Buckets()))
     first = [(x.link, x.members, x.nbytes, x.count) for x in ours[:5]]
     # forward: across the 2 nodes a node's 1/8, across 4 packages a package's 1/2, in the package
     # all; backward: the node's copy, no inter-node hop
@@ -82,7 +82,7 @@ def test_the_collectives_of_a_step_counted_by_hand():
         (L.NODE, 4, b / 2, 1), (L.PACKAGE, 2, b, 1),
     ]  # fmt: skip
     with pytest.raises(ValueError, match="only exact"):
-        frontier_messages(system, model, 2, Plan(Scheme.OURS, quantized_weights=True))
+        frontier_messages(system, model, 2, Candidate(Scheme.OURS, quantized_weights=True))
 
 
 def test_a_latency_the_probe_did_not_resolve_is_the_links_all_gather_latency():

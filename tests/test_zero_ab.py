@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepspeed_ext.zero.tools.ab.model import ModelShape, build_model, flops_per_step
+from deepspeed_ext.zero.cost.workload import Model
+from deepspeed_ext.zero.tools.ab.cli import model_shape, parse_args
+from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
 from deepspeed_ext.zero.tools.ab.report import comparison, prediction_error, separated
 from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
 from mdsp_base.topology import Topology
@@ -52,16 +54,17 @@ def test_each_variant_runs_the_users_json_as_zero3_with_only_its_own_keys():
 
 
 def test_the_model_takes_a_megatron_presets_shape_and_counts_its_flops_by_hand():
-    shape = ModelShape.from_megatron_args(ROOT / "scripts/presets/gpt-1.3b.args")
-    assert shape == ModelShape(layers=24, hidden=2048, heads=16, seq_length=2048, vocab=50304)
-    small = ModelShape(layers=2, hidden=8, heads=2, seq_length=4, vocab=16)
+    preset = ["--megatron-args", str(ROOT / "scripts/presets/gpt-1.3b.args")]
+    assert model_shape(parse_args(preset)) == Model(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304)
+    assert model_shape(parse_args([*preset, "--seq-length", "64"])).seq == 64
+    small = Model(layers=2, hidden=8, heads=2, seq=4, vocab=16)
     params = sum(p.numel() for p in build_model(small).parameters())
     # per layer 12 h^2 weights, 9 h biases and two norms (4 h); embedding and head V h each; final norm 2 h
     assert params == 2 * (12 * 64 + 13 * 8) + 2 * 16 * 8 + 2 * 8
     # 6 x (2 x 12 x 64 + 8 x 16) x 10 tokens + 12 x 2 x 8 x 4 x 10 tokens
     assert flops_per_step(small, 10) == pytest.approx(6 * (2 * 768 + 128) * 10 + 12 * 2 * 8 * 4 * 10)
     with pytest.raises(ValueError, match="hidden divisible by heads"):
-        ModelShape(hidden=10, heads=4)
+        Model(layers=2, hidden=10, heads=4, seq=4)
 
 
 def test_a_ratio_is_claimed_only_where_the_ranges_do_not_overlap():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, H100_NCCL, Operation
 from deepspeed_ext.zero.cost.projection import (
-    Plan,
+    Candidate,
     Scheme,
     System,
     flat,
@@ -32,7 +32,7 @@ FRONTIER = System(FRONTIER_RCCL)
 H100 = System(H100_NCCL, ranks_per_node=8, ranks_per_package=1, peak_tflops=989.0, memory_gb=80.0)
 MESSAGES = [2**e for e in range(20, 31)]
 """Gathered (all-gather) or input (reduce-scatter) sizes swept for PCCL's ranges: 1 MiB - 1 GiB."""
-PCCL_PLAN = Plan(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RECURSIVE)
+PCCL_PLAN = Candidate(Scheme.OURS, secondary=None, inter_node=InterNodeAlgorithm.RECURSIVE)
 """PCCL's collective: rank-aligned recursive halving/doubling across nodes, then RCCL in the node."""
 
 
@@ -147,13 +147,15 @@ GPT_20B = Model(44, 6144, 64, 2048)
 PRESET_BUCKETS = Buckets(prefetch=50_000_000, reduce=50_000_000)
 """scripts/presets/ds_frontier_20b.json's buckets."""
 FRONTIER_SETTINGS = {
-    "TP=4, preset buckets (5e7)": Plan(Scheme.ZERO3, tp=4, buckets=PRESET_BUCKETS),
-    "TP=1, DeepSpeed's default buckets, full recomputation": Plan(Scheme.ZERO3, recompute=Recompute.FULL),
+    "TP=4, preset buckets (5e7)": Candidate(Scheme.ZERO3, tp=4, buckets=PRESET_BUCKETS),
+    "TP=1, DeepSpeed's default buckets, full recomputation": Candidate(
+        Scheme.ZERO3, recompute=Recompute.FULL
+    ),
 }
 """The paper does not give its TP, buckets or recomputation (in what we could read): both are shown."""
 
 
-def frontier_relations(setting: Plan, nodes: int = 48) -> dict[str, float]:
+def frontier_relations(setting: Candidate, nodes: int = 48) -> dict[str, float]:
     """ZeRO++ / ZeRO-3 and 3-level / ZeRO++ TFLOPS per GCD on 384 GCDs, 20B, and the 3-level
     scheme's scaling efficiency from one node (8 GCDs) to 384 (TFLOPS per GCD there over one node's;
     computed). Ours stands in for the paper's 3-level partitioning: int8/int4 hops, the secondary
@@ -186,7 +188,7 @@ def pccl_zero3_speedup() -> tuple[float, str]:
     for (name, model), gcds, rc in itertools.product(
         PCCL_MODELS.items(), (256, 512, 1024, 2048), (Recompute.SELECTIVE, Recompute.FULL)
     ):
-        rccl = project(FRONTIER, model, gcds // 8, Plan(Scheme.ZERO3, recompute=rc)).step_s
+        rccl = project(FRONTIER, model, gcds // 8, Candidate(Scheme.ZERO3, recompute=rc)).step_s
         pccl = project(FRONTIER, model, gcds // 8, replace(PCCL_PLAN, recompute=rc)).step_s
         if rccl / pccl > best:
             best, where = rccl / pccl, f"{name}, {gcds} GCDs, {rc} recomputation"

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from deepspeed.utils import groups
 
 from deepspeed_ext import zero
-from deepspeed_ext.zero.cost.volume import ModelSpec
+from deepspeed_ext.zero.cost.volume import ShardSpec
 from mdsp_base import comm
 from mdsp_base.topology import Topology
 from multirank import launch_ranks, write_result
@@ -110,7 +110,7 @@ def construct(variant: str, hidden: int, layers: int) -> tuple[torch.nn.Module, 
     _clear_deepspeed_globals()
     if variant == "ours":
         plan = zero.prepare(
-            ModelSpec(numels(hidden, layers), weight_bytes=4, grad_bytes=4), cfg, topology=TOPOLOGY
+            ShardSpec(numels(hidden, layers), weight_bytes=4, grad_bytes=4), cfg, topology=TOPOLOGY
         )
         with zero.Init(plan.levels, config_dict_or_path=cfg):
             return mlp(hidden, layers), plan

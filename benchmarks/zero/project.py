@@ -27,7 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.zero import calibration
-from deepspeed_ext.zero.cost.projection import Plan, Scheme, project
+from deepspeed_ext.zero.cost.projection import Candidate, Scheme, project
 from deepspeed_ext.zero.cost.search import BASELINES, Rules, evaluate, own_best
 from deepspeed_ext.zero.cost.uncertainty import systems
 from deepspeed_ext.zero.cost.verified import Backend
@@ -43,12 +43,12 @@ over ZeRO++ (20B, 384 GCDs), and that scheme's 0.94 scaling efficiency to 384 GC
 PCCL_ZERO3 = 4.9
 """PCCL (arXiv 2504.18658): up to 4.9x over RCCL in DeepSpeed ZeRO-3 training."""
 COLUMNS = {
-    "zero3": Plan(Scheme.ZERO3),
-    "hpz (DeepSpeed)": Plan(Scheme.HPZ),
-    "hpz (ideal)": Plan(Scheme.HPZ_IDEAL),
-    "zero++ (hpZ+qwZ+qgZ)": Plan(Scheme.ZEROPP),
-    "ours (preset: node copy, auto)": Plan(Scheme.OURS),
-    "ours (node, int8/int4, 4 chunks)": Plan(
+    "zero3": Candidate(Scheme.ZERO3),
+    "hpz (DeepSpeed)": Candidate(Scheme.HPZ),
+    "hpz (ideal)": Candidate(Scheme.HPZ_IDEAL),
+    "zero++ (hpZ+qwZ+qgZ)": Candidate(Scheme.ZEROPP),
+    "ours (preset: node copy, auto)": Candidate(Scheme.OURS),
+    "ours (node, int8/int4, 4 chunks)": Candidate(
         Scheme.OURS, quantized_weights=True, quantized_gradients=True, pipeline_chunks=4
     ),
 }
@@ -106,7 +106,7 @@ def best_vs_targets(system: System, nodes: int, ds: dict, grad_accum: int) -> di
     recomputation; baselines with the JSON's buckets), and the baselines' own best plans."""
     rows = evaluate(system, calibration.GPT_20B, nodes, ds, grad_accum, FORECAST)
     best = rows[0]
-    baseline = Plan(Scheme.ZERO3, grad_accum=grad_accum, buckets=Buckets.from_json(ds))
+    baseline = Candidate(Scheme.ZERO3, grad_accum=grad_accum, buckets=Buckets.from_json(ds))
     own = {
         scheme.value: own_best(system, calibration.GPT_20B, nodes, scheme, baseline, FORECAST)
         for scheme in BASELINES

@@ -25,7 +25,7 @@ from benchmarks.zero import calibration
 from deepspeed_ext.zero.cost.collectives import Algorithm, CollectiveCosts, Operation, algorithm_steps
 from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.projection import (
-    Plan,
+    Candidate,
     Projection,
     Scheme,
     gather_calls,
@@ -157,7 +157,7 @@ def _hops(op: Operation, s: DPShape, nbytes: float, count: float, inter: Algorit
     ]
 
 
-def frontier_messages(system: System, model: Model, nodes: int, plan: Plan) -> list[Message]:
+def frontier_messages(system: System, model: Model, nodes: int, plan: Candidate) -> list[Message]:
     """The collectives of one step of an exact ``plan`` (ZeRO-3, hpZ or ours) as the cost model
     charges them (:func:`deepspeed_ext.zero.cost.projection.comm_seconds`), a flat collective by the
     link that sets its time; ours' inter-node hops by the plan's algorithm (``auto`` taken as ring)."""
@@ -189,13 +189,13 @@ def frontier_messages(system: System, model: Model, nodes: int, plan: Plan) -> l
     return out
 
 
-def best_plans(system: System, model: Model, nodes: int, ds: dict) -> dict[str, tuple[Plan, Projection]]:
+def best_plans(system: System, model: Model, nodes: int, ds: dict) -> dict[str, tuple[Candidate, Projection]]:
     """The planner's best exact plan ("ours") and ZeRO-3's and hpZ's best that fit."""
     rows = evaluate(system, model, nodes, ds, int(ds.get("gradient_accumulation_steps", 1)), PLANNER_RULES)
     if not rows:
         raise ValueError(f"no exact plan fits {system.memory_gb:g} GB on {nodes} nodes")
     out = {"ours": (rows[0].plan, rows[0].projection)}
-    base = Plan(Scheme.ZERO3, buckets=Buckets.from_json(ds))
+    base = Candidate(Scheme.ZERO3, buckets=Buckets.from_json(ds))
     for scheme in (Scheme.ZERO3, Scheme.HPZ):
         fits = [fitting(system, model, nodes, replace(base, scheme=scheme, tp=tp), PLANNER_RULES)
                 for tp in (1, 2, 4, 8)]  # fmt: skip

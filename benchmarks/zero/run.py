@@ -30,7 +30,7 @@ from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.cost.collectives import Algorithm, AlgorithmFit, CollectiveCosts, Operation
-from deepspeed_ext.zero.cost.secondary_level import variant_for
+from deepspeed_ext.zero.cost.secondary_level import placement_for
 from mdsp_base.comm import LINK_CLASSES
 from mdsp_base.topology import Level, LinkClass
 from multirank import launch_ranks
@@ -95,14 +95,14 @@ def check_keys(rank_args: list[str]) -> None:
                 raise SystemExit(f"{flag}: hierarchical_zero has no key(s) {unknown}; it has {sorted(known)}")
 
 
-def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str, cm.Variant]]:
+def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ShardSpec, dict[str, cm.Placement]]:
     world, per_node, per_package = first["topology"]
     shape = cm.DPShape(
         nodes=world // per_node, packages_per_node=per_node // per_package, per_package=per_package
     )
     a = first["args"]
     numels = tuple([a["hidden"] * a["hidden"], a["hidden"]] * a["layers"])
-    model = cm.ModelSpec(param_numels=numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
+    model = cm.ShardSpec(param_numels=numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
     variants = {
         "zero3": cm.ZERO3,
         f"zero++ hpZ({per_package})": cm.hpz(per_package, Level.PACKAGE),
@@ -113,7 +113,7 @@ def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ModelSpec, dict[str
     for item in a.get("ours_variant", []):
         name, _, keys = item.partition("=")
         config = HierarchicalZeroConfig(**{"secondary_level": Level.PACKAGE.value, **json.loads(keys)})
-        variants[f"ours ({name})"] = variant_for(config, Level(config.secondary_level), model)
+        variants[f"ours ({name})"] = placement_for(config, Level(config.secondary_level), model)
     return shape, model, variants
 
 

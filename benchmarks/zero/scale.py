@@ -38,7 +38,7 @@ from benchmarks.zero.run import OUT, RANK_MODULE, model_for, step_times
 from benchmarks.zero.variants import Question, scale_variants
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost import volume as cm
-from deepspeed_ext.zero.cost.secondary_level import variant_for
+from deepspeed_ext.zero.cost.secondary_level import placement_for
 from deepspeed_ext.zero.tools.ab.report import separated
 from mdsp_base.comm import LINK_CLASSES
 from mdsp_base.topology import Level, LinkClass
@@ -165,7 +165,7 @@ def optimal_wire(first: dict[str, Any], question: Question) -> dict[str, float]:
             variant = cm.hpz(size, LinkClass.PACKAGE if size <= per_package else LinkClass.NODE)
         else:
             config = HierarchicalZeroConfig(enabled=True, secondary_level="node", **v.hierarchical)
-            variant = variant_for(config, Level.NODE, model)
+            variant = placement_for(config, Level.NODE, model)
         out[name] = cm.ring_wire_bytes(cm.step_hops(model, shape, variant, a["micro"]))[LinkClass.INTER_NODE]
     return out
 

@@ -14,15 +14,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "HierarchicalPlan": "engine.api",
+    "HierarchicalSetup": "engine.api",
     "check_deepspeed_version": "engine.contract",
     "initialize": "engine.api",
-    "model_spec": "engine.contract",
+    "shard_spec": "engine.contract",
     "prepare": "engine.api",
     "validate_deepspeed_config": "engine.contract",
     "Init": "engine.construction",
     "LevelMPU": "engine.inject",
-    "ModelSpec": "cost.volume",
+    "ShardSpec": "cost.volume",
     "uninstall_dispatchers": "engine.inject",
     "ZeroLevels": "engine.levels",
     "dp_shape": "cost.shape",

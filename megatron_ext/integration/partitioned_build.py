@@ -19,7 +19,7 @@ from mdsp_base.installer import Installer
 
 
 def megatron_model_spec(build: Callable[[], torch.nn.Module], ds: dict) -> Any:
-    """The :class:`~deepspeed_ext.zero.ModelSpec` of ``build()`` from a meta-device build; Megatron's
+    """The :class:`~deepspeed_ext.zero.ShardSpec` of ``build()`` from a meta-device build; Megatron's
     model-parallel RNG states (small tensors are built for real, some under the tracker's fork) are
     as before."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker

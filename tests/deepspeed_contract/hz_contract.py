@@ -35,7 +35,7 @@ import pytest
 import torch.distributed as dist
 
 from deepspeed_ext import zero
-from deepspeed_ext.zero.cost.volume import ModelSpec
+from deepspeed_ext.zero.cost.volume import ShardSpec
 from deepspeed_ext.zero.engine import inject
 from mdsp_base.section import ConfigError, read_ds_config
 from mdsp_base.topology import Topology
@@ -183,7 +183,7 @@ def init(*args: Any, **kwargs: Any) -> Any:
     topology = Topology(world_size=world, **topology_for(world))
     try:
         plan = zero.prepare(
-            ModelSpec(param_numels=(1,), weight_bytes=4, grad_bytes=4), config, topology=topology
+            ShardSpec(param_numels=(1,), weight_bytes=4, grad_bytes=4), config, topology=topology
         )
     except ConfigError as exc:
         _log("refused", str(exc))

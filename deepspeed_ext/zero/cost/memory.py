@@ -9,10 +9,10 @@ from dataclasses import dataclass
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.shape import DPShape
-from deepspeed_ext.zero.cost.volume import ModelSpec
+from deepspeed_ext.zero.cost.volume import ShardSpec
 
 
-def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec) -> int:
+def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ShardSpec) -> int:
     """fp32 bytes per rank kept for the cross-node gradient hop: the node-level block summed until
     the boundary (grad_sync) and the error-feedback residual (quantized_gradients)."""
     if shape.nodes == 1:
@@ -46,12 +46,12 @@ NO_BUFFERS = HopBuffers(0, 0)
 
 
 def hop_buffers(
-    config: HierarchicalZeroConfig, shape: DPShape, model: ModelSpec, gather_elems: int, reduce_elems: int
+    config: HierarchicalZeroConfig, shape: DPShape, model: ShardSpec, gather_elems: int, reduce_elems: int
 ) -> HopBuffers:
     """:class:`HopBuffers` for all-gathers of ``gather_elems`` and reduce-scatters of ``reduce_elems``
     elements (the largest calls DeepSpeed makes: a prefetch bucket, a reduce bucket)."""
     sizes = [s for s in (shape.per_package, shape.packages_per_node, shape.nodes) if s > 1]
-    if len(sizes) < 2:  # one hop is the flat collective itself (HopPlan.is_trivial)
+    if len(sizes) < 2:  # one hop is the flat collective itself (HopSchedule.is_trivial)
         return NO_BUFFERS
     p, wb, gb = shape.size, model.weight_bytes, model.grad_bytes
     gather = gather_elems * wb + gather_elems // sizes[0] * wb

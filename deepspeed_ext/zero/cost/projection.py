@@ -33,7 +33,7 @@ from deepspeed_ext.zero.cost.collectives import (
 from deepspeed_ext.zero.cost.memory import held_bytes, hop_buffers
 from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.cost.step import overlapped
-from deepspeed_ext.zero.cost.volume import QGZ_BYTES_FACTOR, QWZ_BYTES_FACTOR, ModelSpec
+from deepspeed_ext.zero.cost.volume import QGZ_BYTES_FACTOR, QWZ_BYTES_FACTOR, ShardSpec
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
 from mdsp_base.topology import LinkClass
 
@@ -58,7 +58,7 @@ class Scheme(StrEnum):
 
 
 @dataclass(frozen=True)
-class Plan:
+class Candidate:
     """One configuration to project."""
 
     scheme: Scheme
@@ -141,7 +141,7 @@ def hops(
     s: DPShape,
     system: System,
     nbytes: float,
-    plan: Plan,
+    plan: Candidate,
     across: float = 1.0,
 ) -> float:
     """Our hop collective of ``nbytes`` (gathered output / reduce-scatter input) over the DP group:
@@ -207,7 +207,9 @@ def reduce_calls(total: int, buckets: Buckets) -> list[int]:
     return [total // count] * count
 
 
-def _secondary_gather(costs: CollectiveCosts, s: DPShape, system: System, plan: Plan, nbytes: float) -> float:
+def _secondary_gather(
+    costs: CollectiveCosts, s: DPShape, system: System, plan: Candidate, nbytes: float
+) -> float:
     """A forward (after the first micro-batch) or backward gather from the secondary copy."""
     if plan.scheme in (Scheme.HPZ, Scheme.ZEROPP) and plan.tp > 1:
         # DeepSpeed's hpZ group: the node's consecutive ranks, TP peers included (wrong shards).
@@ -220,7 +222,9 @@ def _secondary_gather(costs: CollectiveCosts, s: DPShape, system: System, plan: 
     return hops(costs, Operation.ALL_GATHER, inner, system, nbytes, plan)
 
 
-def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPShape, plan: Plan) -> float:
+def comm_seconds(
+    system: System, gathers: list[int], reduces: list[int], s: DPShape, plan: Candidate
+) -> float:
     """Communication of one optimizer step (``grad_accum`` micro-batches), nothing hidden, for
     all-gathers of ``gathers`` elements per pass and reduce-scatters of ``reduces`` per micro-batch."""
     costs, ga = system.costs, plan.grad_accum
@@ -269,7 +273,7 @@ def comm_seconds(system: System, gathers: list[int], reduces: list[int], s: DPSh
     return total
 
 
-def memory(system: System, model: Model, s: DPShape, plan: Plan) -> dict[str, float]:
+def memory(system: System, model: Model, s: DPShape, plan: Candidate) -> dict[str, float]:
     """Bytes per rank: bf16 weights and gradients and fp32 master and Adam states partitioned over
     DP (16 bytes per element, ZeRO-3), the secondary bf16 copy, ours' fp32 gradient block held for
     boundary sync or the int4 residual and its hop buffers (both as the planner counts them,
@@ -285,7 +289,7 @@ def memory(system: System, model: Model, s: DPShape, plan: Plan) -> dict[str, fl
     gather = min(plan.buckets.prefetch, largest)
     held = buffers = 0.0
     if plan.scheme == Scheme.OURS:
-        config, spec = plan.hierarchical_config(), ModelSpec((int(p),))
+        config, spec = plan.hierarchical_config(), ShardSpec((int(p),))
         held = held_bytes(config, s, spec)
         buffers = hop_buffers(config, s, spec, gather, int(min(plan.buckets.reduce, p))).total
     out = {
@@ -301,7 +305,7 @@ def memory(system: System, model: Model, s: DPShape, plan: Plan) -> dict[str, fl
     return out
 
 
-def project(system: System, model: Model, nodes: int, plan: Plan) -> Projection:
+def project(system: System, model: Model, nodes: int, plan: Candidate) -> Projection:
     """Step time, TFLOPS per GCD and memory per rank of ``plan`` on ``nodes`` nodes (computed)."""
     s = shape(system, nodes, plan.tp)
     per_gcd = plan.grad_accum * model.flops(plan.micro_batch, plan.recompute) / plan.tp

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from deepspeed_ext.zero.config import InterNodeAlgorithm
-from deepspeed_ext.zero.cost.projection import Plan, Projection, Scheme, memory, project, shape
+from deepspeed_ext.zero.cost.projection import Candidate, Projection, Scheme, memory, project, shape
 from deepspeed_ext.zero.cost.verified import Backend, Path, has_run
 from deepspeed_ext.zero.cost.workload import Buckets, Model, Recompute, System
 from mdsp_base.topology import LinkClass
@@ -52,7 +52,7 @@ class Rules:
         return system.memory_gb * 1e9 * (1 - self.headroom)
 
 
-def unverified(plan: Plan, rules: Rules) -> list[str]:
+def unverified(plan: Candidate, rules: Rules) -> list[str]:
     """The settings of ``plan`` that have not run on the rules' backend."""
     out = []
     if plan.inter_node == InterNodeAlgorithm.RECURSIVE and not (
@@ -66,7 +66,7 @@ def unverified(plan: Plan, rules: Rules) -> list[str]:
     return out
 
 
-def lossy(plan: Plan) -> bool:
+def lossy(plan: Candidate) -> bool:
     return plan.quantized_weights or plan.quantized_gradients
 
 
@@ -74,7 +74,7 @@ def lossy(plan: Plan) -> bool:
 class Row:
     """One configuration that fits, with its figures (computed)."""
 
-    plan: Plan
+    plan: Candidate
     projection: Projection
     ratios: dict[str, float]
     """Ours' TFLOPS over each baseline's at the same TP, micro-batch and recomputation."""
@@ -84,14 +84,14 @@ class Row:
     """Settings that have not run on the job's backend (empty: all have)."""
 
 
-def build_bytes(model: Model, plan: Plan, dp: int, rules: Rules) -> float:
+def build_bytes(model: Model, plan: Candidate, dp: int, rules: Rules) -> float:
     """The build's peak on one rank: the variant builds partitioned from construction
     (``deepspeed_ext.zero.Init``), so its partition of the model (TP shard over ``dp``) and the two
     modules built last whole, at most two of the largest."""
     return rules.build_bytes_per_param * (model.params / plan.tp / dp + 2 * max(model.modules(plan.tp)))
 
 
-def micro_batches(system: System, nodes: int, plan: Plan, rules: Rules) -> tuple[int, ...]:
+def micro_batches(system: System, nodes: int, plan: Candidate, rules: Rules) -> tuple[int, ...]:
     """Micro-batches to try: any where the batch is free, else the one that keeps the global batch
     at this TP and accumulation (none when DP x accumulation does not divide it)."""
     if rules.global_batch is None:
@@ -101,8 +101,8 @@ def micro_batches(system: System, nodes: int, plan: Plan, rules: Rules) -> tuple
 
 
 def fitting(
-    system: System, model: Model, nodes: int, plan: Plan, rules: Rules
-) -> tuple[Plan, Projection, float] | None:
+    system: System, model: Model, nodes: int, plan: Candidate, rules: Rules
+) -> tuple[Candidate, Projection, float] | None:
     """``plan`` at the micro-batch and recomputation that fit the budget and project fastest (for
     each recomputation its largest fitting micro-batch), with its peak bytes. None: nothing fits."""
     s = shape(system, nodes, plan.tp)
@@ -121,7 +121,7 @@ def fitting(
     return best
 
 
-def candidates(system: System, model: Model, nodes: int, grad_accum: int, rules: Rules) -> list[Plan]:
+def candidates(system: System, model: Model, nodes: int, grad_accum: int, rules: Rules) -> list[Candidate]:
     """Every distinct configuration of ours the rules admit. Settings that change nothing are left
     out: the point-to-point algorithm on one node, pipelining where every hop runs whole (quantized)."""
     algorithms = [InterNodeAlgorithm.RING] + ([InterNodeAlgorithm.RECURSIVE] if nodes > 1 else [])
@@ -139,7 +139,7 @@ def candidates(system: System, model: Model, nodes: int, grad_accum: int, rules:
         ):
             if quant and chunks > 1:
                 continue
-            plan = Plan(
+            plan = Candidate(
                 Scheme.OURS,
                 tp=tp,
                 grad_accum=grad_accum,
@@ -187,14 +187,14 @@ def evaluate(
     return sorted(rows, key=lambda r: -r.projection.tflops_per_gcd)
 
 
-def baseline(plan: Plan, scheme: Scheme, ds: dict) -> Plan:
+def baseline(plan: Candidate, scheme: Scheme, ds: dict) -> Candidate:
     """A baseline as its user runs it: the candidate's TP, micro-batch and recomputation, with the
     DeepSpeed JSON's own buckets (a stock scheme does not get our tuned ones)."""
     return replace(plan, scheme=scheme, buckets=Buckets.from_json(ds))
 
 
 def own_best(
-    system: System, model: Model, nodes: int, scheme: Scheme, plan: Plan, rules: Rules
+    system: System, model: Model, nodes: int, scheme: Scheme, plan: Candidate, rules: Rules
 ) -> float | None:
     """A baseline's fastest TFLOPS per GCD over TP (its micro-batch and recomputation fitted), None
     where none fits."""

@@ -10,7 +10,7 @@ from deepspeed_ext.zero.cost import collectives, projection
 from deepspeed_ext.zero.cost.memory import NO_BUFFERS, HopBuffers, held_bytes
 from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.shape import DPShape
-from deepspeed_ext.zero.cost.volume import ModelSpec, Variant, hierarchical
+from deepspeed_ext.zero.cost.volume import Placement, ShardSpec, hierarchical
 from deepspeed_ext.zero.cost.workload import Buckets, System
 from mdsp_base.topology import Level, LinkClass, Topology
 
@@ -37,7 +37,7 @@ class SecondaryChoice:
     """One line on why this level."""
 
 
-def variant_for(config: HierarchicalZeroConfig, level: Level, model: ModelSpec) -> Variant:
+def placement_for(config: HierarchicalZeroConfig, level: Level, model: ShardSpec) -> Placement:
     """The cost model's variant for this config: boundary sync and quantized hops included (an int
     element of ``bits`` plus one fp32 scale per ``quantization_block``, over the dense element)."""
     per_scale = 4 / config.quantization_block
@@ -58,7 +58,7 @@ def as_charged(config: HierarchicalZeroConfig, micro_batches: int) -> Hierarchic
 def level_seconds(
     config: HierarchicalZeroConfig,
     shape: DPShape,
-    model: ModelSpec,
+    model: ShardSpec,
     topology: Topology,
     level: Level,
     micro_batches: int = 1,
@@ -81,7 +81,7 @@ def level_seconds(
     inter_node = config.inter_node_algorithm
     if inter_node == InterNodeAlgorithm.AUTO and profile is None:
         inter_node = InterNodeAlgorithm.RING
-    plan = projection.Plan(
+    plan = projection.Candidate(
         projection.Scheme.OURS,
         grad_accum=micro_batches,
         secondary=None if level == Level.GLOBAL else LinkClass(level),
@@ -93,7 +93,7 @@ def level_seconds(
         buckets=buckets,
     )
     # DeepSpeed keeps parameters under the persistence threshold whole; the rest it gathers per
-    # parameter-owning module, which ModelSpec counts but does not size: equal shares.
+    # parameter-owning module, which ShardSpec counts but does not size: equal shares.
     owners = max(1, model.gathers_per_pass)
     gathered = sum(n for n in model.param_numels if n > buckets.persistence)
     gathers = projection.gather_calls([gathered // owners] * owners, replace(buckets, persistence=0))
@@ -113,7 +113,7 @@ def candidate_sizes(shape: DPShape) -> dict[Level, int]:
 def choose_secondary_level(
     config: HierarchicalZeroConfig,
     shape: DPShape,
-    model: ModelSpec,
+    model: ShardSpec,
     topology: Topology,
     micro_batches: int = 1,
     buffers: HopBuffers = NO_BUFFERS,

@@ -33,7 +33,7 @@ QGZ_BYTES_FACTOR = 0.25
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ShardSpec:
     """What this rank's model shard sends: its parameters and the element sizes on the wire."""
 
     param_numels: tuple[int, ...]
@@ -53,7 +53,7 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class Variant:
+class Placement:
     """Where each collective of a ZeRO-3 step runs."""
 
     name: str
@@ -77,16 +77,16 @@ class Variant:
     """Bytes on the wire per reduced byte on inter-node gradient reductions (qgZ: 0.25)."""
 
 
-ZERO3 = Variant("zero3")
+ZERO3 = Placement("zero3")
 
 
-def hpz(size: int, link: LinkClass = NODE) -> Variant:
-    return Variant(f"zero++ hpZ({size})", secondary="hpz", hpz_size=size, hpz_link=link)
+def hpz(size: int, link: LinkClass = NODE) -> Placement:
+    return Placement(f"zero++ hpZ({size})", secondary="hpz", hpz_size=size, hpz_link=link)
 
 
-def zeropp_paper(size: int, link: LinkClass = NODE) -> Variant:
+def zeropp_paper(size: int, link: LinkClass = NODE) -> Placement:
     """ZeRO++ with hpZ, qwZ and qgZ as the paper describes them (their kernels need a GPU)."""
-    return Variant(
+    return Placement(
         f"zero++ hpZ({size})+qwZ+qgZ",
         secondary="hpz",
         hpz_size=size,
@@ -102,14 +102,14 @@ def hierarchical(
     boundary_sync: bool = False,
     weight_factor: float = 1.0,
     grad_factor: float = 1.0,
-) -> Variant:
+) -> Placement:
     """Our variant; the factors model quantized inter-node hops (int8 weights 0.5, int4 gradients 0.25)."""
     tags = (
         [secondary]
         + (["boundary sync"] if boundary_sync else [])
         + ([f"w x{weight_factor:g} g x{grad_factor:g}"] if (weight_factor, grad_factor) != (1.0, 1.0) else [])
     )
-    return Variant(
+    return Placement(
         f"hierarchical({', '.join(tags)})",
         secondary=secondary,
         hierarchical_gather=True,
@@ -185,7 +185,7 @@ def _reduce_hops(shape: DPShape, nbytes: int, hierarchical_hops: bool) -> list[t
     return hops
 
 
-def step_hops(model: ModelSpec, shape: DPShape, variant: Variant, micro_batches: int = 1) -> list[Hop]:
+def step_hops(model: ShardSpec, shape: DPShape, variant: Placement, micro_batches: int = 1) -> list[Hop]:
     """Every collective of one steady-state optimizer step (``micro_batches`` forward+backward)."""
     dp = shape.size
     w = model.padded(dp) * model.weight_bytes

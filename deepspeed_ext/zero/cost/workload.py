@@ -63,7 +63,14 @@ class Model:
     seq: int
     """Sequence length."""
     vocab: int = 50432
-    """Vocabulary (input and output embeddings untied)."""
+    """Vocabulary (input and output embeddings untied; Megatron pads GPT-2's 50257 to 50304 at TP=1)."""
+
+    def __post_init__(self) -> None:
+        if min(self.layers, self.hidden, self.heads, self.seq, self.vocab) < 1 or self.hidden % self.heads:
+            raise ValueError(
+                f"model layers={self.layers} hidden={self.hidden} heads={self.heads} seq={self.seq} "
+                f"vocab={self.vocab}: every value >= 1 and hidden divisible by heads"
+            )
 
     @classmethod
     def from_megatron_args(cls, path: str | Path, **defaults: int) -> Model:
@@ -134,43 +141,3 @@ class Buckets:
             persistence=int(z.get("stage3_param_persistence_threshold", d.persistence)),
             max_live=int(z.get("stage3_max_live_parameters", d.max_live)),
         )
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sets the model's compute and its parameters' sizes."""
-
-    layers: int = 2
-    """Transformer layers."""
-    hidden: int = 64
-    """Hidden size."""
-    heads: int = 4
-    """Attention heads (hidden must divide by it)."""
-    seq_length: int = 32
-    """Tokens per sample."""
-    vocab: int = 1024
-    """Vocabulary size (Megatron pads GPT-2's 50257 to 50304 at TP=1)."""
-
-    def __post_init__(self) -> None:
-        bad = {k: v for k, v in vars(self).items() if v < 1}
-        if bad or self.hidden % self.heads:
-            raise ValueError(
-                f"model shape layers={self.layers} hidden={self.hidden} heads={self.heads} "
-                f"seq_length={self.seq_length} vocab={self.vocab}: every value >= 1 and hidden divisible by heads"
-            )
-
-    @classmethod
-    def from_megatron_args(cls, path: str | Path, **defaults: int) -> ModelShape:
-        """The shape a Megatron flags file (scripts/presets/*.args) gives; absent flags keep
-        ``defaults`` (Megatron pads GPT-2's vocabulary to 50304 when the file gives none)."""
-        given = {"layers": cls.layers, "hidden": cls.hidden, "heads": cls.heads, "seq": cls.seq_length}
-        model = Model.from_megatron_args(path, **{"vocab": 50304, **given, **_as_model(defaults)})
-        return cls(model.layers, model.hidden, model.heads, model.seq, model.vocab)
-
-    def model(self) -> Model:
-        """The same GPT as the cost model describes it."""
-        return Model(self.layers, self.hidden, self.heads, self.seq_length, self.vocab)
-
-
-def _as_model(fields: dict[str, int]) -> dict[str, int]:
-    return {("seq" if k == "seq_length" else k): v for k, v in fields.items()}

@@ -22,18 +22,17 @@ from deepspeed_ext.zero.cost.secondary_level import (
     as_charged,
     choose_secondary_level,
     describe,
-    variant_for,
+    placement_for,
 )
 from deepspeed_ext.zero.cost.shape import dp_shape
-from deepspeed_ext.zero.cost.volume import ModelSpec, bytes_per_link, step_hops
+from deepspeed_ext.zero.cost.volume import ShardSpec, bytes_per_link, step_hops
 from deepspeed_ext.zero.cost.workload import Buckets
-from deepspeed_ext.zero.engine import inject
-from deepspeed_ext.zero.engine import known_setups as known_plans
+from deepspeed_ext.zero.engine import inject, known_setups
 from deepspeed_ext.zero.engine.contract import (
     check_before_collectives,
     check_deepspeed_version,
     largest_collectives,
-    model_spec,
+    shard_spec,
 )
 from deepspeed_ext.zero.engine.levels import ZeroLevels, build_levels
 from mdsp_base import comm
@@ -72,19 +71,19 @@ class JsonSections:
 
 
 @dataclass
-class HierarchicalPlan:
+class HierarchicalSetup:
     """What the variant decided for this rank, kept on the engine as ``engine.hierarchical_zero``."""
 
     levels: ZeroLevels
     """Groups and the chosen secondary level."""
     choice: SecondaryChoice
     """The planner's figures."""
-    model: ModelSpec
+    model: ShardSpec
     """This rank's parameters as the cost model sees them."""
 
     def predicted_bytes(self, micro_batches: int = 1) -> dict[LinkClass, int]:
         """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
-        variant = variant_for(self.levels.config, self.levels.secondary_level, self.model)
+        variant = placement_for(self.levels.config, self.levels.secondary_level, self.model)
         return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))
 
 
@@ -127,15 +126,15 @@ def measured_profile(config: HierarchicalZeroConfig, topology: Topology) -> Prof
 
 
 def prepare(
-    model: torch.nn.Module | ModelSpec,
+    model: torch.nn.Module | ShardSpec,
     config: Union[str, os.PathLike, dict],
     plugin_config: Sections | None = None,
     mpu: Any = None,
     topology: Topology | None = None,
-) -> HierarchicalPlan:
+) -> HierarchicalSetup:
     """Check everything, choose the secondary level, then create the level groups (the first
     collective). Pass the result to :func:`initialize` and to :class:`~.inject.Init`; before a model
-    exists (to build it under ``Init``) pass a :class:`ModelSpec` of its parameters instead."""
+    exists (to build it under ``Init``) pass a :class:`ShardSpec` of its parameters instead."""
     ds = read_ds_config(config)
     plugin_config = plugin_config or JsonSections.of(ds)
     hz = plugin_config.hierarchical_zero
@@ -146,7 +145,7 @@ def prepare(
     check_data_parallel(world, len(dp_ranks))  # the mpu's group, which no flag checked
     topology = topology or detect_topology(plugin_config.topology, world_size=world)
     shape = dp_shape(topology, dp_ranks)
-    spec = model if isinstance(model, ModelSpec) else model_spec(model, ds)
+    spec = model if isinstance(model, ShardSpec) else shard_spec(model, ds)
     micro = int(ds.get("gradient_accumulation_steps") or 1)
     charged = as_charged(hz, micro)
     gather, reduce = largest_collectives(ds, spec)
@@ -165,8 +164,8 @@ def prepare(
     if dist.get_rank() == 0:  # a warning: seen also where nothing configures logging
         logger.warning(describe(choice, shape))
     levels = build_levels(topology, dp_group, choice.level, hz, measured)
-    plan = HierarchicalPlan(levels=levels, choice=choice, model=spec)
-    known_plans.remember(plan)
+    plan = HierarchicalSetup(levels=levels, choice=choice, model=spec)
+    known_setups.remember(plan)
     return plan
 
 
@@ -188,7 +187,7 @@ def initialize(
     plugin_config: Sections | None = None,
     mpu: Any = None,
     topology: Topology | None = None,
-    plan: HierarchicalPlan | None = None,
+    plan: HierarchicalSetup | None = None,
     **kwargs: Any,
 ) -> tuple:
     """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``
@@ -205,7 +204,7 @@ def initialize(
         distributed_port=kwargs.get("distributed_port", 29500),
         dist_init_required=kwargs.get("dist_init_required"),
     )
-    known = known_plans.plan_of_partition(model, plan)
+    known = known_setups.setup_of_partition(model, plan)
     if known is not None:
         if plan is None and known.plan.levels.config != plugin_config.hierarchical_zero:
             raise ConfigError(
@@ -217,7 +216,7 @@ def initialize(
         plan = known.plan
     else:
         plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
-        known = known_plans.remember(plan)
+        known = known_setups.remember(plan)
     levels = plan.levels
     previous_mpu = ds_groups.mpu
     patched_comm = comm.patch_deepspeed_comm()
@@ -234,7 +233,7 @@ def initialize(
 
 def _undo_on_destroy(
     engine: Any,
-    known: known_plans.KnownPlan,
+    known: known_setups.KnownSetup,
     level_mpu: inject.LevelMPU,
     previous_mpu: Any,
     patched_comm: bool,

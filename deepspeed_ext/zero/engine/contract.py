@@ -7,7 +7,7 @@ import deepspeed
 import torch
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, check_zero_stage
-from deepspeed_ext.zero.cost.volume import ModelSpec
+from deepspeed_ext.zero.cost.volume import ShardSpec
 from mdsp_base.section import ConfigError
 
 SUPPORTED_DEEPSPEED = ("0.19.",)
@@ -61,7 +61,7 @@ def validate_deepspeed_config(ds: dict) -> None:
         )
 
 
-def model_spec(model: torch.nn.Module, ds: dict) -> ModelSpec:
+def shard_spec(model: torch.nn.Module, ds: dict) -> ShardSpec:
     """This rank's parameters (a TP shard under TP) and the element sizes ZeRO-3 sends them in."""
     params = list(model.parameters())
     if not params:
@@ -71,10 +71,10 @@ def model_spec(model: torch.nn.Module, ds: dict) -> ModelSpec:
     weight = 2 if half else params[0].element_size()
     grad = {"fp32": 4, "fp16": 2, "bf16": 2}.get(ds.get("communication_data_type") or "", weight)
     owners = sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False)))
-    return ModelSpec(param_numels=numels, weight_bytes=weight, grad_bytes=grad, gathers_per_pass=owners)
+    return ShardSpec(param_numels=numels, weight_bytes=weight, grad_bytes=grad, gathers_per_pass=owners)
 
 
-def largest_collectives(ds: dict, model: ModelSpec) -> tuple[int, int]:
+def largest_collectives(ds: dict, model: ShardSpec) -> tuple[int, int]:
     """Elements of the largest parameter all-gather and gradient reduce-scatter ZeRO-3 issues: a
     prefetch (reduce) bucket, which DeepSpeed closes after the parameter that fills it, so up to one
     parameter more; never more than the model. DeepSpeed's defaults where the config is silent."""

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from deepspeed_ext.zero.engine import hops, quantize
 from deepspeed_ext.zero.engine.hop_worker import HopWorker
-from deepspeed_ext.zero.engine.levels import HopPlan
+from deepspeed_ext.zero.engine.levels import HopSchedule
 from mdsp_base.section import ConfigError
 from mdsp_base.topology import LinkClass
 
@@ -51,7 +51,7 @@ class GradientReducer:
     """``reduce_scatter_coalesced`` over a data-parallel group, in the hops of ``plan``."""
 
     def __init__(
-        self, plan: HopPlan, at_boundary: bool, grad_bits: int | None, block: int, pieces: int = 1
+        self, plan: HopSchedule, at_boundary: bool, grad_bits: int | None, block: int, pieces: int = 1
     ) -> None:
         self.plan = plan
         crossing = [

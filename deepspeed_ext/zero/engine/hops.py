@@ -9,7 +9,7 @@ the hops in the opposite order and undoes the reordering at the end. Each hop cr
 link with less data: the outermost (inter-node) hop carries ``1/(s_0 * ... * s_{m-1})`` of it.
 
 A hop across nodes runs the library's collective (ring) or the log-latency point-to-point
-algorithm of :mod:`.p2p_hops` (``HopPlan.inter_node``; auto takes, per call, the one the probe
+algorithm of :mod:`.p2p_hops` (``HopSchedule.inter_node``; auto takes, per call, the one the probe
 profile measured faster at that size, and ring without a profile). With
 ``pieces > 1`` an operation is cut along the block into pieces, each its own chain of hops, as
 :class:`~.hop_worker.Stage` s a worker runs a lane per group: while one piece crosses nodes the
@@ -29,27 +29,27 @@ from deepspeed_ext.zero.config import InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.engine import p2p_hops, quantize
 from deepspeed_ext.zero.engine.hop_worker import Stage
-from deepspeed_ext.zero.engine.levels import HopPlan
+from deepspeed_ext.zero.engine.levels import HopSchedule
 from mdsp_base import comm
 from mdsp_base.topology import LinkClass
 
 
-def _digits_outer_first(plan: HopPlan) -> list[int]:
+def _digits_outer_first(plan: HopSchedule) -> list[int]:
     return list(reversed(plan.sizes))
 
 
-def _reversed_axes(plan: HopPlan) -> list[int]:
+def _reversed_axes(plan: HopSchedule) -> list[int]:
     """Permutation that turns a [digit..., block] view's digit order around (its own inverse)."""
     return [*reversed(range(len(plan.sizes))), len(plan.sizes)]
 
 
-def _inner_major(blocks: torch.Tensor, plan: HopPlan) -> torch.Tensor:
+def _inner_major(blocks: torch.Tensor, plan: HopSchedule) -> torch.Tensor:
     """[p, block] in parent order -> [p, block] with the innermost hop index varying slowest."""
     view = blocks.view(*_digits_outer_first(plan), -1)
     return view.permute(_reversed_axes(plan)).reshape(blocks.shape)
 
 
-def hop_order(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
+def hop_order(plan: HopSchedule, flat: torch.Tensor) -> torch.Tensor:
     """A reduce-scatter's input ([p * block], parent order) in the order its hops split it."""
     p = math.prod(plan.sizes)
     if flat.numel() % p:
@@ -57,7 +57,7 @@ def hop_order(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
     return _inner_major(flat.view(p, -1), plan).reshape(-1)
 
 
-def algorithm(plan: HopPlan, i: int, operation: Operation, nbytes: int) -> Algorithm:
+def algorithm(plan: HopSchedule, i: int, operation: Operation, nbytes: int) -> Algorithm:
     """How hop ``i`` moves a buffer of ``nbytes`` (gathered output / reduce-scatter input)."""
     if plan.links[i] != LinkClass.INTER_NODE or plan.inter_node == InterNodeAlgorithm.RING:
         return Algorithm.RING
@@ -69,7 +69,7 @@ def algorithm(plan: HopPlan, i: int, operation: Operation, nbytes: int) -> Algor
     return plan.profile.fastest(LinkClass.INTER_NODE, operation, plan.sizes[i], nbytes)
 
 
-def gather_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:
+def gather_hop(plan: HopSchedule, i: int, held: torch.Tensor) -> torch.Tensor:
     """Hop ``i`` of an all-gather: every member's ``held`` in the hop group's rank order."""
     gathered = torch.empty(held.numel() * plan.sizes[i], dtype=held.dtype, device=held.device)
     nbytes = gathered.numel() * gathered.element_size()
@@ -80,7 +80,7 @@ def gather_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:
     return gathered
 
 
-def reduce_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:
+def reduce_hop(plan: HopSchedule, i: int, held: torch.Tensor) -> torch.Tensor:
     """Hop ``i`` of a reduce-scatter, in place: this member's slice of ``held``, summed over the
     hop group (as DeepSpeed's flat call leaves it, so the hops allocate nothing)."""
     nbytes = held.numel() * held.element_size()
@@ -91,7 +91,7 @@ def reduce_hop(plan: HopPlan, i: int, held: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def reduce_scatter_hops(plan: HopPlan, held: torch.Tensor, hops: range) -> torch.Tensor:
+def reduce_scatter_hops(plan: HopSchedule, held: torch.Tensor, hops: range) -> torch.Tensor:
     """Run reduce-scatter hops ``hops`` (indices into the plan, innermost first) on ``held``, in
     place; the result is a view into ``held``."""
     for i in hops:
@@ -100,17 +100,17 @@ def reduce_scatter_hops(plan: HopPlan, held: torch.Tensor, hops: range) -> torch
     return held
 
 
-def reduce_scatter(plan: HopPlan, flat: torch.Tensor) -> torch.Tensor:
+def reduce_scatter(plan: HopSchedule, flat: torch.Tensor) -> torch.Tensor:
     """Sum of ``flat`` over the parent group, this member's ``1/p`` block (like reduce_scatter_tensor)."""
     return reduce_scatter_hops(plan, hop_order(plan, flat), range(len(plan.sizes)))
 
 
-def _gathered_view(plan: HopPlan, out: torch.Tensor) -> torch.Tensor:
+def _gathered_view(plan: HopSchedule, out: torch.Tensor) -> torch.Tensor:
     """``out`` ([p * n], parent order) seen as [s_0, .., s_m, n]: the layout the gather hops leave."""
     return out.view(*_digits_outer_first(plan), -1).permute(_reversed_axes(plan))
 
 
-def _gather_source(plan: HopPlan, block: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+def _gather_source(plan: HopSchedule, block: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """A copy of ``block`` (it may be a view into ``out``, which the last copy overwrites), once
     ``out`` is checked to hold every member's block."""
     p = math.prod(plan.sizes)
@@ -119,7 +119,9 @@ def _gather_source(plan: HopPlan, block: torch.Tensor, out: torch.Tensor) -> tor
     return block.reshape(-1).clone()
 
 
-def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None) -> None:
+def all_gather(
+    plan: HopSchedule, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None
+) -> None:
     """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order; with
     ``int8_block``, hops across nodes send blockwise int8 with that many elements per scale."""
     held = _gather_source(plan, block, out)
@@ -136,7 +138,7 @@ def all_gather(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, int8_block
     _gathered_view(plan, out).copy_(held.view(*plan.sizes, -1))
 
 
-def all_gather_stages(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, pieces: int) -> list[Stage]:
+def all_gather_stages(plan: HopSchedule, block: torch.Tensor, out: torch.Tensor, pieces: int) -> list[Stage]:
     """:func:`all_gather` (unquantized) cut along the block into ``pieces`` chains of hops,
     outermost first, each piece copied into ``out`` by its last hop."""
     source, n = _gather_source(plan, block, out), block.numel()
@@ -162,7 +164,7 @@ def all_gather_stages(plan: HopPlan, block: torch.Tensor, out: torch.Tensor, pie
     return stages
 
 
-def reduce_scatter_stages(plan: HopPlan, pieces: torch.Tensor, results: list) -> list[Stage]:
+def reduce_scatter_stages(plan: HopSchedule, pieces: torch.Tensor, results: list) -> list[Stage]:
     """The reduce-scatter hops of each row of ``pieces`` (:func:`pack`'s buffer), innermost first;
     piece ``k``'s block lands in ``results[k]``."""
     hops = [i for i in range(len(plan.sizes)) if plan.sizes[i] > 1]
@@ -179,7 +181,7 @@ def reduce_scatter_stages(plan: HopPlan, pieces: torch.Tensor, results: list) ->
     return stages
 
 
-def hop_rows(plan: HopPlan, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
+def hop_rows(plan: HopSchedule, device: torch.device) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The row in hop order of each parent member, as an index tensor on ``device`` and as ints.
 
     Made once per plan and device and kept in ``plan.row_cache``: an index built on the host for
@@ -197,7 +199,9 @@ def hop_rows(plan: HopPlan, device: torch.device) -> tuple[torch.Tensor, tuple[i
     return cached
 
 
-def pack(tensors: Sequence[torch.Tensor], plan: HopPlan, pieces: int = 1) -> tuple[torch.Tensor, list[int]]:
+def pack(
+    tensors: Sequence[torch.Tensor], plan: HopSchedule, pieces: int = 1
+) -> tuple[torch.Tensor, list[int]]:
     """Several tensors as one buffer averaged over the parent, in hop order, with the chunking of
     DeepSpeed's ``reduce_scatter_coalesced``: tensor ``t`` cut into ``p`` chunks of ``ceil(numel/p)``
     (zero-padded), member ``i``'s chunks side by side in its row, the rows written straight into hop
@@ -244,7 +248,7 @@ def unpack(
     return out
 
 
-def reduce_scatter_coalesced(plan: HopPlan, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def reduce_scatter_coalesced(plan: HopSchedule, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Average-reduce-scatter of several tensors at once, with the contract of DeepSpeed's
     ``reduce_scatter_coalesced`` (see :func:`pack`)."""
     blocks, chunks = pack(tensors, plan)

@@ -3,7 +3,7 @@
 * ``partition_parameters._dist_allgather_fn`` (ZeRO-3's parameter fetches in forward and backward),
   ``deepspeed.comm.all_gather_into_tensor`` (every other gather: ``GatheredParameters``, persistent
   parameters, checkpoints) and ``stage3.reduce_scatter_coalesced`` (every gradient reduce-scatter)
-  are replaced by dispatchers that run a :class:`~.levels.HopPlan` when the group is one of OUR
+  are replaced by dispatchers that run a :class:`~.levels.HopSchedule` when the group is one of OUR
   groups, and call DeepSpeed's own function otherwise. Our groups are fresh objects made for this
   engine (never megatron's or DeepSpeed's), so a stock engine in the same process is untouched; with
   no route registered the dispatchers only add a dict lookup. Hops run on the engine's
@@ -33,7 +33,7 @@ from deepspeed.utils import groups as ds_groups
 from deepspeed_ext.zero.engine import hops
 from deepspeed_ext.zero.engine.grad_sync import CHECKPOINT_KEY, GradientReducer, restore_residuals
 from deepspeed_ext.zero.engine.hop_worker import HopWorker
-from deepspeed_ext.zero.engine.levels import HopPlan, ZeroLevels
+from deepspeed_ext.zero.engine.levels import HopSchedule, ZeroLevels
 
 
 @dataclass
@@ -42,7 +42,7 @@ class _Route:
 
     group: dist.ProcessGroup
     """Our group object (dispatch is by identity)."""
-    plan: HopPlan
+    plan: HopSchedule
     """Its hops."""
     worker: HopWorker
     """The engine's owner of hop collectives."""

@@ -17,25 +17,25 @@ import torch.distributed as dist
 from mdsp_base.section import ConfigError
 
 if TYPE_CHECKING:  # api imports this module
-    from deepspeed_ext.zero.engine.api import HierarchicalPlan
+    from deepspeed_ext.zero.engine.api import HierarchicalSetup
 
 
 @dataclass
-class KnownPlan:
+class KnownSetup:
     """A plan :func:`prepare` made in this process, found again by its DP group."""
 
     dp_group: dist.ProcessGroup
     """Held, so that its id is not reused by another group while the entry exists."""
-    plan: HierarchicalPlan
-    """The :class:`~.api.HierarchicalPlan`."""
+    plan: HierarchicalSetup
+    """The :class:`~.api.HierarchicalSetup`."""
     engines: int = 0
     """Engines built on it and not destroyed: the last one's ``destroy()`` destroys its groups."""
 
 
-_known: dict[int, KnownPlan] = {}  # by the id of the plan's DP group
+_known: dict[int, KnownSetup] = {}  # by the id of the plan's DP group
 
 
-def plan_of_partition(model: torch.nn.Module, plan: Any) -> KnownPlan | None:
+def setup_of_partition(model: torch.nn.Module, plan: Any) -> KnownSetup | None:
     """The known plan over whose DP group the model's parameters are already partitioned (by an
     earlier engine on this module or by our ``Init``), None when none is partitioned. Refuses a
     partition it cannot continue, naming its cause."""
@@ -55,7 +55,7 @@ def plan_of_partition(model: torch.nn.Module, plan: Any) -> KnownPlan | None:
             "deepspeed.zero.Init (or under deepspeed_ext.zero.Init(plan.levels) and pass plan=plan), "
             "or a fresh model for the hierarchical engine"
         )
-    entries = cast(list[KnownPlan], known)  # none is None: refused above
+    entries = cast(list[KnownSetup], known)  # none is None: refused above
     if len({id(entry.plan) for entry in entries}) > 1:
         raise ConfigError(
             "the model's parameters are partitioned by several hierarchical plans (modules of different "
@@ -75,7 +75,7 @@ def plan_of_partition(model: torch.nn.Module, plan: Any) -> KnownPlan | None:
     return entry
 
 
-def remember(plan: Any) -> KnownPlan:
-    """The entry of ``plan`` (a :class:`~.api.HierarchicalPlan`), made on first sight."""
+def remember(plan: Any) -> KnownSetup:
+    """The entry of ``plan`` (a :class:`~.api.HierarchicalSetup`), made on first sight."""
     group = plan.levels.dp_group
-    return _known.setdefault(id(group), KnownPlan(group, plan))
+    return _known.setdefault(id(group), KnownSetup(group, plan))

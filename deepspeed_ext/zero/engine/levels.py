@@ -1,6 +1,6 @@
-"""The data-parallel group cut into levels (package, node, global) and the hop plans built on them.
+"""The data-parallel group cut into levels (package, node, global) and the hop schedules built on them.
 
-A *hop plan* runs a collective over a parent group as a chain of collectives over sub-groups whose
+A *hop schedule* runs a collective over a parent group as a chain of collectives over sub-groups whose
 sizes multiply to the parent's: reduce-scatter innermost first (package, then across the packages of
 a node, then across nodes), all-gather outermost first. A member's index in the parent group is
 then the mixed-radix number of its indices in the hop groups, which is what lets the hops hand
@@ -43,7 +43,7 @@ HOP_LINKS = {
 
 
 @dataclass(frozen=True)
-class HopPlan:
+class HopSchedule:
     """A collective over ``parent`` run as hops, innermost (fastest link) first."""
 
     parent: tuple[int, ...]
@@ -120,9 +120,9 @@ class ZeroLevels:
             else self.groups.groups[GroupKind(self.secondary_level)]
         )
 
-    def _plan(self, kinds: Sequence[GroupKind], parent: GroupKind) -> HopPlan:
+    def _plan(self, kinds: Sequence[GroupKind], parent: GroupKind) -> HopSchedule:
         sizes = tuple(len(self.groups.members[k]) for k in kinds)
-        return HopPlan(
+        return HopSchedule(
             parent=tuple(self.groups.members[parent]),
             sizes=sizes,
             groups=tuple(self.groups.groups[k] for k in kinds),
@@ -131,13 +131,13 @@ class ZeroLevels:
             profile=self.profile,
         )
 
-    def dp_plan(self) -> HopPlan:
+    def dp_plan(self) -> HopSchedule:
         """Hops over the whole data-parallel group."""
         return self._plan(
             (GroupKind.PACKAGE, GroupKind.CROSS_PACKAGE, GroupKind.CROSS_NODE), GroupKind.GLOBAL
         )
 
-    def secondary_plan(self) -> HopPlan | None:
+    def secondary_plan(self) -> HopSchedule | None:
         """Hops of a secondary (backward) gather; None when there is no secondary copy."""
         if self.secondary_level == Level.GLOBAL:
             return None

@@ -3,7 +3,7 @@
 The hierarchical plan (which secondary level, which hop buffers) depends on the parameters, and the
 model must be built under :class:`~.inject.Init` with that plan's groups, so nothing is built whole
 on any rank. :func:`spec_on_meta` runs the model's own constructor once with its large tensors on
-the meta device (no memory, no random numbers drawn for them) and reads the :class:`ModelSpec`.
+the meta device (no memory, no random numbers drawn for them) and reads the :class:`ShardSpec`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from deepspeed_ext.zero.cost.volume import ModelSpec
-from deepspeed_ext.zero.engine.contract import model_spec
+from deepspeed_ext.zero.cost.volume import ShardSpec
+from deepspeed_ext.zero.engine.contract import shard_spec
 
 _MOVES = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu}
 SMALL = 1024
@@ -59,8 +59,8 @@ def on_meta() -> Iterator[None]:
         yield
 
 
-def spec_on_meta(build: Callable[[], torch.nn.Module], ds: dict) -> ModelSpec:
-    """This rank's :class:`ModelSpec` from ``build()`` with its large tensors on the meta device.
+def spec_on_meta(build: Callable[[], torch.nn.Module], ds: dict) -> ShardSpec:
+    """This rank's :class:`ShardSpec` from ``build()`` with its large tensors on the meta device.
     Torch's RNG states (host, and the devices' once initialised) are restored after, so the real
     build draws what it would draw without this one; ``build`` restores any generator of its own."""
     host = torch.random.get_rng_state()
@@ -72,4 +72,4 @@ def spec_on_meta(build: Callable[[], torch.nn.Module], ds: dict) -> ModelSpec:
         torch.random.set_rng_state(host)
         if devices is not None:
             torch.cuda.set_rng_state_all(devices)
-    return model_spec(model, ds)
+    return shard_spec(model, ds)

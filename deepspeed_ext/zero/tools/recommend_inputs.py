@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from deepspeed_ext.zero.cost.profile import ProfileError, read
-from deepspeed_ext.zero.cost.projection import Plan
+from deepspeed_ext.zero.cost.projection import Candidate
 from deepspeed_ext.zero.cost.verified import Backend
 from deepspeed_ext.zero.cost.workload import System
 from mdsp_base.topology import LinkClass
@@ -99,7 +99,7 @@ def measured_costs(path: Path, system: System, backend: Backend, nodes: int) -> 
     )
 
 
-def written_config(ds: dict, plan: Plan, profile: Path | None, batch: int) -> dict:
+def written_config(ds: dict, plan: Candidate, profile: Path | None, batch: int) -> dict:
     """``ds`` with the plan's micro-batch, accumulation, buckets and ``hierarchical_zero`` settings;
     every other key kept."""
     out = copy.deepcopy(ds)

@@ -29,9 +29,21 @@ its group and size, less what DeepSpeed's prefetching hides (:mod:`.cost.step`).
 from __future__ import annotations
 
 import argparse
+from dataclasses import asdict, replace
 
-from deepspeed_ext.zero.cost.workload import ModelShape
+from deepspeed_ext.zero.cost.workload import Model
 from mdsp_base.topology import require_launcher
+
+QUICK = Model(layers=2, hidden=64, heads=4, seq=32, vocab=1024)
+"""The model without a preset, and with --quick."""
+# Model field -> this command's flag
+MODEL_FLAGS = {
+    "layers": "--layers",
+    "hidden": "--hidden",
+    "heads": "--heads",
+    "seq": "--seq-length",
+    "vocab": "--vocab",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,10 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--megatron-args", help="a Megatron flags file (scripts/presets/*.args) giving the model's shape"
     )
-    for name, spec in ModelShape.__dataclass_fields__.items():
-        flag = "--" + name.replace("_", "-")
+    for name, flag in MODEL_FLAGS.items():
         parser.add_argument(
-            flag, type=int, help=f"model {name} (overrides --megatron-args; default {spec.default})"
+            flag,
+            type=int,
+            dest=name,
+            help=f"model {name} (overrides --megatron-args; default {getattr(QUICK, name)})",
         )
     parser.add_argument("--profile", help="a probe profile for ours (hierarchical_zero.profile)")
     parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
@@ -71,15 +85,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def model_shape(args: argparse.Namespace) -> ModelShape:
-    """The preset's shape (the defaults with --quick or without a preset), the flags on top."""
+def model_shape(args: argparse.Namespace) -> Model:
+    """The preset's model (the quick one with --quick or without a preset), the flags on top; a
+    preset without a vocabulary gets Megatron's padded GPT-2 one (50304)."""
     base = (
-        ModelShape.from_megatron_args(args.megatron_args)
+        Model.from_megatron_args(args.megatron_args, **{**asdict(QUICK), "vocab": 50304})
         if args.megatron_args and not args.quick
-        else ModelShape()
+        else QUICK
     )
-    given = {name: getattr(args, name) for name in vars(base) if getattr(args, name) is not None}
-    return ModelShape(**{**vars(base), **given})
+    return replace(
+        base, **{name: getattr(args, name) for name in MODEL_FLAGS if getattr(args, name) is not None}
+    )
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

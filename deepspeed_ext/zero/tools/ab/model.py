@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepspeed_ext.zero.cost.workload import ModelShape, Recompute
+from deepspeed_ext.zero.cost.workload import Model, Recompute
 
 
 class Block(nn.Module):
@@ -32,7 +32,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Embedding, blocks, final norm and an untied output layer: logits [batch, seq, vocab]."""
 
-    def __init__(self, shape: ModelShape) -> None:
+    def __init__(self, shape: Model) -> None:
         super().__init__()
         self.embed = nn.Embedding(shape.vocab, shape.hidden)
         self.blocks = nn.ModuleList(Block(shape.hidden, shape.heads) for _ in range(shape.layers))
@@ -46,15 +46,15 @@ class GPT(nn.Module):
         return self.head(self.norm(x))
 
 
-def build_model(shape: ModelShape, device: str | torch.device = "cpu") -> nn.Module:
+def build_model(shape: Model, device: str | torch.device = "cpu") -> nn.Module:
     """The model, initialised alike on every rank (on ``device``; "meta" allocates nothing)."""
     torch.manual_seed(0)
     with torch.device(device):
         return GPT(shape)
 
 
-def flops_per_step(shape: ModelShape, tokens: int) -> float:
+def flops_per_step(shape: Model, tokens: int) -> float:
     """Forward and backward FLOPs of ``tokens`` tokens: the cost model's count per sequence
     (Narayanan et al.'s, :meth:`.cost.workload.Model.flops`: 6 x matmul parameters x tokens + 12 x
     layers x hidden x sequence x tokens) times the sequences."""
-    return shape.model().flops(1, Recompute.NONE) * tokens / shape.seq_length
+    return shape.flops(1, Recompute.NONE) * tokens / shape.seq

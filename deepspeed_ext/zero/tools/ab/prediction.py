@@ -12,14 +12,14 @@ import torch.nn.functional as F
 from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.step import StepPrediction, predict
-from deepspeed_ext.zero.cost.workload import Buckets
-from deepspeed_ext.zero.tools.ab.model import ModelShape, build_model
+from deepspeed_ext.zero.cost.workload import Buckets, Model
+from deepspeed_ext.zero.tools.ab.model import build_model
 from deepspeed_ext.zero.tools.ab.variants import Variant
 from mdsp_base import comm
 from mdsp_base.topology import Topology
 
 
-def compute_steps(shape: ModelShape, cfg: dict, steps: int, warmup: int, device: torch.device) -> list[float]:
+def compute_steps(shape: Model, cfg: dict, steps: int, warmup: int, device: torch.device) -> list[float]:
     """The single-rank step the prediction takes as its compute: the same model, micro-batches and
     Adam step with no ZeRO and no communication inside, every rank at once (they share the host
     as the job's ranks do); each step the slowest rank's seconds."""
@@ -32,7 +32,7 @@ def compute_steps(shape: ModelShape, cfg: dict, steps: int, warmup: int, device:
         dist.barrier()
         start = time.perf_counter()
         for _ in range(accumulation):
-            tokens = torch.randint(shape.vocab, (micro, shape.seq_length + 1), device=device)
+            tokens = torch.randint(shape.vocab, (micro, shape.seq + 1), device=device)
             logits = net(tokens[:, :-1])
             F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
         optimizer.step()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.profile import load as load_profile
-from deepspeed_ext.zero.cost.workload import ModelShape
+from deepspeed_ext.zero.cost.workload import Model
 from deepspeed_ext.zero.tools.ab.cli import model_shape
 from deepspeed_ext.zero.tools.ab.gather_wait import GatherWait
 from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
@@ -29,7 +29,7 @@ from mdsp_base.comm import LINK_CLASSES
 from mdsp_base.topology import Topology, TopologyConfig, detect_topology
 
 
-def build(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology, device: torch.device) -> Any:
+def build(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
     import deepspeed
 
     from deepspeed_ext import zero
@@ -40,14 +40,14 @@ def build(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology, de
     return deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())[0]
 
 
-def one_step(engine: Any, shape: ModelShape, step: int, device: torch.device) -> float:
+def one_step(engine: Any, shape: Model, step: int, device: torch.device) -> float:
     """One optimizer step (all micro-batches), the slowest rank's seconds from a barrier."""
     dist.barrier()
     start = time.perf_counter()
     for micro in range(engine.gradient_accumulation_steps()):
         g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
         tokens = torch.randint(
-            shape.vocab, (engine.train_micro_batch_size_per_gpu(), shape.seq_length + 1), generator=g
+            shape.vocab, (engine.train_micro_batch_size_per_gpu(), shape.seq + 1), generator=g
         )
         tokens = tokens.to(device)
         logits = engine(tokens[:, :-1])
@@ -70,7 +70,7 @@ def _release(engine: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def cpu_peak(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology, device: torch.device) -> int:
+def cpu_peak(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> int:
     """Most bytes the process held at once during a fresh engine's second step."""
     from torch.profiler import record_function
 
@@ -85,7 +85,7 @@ def cpu_peak(variant: Variant, cfg: dict, shape: ModelShape, topology: Topology,
     return trace.process_peak("measured step")
 
 
-def check_fits(shape: ModelShape, device: torch.device) -> None:
+def check_fits(shape: Model, device: torch.device) -> None:
     """Each rank builds the model whole before ZeRO partitions it (as the suite's main job does):
     refuse a shape whose fp32 weights do not fit this device's free memory, naming the fix."""
     if device.type != "cuda":
@@ -102,7 +102,7 @@ def check_fits(shape: ModelShape, device: torch.device) -> None:
 def run_variant(
     variant: Variant,
     user: dict,
-    shape: ModelShape,
+    shape: Model,
     topology: Topology,
     args: argparse.Namespace,
     device: torch.device,
@@ -138,7 +138,7 @@ def run_variant(
     if peak is None and not args.no_peak:
         peak = cpu_peak(variant, cfg, shape, topology, device)
     peak = None if peak is None else int(slowest(float(peak), device))
-    flops = flops_per_step(shape, micro * accumulation * shape.seq_length * topology.world_size)
+    flops = flops_per_step(shape, micro * accumulation * shape.seq * topology.world_size)
     row.update(
         ran=True,
         step_s=seconds,
