@@ -1,7 +1,7 @@
 """Pretrain a megatron-core GPT under the DeepSpeed engine, with the suite's plugins when enabled.
 
 One process per rank (torchrun, srun, or the scripts in scripts/); ``--help`` lists the flags. The
-job itself is the ``trainer`` package.
+job itself is the ``megatron_ext.trainer`` package.
 """
 
 import sys

@@ -1,4 +1,7 @@
-"""Shared fixtures: ``run_ranks(world_size, fn, *args, timeout=...)`` runs ``fn`` on a gloo pool."""
+"""Shared fixtures: ``run_ranks(world_size, fn, *args, timeout=...)`` runs ``fn`` on a gloo pool.
+
+The tests mirror the packages (``tests/deepspeed_ext/zero/engine/`` tests ``deepspeed_ext.zero.engine``);
+what several of them share lives in :mod:`tests.helpers`."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from multirank import WorkerPool  # noqa: E402
+
+# Fixtures that live with their helpers: ``slurm`` (skips without a responding cluster).
+pytest_plugins = ["tests.helpers.slurm"]
 
 RunRanks = Callable[..., list[Any]]
 # Worker pools by world size, kept between tests: starting one costs seconds of imports per rank.
@@ -108,12 +113,11 @@ def forked() -> Iterator[Callable[..., Any]]:
 # -- the shared-memory loader's data --------------------------------------------------------------
 @pytest.fixture(scope="session")
 def gpt_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """(prefix, index cache) of a 60-document corpus: 428 samples of shm_helpers.SEQ tokens, so
+    """(prefix, index cache) of a 60-document corpus: 428 samples of helpers.shm.SEQ tokens, so
     that one epoch is short and resumes cross epoch boundaries. The cache is built here, once,
     before any rank reads it (the mask settings are not part of its key: every variant shares it)."""
-    from shm_helpers import gpt_dataset
-
     from megatron_ext.trainer.corpus import synthetic_documents, write_indexed_dataset
+    from tests.helpers.shm import gpt_dataset
 
     root = tmp_path_factory.mktemp("gpt-corpus")
     prefix, cache = str(root / "corpus"), str(root / "cache")
@@ -125,9 +129,8 @@ def gpt_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     """(prefix, index cache) of a 40-document corpus, its training split's cache built here, once."""
-    from shm_helpers import SEQ
-
     from megatron_ext.trainer.corpus import build_train_dataset, synthetic_documents, write_indexed_dataset
+    from tests.helpers.shm import SEQ
 
     root = tmp_path_factory.mktemp("small-corpus")
     prefix, cache = str(root / "corpus"), str(root / "cache")
@@ -138,10 +141,9 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def shm_dataset(small_corpus: tuple[str, str]) -> Any:
-    """The training split of ``small_corpus`` (sequences of shm_helpers.SEQ tokens)."""
-    from shm_helpers import SEQ
-
+    """The training split of ``small_corpus`` (sequences of helpers.shm.SEQ tokens)."""
     from megatron_ext.trainer.corpus import build_train_dataset
+    from tests.helpers.shm import SEQ
 
     prefix, cache = small_corpus
     return build_train_dataset(prefix, SEQ, 10, 1234, cache)
@@ -163,12 +165,12 @@ def shm_path() -> Iterator[str]:
 # -- attacks on it by another local user (root only) -----------------------------------------------
 @pytest.fixture(scope="session")
 def users() -> Iterator[dict[str, tuple[int, int]]]:
-    """uid and gid of the attacker and of a non-root victim (shm_helpers.ATTACKER, VICTIM); created
+    """uid and gid of the attacker and of a non-root victim (helpers.shm.ATTACKER, VICTIM); created
     here when absent, and removed again after the session."""
     import pwd
     import subprocess
 
-    from shm_helpers import ATTACKER, VICTIM
+    from tests.helpers.shm import ATTACKER, VICTIM
 
     made, ids = [], {}
     for name in (ATTACKER, VICTIM):

@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "HierarchicalSetup": "engine.api",
+    "HierarchicalPlan": "engine.api",
     "check_deepspeed_version": "engine.contract",
     "initialize": "engine.api",
     "shard_spec": "engine.contract",

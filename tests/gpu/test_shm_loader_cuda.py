@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 from megatron.core import parallel_state as ps
-from shm_helpers import megatron_batches
 
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 from megatron_ext.trainer.corpus import gpt_dataset_config, synthetic_documents, write_indexed_dataset
+from tests.helpers.shm import megatron_batches
 
 SEQ, MBS, STEPS = 64, 4, 12
 

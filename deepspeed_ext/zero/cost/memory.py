@@ -1,6 +1,6 @@
 """Bytes per rank the hierarchical variant adds: fp32 gradient blocks held for the cross-node hop
 and the transient buffers of one hop collective. The planner (``secondary_level: auto``) and the
-projection both count them here; ``tests/test_hop_memory.py`` measures them."""
+projection both count them here; ``tests/deepspeed_ext/zero/engine/test_hop_memory.py`` measures them."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def held_bytes(config: HierarchicalZeroConfig, shape: DPShape, model: ShardSpec)
 @dataclass(frozen=True)
 class HopBuffers:
     """Peak bytes per rank that one hop collective allocates beyond the flat one it replaces
-    (computed from the buffers hops.py and quantize.py allocate; tests/test_hop_memory.py measures)."""
+    (computed from the buffers hops.py and quantize.py allocate; tests/deepspeed_ext/zero/engine/test_hop_memory.py measures)."""
 
     gather: int
     """One parameter all-gather: the innermost hop's input and output (the flat call writes straight

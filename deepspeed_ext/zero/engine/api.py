@@ -27,7 +27,7 @@ from deepspeed_ext.zero.cost.secondary_level import (
 from deepspeed_ext.zero.cost.shape import dp_shape
 from deepspeed_ext.zero.cost.volume import ShardSpec, bytes_per_link, step_hops
 from deepspeed_ext.zero.cost.workload import Buckets
-from deepspeed_ext.zero.engine import inject, known_setups
+from deepspeed_ext.zero.engine import inject, known_plans
 from deepspeed_ext.zero.engine.contract import (
     check_before_collectives,
     check_deepspeed_version,
@@ -71,7 +71,7 @@ class JsonSections:
 
 
 @dataclass
-class HierarchicalSetup:
+class HierarchicalPlan:
     """What the variant decided for this rank, kept on the engine as ``engine.hierarchical_zero``."""
 
     levels: ZeroLevels
@@ -131,7 +131,7 @@ def prepare(
     plugin_config: Sections | None = None,
     mpu: Any = None,
     topology: Topology | None = None,
-) -> HierarchicalSetup:
+) -> HierarchicalPlan:
     """Check everything, choose the secondary level, then create the level groups (the first
     collective). Pass the result to :func:`initialize` and to :class:`~.inject.Init`; before a model
     exists (to build it under ``Init``) pass a :class:`ShardSpec` of its parameters instead."""
@@ -164,8 +164,8 @@ def prepare(
     if dist.get_rank() == 0:  # a warning: seen also where nothing configures logging
         logger.warning(describe(choice, shape))
     levels = build_levels(topology, dp_group, choice.level, hz, measured)
-    plan = HierarchicalSetup(levels=levels, choice=choice, model=spec)
-    known_setups.remember(plan)
+    plan = HierarchicalPlan(levels=levels, choice=choice, model=spec)
+    known_plans.remember(plan)
     return plan
 
 
@@ -187,7 +187,7 @@ def initialize(
     plugin_config: Sections | None = None,
     mpu: Any = None,
     topology: Topology | None = None,
-    plan: HierarchicalSetup | None = None,
+    plan: HierarchicalPlan | None = None,
     **kwargs: Any,
 ) -> tuple:
     """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``
@@ -204,7 +204,7 @@ def initialize(
         distributed_port=kwargs.get("distributed_port", 29500),
         dist_init_required=kwargs.get("dist_init_required"),
     )
-    known = known_setups.setup_of_partition(model, plan)
+    known = known_plans.plan_of_partition(model, plan)
     if known is not None:
         if plan is None and known.plan.levels.config != plugin_config.hierarchical_zero:
             raise ConfigError(
@@ -216,7 +216,7 @@ def initialize(
         plan = known.plan
     else:
         plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
-        known = known_setups.remember(plan)
+        known = known_plans.remember(plan)
     levels = plan.levels
     previous_mpu = ds_groups.mpu
     patched_comm = comm.patch_deepspeed_comm()
@@ -233,7 +233,7 @@ def initialize(
 
 def _undo_on_destroy(
     engine: Any,
-    known: known_setups.KnownSetup,
+    known: known_plans.KnownPlan,
     level_mpu: inject.LevelMPU,
     previous_mpu: Any,
     patched_comm: bool,

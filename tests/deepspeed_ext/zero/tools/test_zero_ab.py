@@ -1,0 +1,163 @@
+"""The A/B command a user runs before switching to hierarchical ZeRO: what it builds (stock ZeRO-3,
+DeepSpeed's hpZ at its valid sizes, ZeRO++ where its kernels build, ours with the probe's profile),
+how it counts, and that it runs end to end on the emulated cluster and from the Slurm scripts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepspeed_ext.zero.cost.workload import Model
+from deepspeed_ext.zero.tools.ab.cli import model_shape, parse_args
+from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
+from deepspeed_ext.zero.tools.ab.report import comparison, prediction_error, separated
+from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
+from mdsp_base.topology import Topology
+
+ROOT = Path(__file__).resolve().parents[4]
+HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
+
+
+def test_hpz_runs_at_each_valid_size_and_zeropp_says_why_it_cannot_run_on_cpu():
+    frontier = variants(Topology(world_size=16, ranks_per_node=8, ranks_per_package=2), torch.device("cpu"))
+    assert [v.name for v in frontier] == ["zero3", "hpZ(2)", "hpZ(8)", "zero++ (hpZ + qwZ + qgZ)", "ours"]
+    assert frontier[2].zero == {"zero_hpz_partition_size": 8}
+    zeropp = frontier[3]
+    assert zeropp.zero["zero_hpz_partition_size"] == 8 and zeropp.zero["zero_quantized_weights"]
+    assert "CUDA kernels" in zeropp.skipped and "cpu" in zeropp.skipped
+    one_node = variants(Topology(world_size=8, ranks_per_node=8, ranks_per_package=1), torch.device("cpu"))
+    assert [v.skipped is None for v in one_node] == [True, False, False, True]
+    assert "more than one node" in one_node[2].skipped
+
+
+def test_each_variant_runs_the_users_json_as_zero3_with_only_its_own_keys():
+    user = {
+        "train_batch_size": 64,
+        "gradient_accumulation_steps": 4,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 123},
+        "hierarchical_zero": {"enabled": True, "secondary_level": "node"},
+    }
+    stock = ds_config(user, Variant("hpZ(8)", ours=False, zero={"zero_hpz_partition_size": 8}), "p.json")
+    assert stock["zero_optimization"] == {"stage": 3, "reduce_bucket_size": 123, "zero_hpz_partition_size": 8}
+    assert stock["hierarchical_zero"] == {"enabled": False, "secondary_level": "node"}
+    assert "train_batch_size" not in stock and stock["gradient_accumulation_steps"] == 4
+    ours = ds_config(user, Variant("ours", ours=True), "p.json")
+    assert ours["hierarchical_zero"] == {"enabled": True, "secondary_level": "node", "profile": "p.json"}
+    assert user["zero_optimization"]["stage"] == 1  # the user's dict is left as it was
+
+
+def test_the_model_takes_a_megatron_presets_shape_and_counts_its_flops_by_hand():
+    preset = ["--megatron-args", str(ROOT / "scripts/presets/gpt-1.3b.args")]
+    assert model_shape(parse_args(preset)) == Model(layers=24, hidden=2048, heads=16, seq=2048, vocab=50304)
+    assert model_shape(parse_args([*preset, "--seq-length", "64"])).seq == 64
+    small = Model(layers=2, hidden=8, heads=2, seq=4, vocab=16)
+    params = sum(p.numel() for p in build_model(small).parameters())
+    # per layer 12 h^2 weights, 9 h biases and two norms (4 h); embedding and head V h each; final norm 2 h
+    assert params == 2 * (12 * 64 + 13 * 8) + 2 * 16 * 8 + 2 * 8
+    # 6 x (2 x 12 x 64 + 8 x 16) x 10 tokens + 12 x 2 x 8 x 4 x 10 tokens
+    assert flops_per_step(small, 10) == pytest.approx(6 * (2 * 768 + 128) * 10 + 12 * 2 * 8 * 4 * 10)
+    with pytest.raises(ValueError, match="hidden divisible by heads"):
+        Model(layers=2, hidden=10, heads=4, seq=4)
+
+
+def test_a_ratio_is_claimed_only_where_the_ranges_do_not_overlap():
+    assert separated([1.0, 1.1], [1.2, 1.3]) and not separated([1.0, 1.25], [1.2, 1.3])
+    rows = [
+        {"variant": "zero3", "ran": True, "step_s": [2.0, 2.2, 2.1]},
+        {"variant": "hpZ(2)", "ran": True, "step_s": [1.0, 1.6, 1.3]},
+        {"variant": "zero++", "ran": False, "reason": "cpu"},
+        {"variant": "ours", "ran": True, "step_s": [1.0, 1.1, 1.05]},
+    ]
+    assert comparison(rows) == [
+        "ours against zero3: 2.00x its step time",
+        "ours against hpZ(2): not separated",
+    ]
+
+
+def test_the_gather_wait_timer_wraps_deepspeeds_fetch_only_while_entered():
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    from deepspeed_ext.zero.tools.ab.gather_wait import GatherWait
+
+    original = PartitionedParameterCoordinator.fetch_sub_module
+    with GatherWait() as waited:
+        assert PartitionedParameterCoordinator.fetch_sub_module is not original
+        with pytest.raises(RuntimeError, match="already timing"):
+            GatherWait().__enter__()
+    assert PartitionedParameterCoordinator.fetch_sub_module is original
+    assert (waited.seconds, waited.fetches) == (0.0, 0)
+
+
+@pytest.mark.parametrize("platform", ["frontier", "nvidia"])
+def test_the_slurm_scripts_run_the_probe_then_the_ab_command_with_its_profile(platform, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(JOB="zero-ab", DRY_RUN="1", NODES="2", AB_DIR=str(tmp_path))
+    done = subprocess.run(
+        ["bash", f"scripts/slurm/{platform}.sbatch", "--steps", "10"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    probe = lines[lines.index("# command 1: the probe") + 1]
+    ab = lines[lines.index("# command") + 1]
+    assert (
+        probe.startswith("srun -N2") and f"-m deepspeed_ext.zero.probe --out {tmp_path}/profile.json" in probe
+    )
+    assert "-m deepspeed_ext.zero.bench" in ab and f"--profile {tmp_path}/profile.json" in ab
+    assert ab.endswith("--steps 10") and "--megatron-args" in ab and "--deepspeed-config" in ab
+    env["JOB"] = "zero-b"
+    bad = subprocess.run(
+        ["bash", f"scripts/slurm/{platform}.sbatch"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert bad.returncode != 0 and "use train (the default) or zero-ab" in bad.stderr
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason="needs root, ip and tc")
+def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
+    from benchmarks.zero import ab
+
+    ab.main(["--quick", "--nodes", "2", "--out", str(tmp_path)])  # the frontier regime, the default
+    result = json.loads((tmp_path / "ab_frontier_quick.json").read_text())
+    assert result["regime"] == "frontier" and result["spec"]["name"] == "frontier_bandwidth"
+    assert [result["spec"][f"{link}_latency_ms"] for link in ("package", "node", "inter_node")] == [0, 0, 0]
+    rows = {row["variant"]: row for row in result["variants"]}
+    assert list(rows) == ["zero3", "hpZ(2)", "zero++ (hpZ + qwZ + qgZ)", "ours"]
+    assert not rows["zero++ (hpZ + qwZ + qgZ)"]["ran"]
+    for name in ("zero3", "hpZ(2)", "ours"):
+        row = rows[name]
+        assert len(row["step_s"]) == 5 and min(row["step_s"]) > 0 and min(row["tflops"]) > 0
+        assert row["bytes_per_step"]["inter_node"] > 0 and row["peak_bytes"] > 0
+        # predicted from the profile, the launches counted and the single-rank step. The 25 % target
+        # is the benchmark's (python -m benchmarks.zero.ab, 8 ranks): at 4 ranks and 5 steps the
+        # measured spread alone is up to 2x (ours 0.30-0.60 s in one run), and other work on the
+        # host stretches the measured steps further than the prediction (2.3x under two busy
+        # loops), so a test that timed it would fail by chance. This bound, 10x either way (error
+        # -0.9 to +9), catches a broken model's units (ms for s, bytes for bits).
+        parts = row["predicted"]
+        assert row["predicted_step_s"] == pytest.approx(
+            parts["compute_s"] + parts["comm_s"] - parts["hidden_s"]
+        )
+        assert parts["compute_s"] > 0 and parts["comm_s"] > 0 and row["calls_per_step"]
+        assert -0.9 <= prediction_error(row) <= 9.0, (name, row["predicted_step_s"], row["step_s"])
+        # every step waits for the first module's gather at least, and no longer than the step
+        assert row["gather_wait_s"] > 0 and 0 < row["gather_wait_share"] < 1
+        assert 0 < row["forward_gather_wait_s"] < row["gather_wait_s"]  # both passes fetch
+        numbers = result["dimensionless"][name]
+        assert numbers["links"]["inter_node"]["message_over_product"] > 0 and numbers["comm_over_compute"] > 0
+    assert result["auto_check"] and len(result["probe_s"]) == 2
+    assert (tmp_path / "ab_frontier_quick.png").stat().st_size > 0
+    assert (tmp_path / "ab_frontier_quick_profile.json").exists()

@@ -1,0 +1,52 @@
+"""Floors: each plugin imports the common base (``mdsp_base``) and itself, never another plugin nor
+anything above the plugins (the configuration assembler, the Megatron glue, the main job). Every
+module of a plugin must import in a fresh interpreter where those packages cannot be found."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ABOVE = ["megatron_ext.integration", "megatron_ext.trainer", "megatron_ext.upstream", "megatron_ext.launch"]
+ZERO = "deepspeed_ext.zero"
+PLUGINS = {
+    ZERO: ["megatron_ext", *ABOVE],
+    "megatron_ext.data": ["deepspeed_ext", "megatron_ext.layers", *ABOVE],
+    "megatron_ext.layers": ["deepspeed_ext", "megatron_ext.data", *ABOVE],
+    # Inside hierarchical ZeRO: the cost model below the engine, the engine below the tools.
+    f"{ZERO}.cost": [f"{ZERO}.engine", f"{ZERO}.tools", "megatron_ext", *ABOVE],
+    f"{ZERO}.engine": [f"{ZERO}.tools", "megatron_ext", *ABOVE],
+}
+PROBE = """
+import importlib, importlib.abc, pkgutil, sys
+plugin, blocked = sys.argv[1], sys.argv[2:]
+
+class Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if any(name == b or name.startswith(b + ".") for b in blocked):
+            raise ImportError(f"{plugin} imports {name}, which is not its floor")
+        return None
+
+sys.meta_path.insert(0, Blocked())
+package = importlib.import_module(plugin)
+for module in pkgutil.walk_packages(package.__path__, plugin + "."):
+    importlib.import_module(module.name)
+print("imported", plugin)
+"""
+
+
+@pytest.mark.parametrize("plugin", sorted(PLUGINS))
+def test_each_plugin_imports_with_only_the_base_and_itself(plugin):
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE, plugin, *PLUGINS[plugin]],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"imported {plugin}" in done.stdout
