@@ -1,6 +1,6 @@
 """A probe profile: collective timings measured on this cluster, and what ``auto`` reads from them.
 
-``python -m deepspeed_ext.zero.probe`` writes one (see :mod:`.probe`); ``hierarchical_zero.profile``
+``python -m deepspeed_ext.zero.probe`` writes one (see :mod:`..tools.probe`); ``hierarchical_zero.profile``
 (or ``--hierarchical-zero-profile``) points a job at it. The profile holds the raw timings: for
 each link class, operation, algorithm and message size, the seconds of every repeat (the slowest
 rank's), measured with all of the node's rank-aligned groups running at once, as the job's hops

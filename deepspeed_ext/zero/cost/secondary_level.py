@@ -68,7 +68,7 @@ def level_seconds(
     """Communication of one step with the secondary copy at ``level`` (global: none), computed
     by the projection the planner CLI uses: DeepSpeed's gathers (one per parameter-owning module
     and pass, split at the prefetch bucket) and reduce buckets, each charged through
-    :mod:`.cost.collectives` with the costs the probe's ``profile`` fits, else the documented costs of this
+    :mod:`.collectives` with the costs the probe's ``profile`` fits, else the documented costs of this
     topology (Frontier's where packages hold several ranks, H100's otherwise). Hops across nodes
     are charged the algorithm the runtime runs: auto is ring without a profile."""
     buckets = buckets or Buckets()

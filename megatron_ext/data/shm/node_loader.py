@@ -5,7 +5,7 @@ directory with an unguessable name holding the 0600 ring, locked, header first, 
 place), removes dead jobs' segments, registers itself and waits until every rank of the node has
 registered; it then removes the names (the mappings stay valid, so neither a normal exit nor a kill
 leaves a file behind) and forks the producer. The other ranks wait for the name to appear, refuse
-anything that is not their user's own (``shm_segment``) or whose creator is gone, and register.
+anything that is not their user's own (``segment``) or whose creator is gone, and register.
 Whether a peer lives is always the kernel's answer about that peer's lock on the ring file, never a
 pid (``segment_file``): ranks in different PID namespaces (one container per rank) judge each other
 right. Every wait is bounded by ``timeout_s`` and tied to the peer's life: a rank that finds the

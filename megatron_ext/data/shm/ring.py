@@ -21,7 +21,7 @@ could see a half-way value would still see nothing it could act on, but it canno
 Every word that announces a payload (a slot's step, a release, a failure) is stored after a release
 fence and read before an acquire fence (``ordering``): free on x86-64, real barriers on aarch64.
 Every wait polls with a short, growing sleep and checks that the other side is alive: each process
-holds a lock on its own byte of the ring file (``shm_segment``: the creator byte 0, the producer
+holds a lock on its own byte of the ring file (``segment``: the creator byte 0, the producer
 byte 1, consumer ``c`` byte ``2 + c``) and is alive exactly while the kernel says someone holds it.
 A rank waiting for data gives up after ``timeout_s``; the producer waiting for ranks to release a
 slot waits as long as they live, because a live rank may rightly stop reading for long (a

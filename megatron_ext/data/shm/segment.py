@@ -6,7 +6,7 @@ directory (mode 0700); ``token`` is 128 random bits that rank drew and shared wi
 ranks through the loader's one collective, so no other user can guess the name before the
 directory exists, and once it exists nobody else can create, replace or open anything inside it
 (and, ``/dev/shm`` being sticky, nobody else can rename or remove it). Every open goes through
-``shm_private``: no symlink followed, no blocking on a FIFO, type, owner, mode and links checked.
+``private``: no symlink followed, no blocking on a FIFO, type, owner, mode and links checked.
 
 Inside the directory the ring is created mode 0600 as ``ring.tmp{pid}``, locked at once (below),
 sized with ``posix_fallocate`` (a full tmpfs gives ENOSPC at once, not a SIGBUS at first touch) and

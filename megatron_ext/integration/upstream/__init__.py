@@ -2,7 +2,7 @@
 
 * :mod:`.hooks`: what both share (plugin flags, effective configuration, data iterators);
 * :mod:`.megatron_lm` and :mod:`.megatron_deepspeed`: what each script calls through ``patches/``;
-* :mod:`.spec`: the blocks behind Megatron-LM's ``--spec megatron_ext.integration.upstream.megatron_lm <name>``;
-* :mod:`.cpu` and :mod:`.standins`: what ``python -m megatron_ext.launch`` installs so that the
+* :mod:`.layer_specs`: the blocks behind Megatron-LM's ``--spec megatron_ext.integration.upstream.megatron_lm <name>``;
+* :mod:`.scripts_on_cpu` and :mod:`.standins`: what ``python -m megatron_ext.launch`` installs so that the
   scripts run on a machine without CUDA, undone when the script returns.
 """

@@ -21,9 +21,9 @@ since the engine was built; CPU: the process's allocations during a fresh engine
 TFLOPS counts 6 x matmul parameters x tokens + 12 x layers x hidden x sequence x tokens per step.
 
 With ``--profile`` each variant's step is also predicted before its timing is read
-(``predicted_step_s``, :mod:`.bench_prediction`): the model's single-rank step measured first on
+(``predicted_step_s``, :mod:`.prediction`): the model's single-rank step measured first on
 every rank at once, plus every collective the engine launched per step at the profile's median for
-its group and size, less what DeepSpeed's prefetching hides (:mod:`.cost.step`).
+its group and size, less what DeepSpeed's prefetching hides (:mod:`deepspeed_ext.zero.cost.step`).
 """
 
 from __future__ import annotations

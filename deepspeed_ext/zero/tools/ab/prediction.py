@@ -1,5 +1,5 @@
 """The A/B command's prediction of each variant's step: its compute measured alone, then the cost
-model (:mod:`.cost.step`) with the probe profile and the collectives the engine launched."""
+model (:mod:`deepspeed_ext.zero.cost.step`) with the probe profile and the collectives the engine launched."""
 
 from __future__ import annotations
 
