@@ -1,4 +1,6 @@
-"""``python -m megatron_ext.launch``: runs an upstream Megatron-LM or Megatron-DeepSpeed script with the plugins (:mod:`megatron_ext.integration.launch`). Kept at this path because it is the command users run."""
+"""``python -m megatron_ext.launch``: runs an upstream Megatron-LM or Megatron-DeepSpeed script with the plugins.
+
+The command users run; its code is :mod:`megatron_ext.integration.launch`."""
 
 import sys
 

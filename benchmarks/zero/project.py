@@ -32,7 +32,7 @@ from deepspeed_ext.zero.cost.search import BASELINES, Rules, evaluate, own_best
 from deepspeed_ext.zero.cost.uncertainty import systems
 from deepspeed_ext.zero.cost.verified import Backend
 from deepspeed_ext.zero.cost.workload import Buckets, System
-from deepspeed_ext.zero.tools import recommend as planner_cli
+from deepspeed_ext.zero.tools import recommend
 from deepspeed_ext.zero.tools.recommend_inputs import measured_costs
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
@@ -113,7 +113,7 @@ def best_vs_targets(system: System, nodes: int, ds: dict, grad_accum: int) -> di
     }
     mine = best.projection.tflops_per_gcd
     return {
-        "plan": planner_cli.label(best),
+        "plan": recommend.label(best),
         "tflops_per_gcd": mine,
         "memory_gb": best.projection.memory["total"] / 1e9,
         "same_setting": best.ratios,
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tp", type=int, default=4, help="TP of the scaling table (the 20B preset: 4)")
     parser.add_argument("--grad-accum", type=int, help="micro-batches per step (default: the JSON's)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 6, 12, 24, 48])
-    parser.add_argument("--ds-config", type=Path, default=planner_cli.PRESETS / "ds_frontier_20b.json")
+    parser.add_argument("--ds-config", type=Path, default=recommend.PRESETS / "ds_frontier_20b.json")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--name", default="projection")
     parser.add_argument("--profile", type=Path, help="a probe profile: its measured costs and topology")

@@ -1,4 +1,6 @@
-"""``python -m deepspeed_ext.zero.bench``: the A/B command (stock ZeRO-3, hpZ, ZeRO++ and ours, side by side) (:mod:`deepspeed_ext.zero.tools.ab.cli`). Kept at this path because it is the command users run."""
+"""``python -m deepspeed_ext.zero.bench``: the A/B command (stock ZeRO-3, hpZ, ZeRO++ and ours, side by side).
+
+The command users run; its code is :mod:`deepspeed_ext.zero.tools.ab.cli`."""
 
 from deepspeed_ext.zero.tools.ab.cli import main
 

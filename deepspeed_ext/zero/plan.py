@@ -1,4 +1,6 @@
-"""``python -m deepspeed_ext.zero.plan``: recommends a configuration from the cost model (:mod:`deepspeed_ext.zero.tools.recommend`). Kept at this path because it is the command users run."""
+"""``python -m deepspeed_ext.zero.plan``: recommends a configuration from the cost model.
+
+The command users run; its code is :mod:`deepspeed_ext.zero.tools.recommend`."""
 
 from deepspeed_ext.zero.tools.recommend import main
 

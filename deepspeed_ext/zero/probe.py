@@ -1,4 +1,6 @@
-"""``python -m deepspeed_ext.zero.probe``: measures the collectives of every level and writes a profile (:mod:`deepspeed_ext.zero.tools.probe`). Kept at this path because it is the command users run."""
+"""``python -m deepspeed_ext.zero.probe``: measures the collectives of every level and writes a profile.
+
+The command users run; its code is :mod:`deepspeed_ext.zero.tools.probe`."""
 
 from deepspeed_ext.zero.tools.probe import main
 

@@ -84,6 +84,16 @@ def algorithm_steps(algorithm: Algorithm, members: int) -> int:
     return members - 1 if algorithm == Algorithm.RING else math.ceil(math.log2(members))
 
 
+def recursive_schedule(p: int) -> list[tuple[int, int]]:
+    """(distance, blocks) of each distance-doubling step over ``p`` members (halving runs them in
+    reverse): the engine's P2P algorithms follow it and the memory model sizes their buffers by it."""
+    steps, d = [], 1
+    while d < p:
+        steps.append((d, min(d, p - d)))
+        d *= 2
+    return steps
+
+
 def bus_bytes(operation: Operation, members: int, nbytes: float) -> float:
     """Bytes each rank sends in a bandwidth-optimal algorithm; ``nbytes`` is the gathered output
     (all-gather), the input (reduce-scatter, all-to-all) or the tensor (all-reduce, broadcast: a

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
+from deepspeed_ext.zero.cost.collectives import recursive_schedule
 from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.cost.volume import ShardSpec
 
@@ -66,12 +67,8 @@ def hop_buffers(
     if config.grad_reduce == "hierarchical" and shape.nodes > 1:
         node_elems = math.ceil(reduce_elems / p) * shape.nodes  # the block that crosses nodes
         if config.inter_node_algorithm != InterNodeAlgorithm.RING:
-            # Imported here: the runtime's schedule module loads torch, which the planner CLI and the
-            # cost model otherwise never need.
-            from deepspeed_ext.zero.engine import p2p_hops
-
             # distance halving receives the largest step's blocks into one buffer
-            most = max(blocks for _, blocks in p2p_hops.schedule(shape.nodes))
+            most = max(blocks for _, blocks in recursive_schedule(shape.nodes))
             reduce = most * math.ceil(reduce_elems / p) * gb
         if config.grad_sync == "accumulation_boundary":  # zeros handed to DeepSpeed between boundaries
             reduce = max(reduce, math.ceil(reduce_elems / p) * gb)

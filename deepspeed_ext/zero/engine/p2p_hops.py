@@ -20,16 +20,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.zero.cost.collectives import recursive_schedule
 from mdsp_base import comm
-
-
-def schedule(p: int) -> list[tuple[int, int]]:
-    """(distance, blocks) of each distance-doubling step over ``p`` members."""
-    steps, d = [], 1
-    while d < p:
-        steps.append((d, min(d, p - d)))
-        d *= 2
-    return steps
 
 
 def _pieces(first: int, count: int, p: int) -> list[tuple[int, int]]:
@@ -45,7 +37,7 @@ def all_gather(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup)
     comm.count_launch("all_gather", "recursive", out.numel() * out.element_size(), group)
     blocks = out.view(p, -1)
     blocks[me].copy_(block.reshape(-1))
-    for d, c in schedule(p):
+    for d, c in recursive_schedule(p):
         sends = [(blocks[a:b], (me - d) % p) for a, b in _pieces(me, c, p)]
         recvs = [(blocks[a:b], (me + d) % p) for a, b in _pieces(me + d, c, p)]
         comm.send_recv(sends, recvs, group, "gather")
@@ -57,7 +49,7 @@ def reduce_scatter(held: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
     p, me = dist.get_world_size(group), dist.get_rank(group)
     comm.count_launch("reduce_scatter", "recursive", held.numel() * held.element_size(), group)
     blocks = held.view(p, -1)
-    steps = schedule(p)
+    steps = recursive_schedule(p)
     inbox = torch.empty_like(blocks[: max((c for _, c in steps), default=0)])  # serves every step
     for d, c in reversed(steps):
         sends = [(blocks[a:b], (me + d) % p) for a, b in _pieces(me + d, c, p)]

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.zero.cost.collectives import recursive_schedule
 from deepspeed_ext.zero.engine import p2p_hops
 from mdsp_base import comm
 from mdsp_base.topology import Topology
@@ -74,7 +75,7 @@ def test_recursive_collectives_equal_gloo_for_every_group_size(run_ranks, block_
 
 
 def test_schedule_steps_and_blocks():
-    assert p2p_hops.schedule(1) == []
-    assert p2p_hops.schedule(2) == [(1, 1)]
-    assert p2p_hops.schedule(6) == [(1, 1), (2, 2), (4, 2)]  # 1 + 2 + 2 = 5 blocks
-    assert p2p_hops.schedule(8) == [(1, 1), (2, 2), (4, 4)]  # recursive doubling's 1 + 2 + 4
+    assert recursive_schedule(1) == []
+    assert recursive_schedule(2) == [(1, 1)]
+    assert recursive_schedule(6) == [(1, 1), (2, 2), (4, 2)]  # 1 + 2 + 2 = 5 blocks
+    assert recursive_schedule(8) == [(1, 1), (2, 2), (4, 4)]  # recursive doubling's 1 + 2 + 4
