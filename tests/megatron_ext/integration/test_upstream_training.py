@@ -1,13 +1,19 @@
 """Upstream pretrain_gpt.py (Megatron-LM core_v0.16.1, Megatron-DeepSpeed 4efb479) trains on CPU
-through ``python -m megatron_ext.launch`` on 4 gloo ranks under torchrun: TP=2 x DP=2 unpatched,
+through ``python -m megatron_ext.launch`` on 4 gloo ranks: TP=2 x DP=2 unpatched,
 patched with the plugins off (Megatron-LM) and with all of its plugins on at once, (Megatron-LM)
 the node loader under pipeline parallelism at TP=1 x PP=2 x DP=2 (the other PP layouts are
 compared with Megatron's stock batches in process, test_shm_pipeline.py), and (Megatron-DeepSpeed)
 Ulysses at SP=2 x DP=2 under ZeRO-3, stock DistributedAttention against Flash-Overlap's. With dropout 0
 every run must print its unpatched baseline's ``lm loss`` at every iteration, and each plugin run
-must log exactly its plugins enabled. Each run costs ~15 s of start-up on 2 cores, so a plugin is
-not run alone here: it is exact alone in the faster tests of its own (test_shm_loader,
-test_flash_overlap, test_hierarchical_zero) and together with the others here.
+must log exactly its plugins enabled. A plugin is not run alone here: it is exact alone in the
+faster tests of its own (test_shm_loader, test_flash_overlap, test_hierarchical_zero) and together
+with the others here.
+
+The ranks are forked from one warm interpreter (``multirank.warm``) with torchrun's variables: under
+torchrun a run spends ~20 of its ~30 s on 2 cores importing torch, DeepSpeed and Megatron in 4
+processes at once, and ~4 s more finalizing them. One run is launched by torchrun too, and must print
+what its warm launch printed (``test_torchrun_prints_the_losses_and_plugins_of_the_warm_launch``;
+for Megatron-LM the Slurm test compares srun's ranks the same way).
 
 Trees and data: tests/helpers/upstream.py (../shared/upstream/, a cache outside the project). Where
 CI=true a missing prerequisite fails the tests; elsewhere it skips them.
@@ -21,15 +27,20 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from multirank import free_port
+from multirank.warm import WarmLauncher
 from tests.helpers.slurm import LAUNCHER_PARAMS, LOCAL_SBATCH, wait_for_job
+from tests.helpers.upstream import TARBALLS as TREES
 from tests.helpers.upstream import SetupError, Tree, prepare, tool_env
 
 pytestmark = pytest.mark.upstream
+
+ROOT = Path(__file__).resolve().parents[3]
 
 ITERS = 3
 RUN_TIMEOUT_S = 300
@@ -326,22 +337,29 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tree]:
     return trees
 
 
-def _command(tree: Tree, kind: str, how: Variant, work: Path, port: int, node: int) -> list[str]:
-    """The launch of node ``node`` of ``how.nodes`` (4 ranks in all)."""
+@pytest.fixture(scope="module")
+def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
+    """The ranks' launcher: forked from one interpreter that has imported what both trees import
+    (each tree's pretrain_gpt.py --help through the launcher lists it); torchrun's variables."""
+    scripts = (upstream[kind].pristine / "pretrain_gpt.py" for kind in TREES)
+    help_runs = [["-m", "megatron_ext.launch", str(script), "--help"] for script in scripts]
+    launcher = WarmLauncher(_env(), help_runs, upstream["work"])
+    yield launcher
+    launcher.close()
+
+
+def _env() -> dict[str, str]:
+    return {
+        **tool_env(),
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(ROOT),
+        "PYTHONFAULTHANDLER": "1",  # a rank killed by a signal prints every thread's Python stack
+    }
+
+
+def _argv(tree: Tree, kind: str, how: Variant, work: Path) -> list[str]:
+    """What each rank runs: the launcher, the tree's pretrain_gpt.py and the variant's flags."""
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        str(how.nodes),
-        "--node-rank",
-        str(node),
-        "--nproc-per-node",
-        str(4 // how.nodes),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(port),
         "-m",
         "megatron_ext.launch",
         str((tree.patched if how.patched else tree.pristine) / "pretrain_gpt.py"),
@@ -366,31 +384,63 @@ def _command(tree: Tree, kind: str, how: Variant, work: Path, port: int, node: i
     return cmd + DEEPSPEED + stage + ["--deepspeed_config", str(config)] + flags
 
 
-def _train(upstream: dict, kind: str, variant: str) -> tuple[list[tuple[int, str]], str]:
+def _train(upstream: dict, warm: WarmLauncher, kind: str, variant: str) -> tuple[list[tuple[int, str]], str]:
     if (kind, variant) in _runs:
         return _runs[(kind, variant)]
-    codes, log = _launch(upstream, kind, variant, {**VARIANTS, **RESUMED}[(kind, variant)])
-    assert not any(codes), f"{kind} {variant} exited {codes}; output ends:\n{log[-6000:]}"
-    losses = sorted({int(it): loss for it, total, loss in LOSS.findall(log)}.items())
-    print(f"{kind} {variant}: lm loss {[loss for _, loss in losses]}")
-    _runs[(kind, variant)] = (losses, log)
-    return losses, log
-
-
-def _launch(upstream: dict, kind: str, variant: str, how: Variant) -> tuple[list[int], str]:
-    """Run ``how`` on ``kind``'s tree: every launch's exit code, and their output."""
+    how = {**VARIANTS, **RESUMED}[(kind, variant)]
     work, port = upstream["work"], free_port()
-    env = {
-        **tool_env(),
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": str(Path(__file__).resolve().parents[3]),
-        "PYTHONFAULTHANDLER": "1",  # a rank killed by a signal prints every thread's Python stack
-    }
-    launches = [
+    log = work / f"{kind}-{variant}.log"
+    try:
+        codes = warm.launch(
+            _argv(upstream[kind], kind, how, work), work, log, how.nodes, 4 // how.nodes, port, RUN_TIMEOUT_S
+        )
+    except TimeoutError as exc:
+        pytest.fail(f"{kind} {variant}: {exc}")
+    finally:
+        _remove_shm_buffers(port)
+    output = log.read_text(errors="replace")
+    assert not any(codes), f"{kind} {variant} exited {codes}; output ends:\n{output[-6000:]}"
+    _runs[(kind, variant)] = (_losses(output), output)
+    print(f"{kind} {variant}: lm loss {[loss for _, loss in _runs[(kind, variant)][0]]}")
+    return _runs[(kind, variant)]
+
+
+def _losses(log: str) -> list[tuple[int, str]]:
+    return sorted({int(it): loss for it, _, loss in LOSS.findall(log)}.items())
+
+
+def _remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU all-reduce leaves a buffer per rank in /dev/shm, named after the port."""
+    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
+        leftover.unlink(missing_ok=True)
+
+
+def _torchrun(upstream: dict, kind: str, variant: str) -> tuple[list[int], str]:
+    """``variant`` launched as a user launches it: one torchrun per node; exit codes and output."""
+    how, work, port = VARIANTS[(kind, variant)], upstream["work"], free_port()
+    argv = _argv(upstream[kind], kind, how, work)
+    agents = [
         subprocess.Popen(
-            _command(upstream[kind], kind, how, work, port, node),
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                str(how.nodes),
+                "--node-rank",
+                str(node),
+            ]
+            + [
+                "--nproc-per-node",
+                str(4 // how.nodes),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+            ]
+            + argv,
             cwd=work,
-            env=env,
+            env=_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # one stream in time order: a failure's tail shows what came before it
             text=True,
@@ -399,17 +449,15 @@ def _launch(upstream: dict, kind: str, variant: str, how: Variant) -> tuple[list
     ]
     logs, codes = [], []
     try:
-        for launch in launches:
-            logs.append(launch.communicate(timeout=RUN_TIMEOUT_S)[0])
-            codes.append(launch.returncode)
+        for agent in agents:
+            logs.append(agent.communicate(timeout=RUN_TIMEOUT_S)[0])
+            codes.append(agent.returncode)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{kind} {variant} did not finish in {RUN_TIMEOUT_S}s")
+        pytest.fail(f"{kind} {variant} under torchrun did not finish in {RUN_TIMEOUT_S}s")
     finally:
-        for launch in launches:
-            launch.kill()
-        # DeepSpeed's CPU all-reduce leaves a buffer per rank in /dev/shm, named after the port.
-        for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"):
-            leftover.unlink(missing_ok=True)
+        for agent in agents:
+            agent.kill()
+        _remove_shm_buffers(port)
     return codes, "\n".join(logs)
 
 
@@ -417,21 +465,19 @@ def _launch(upstream: dict, kind: str, variant: str, how: Variant) -> tuple[list
     ("kind", "variant"),
     [key for key, how in VARIANTS.items() if how.baseline is None],
 )
-def test_baseline_upstream_runs_train_on_cpu(upstream: dict, kind: str, variant: str) -> None:
-    losses, log = _train(upstream, kind, variant)
+def test_baseline_upstream_runs_train_on_cpu(
+    upstream: dict, warm: WarmLauncher, kind: str, variant: str
+) -> None:
+    losses, log = _train(upstream, warm, kind, variant)
     assert [it for it, _ in losses] == list(range(1, VARIANTS[(kind, variant)].iters + 1)), (
         f"no lm loss for every iteration:\n{log[-4000:]}"
     )
     assert float(losses[-1][1]) < float(losses[0][1]), f"loss did not fall: {losses}"
 
 
-@pytest.mark.parametrize(
-    ("kind", "variant"), [key for key, how in VARIANTS.items() if how.baseline is not None]
-)
-def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: str, variant: str) -> None:
+def _check_plugins(kind: str, variant: str, log: str) -> None:
+    """The run's log shows exactly its plugins enabled, its own path taken, and every rank's undo."""
     how = VARIANTS[(kind, variant)]
-    baseline, _ = _train(upstream, kind, how.baseline)
-    losses, log = _train(upstream, kind, variant)
     configs = [json.loads(m) for m in PLUGIN_CONFIG.findall(log)]
     if how.plugins:
         assert configs, f"{kind} {variant}: no 'plugin config:' line logged"
@@ -444,6 +490,18 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
     assert len(undone) == 4, f"{kind} {variant}: {len(undone)} of 4 ranks undid their changes:\n{log[-2500:]}"
     for plugin in how.plugins:
         assert all(f"{OWNERS[plugin]}: " in line for line in undone), (plugin, undone[0])
+
+
+@pytest.mark.parametrize(
+    ("kind", "variant"), [key for key, how in VARIANTS.items() if how.baseline is not None]
+)
+def test_upstream_with_plugins_prints_the_baseline_losses(
+    upstream: dict, warm: WarmLauncher, kind: str, variant: str
+) -> None:
+    how = VARIANTS[(kind, variant)]
+    baseline, _ = _train(upstream, warm, kind, how.baseline)
+    losses, log = _train(upstream, warm, kind, variant)
+    _check_plugins(kind, variant, log)
     assert len(baseline) == how.iters and [it for it, _ in losses] == [it for it, _ in baseline], (
         losses,
         baseline,
@@ -452,6 +510,20 @@ def test_upstream_with_plugins_prints_the_baseline_losses(upstream: dict, kind: 
         assert got == want if not how.rtol else abs(float(got) / float(want) - 1) <= how.rtol, (
             f"{kind} {variant}: {losses} != {how.baseline} {baseline}"
         )
+
+
+def test_torchrun_prints_the_losses_and_plugins_of_the_warm_launch(
+    upstream: dict, warm: WarmLauncher
+) -> None:
+    """The other tests fork their ranks from a warm interpreter; here torchrun starts them as a user
+    does (two agents, one per emulated node, every plugin of the tree on but the loader): every rank
+    exits 0 and prints what the warm launch printed. The Slurm test does the same for Megatron-LM."""
+    kind, variant = "megatron-deepspeed", "tp2-sp-hierarchical-zero-flash-overlap"
+    expected, _ = _train(upstream, warm, kind, variant)
+    codes, log = _torchrun(upstream, kind, variant)
+    assert codes == [0, 0], f"torchrun exited {codes}; output ends:\n{log[-6000:]}"
+    _check_plugins(kind, variant, log)
+    assert _losses(log) == expected, f"torchrun {_losses(log)} != warm {expected}"
 
 
 def _layout(value: object) -> object:
@@ -467,12 +539,14 @@ def _layout(value: object) -> object:
     return type(value).__name__
 
 
-def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(upstream: dict) -> None:
+def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(
+    upstream: dict, warm: WarmLauncher
+) -> None:
     import torch
 
     kind = "megatron-deepspeed"
     for variant in ("tp2-sp-patched-off", "tp2-sp-flash-overlap"):
-        _train(upstream, kind, variant)
+        _train(upstream, warm, kind, variant)
     stock, ours = (
         upstream["work"] / f"ckpt-{name}" / f"global_step{ITERS}"
         for name in ("tp2-sp", "tp2-sp-flash-overlap")
@@ -485,7 +559,7 @@ def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(upst
         saved = [torch.load(d / name, map_location="cpu", weights_only=False) for d in (stock, ours)]
         assert _layout(saved[0]) == _layout(saved[1]), name
     # each loads into the other's model and trains on: iteration 4 agrees to rounding
-    resumed = [_train(upstream, kind, variant)[0] for variant in (v for _, v in RESUMED)]
+    resumed = [_train(upstream, warm, kind, variant)[0] for variant in (v for _, v in RESUMED)]
     assert [it for it, _ in resumed[0]] == [it for it, _ in resumed[1]] == [ITERS + 1], resumed
     (_, a), (_, b) = resumed[0][0], resumed[1][0]
     assert abs(float(a) / float(b) - 1) <= 1e-6, resumed
@@ -493,10 +567,10 @@ def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(upst
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm")
-def test_local_sbatch_runs_upstream_megatron_lm(upstream: dict, tmp_path: Path) -> None:
+def test_local_sbatch_runs_upstream_megatron_lm(upstream: dict, warm: WarmLauncher, tmp_path: Path) -> None:
     """``UPSTREAM_DIR=<patched Megatron-LM> sbatch scripts/slurm/local.sbatch``: srun starts the 4 ranks
     through the launcher, and they print the losses torchrun's ranks printed with the same flags."""
-    expected, _ = _train(upstream, "megatron-lm", "both")
+    expected, _ = _train(upstream, warm, "megatron-lm", "both")
     tree, work = upstream["megatron-lm"], upstream["work"]
     flags = [
         *COMMON,
@@ -542,5 +616,5 @@ def test_local_sbatch_runs_upstream_megatron_lm(upstream: dict, tmp_path: Path) 
         f"job {job_id}: {problem or state} exit {code}; log ends:\n{log[-4000:]}"
     )
     assert "-m megatron_ext.launch" in log, "the plan printed by the script names the launcher"
-    losses = sorted({int(it): loss for it, _, loss in LOSS.findall(log)}.items())
+    losses = _losses(log)
     assert losses == expected, f"srun {losses} != torchrun {expected}"
