@@ -1,15 +1,17 @@
 """Ranks forked from one interpreter that has already imported torch and DeepSpeed.
 
 A launch through torchrun starts a fresh interpreter per rank, and on a small host the ranks' imports
-dominate a short run (4 ranks importing torch, DeepSpeed and Megatron side by side take ~20 s on 2
-cores; the training itself ~4 s). :class:`WarmLauncher` starts ``python -m multirank.warm`` once; it
-imports the modules it is given, then forks every rank of each launch from itself. A rank sees what
-a torchrun worker sees (the variables of torchrun's local agent, in the launcher's own environment)
-and runs its command as ``python`` would (``-m MODULE`` or a script as ``__main__``, then the normal
-interpreter exit: atexit, thread joins). What it cannot share with a cold start: the preloaded
-modules were imported before anything the command does, so a command that changes the process
-before it imports them (and whose imports would see that) needs a cold launch; the tests that use
-this check one launch of each kind against torchrun's.
+and exits dominate a short run: 4 ranks importing torch, DeepSpeed and Megatron side by side, and
+tearing those modules down again at exit. :class:`WarmLauncher` starts ``python -m multirank.warm``
+once; it imports the modules it is given, then forks every rank of each launch from itself. A rank
+sees what a torchrun worker sees (the variables of torchrun's local agent, in the launcher's own
+environment), runs its command as ``python`` would (``-m MODULE``, ``-c CODE`` or a script, as
+``__main__``) and ends as ``python`` ends, but for the modules' teardown (:meth:`_Rank.run`).
+
+What a warm rank cannot show is a cold start and a full exit: the preloaded modules were imported
+before anything the command does, so a command that changes the process before it imports them (and
+whose imports would see that) needs a cold launch. The tests that use this compare one launch of each
+kind with torchrun's or srun's.
 
 Lifetimes are tied: the server dies with its parent, each rank with the server (``PR_SET_PDEATHSIG``),
 and a launch's ranks are killed together when one fails or the launch outlives its timeout.
@@ -17,6 +19,7 @@ and a launch's ranks are killed together when one fails or the launch outlives i
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import importlib
@@ -26,6 +29,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -105,15 +109,22 @@ class WarmLauncher:
     """One warm server with the environment ``env``; each :meth:`launch` forks a run's ranks from it."""
 
     def __init__(
-        self, env: Mapping[str, str], commands: Sequence[Sequence[str]], cwd: Path, timeout_s: float = 300.0
+        self,
+        env: Mapping[str, str],
+        preload: Sequence[str] = (),
+        discover: Sequence[Sequence[str]] = (),
+        cwd: Path = REPO_ROOT,
+        timeout_s: float = 300.0,
     ) -> None:
-        """Preload what each of ``commands`` imports (:func:`installed_imports`) run once in ``cwd``."""
+        """Preload the modules ``preload`` (what the ranks' command imports before it does anything),
+        then what each command of ``discover`` imports from the installation (:func:`installed_imports`,
+        each run once in ``cwd``): for a command that changes the process before its imports."""
         self.env = {"OMP_NUM_THREADS": "1", **env}  # torchrun's default at more than one rank per node
-        preload: dict[str, None] = {}
-        for argv in commands:
-            preload.update(dict.fromkeys(installed_imports(argv, cwd, self.env, timeout_s)))
+        modules = dict.fromkeys(preload)
+        for argv in discover:
+            modules.update(dict.fromkeys(installed_imports(argv, cwd, self.env, timeout_s)))
         self._server = subprocess.Popen(
-            [sys.executable, "-m", "multirank.warm", *preload],
+            [sys.executable, "-m", "multirank.warm", *modules],
             cwd=REPO_ROOT,
             env=self.env,  # ``-m`` from REPO_ROOT finds this package; a rank's sys.path is its own
             stdin=subprocess.PIPE,
@@ -173,8 +184,12 @@ class _Rank:
     def __init__(self, request: dict[str, Any], env: dict[str, str]) -> None:
         self.argv, self.cwd, self.log, self.env = request["argv"], request["cwd"], request["log"], env
 
-    def run(self) -> None:
-        """Become the rank (session, output, environment, directory), then run the command."""
+    def run(self) -> int:
+        """Become the rank (session, output, environment, directory), run the command, and end as
+        ``python`` ends (its exit code, thread joins, atexit, output flushed) up to the teardown of
+        its modules, which it skips: that is most of a cold exit's time, and with the preloaded
+        modules frozen (``gc.freeze``) it would report their objects as leaked. The torchrun and
+        srun launches that the tests compare with exercise the full exit."""
         os.setsid()  # its own process group: a kill reaches what it starts (upstream runs make)
         _die_with_parent()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
@@ -186,7 +201,19 @@ class _Rank:
         os.close(out)
         os.environ.update(self.env)
         os.chdir(self.cwd)
-        self.execute()
+        try:
+            self.execute()
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception
+            code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's join of non-daemon threads
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        return code
 
     def execute(self) -> None:
         """Run the command as ``python`` would run it in this directory."""
@@ -196,10 +223,22 @@ class _Rank:
             sys.path[0] = os.getcwd()
             sys.argv = [self.argv[1], *self.argv[2:]]
             runpy.run_module(self.argv[1], run_name="__main__", alter_sys=True)
+        elif self.argv[0] == "-c":  # as ``python -c``: '' (the working directory) first
+            sys.path[0] = ""
+            sys.argv = ["-c", *self.argv[2:]]
+            exec(compile(self.argv[1], "<string>", "exec"), {"__name__": "__main__"})
         else:  # as ``python script``: the script's directory first
             sys.path[0] = os.path.dirname(os.path.abspath(self.argv[0]))
             sys.argv = list(self.argv)
             runpy.run_path(self.argv[0], run_name="__main__")
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status ``python`` exits with for ``exc``: None 0, an int itself, anything else printed, 1."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
 
 
 def _wait(pids: list[int], timeout: float) -> tuple[list[int], bool]:
@@ -239,9 +278,8 @@ def _serve(preload: Sequence[str], requests: IO[str], replies: IO[str]) -> _Rank
             replies.write(json.dumps({"error": error}) + "\n")
             replies.flush()
             return None
-    # Out of the collector's reach: a rank's collections (its exit's above all: 2.2 s of a 2-core
-    # host's CPU per rank with torch, DeepSpeed and Megatron's 3,500 modules, 0.3 s frozen) would
-    # otherwise walk every preloaded object, and touch (so copy) its page.
+    # Out of the collector's reach: a rank's collections would otherwise walk every preloaded object
+    # (torch, DeepSpeed and Megatron: 3,500 modules), and touch (so copy) its page.
     gc.freeze()
     replies.write(json.dumps({"modules": len(sys.modules), "seconds": time.monotonic() - start}) + "\n")
     replies.flush()
@@ -282,7 +320,7 @@ def main() -> None:
     os.dup2(2, 1)
     rank = _serve(sys.argv[1:], sys.stdin, replies)
     if rank is not None:
-        rank.run()  # a SystemExit from the command ends this process as it would end ``python``
+        os._exit(rank.run())
 
 
 if __name__ == "__main__":

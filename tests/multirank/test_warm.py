@@ -50,7 +50,7 @@ def scripts(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def warm(scripts: Path) -> Iterator[WarmLauncher]:
-    launcher = WarmLauncher(dict(os.environ), [[str(scripts / "record.py")]], scripts)
+    launcher = WarmLauncher(dict(os.environ), discover=[[str(scripts / "record.py")]], cwd=scripts)
     yield launcher
     launcher.close()
 
@@ -110,11 +110,14 @@ def test_a_rank_runs_its_command_as_python_does(warm: WarmLauncher, scripts: Pat
         assert record["path0"] == str(scripts)  # python script: the script's directory first
         assert record["argv"] == [str(scripts / "record.py"), "x"]
     assert (scripts / "sub" / "atexit-0").exists() and (scripts / "sub" / "atexit-1").exists()
+    code = "import sys; open(f'c-{__name__}', 'w').write(repr([sys.path[0], sys.argv]))"
+    assert warm.launch(["-c", code, "y"], scripts / "sub", log, 1, 1, free_port(), 60) == [0]
+    assert (scripts / "sub" / "c-__main__").read_text() == repr(["", ["-c", "y"]])  # as python -c
 
 
 def test_exit_codes_are_the_ranks_own(scripts: Path) -> None:
     env = {**os.environ, "EXIT_RANK_1": "7"}
-    launcher = WarmLauncher(env, [], scripts)
+    launcher = WarmLauncher(env, preload=["json"])
     try:
         codes = launcher.launch(["record.py"], scripts, scripts / "log", 1, 2, free_port(), 60)
     finally:

@@ -343,7 +343,7 @@ def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
     (each tree's pretrain_gpt.py --help through the launcher lists it); torchrun's variables."""
     scripts = (upstream[kind].pristine / "pretrain_gpt.py" for kind in TREES)
     help_runs = [["-m", "megatron_ext.launch", str(script), "--help"] for script in scripts]
-    launcher = WarmLauncher(_env(), help_runs, upstream["work"])
+    launcher = WarmLauncher(_env(), discover=help_runs, cwd=upstream["work"])
     yield launcher
     launcher.close()
 

@@ -1,5 +1,10 @@
 """The main job as a user runs it: loss falls at TP=2 x DP=2, resume continues the same curve,
-and bad input stops it with one clear line."""
+and bad input stops it with one clear line.
+
+The first run is launched by torchrun, as a user launches it; the others fork their ranks from a
+warm interpreter with torchrun's variables (``multirank.warm``: a run's 4 ranks would otherwise
+spend most of it importing torch, DeepSpeed and megatron-core), and the resumed run must continue
+torchrun's curve."""
 
 import json
 import os
@@ -9,10 +14,39 @@ from pathlib import Path
 
 import pytest
 
+from multirank import free_port
+from multirank.warm import WarmLauncher
 from tests.helpers.main_job import SMALL
 
 ROOT = str(Path(__file__).resolve().parents[3])
 SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+
+
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _env():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in RANK_VARIABLES:
+        env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="module")  # the slow tests, which run together (conftest.py)
+def warm():
+    """Ranks forked from an interpreter that has imported the job (the script imports it first thing)."""
+    launcher = WarmLauncher(_env(), preload=["megatron_ext.trainer.main"])
+    yield launcher
+    launcher.close()
+
+
+def _warm_run(warm, tmp_path, nproc, *flags, timeout=240):
+    log = tmp_path / f"run-{len(list(tmp_path.glob('run-*.log')))}.log"
+    argv = [SCRIPT, *SMALL, "--data-cache-path", str(tmp_path / "data"), *flags]
+    codes = warm.launch(argv, tmp_path, log, 1, nproc, free_port(), timeout)
+    out = log.read_text(errors="replace")
+    assert codes == [0] * nproc, f"exit codes {codes}:\n{out[-5000:]}"
+    return out
 
 
 def _torchrun(tmp_path, nproc, *flags, timeout=240):
@@ -29,10 +63,7 @@ def _torchrun(tmp_path, nproc, *flags, timeout=240):
         str(tmp_path / "data"),
         *flags,
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -52,7 +83,7 @@ def _zero3_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
+def test_loss_falls_and_a_resumed_run_continues_the_same_curve(warm, tmp_path):
     ds = _zero3_config(tmp_path)
     common = ["--tensor-model-parallel-size", "2", "--train-iters", "6", "--deepspeed-config", ds]
     ckpt = tmp_path / "ckpt"
@@ -79,7 +110,7 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
 
     # Resume from the checkpoint of iteration 3 (the run saved at 3 and 6; DeepSpeed loads the tag in `latest`).
     (ckpt / "latest").write_text("iter_0000003")
-    _torchrun(tmp_path, 4, *common, "--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl"))
+    _warm_run(warm, tmp_path, 4, *common, "--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl"))
     resumed = _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == [4, 5, 6]
     for it in range(4, 7):
@@ -87,7 +118,7 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(tmp_path):
 
 
 @pytest.mark.slow
-def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(tmp_path):
+def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(warm, tmp_path):
     """One node of two packages: the hops run package, then node. Nothing is built whole, and the
     model is the one stock's whole build makes: the losses are stock ZeRO-3's, to the last bit."""
     losses = {}
@@ -104,8 +135,8 @@ def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(tmp
             )
         )
         log = tmp_path / f"{name}.jsonl"
-        out = _torchrun(
-            tmp_path, 4, "--train-iters", "3", "--deepspeed-config", str(ds), "--log-json", str(log)
+        out = _warm_run(
+            warm, tmp_path, 4, "--train-iters", "3", "--deepspeed-config", str(ds), "--log-json", str(log)
         )
         losses[name] = _losses(log)
     assert "hierarchical_zero: the model is built partitioned over 4 ranks (secondary level package)" in out
@@ -154,15 +185,12 @@ def test_bad_input_exits_with_one_clear_line(pretrain_main, monkeypatch, capsys,
 def test_config_typo_stops_the_script_with_one_line(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"shm_data_loader": {"enabeld": True}}))
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
-    }
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--deepspeed-config", str(cfg)],
         capture_output=True,
         text=True,
         timeout=120,
-        env=env,
+        env=_env(),
         cwd=tmp_path,
     )
     assert proc.returncode == 2
