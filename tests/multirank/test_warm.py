@@ -162,7 +162,7 @@ def test_the_ranks_die_with_the_server(warm: WarmLauncher, scripts: Path) -> Non
 def test_only_installed_packages_are_preloaded(scripts: Path) -> None:
     (scripts / "local_mod.py").write_text("")
     (scripts / "uses.py").write_text("import local_mod, json, numpy\n")
-    found = installed_imports(["uses.py"], scripts, dict(os.environ), 60)
+    found = installed_imports([["uses.py"]], scripts, dict(os.environ), 60)
     assert "numpy" in found and "json" in found and "local_mod" not in found
     site = os.path.join(sys.prefix, "lib", "x.py")
     modules = {
@@ -179,7 +179,7 @@ def test_a_server_that_would_fork_threads_refuses(tmp_path: Path) -> None:
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "multirank.warm", "threaded"],
+        [sys.executable, "-m", "multirank.warm_server", "threaded"],
         cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,

@@ -1,0 +1,172 @@
+"""The warm launcher's server (``python -m multirank.warm_server MODULE...``): it imports the modules,
+then forks each launch's ranks (:mod:`multirank.warm`, which starts it, says what a rank sees).
+
+Requests and replies are JSON lines on its stdin and on a private copy of its stdout; the preloaded
+modules' own prints go to stderr. ``--imports ARGV...`` instead runs one command and prints the
+installed modules it imported (:func:`multirank.warm.installed_imports`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import importlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+from .warm import ERROR_GRACE_S, die_with_parent, installed_modules
+
+
+class _Rank:
+    """In a forked child: what to run, and how, once the server's frames are unwound."""
+
+    def __init__(self, request: dict[str, Any], env: dict[str, str]) -> None:
+        self.argv, self.cwd, self.log, self.env = request["argv"], request["cwd"], request["log"], env
+
+    def run(self) -> int:
+        """Become the rank (session, output, environment, directory), run the command, and end as
+        ``python`` ends (its exit code, thread joins, atexit, output flushed) up to the teardown of
+        its modules, which it skips: that is most of a cold exit's time, and with the preloaded
+        modules frozen (``gc.freeze``) it would report their objects as leaked. The torchrun and
+        srun launches that the tests compare with exercise the full exit."""
+        os.setsid()  # its own process group: a kill reaches what it starts (upstream runs make)
+        die_with_parent()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        out = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.environ.update(self.env)
+        os.chdir(self.cwd)
+        try:
+            self.execute()
+            code = 0
+        except SystemExit as exc:
+            code = _exit_code(exc)
+        except BaseException:
+            sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception
+            code = 1
+        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's join of non-daemon threads
+        atexit._run_exitfuncs()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        return code
+
+    def execute(self) -> None:
+        """Run the command as ``python`` would run it in this directory."""
+        import runpy
+
+        if self.argv[0] == "-m":  # as ``python -m``: the working directory first on sys.path
+            sys.path[0] = os.getcwd()
+            sys.argv = [self.argv[1], *self.argv[2:]]
+            runpy.run_module(self.argv[1], run_name="__main__", alter_sys=True)
+        elif self.argv[0] == "-c":  # as ``python -c``: '' (the working directory) first
+            sys.path[0] = ""
+            sys.argv = ["-c", *self.argv[2:]]
+            exec(compile(self.argv[1], "<string>", "exec"), {"__name__": "__main__"})
+        else:  # as ``python script``: the script's directory first
+            sys.path[0] = os.path.dirname(os.path.abspath(self.argv[0]))
+            sys.argv = list(self.argv)
+            runpy.run_path(self.argv[0], run_name="__main__")
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The status ``python`` exits with for ``exc``: None 0, an int itself, anything else printed, 1."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _wait(pids: list[int], timeout: float) -> tuple[list[int], bool]:
+    """Every rank's exit code; a failure or the deadline kills the rest (their process groups)."""
+    codes: dict[int, int] = {}
+    deadline, kill_at = time.monotonic() + timeout, None
+    while len(codes) < len(pids):
+        for rank, pid in enumerate(pids):
+            if rank not in codes:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    codes[rank] = os.waitstatus_to_exitcode(status)
+                    if codes[rank] != 0 and kill_at is None:
+                        kill_at = time.monotonic() + ERROR_GRACE_S
+        now = time.monotonic()
+        if now > deadline or (kill_at is not None and now > kill_at):
+            for rank, pid in enumerate(pids):
+                if rank not in codes:
+                    os.killpg(pid, signal.SIGKILL)
+                    codes[rank] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            return [codes[r] for r in range(len(pids))], kill_at is None
+        time.sleep(0.02)
+    return [codes[r] for r in range(len(pids))], False
+
+
+def _serve(preload: Sequence[str], requests: IO[str], replies: IO[str]) -> _Rank | None:
+    """The server's loop; returns in a forked rank (the rank to run), or None at the requests' end."""
+    start = time.monotonic()
+    for name in preload:
+        try:
+            importlib.import_module(name)
+        except Exception:  # one that needs the command's own set-up is imported by the rank
+            continue
+        threads = len(os.listdir("/proc/self/task"))
+        if threads != 1:  # a fork copies one thread: another's locks would stay held in every rank
+            error = f"importing {name} started a thread ({threads} in all): ranks cannot be forked safely"
+            replies.write(json.dumps({"error": error}) + "\n")
+            replies.flush()
+            return None
+    # Out of the collector's reach: a rank's collections would otherwise walk every preloaded object
+    # (torch, DeepSpeed and Megatron: 3,500 modules), and touch (so copy) its page.
+    gc.freeze()
+    replies.write(json.dumps({"modules": len(sys.modules), "seconds": time.monotonic() - start}) + "\n")
+    replies.flush()
+    for line in requests:
+        request = json.loads(line)
+        pids = []
+        for env in request["ranks"]:
+            pid = os.fork()
+            if pid == 0:
+                requests.close()
+                replies.close()
+                return _Rank(request, env)
+            pids.append(pid)
+        codes, timed_out = _wait(pids, request["timeout"])
+        replies.write(json.dumps({"codes": codes, "timed_out": timed_out}) + "\n")
+        replies.flush()
+    return None
+
+
+def _list_imports(argv: list[str]) -> None:
+    """``--imports ARGV``: run ARGV as a rank would, then print :func:`installed_modules` of what it imported."""
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    try:
+        _Rank({"argv": argv, "cwd": os.getcwd(), "log": os.devnull}, {}).execute()
+    except BaseException:  # the command's own outcome does not matter, its imports do
+        pass
+    replies.write(json.dumps(installed_modules(dict(sys.modules))) + "\n")
+    replies.flush()
+    os._exit(0)  # the command may have left threads or groups that a normal exit would wait on
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--imports"]:
+        _list_imports(sys.argv[2:])
+    # Replies go on a private copy of stdout; a preloaded module's prints go to stderr instead.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    rank = _serve(sys.argv[1:], sys.stdin, replies)
+    if rank is not None:
+        os._exit(rank.run())
+
+
+if __name__ == "__main__":
+    main()
