@@ -6,8 +6,11 @@
   torch.distributed's variables set over 127.0.0.1; each rank hands its result back with
   :func:`write_result`. The benchmarks' loopback runs use it; their emulated-cluster runs use the same
   result protocol (``benchmarks.cluster.EmulatedCluster``).
+* :class:`~multirank.warm.WarmLauncher` (``warm``, its server ``warm_server``): a command's ranks
+  forked from one interpreter that has imported torch and DeepSpeed, with torchrun's variables; the
+  tests' upstream and main-job trainings use it.
 
-Both raise :class:`RankError` when a rank fails and :class:`TimeoutError` when one never finishes.
+The first two raise :class:`RankError` when a rank fails and :class:`TimeoutError` when one never finishes.
 """
 
 from .pool import WorkerPool
