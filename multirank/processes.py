@@ -8,6 +8,7 @@ a rank script runs unchanged under either.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULT_ENV = "EMU_RESULT_FILE"
+_PR_SET_PDEATHSIG = 1
 # Slurm's per-task variables: a rank started inside a Slurm step would take its task id from them
 # over RANK (megatron-core and DeepSpeed both look), so every local rank would think it is task 0.
 SLURM_TASK_VARS = ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE")
@@ -47,6 +49,13 @@ def rank_env(rank: int, world_size: int, ranks_per_node: int | None = None, **ex
         **extra,
     )
     return env
+
+
+def die_with_parent() -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``): a launcher
+    killed outright (SIGKILL, OOM) takes its ranks with it instead of leaving them blocked in gloo."""
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def write_result(result: Any) -> None:

@@ -19,11 +19,9 @@ and a launch's ranks are killed together when one fails or the launch outlives i
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import selectors
-import signal
 import subprocess
 import sys
 import time
@@ -31,16 +29,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .processes import REPO_ROOT
+from .processes import REPO_ROOT, die_with_parent
 
 ERROR_GRACE_S = 3.0  # after a rank fails, its peers' time to print their own error before the kill
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
 def torchrun_env(rank: int, nodes: int, per_node: int, port: int) -> dict[str, str]:

@@ -20,7 +20,8 @@ import time
 from collections.abc import Sequence
 from typing import IO, Any
 
-from .warm import ERROR_GRACE_S, die_with_parent, installed_modules
+from .processes import die_with_parent
+from .warm import ERROR_GRACE_S, installed_modules
 
 
 class _Rank:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import json
 import os
@@ -18,7 +17,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
-from multirank.processes import RESULT_ENV
+from multirank.processes import RESULT_ENV, die_with_parent
 
 from . import netns
 from .spec import ClusterSpec
@@ -26,17 +25,10 @@ from .spec import ClusterSpec
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MASTER_PORT = 29500
 _TAIL_CHARS = 2000
-_PR_SET_PDEATHSIG = 1
 
 
 class RankFailure(RuntimeError):
     """One or more ranks failed or timed out; the message carries each rank's stderr tail."""
-
-
-def _die_with_parent() -> None:
-    # Runs in the forked child before exec: if the launcher is killed outright (SIGKILL, OOM), its
-    # ranks get SIGKILL too instead of blocking in gloo until their timeout.
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _raise_exit(signum: int, _frame: FrameType | None) -> None:
@@ -162,7 +154,7 @@ class EmulatedCluster:
                     ["ip", "netns", "exec", ns, sys.executable, *argv],
                     env=rank_env, stdout=outs[rank], stderr=errs[rank], stdin=subprocess.DEVNULL,
                     start_new_session=True,  # its own process group, so a kill reaches its children too
-                    preexec_fn=_die_with_parent,
+                    preexec_fn=die_with_parent,  # killed outright, the launcher takes its ranks along
                 ))  # fmt: skip
             self._wait(procs, outs, errs, timeout, echo)
             missing = [r for r in range(len(procs)) if not (run_dir / f"rank{r}.json").exists()]
