@@ -127,6 +127,8 @@ def _serve(preload: Sequence[str], requests: IO[str], replies: IO[str]) -> _Rank
     # Out of the collector's reach: a rank's collections would otherwise walk every preloaded object
     # (torch, DeepSpeed and Megatron: 3,500 modules), and touch (so copy) its page.
     gc.freeze()
+    for stream in (sys.stdout, sys.stderr):  # what the imports printed, once: a rank inherits buffers
+        stream.flush()
     replies.write(json.dumps({"modules": len(sys.modules), "seconds": time.monotonic() - start}) + "\n")
     replies.flush()
     for line in requests:
