@@ -125,6 +125,17 @@ def test_exit_codes_are_the_ranks_own(scripts: Path) -> None:
     assert codes == [0, 7]
 
 
+def test_what_the_preload_printed_stays_out_of_the_ranks_output(scripts: Path) -> None:
+    (scripts / "noisy.py").write_text("print('noisy was imported', end='')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # its stdout buffers
+    launcher = WarmLauncher({**env, "PYTHONPATH": str(scripts)}, preload=["noisy"])
+    try:
+        assert launcher.launch(["record.py"], scripts, scripts / "log", 1, 2, free_port(), 60) == [0, 0]
+    finally:
+        launcher.close()
+    assert "noisy" not in (scripts / "log").read_text()
+
+
 def test_a_failing_rank_takes_its_peers_down_within_seconds(warm: WarmLauncher, scripts: Path) -> None:
     start = time.monotonic()
     codes = warm.launch(["sleep.py"], scripts, scripts / "log", 1, 3, free_port(), 300)
