@@ -124,10 +124,9 @@ class WarmLauncher:
         then what each command of ``discover`` imports from the installation (:func:`installed_imports`,
         each run once in ``cwd``): for a command that changes the process before its imports."""
         self.env = {"OMP_NUM_THREADS": "1", **env}  # torchrun's default at more than one rank per node
-        found = installed_imports(discover, cwd, self.env, timeout_s) if discover else []
-        modules = dict.fromkeys([*preload, *found])
+        modules = dict.fromkeys([*preload, *installed_imports(discover, cwd, self.env, timeout_s)])
         self._server = subprocess.Popen(
-            [sys.executable, "-m", "multirank.warm_server", *modules],
+            [sys.executable, "-m", "multirank.warm_server"],
             cwd=REPO_ROOT,
             env=self.env,  # ``-m`` from REPO_ROOT finds this package; a rank's sys.path is its own
             stdin=subprocess.PIPE,
@@ -135,9 +134,8 @@ class WarmLauncher:
             text=True,
             preexec_fn=die_with_parent,
         )
-        ready = self._reply(timeout_s, "start")
-        self.preloaded: int = ready["modules"]
-        self.preload_s: float = ready["seconds"]
+        self._request({"preload": list(modules)})
+        self._reply(timeout_s, "start")
 
     def launch(
         self, argv: Sequence[str], cwd: Path, log: Path, nodes: int, per_node: int, port: int, timeout: float
@@ -146,13 +144,16 @@ class WarmLauncher:
         appended to ``log`` in time order; every rank's exit code (-9: killed) in rank order."""
         request = {"argv": list(argv), "cwd": str(cwd), "log": str(log), "timeout": timeout}
         request["ranks"] = [torchrun_env(r, nodes, per_node, port) for r in range(nodes * per_node)]
-        assert self._server.stdin is not None
-        self._server.stdin.write(json.dumps(request) + "\n")
-        self._server.stdin.flush()
+        self._request(request)
         reply = self._reply(timeout + 2 * ERROR_GRACE_S + 30, "launch")
         if reply["timed_out"]:
             raise TimeoutError(f"{' '.join(argv)}: ranks still running after {timeout:g} s, killed")
         return reply["codes"]
+
+    def _request(self, request: dict[str, Any]) -> None:
+        assert self._server.stdin is not None
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
 
     def _reply(self, timeout: float, what: str) -> dict[str, Any]:
         assert self._server.stdout is not None

@@ -1,5 +1,6 @@
-"""The warm launcher's server (``python -m multirank.warm_server MODULE...``): it imports the modules,
-then forks each launch's ranks (:mod:`multirank.warm`, which starts it, says what a rank sees).
+"""The warm launcher's server (``python -m multirank.warm_server``): it imports the modules its first
+request names, then forks each further request's ranks (:mod:`multirank.warm`, which starts it, says
+what a rank sees).
 
 Requests and replies are JSON lines on its stdin and on a private copy of its stdout; the preloaded
 modules' own prints go to stderr. ``--imports ARGV...`` instead runs one command and prints the
@@ -17,7 +18,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from typing import IO, Any
 
 from .processes import die_with_parent
@@ -110,10 +110,13 @@ def _wait(pids: list[int], timeout: float) -> tuple[list[int], bool]:
     return [codes[r] for r in range(len(pids))], False
 
 
-def _serve(preload: Sequence[str], requests: IO[str], replies: IO[str]) -> _Rank | None:
-    """The server's loop; returns in a forked rank (the rank to run), or None at the requests' end."""
-    start = time.monotonic()
-    for name in preload:
+def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
+    """The server's loop: import the first request's modules, then fork each launch's ranks. Returns
+    in a forked rank (the rank to run), or None at the requests' end."""
+    line = requests.readline()
+    if not line:
+        return None
+    for name in json.loads(line)["preload"]:
         try:
             importlib.import_module(name)
         except Exception:  # one that needs the command's own set-up is imported by the rank
@@ -129,7 +132,7 @@ def _serve(preload: Sequence[str], requests: IO[str], replies: IO[str]) -> _Rank
     gc.freeze()
     for stream in (sys.stdout, sys.stderr):  # what the imports printed, once: a rank inherits buffers
         stream.flush()
-    replies.write(json.dumps({"modules": len(sys.modules), "seconds": time.monotonic() - start}) + "\n")
+    replies.write(json.dumps({"modules": len(sys.modules)}) + "\n")
     replies.flush()
     for line in requests:
         request = json.loads(line)
@@ -166,7 +169,7 @@ def main() -> None:
     # Replies go on a private copy of stdout; a preloaded module's prints go to stderr instead.
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    rank = _serve(sys.argv[1:], sys.stdin, replies)
+    rank = _serve(sys.stdin, replies)
     if rank is not None:
         os._exit(rank.run())
 

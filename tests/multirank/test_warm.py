@@ -190,12 +190,12 @@ def test_a_server_that_would_fork_threads_refuses(tmp_path: Path) -> None:
         "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
     )
     done = subprocess.run(
-        [sys.executable, "-m", "multirank.warm_server", "threaded"],
+        [sys.executable, "-m", "multirank.warm_server"],
+        input=json.dumps({"preload": ["threaded"]}) + "\n",
         cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,
         text=True,
         timeout=60,
-        stdin=subprocess.DEVNULL,
     )
     assert "importing threaded started a thread (2 in all)" in json.loads(done.stdout)["error"]
