@@ -38,8 +38,9 @@ class _Rank:
         srun launches that the tests compare with exercise the full exit."""
         os.setsid()  # its own process group: a kill reaches what it starts (upstream runs make)
         die_with_parent()
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.SIG_DFL if sig != signal.SIGINT else signal.default_int_handler)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as at a cold start
+        for sig in (signal.SIGTERM, signal.SIGCHLD):
+            signal.signal(sig, signal.SIG_DFL)
         out = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(out, 1)

@@ -418,27 +418,19 @@ def _remove_shm_buffers(port: int) -> None:
 def _torchrun(upstream: dict, kind: str, variant: str) -> tuple[list[int], str]:
     """``variant`` launched as a user launches it: one torchrun per node; exit codes and output."""
     how, work, port = VARIANTS[(kind, variant)], upstream["work"], free_port()
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(how.nodes)]
+    torchrun += [
+        "--nproc-per-node",
+        str(4 // how.nodes),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+    ]
     argv = _argv(upstream[kind], kind, how, work)
     agents = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                str(how.nodes),
-                "--node-rank",
-                str(node),
-            ]
-            + [
-                "--nproc-per-node",
-                str(4 // how.nodes),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(port),
-            ]
-            + argv,
+            [*torchrun, "--node-rank", str(node), *argv],
             cwd=work,
             env=_env(),
             stdout=subprocess.PIPE,
