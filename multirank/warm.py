@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,19 @@ def torchrun_env(rank: int, nodes: int, per_node: int, port: int) -> dict[str, s
         "TORCHELASTIC_USE_AGENT_STORE": "False",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One rank of :meth:`WarmLauncher.run`."""
+
+    log: Path
+    """Where its stdout and stderr are appended (ranks may share one file)."""
+    env: Mapping[str, str] = field(default_factory=dict)
+    """Its variables, on top of the launcher's environment."""
+    netns: str | None = None
+    """A network namespace made by ``ip netns add`` that it joins first, as ``ip netns exec NAME``
+    would run it (root only); None: the launcher's."""
 
 
 def installed_imports(
@@ -140,15 +154,24 @@ class WarmLauncher:
     def launch(
         self, argv: Sequence[str], cwd: Path, log: Path, nodes: int, per_node: int, port: int, timeout: float
     ) -> list[int]:
-        """Run ``python *argv`` as ``nodes`` x ``per_node`` ranks in ``cwd``, their stdout and stderr
-        appended to ``log`` in time order; every rank's exit code (-9: killed) in rank order."""
-        request = {"argv": list(argv), "cwd": str(cwd), "log": str(log), "timeout": timeout}
-        request["ranks"] = [torchrun_env(r, nodes, per_node, port) for r in range(nodes * per_node)]
+        """Run ``python *argv`` as ``nodes`` x ``per_node`` ranks in ``cwd`` with torchrun's variables,
+        their stdout and stderr appended to ``log`` in time order; every rank's exit code (-9: killed)
+        in rank order."""
+        ranks = [Rank(log, torchrun_env(r, nodes, per_node, port)) for r in range(nodes * per_node)]
+        return self.run(argv, cwd, ranks, timeout)
+
+    def run(self, argv: Sequence[str], cwd: Path, ranks: Sequence[Rank], timeout: float) -> list[int]:
+        """Run ``python *argv`` in ``cwd`` once per rank of ``ranks``; every rank's exit code (-9:
+        killed) in rank order. A rank that fails takes the others down after ``ERROR_GRACE_S``; past
+        ``timeout`` all are killed and this raises TimeoutError."""
+        request: dict[str, Any] = {"argv": list(argv), "cwd": str(cwd), "timeout": timeout}
+        request["ranks"] = [{"env": dict(r.env), "log": str(r.log), "netns": r.netns} for r in ranks]
         self._request(request)
         reply = self._reply(timeout + 2 * ERROR_GRACE_S + 30, "launch")
         if reply["timed_out"]:
             raise TimeoutError(f"{' '.join(argv)}: ranks still running after {timeout:g} s, killed")
-        return reply["codes"]
+        codes: list[int] = reply["codes"]
+        return codes
 
     def _request(self, request: dict[str, Any]) -> None:
         assert self._server.stdin is not None
@@ -171,6 +194,12 @@ class WarmLauncher:
             self.close()
             raise RuntimeError(f"warm launcher: {reply['error']}")
         return reply
+
+    def __enter__(self) -> WarmLauncher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop the server (a launch in progress is killed with it)."""

@@ -10,6 +10,7 @@ installed modules it imported (:func:`multirank.warm.installed_imports`).
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import importlib
 import json
@@ -23,12 +24,16 @@ from typing import IO, Any
 from .processes import die_with_parent
 from .warm import ERROR_GRACE_S, installed_modules
 
+CLONE_NEWNET = 0x40000000  # <sched.h>
+NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` keeps a namespace's handle
+
 
 class _Rank:
     """In a forked child: what to run, and how, once the server's frames are unwound."""
 
-    def __init__(self, request: dict[str, Any], env: dict[str, str]) -> None:
-        self.argv, self.cwd, self.log, self.env = request["argv"], request["cwd"], request["log"], env
+    def __init__(self, request: dict[str, Any], rank: dict[str, Any]) -> None:
+        self.argv, self.cwd = request["argv"], request["cwd"]
+        self.log, self.env, self.netns = rank["log"], rank["env"], rank["netns"]
 
     def run(self) -> int:
         """Become the rank (session, output, environment, directory), run the command, and end as
@@ -49,6 +54,8 @@ class _Rank:
         os.environ.update(self.env)
         os.chdir(self.cwd)
         try:
+            if self.netns is not None:
+                _join_network_namespace(self.netns)
             self.execute()
             code = 0
         except SystemExit as exc:
@@ -78,6 +85,19 @@ class _Rank:
             sys.path[0] = os.path.dirname(os.path.abspath(self.argv[0]))
             sys.argv = list(self.argv)
             runpy.run_path(self.argv[0], run_name="__main__")
+
+
+def _join_network_namespace(name: str) -> None:
+    """Move this (single-threaded) process into the network namespace ``ip netns add NAME`` made: what
+    ``ip netns exec NAME`` does for its command, as far as sockets see (Python 3.11 has no os.setns)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"joining network namespace {name}: {os.strerror(error)} (needs root)")
+    finally:
+        os.close(fd)
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -138,12 +158,12 @@ def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
     for line in requests:
         request = json.loads(line)
         pids = []
-        for env in request["ranks"]:
+        for rank in request["ranks"]:
             pid = os.fork()
             if pid == 0:
                 requests.close()
                 replies.close()
-                return _Rank(request, env)
+                return _Rank(request, rank)
             pids.append(pid)
         codes, timed_out = _wait(pids, request["timeout"])
         replies.write(json.dumps({"codes": codes, "timed_out": timed_out}) + "\n")
@@ -156,7 +176,7 @@ def _list_imports(argv: list[str]) -> None:
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     try:
-        _Rank({"argv": argv, "cwd": os.getcwd(), "log": os.devnull}, {}).execute()
+        _Rank({"argv": argv, "cwd": os.getcwd()}, {"log": os.devnull, "env": {}, "netns": None}).execute()
     except BaseException:  # the command's own outcome does not matter, its imports do
         pass
     replies.write(json.dumps(installed_modules(dict(sys.modules))) + "\n")

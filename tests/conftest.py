@@ -17,8 +17,9 @@ sys.path.insert(0, ROOT)
 
 from multirank import WorkerPool  # noqa: E402
 
-# Fixtures that live with their helpers: ``slurm`` (skips without a responding cluster).
-pytest_plugins = ["tests.helpers.slurm"]
+# Fixtures that live with their helpers: ``slurm`` (skips without a responding cluster) and
+# ``main_job_warm`` (the main job's ranks forked warm).
+pytest_plugins = ["tests.helpers.slurm", "tests.helpers.main_job"]
 
 RunRanks = Callable[..., list[Any]]
 # Worker pools by world size, kept between tests: starting one costs seconds of imports per rank.

@@ -18,6 +18,7 @@ from types import FrameType, TracebackType
 from typing import Any
 
 from multirank.processes import RESULT_ENV, die_with_parent
+from multirank.warm import Rank, WarmLauncher
 
 from . import netns
 from .spec import ClusterSpec
@@ -37,15 +38,24 @@ def _raise_exit(signum: int, _frame: FrameType | None) -> None:
 
 
 class EmulatedCluster:
-    """Context manager owning the namespaces of one cluster; launch() runs commands on its ranks."""
+    """Context manager owning the namespaces of one cluster; launch() runs commands on its ranks.
+
+    Each rank is a fresh ``python`` in its namespace (``ip netns exec``), or, given ``warm``, a fork of
+    that launcher's interpreter that joins its namespace first: the same sockets and links, without
+    each rank importing torch and DeepSpeed again."""
 
     def __init__(
-        self, spec: ClusterSpec, prefix: str = netns.DEFAULT_PREFIX, lock_timeout: float = 120.0
+        self,
+        spec: ClusterSpec,
+        prefix: str = netns.DEFAULT_PREFIX,
+        lock_timeout: float = 120.0,
+        warm: WarmLauncher | None = None,
     ) -> None:
         netns.check_prefix(prefix)
         self.spec = spec
         self.prefix = prefix
         self.lock_timeout = lock_timeout
+        self.warm = warm
         self.namespaces: list[str] = []
         self._lock_file: Any = None
         self._old_handlers: dict[int, Any] = {}
@@ -134,7 +144,8 @@ class EmulatedCluster:
 
         Raises RankFailure (with every rank's stderr tail) when a rank exits non-zero, writes no
         result, or the whole run exceeds `timeout` seconds; the remaining ranks are killed first.
-        With echo=True the ranks' stdout lines are printed as they arrive, prefixed with the rank.
+        With echo=True the ranks' stdout lines are printed as they arrive (from a warm launcher, their
+        whole output once they have exited), prefixed with the rank.
         """
         if self._workdir is None:
             raise RuntimeError("launch() needs an entered cluster: use `with EmulatedCluster(spec) as c:`")
@@ -144,10 +155,27 @@ class EmulatedCluster:
         base.setdefault("OMP_NUM_THREADS", "1")
         # Rank scripts import the project by module path, wherever the caller's cwd is.
         base["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), base.get("PYTHONPATH")) if p)
+        envs = [
+            {**base, **self.rank_env(rank), RESULT_ENV: str(run_dir / f"rank{rank}.json")}
+            for rank in range(len(self.namespaces))
+        ]
+        if self.warm is None:
+            self._launch_cold(argv, envs, run_dir, timeout, echo)
+        else:
+            self._launch_warm(argv, envs, run_dir, timeout, echo)
+        missing = [r for r in range(len(envs)) if not (run_dir / f"rank{r}.json").exists()]
+        if missing:
+            raise RankFailure(
+                f"ranks {missing} exited 0 without write_result()\n" + _tails(run_dir, len(envs))
+            )
+        return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(len(envs))]
+
+    def _launch_cold(
+        self, argv: Sequence[str], envs: list[dict[str, str]], run_dir: Path, timeout: float, echo: bool
+    ) -> None:
         procs, outs, errs = [], [], []
         try:
-            for rank, ns in enumerate(self.namespaces):
-                rank_env = {**base, **self.rank_env(rank), RESULT_ENV: str(run_dir / f"rank{rank}.json")}
+            for rank, (ns, rank_env) in enumerate(zip(self.namespaces, envs)):
                 outs.append(open(run_dir / f"rank{rank}.out", "w+b"))  # noqa: SIM115
                 errs.append(open(run_dir / f"rank{rank}.err", "w+b"))  # noqa: SIM115
                 procs.append(subprocess.Popen(
@@ -156,11 +184,7 @@ class EmulatedCluster:
                     start_new_session=True,  # its own process group, so a kill reaches its children too
                     preexec_fn=die_with_parent,  # killed outright, the launcher takes its ranks along
                 ))  # fmt: skip
-            self._wait(procs, outs, errs, timeout, echo)
-            missing = [r for r in range(len(procs)) if not (run_dir / f"rank{r}.json").exists()]
-            if missing:
-                raise RankFailure(f"ranks {missing} exited 0 without write_result()\n" + _tails(errs))
-            return [json.loads((run_dir / f"rank{r}.json").read_text()) for r in range(len(procs))]
+            self._wait(procs, outs, run_dir, timeout, echo)
         finally:
             for proc in procs:
                 if proc.poll() is None:
@@ -169,9 +193,33 @@ class EmulatedCluster:
             for f in outs + errs:
                 f.close()
 
+    def _launch_warm(
+        self, argv: Sequence[str], envs: list[dict[str, str]], run_dir: Path, timeout: float, echo: bool
+    ) -> None:
+        """As a cold launch, but forked from ``self.warm`` (stdout and stderr in one file per rank,
+        echoed once the ranks have exited)."""
+        assert self.warm is not None
+        ranks = [
+            Rank(run_dir / f"rank{r}.err", env, ns) for r, (ns, env) in enumerate(zip(self.namespaces, envs))
+        ]
+        try:
+            codes = self.warm.run(argv, REPO_ROOT, ranks, timeout)
+        except TimeoutError as exc:
+            raise RankFailure(f"{exc}\n" + _tails(run_dir, len(ranks))) from None
+        if echo:
+            for rank, spec in enumerate(ranks):
+                for line in spec.log.read_text(errors="replace").splitlines():
+                    print(f"[rank {rank}] {line}", flush=True)
+        failed = [r for r, code in enumerate(codes) if code != 0]
+        if failed:
+            raise RankFailure(
+                f"ranks {failed} failed with exit codes {[codes[r] for r in failed]}\n"
+                + _tails(run_dir, len(ranks))
+            )
+
     @staticmethod
     def _wait(
-        procs: list[subprocess.Popen], outs: list[Any], errs: list[Any], timeout: float, echo: bool
+        procs: list[subprocess.Popen], outs: list[Any], run_dir: Path, timeout: float, echo: bool
     ) -> None:
         deadline = time.monotonic() + timeout
         printed = [0] * len(procs)
@@ -189,23 +237,25 @@ class EmulatedCluster:
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 raise RankFailure(
-                    f"ranks {failed} failed with exit codes {[codes[r] for r in failed]}\n" + _tails(errs)
+                    f"ranks {failed} failed with exit codes {[codes[r] for r in failed]}\n"
+                    + _tails(run_dir, len(procs))
                 )
             if all(c == 0 for c in codes):
                 return
             if time.monotonic() > deadline:
                 running = [r for r, c in enumerate(codes) if c is None]
                 raise RankFailure(
-                    f"timeout after {timeout:g} s, ranks {running} still running\n" + _tails(errs)
+                    f"timeout after {timeout:g} s, ranks {running} still running\n"
+                    + _tails(run_dir, len(procs))
                 )
             time.sleep(0.1)
 
 
-def _tails(errs: list[Any]) -> str:
+def _tails(run_dir: Path, ranks: int) -> str:
+    """The end of each rank's stderr (with a warm launch, its whole output)."""
     parts = []
-    for rank, f in enumerate(errs):
-        f.flush()
-        f.seek(0)
-        text = f.read()[-_TAIL_CHARS:].decode(errors="replace").rstrip()
+    for rank in range(ranks):
+        path = run_dir / f"rank{rank}.err"
+        text = path.read_bytes()[-_TAIL_CHARS:].decode(errors="replace").rstrip() if path.exists() else ""
         parts.append(f"--- rank {rank} stderr (tail) ---\n{text or '(empty)'}")
     return "\n".join(parts)

@@ -15,6 +15,7 @@ from benchmarks.cluster.spec import frontier, frontier_latency, generic
 from benchmarks.zero.scale import answers, targets
 from benchmarks.zero.variants import Question, scale_variants
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from multirank.warm import WarmLauncher
 
 PREFIX = "emct"  # not the default prefix, so a calibration running at the same time is left alone
 HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
@@ -175,6 +176,47 @@ def test_shaped_link_bandwidth_failures_and_teardown() -> None:
     with pytest.raises(SystemExit), EmulatedCluster(spec, prefix=PREFIX):
         assert len(_leftovers()[0]) == 3
         os.kill(os.getpid(), signal.SIGTERM)
+    assert _leftovers() == ([], [])
+
+
+# Each rank's own address, as the route to the master chooses it: a rank's namespace has only its link.
+WHERE = """
+import os, socket, torch.distributed as dist
+from benchmarks.cluster import write_result
+dist.init_process_group("gloo")
+probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+probe.connect((os.environ["MASTER_ADDR"], 9))
+write_result([os.environ["RANK"], probe.getsockname()[0], os.environ["CALLER"]])
+"""
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
+def test_a_warm_launch_puts_each_rank_in_its_namespace_as_a_cold_one_does() -> None:
+    spec = ClusterSpec(2, 1, 1, 200.0, 200.0, 200.0, name="smoke")
+    launcher = WarmLauncher(dict(os.environ), preload=["torch.distributed"])
+    try:
+        with EmulatedCluster(spec, prefix=PREFIX) as cluster:
+            cold = cluster.launch(["-c", WHERE], timeout=60, env={"CALLER": "x"})
+        with EmulatedCluster(spec, prefix=PREFIX, warm=launcher) as cluster:
+            assert (
+                cluster.launch(["-c", WHERE], timeout=60, env={"CALLER": "x"})
+                == cold
+                == [
+                    ["0", spec.address(0), "x"],
+                    ["1", spec.address(1), "x"],
+                ]
+            )
+            with pytest.raises(
+                RankFailure,
+                match=r"ranks \[0\] failed with exit codes \[1\]\n--- rank 0 stderr \(tail\) ---\nboom\n",
+            ):
+                fail = "import os, sys; os.environ['RANK'] == '0' and sys.exit('boom')"
+                cluster.launch(["-c", fail], timeout=30)
+            with pytest.raises(RankFailure, match=r"still running after 1 s"):
+                cluster.launch(["-c", "import time; time.sleep(60)"], timeout=1)
+    finally:
+        launcher.close()
     assert _leftovers() == ([], [])
 
 

@@ -155,8 +155,8 @@ def test_a_launch_past_its_timeout_is_killed(warm: WarmLauncher, scripts: Path) 
 def test_the_ranks_die_with_the_server(warm: WarmLauncher, scripts: Path) -> None:
     (scripts / "sleep.py").write_text(SLEEP.replace('== "1"', '== "none"'))
     server = warm._server
-    request = {"argv": ["sleep.py"], "cwd": str(scripts), "log": str(scripts / "log"), "timeout": 600}
-    request["ranks"] = [{"RANK": "0"}]
+    request = {"argv": ["sleep.py"], "cwd": str(scripts), "timeout": 600}
+    request["ranks"] = [{"env": {"RANK": "0"}, "log": str(scripts / "log"), "netns": None}]
     assert server.stdin is not None
     server.stdin.write(json.dumps(request) + "\n")
     server.stdin.flush()

@@ -7,43 +7,19 @@ spend most of it importing torch, DeepSpeed and megatron-core), and the resumed 
 torchrun's curve."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from multirank import free_port
-from multirank.warm import WarmLauncher
-from tests.helpers.main_job import SMALL
-
-ROOT = str(Path(__file__).resolve().parents[3])
-SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
+from tests.helpers.main_job import ROOT, SCRIPT, SMALL, job_env
 
 
-RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in RANK_VARIABLES:
-        env.pop(name, None)
-    return env
-
-
-@pytest.fixture(scope="module")  # the slow tests, which run together (conftest.py)
-def warm():
-    """Ranks forked from an interpreter that has imported the job (the script imports it first thing)."""
-    launcher = WarmLauncher(_env(), preload=["megatron_ext.trainer.main"])
-    yield launcher
-    launcher.close()
-
-
-def _warm_run(warm, tmp_path, nproc, *flags, timeout=240):
+def _warm_run(main_job_warm, tmp_path, nproc, *flags, timeout=240):
     log = tmp_path / f"run-{len(list(tmp_path.glob('run-*.log')))}.log"
     argv = [SCRIPT, *SMALL, "--data-cache-path", str(tmp_path / "data"), *flags]
-    codes = warm.launch(argv, tmp_path, log, 1, nproc, free_port(), timeout)
+    codes = main_job_warm.launch(argv, tmp_path, log, 1, nproc, free_port(), timeout)
     out = log.read_text(errors="replace")
     assert codes == [0] * nproc, f"exit codes {codes}:\n{out[-5000:]}"
     return out
@@ -63,7 +39,7 @@ def _torchrun(tmp_path, nproc, *flags, timeout=240):
         str(tmp_path / "data"),
         *flags,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=job_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -83,7 +59,7 @@ def _zero3_config(tmp_path):
 
 
 @pytest.mark.slow
-def test_loss_falls_and_a_resumed_run_continues_the_same_curve(warm, tmp_path):
+def test_loss_falls_and_a_resumed_run_continues_the_same_curve(main_job_warm, tmp_path):
     ds = _zero3_config(tmp_path)
     common = ["--tensor-model-parallel-size", "2", "--train-iters", "6", "--deepspeed-config", ds]
     ckpt = tmp_path / "ckpt"
@@ -110,7 +86,16 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(warm, tmp_path):
 
     # Resume from the checkpoint of iteration 3 (the run saved at 3 and 6; DeepSpeed loads the tag in `latest`).
     (ckpt / "latest").write_text("iter_0000003")
-    _warm_run(warm, tmp_path, 4, *common, "--load", str(ckpt), "--log-json", str(tmp_path / "resumed.jsonl"))
+    _warm_run(
+        main_job_warm,
+        tmp_path,
+        4,
+        *common,
+        "--load",
+        str(ckpt),
+        "--log-json",
+        str(tmp_path / "resumed.jsonl"),
+    )
     resumed = _losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == [4, 5, 6]
     for it in range(4, 7):
@@ -118,7 +103,7 @@ def test_loss_falls_and_a_resumed_run_continues_the_same_curve(warm, tmp_path):
 
 
 @pytest.mark.slow
-def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(warm, tmp_path):
+def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(main_job_warm, tmp_path):
     """One node of two packages: the hops run package, then node. Nothing is built whole, and the
     model is the one stock's whole build makes: the losses are stock ZeRO-3's, to the last bit."""
     losses = {}
@@ -136,7 +121,15 @@ def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(war
         )
         log = tmp_path / f"{name}.jsonl"
         out = _warm_run(
-            warm, tmp_path, 4, "--train-iters", "3", "--deepspeed-config", str(ds), "--log-json", str(log)
+            main_job_warm,
+            tmp_path,
+            4,
+            "--train-iters",
+            "3",
+            "--deepspeed-config",
+            str(ds),
+            "--log-json",
+            str(log),
         )
         losses[name] = _losses(log)
     assert "hierarchical_zero: the model is built partitioned over 4 ranks (secondary level package)" in out
@@ -146,7 +139,7 @@ def test_hierarchical_zero_builds_partitioned_and_prints_stock_zero3s_losses(war
 @pytest.fixture
 def pretrain_main(lone_rank):
     """The main job's ``main(argv)`` in this process, as a lone rank with a clean environment."""
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, str(ROOT))
     from scripts.pretrain_gpt import main
 
     return lambda *flags: main([*SMALL, "--data-cache-path", str(lone_rank / "data"), *flags])
@@ -182,24 +175,20 @@ def test_bad_input_exits_with_one_clear_line(pretrain_main, monkeypatch, capsys,
     assert message in err and "Traceback" not in err
 
 
-def test_config_typo_stops_the_script_with_one_line(tmp_path):
+def test_config_typo_stops_the_script_with_one_line(main_job_warm, tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"shm_data_loader": {"enabeld": True}}))
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--deepspeed-config", str(cfg)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_env(),
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 2
+    log = tmp_path / "typo.log"
+    assert main_job_warm.launch(
+        [SCRIPT, "--deepspeed-config", str(cfg)], tmp_path, log, 1, 1, free_port(), 120
+    ) == [2]
+    out = log.read_text()
     assert (
-        proc.stderr.strip()
+        out.strip()
         .splitlines()[-1]
         .startswith("error: invalid plugin config: unknown key 'shm_data_loader.enabeld'")
     )
-    assert "Traceback" not in proc.stderr
+    assert "Traceback" not in out
 
 
 def _corpus_of_ids(prefix: str, largest: int) -> None:

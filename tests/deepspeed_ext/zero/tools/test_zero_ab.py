@@ -130,9 +130,12 @@ def test_the_slurm_scripts_run_the_probe_then_the_ab_command_with_its_profile(pl
 def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
     from benchmarks.zero import ab
 
-    ab.main(["--quick", "--nodes", "2", "--out", str(tmp_path)])  # the frontier regime, the default
+    # the frontier regime, the default; the ranks forked warm (the emulated cluster's tests check that
+    # a warm rank joins its namespace as a cold one does)
+    ab.main(["--quick", "--warm", "--nodes", "2", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "ab_frontier_quick.json").read_text())
     assert result["regime"] == "frontier" and result["spec"]["name"] == "frontier_bandwidth"
+    assert result["warm"] and result["command"].endswith("--quick --warm")
     assert [result["spec"][f"{link}_latency_ms"] for link in ("package", "node", "inter_node")] == [0, 0, 0]
     rows = {row["variant"]: row for row in result["variants"]}
     assert list(rows) == ["zero3", "hpZ(2)", "zero++ (hpZ + qwZ + qgZ)", "ours"]

@@ -15,9 +15,10 @@ time. What this asks of the loader:
    other namespace stop within seconds with an error that names the failure, not after the loader's
    timeout, here 600 s.
 
-Every process is started as ``unshare --pid --fork --mount-proc --kill-child <python> ...``: pid 1 of
-a new PID namespace, with a /proc of its own, dying with the ``unshare`` process; the tests skip
-where that is not permitted (it needs root). Ranks are launched without torchrun, with the variables
+Every process in a PID namespace of its own is started as ``unshare --pid --fork --mount-proc
+--kill-child <python> ...``: pid 1 of a new PID namespace, with a /proc of its own, dying with the
+``unshare`` process; the tests skip where that is not permitted (it needs root). The controls' jobs,
+in this namespace, fork their ranks warm (``main_job_warm``); these ranks start cold, without torchrun, with the variables
 the main job reads (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a
 tenth of a second apart as separate containers start (ranks started within one clock tick share a
 start time, which would hide a check by pid and start time). Every wait is bounded: on a hang both
@@ -41,11 +42,10 @@ from pathlib import Path
 import pytest
 
 from multirank import free_port
-from tests.helpers.main_job import SMALL
+from multirank.warm import WarmLauncher
+from tests.helpers.main_job import SCRIPT, SMALL, job_env
 from tests.helpers.waits import HANG_S, wait_for
 
-ROOT = str(Path(__file__).resolve().parents[4])
-SCRIPT = os.path.join(ROOT, "scripts", "pretrain_gpt.py")
 UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
 ITERATIONS = 3
 JOB_S = 240.0  # hang bound of one job (a cold start imports torch, DeepSpeed and megatron-core on 2 cores)
@@ -96,19 +96,6 @@ def _cmdline(pid: int) -> bytes:
             return f.read()
     except OSError:
         return b""
-
-
-def _child_env(**extra: str) -> dict[str, str]:
-    """This environment without any launcher's rank variables, the tests' tree first on the path."""
-    rank_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in rank_vars and not k.startswith(("SLURM_", "TORCHELASTIC_", "GROUP_"))
-    }
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    env["OMP_NUM_THREADS"] = "1"
-    return {**env, **extra}
 
 
 class Process:
@@ -193,7 +180,7 @@ def test_a_live_segment_of_another_pid_namespace_is_kept_and_a_dead_ones_removed
         ],
         str(tmp_path / "creator.log"),
         own_namespaces,
-        _child_env(),
+        job_env(),
     )
     try:
         wait_for(
@@ -227,16 +214,14 @@ def data_cache(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("namespaces-data"))
 
 
-def _start_job(
-    where, data_cache: str, own_namespaces: bool, iterations: int, flags: list[str]
-) -> list[Process]:
+def _start_job(where, data_cache: str, iterations: int, flags: list[str]) -> list[Process]:
     """Two ranks of the main job (TP=1 x DP=2, one node), each its own process, rank 0 first; their
     logs and rank 0's JSON-lines log (``losses.jsonl``) in ``where``."""
     port = str(free_port())
     ranks: list[Process] = []
     try:
         for rank in range(2):
-            env = _child_env(
+            env = job_env(
                 RANK=str(rank),
                 WORLD_SIZE="2",
                 LOCAL_RANK=str(rank),
@@ -244,25 +229,28 @@ def _start_job(
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
             )
-            argv = [
-                sys.executable,
-                SCRIPT,
-                *SMALL,
-                "--train-iters",
-                str(iterations),
-                "--data-cache-path",
-                data_cache,
-                "--log-json",
-                str(where / "losses.jsonl"),
-                *flags,
-            ]
-            ranks.append(Process(argv, str(where / f"rank{rank}.log"), own_namespaces, env))
+            argv = [sys.executable, *_job_argv(where, data_cache, iterations, flags)]
+            ranks.append(Process(argv, str(where / f"rank{rank}.log"), True, env))
             time.sleep(LAUNCH_GAP_S)
     except BaseException:
         for started in ranks:
             started.kill()
         raise
     return ranks
+
+
+def _job_argv(where: Path, data_cache: str, iterations: int, flags: list[str]) -> list[str]:
+    return [
+        SCRIPT,
+        *SMALL,
+        "--train-iters",
+        str(iterations),
+        "--data-cache-path",
+        data_cache,
+        "--log-json",
+        str(where / "losses.jsonl"),
+        *flags,
+    ]
 
 
 def _tails(ranks: list[Process]) -> str:
@@ -298,33 +286,41 @@ def _wait_all(ranks: list[Process], timeout_s: float, what: str) -> float:
     return 0.0 if failed_at is None else time.monotonic() - failed_at
 
 
-def _train(where, data_cache: str, own_namespaces: bool, flags: list[str]) -> dict[int, float]:
+def _train(where: Path, data_cache: str, flags: list[str], warm: WarmLauncher | None) -> dict[int, float]:
+    """Rank 0's losses of the job, its ranks in PID namespaces of their own (started cold, as
+    containers start) or, for the controls, forked by ``warm`` in this namespace."""
     where.mkdir()
     what = f"the job ({' '.join(flags) or 'loader off'})"
-    ranks = _start_job(where, data_cache, own_namespaces, ITERATIONS, flags)
-    _wait_all(ranks, JOB_S, what)
-    failed = [r for r, p in enumerate(ranks) if p.popen.returncode != 0]
-    assert not failed, f"{what}: rank(s) {failed} failed:{_tails(ranks)}"
+    if warm is None:
+        ranks = _start_job(where, data_cache, ITERATIONS, flags)
+        _wait_all(ranks, JOB_S, what)
+        failed = [r for r, p in enumerate(ranks) if p.popen.returncode != 0]
+        assert not failed, f"{what}: rank(s) {failed} failed:{_tails(ranks)}"
+    else:
+        log = where / "ranks.log"
+        codes = warm.launch(
+            _job_argv(where, data_cache, ITERATIONS, flags), where, log, 1, 2, free_port(), JOB_S
+        )
+        assert codes == [0, 0], f"{what}: exit codes {codes}:\n{log.read_text(errors='replace')[-4000:]}"
     with open(where / "losses.jsonl") as f:
         return {r["iteration"]: r["loss"] for r in map(json.loads, f)}
 
 
 @pytest.fixture(scope="module")
-def losses_loader_off(tmp_path_factory, data_cache) -> dict[int, float]:
+def losses_loader_off(tmp_path_factory, data_cache, main_job_warm) -> dict[int, float]:
     """The reference: the same job on Megatron's own data path, its ranks in this namespace."""
-    return _train(tmp_path_factory.mktemp("loader-off") / "job", data_cache, False, [])
+    return _train(tmp_path_factory.mktemp("loader-off") / "job", data_cache, [], main_job_warm)
 
 
 # -- 2. training ---------------------------------------------------------------------------------
 @pytest.mark.slow
 @NAMESPACES
 def test_ranks_in_pid_namespaces_of_their_own_train_with_the_loader_as_without_it(
-    own_namespaces, shm_dir, tmp_path, data_cache, losses_loader_off
+    own_namespaces, shm_dir, tmp_path, data_cache, losses_loader_off, main_job_warm
 ):
     _need_namespaces(own_namespaces)
-    on = _train(
-        tmp_path / "on", data_cache, own_namespaces, ["--shm-data-loader", "--shm-data-loader-dir", shm_dir]
-    )
+    flags = ["--shm-data-loader", "--shm-data-loader-dir", shm_dir]
+    on = _train(tmp_path / "on", data_cache, flags, None if own_namespaces else main_job_warm)
     assert sorted(on) == list(range(1, ITERATIONS + 1)), on
     assert on == losses_loader_off, f"losses with the loader {on}, without {losses_loader_off}"
     assert os.listdir(shm_dir) == [], "the loader left files behind after a clean exit"
@@ -367,7 +363,7 @@ def test_a_death_in_one_namespace_stops_the_other_ranks_within_seconds(
     survivors = sorted(failures)
     _need_namespaces()
     flags = ["--shm-data-loader", "--shm-data-loader-dir", shm_dir, "--shm-data-loader-timeout", "600"]
-    ranks = _start_job(tmp_path, data_cache, True, 5000, flags)  # 5000 iterations: far more than it runs
+    ranks = _start_job(tmp_path, data_cache, 5000, flags)  # 5000 iterations: far more than it runs
     try:
         wait_for(
             lambda: "iteration 1/" in ranks[0].output() or any(p.popen.poll() is not None for p in ranks),
