@@ -24,7 +24,6 @@ import os
 import selectors
 import subprocess
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,45 +72,6 @@ class Rank:
     would run it (root only); None: the launcher's."""
 
 
-def installed_imports(
-    commands: Sequence[Sequence[str]], cwd: Path, env: Mapping[str, str], timeout: float
-) -> list[str]:
-    """The modules ``python *argv`` imports, for each ``argv`` of ``commands`` (all run at once in
-    ``cwd``, their output discarded, their exit status ignored: ``--help`` is enough for most commands),
-    from this interpreter's installation, in import order. A module of a package that also has modules
-    elsewhere (the command's own tree shadowing an installed package of the same name) is left out, as
-    is every module of the project."""
-    path = os.pathsep.join(filter(None, (str(REPO_ROOT), env.get("PYTHONPATH"))))
-    runs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "multirank.warm_server", "--imports", *argv],
-            cwd=cwd,
-            env={**env, "PYTHONPATH": path},
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for argv in commands
-    ]
-    modules: dict[str, None] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        for argv, run in zip(commands, runs):
-            out = run.communicate(timeout=max(0.0, deadline - time.monotonic()))[0]
-            try:
-                modules.update(dict.fromkeys(json.loads(out.splitlines()[-1])))
-            except (IndexError, json.JSONDecodeError):
-                raise RuntimeError(
-                    f"listing the imports of {' '.join(argv)} failed ({run.returncode})"
-                ) from None
-    finally:
-        for run in runs:
-            run.kill()
-            run.wait()
-    return list(modules)
-
-
 def installed_modules(modules: Mapping[str, Any]) -> list[str]:
     """Of ``modules`` (name -> module, in import order), those loaded from this interpreter's
     installation whose top-level package has no module loaded from anywhere else."""
@@ -135,10 +95,12 @@ class WarmLauncher:
         timeout_s: float = 300.0,
     ) -> None:
         """Preload the modules ``preload`` (what the ranks' command imports before it does anything),
-        then what each command of ``discover`` imports from the installation (:func:`installed_imports`,
-        each run once in ``cwd``): for a command that changes the process before its imports."""
+        then what each command of ``discover`` imports from the installation: each runs once in
+        ``cwd``, forked from the server once it has imported ``preload``, for a command that changes
+        the process before its imports. A module of a package that also has modules elsewhere (the
+        command's own tree shadowing an installed package of the same name) is left out, as is every
+        module of the project; ``preload`` must hold no package that a command brings its own copy of."""
         self.env = {"OMP_NUM_THREADS": "1", **env}  # torchrun's default at more than one rank per node
-        modules = dict.fromkeys([*preload, *installed_imports(discover, cwd, self.env, timeout_s)])
         self._server = subprocess.Popen(
             [sys.executable, "-m", "multirank.warm_server"],
             cwd=REPO_ROOT,
@@ -148,8 +110,9 @@ class WarmLauncher:
             text=True,
             preexec_fn=die_with_parent,
         )
-        self._request({"preload": list(modules)})
-        self._reply(timeout_s, "start")
+        discover = [list(argv) for argv in discover]
+        self._request({"preload": list(preload), "discover": discover, "cwd": str(cwd), "timeout": timeout_s})
+        self._reply(timeout_s + 30, "start")
 
     def launch(
         self, argv: Sequence[str], cwd: Path, log: Path, nodes: int, per_node: int, port: int, timeout: float

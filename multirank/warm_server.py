@@ -1,10 +1,9 @@
 """The warm launcher's server (``python -m multirank.warm_server``): it imports the modules its first
-request names, then forks each further request's ranks (:mod:`multirank.warm`, which starts it, says
-what a rank sees).
+request names and those its commands import, then forks each further request's ranks
+(:mod:`multirank.warm`, which starts it, says what a rank sees).
 
 Requests and replies are JSON lines on its stdin and on a private copy of its stdout; the preloaded
-modules' own prints go to stderr. ``--imports ARGV...`` instead runs one command and prints the
-installed modules it imported (:func:`multirank.warm.installed_imports`).
+modules' own prints go to stderr.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import gc
 import importlib
 import json
 import os
+import selectors
 import signal
 import sys
 import threading
@@ -24,7 +24,8 @@ from typing import IO, Any
 from .processes import die_with_parent
 from .warm import ERROR_GRACE_S, installed_modules
 
-CLONE_NEWNET = 0x40000000  # <sched.h>
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000  # <sched.h>
+MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 1 << 19, 2  # <sys/mount.h>
 NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` keeps a namespace's handle
 
 
@@ -88,16 +89,25 @@ class _Rank:
 
 
 def _join_network_namespace(name: str) -> None:
-    """Move this (single-threaded) process into the network namespace ``ip netns add NAME`` made: what
-    ``ip netns exec NAME`` does for its command, as far as sockets see (Python 3.11 has no os.setns)."""
+    """Do for this (single-threaded) process what ``ip netns exec NAME`` does before it runs its
+    command (Python 3.11 has no os.setns): join the network namespace ``ip netns add NAME`` made,
+    then, in a mount namespace of its own, mount a /sys that shows that namespace's devices."""
     libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"{what} for network namespace {name}: {os.strerror(error)} (needs root)")
+
     fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY)
     try:
-        if libc.setns(fd, CLONE_NEWNET) != 0:
-            error = ctypes.get_errno()
-            raise OSError(error, f"joining network namespace {name}: {os.strerror(error)} (needs root)")
+        check(libc.setns(fd, CLONE_NEWNET), "setns")
     finally:
         os.close(fd)
+    check(libc.unshare(CLONE_NEWNS), "unshare")
+    check(libc.mount(b"", b"/", b"none", MS_SLAVE | MS_REC, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", MNT_DETACH), "umount /sys")
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 def _exit_code(exc: SystemExit) -> int:
@@ -131,23 +141,91 @@ def _wait(pids: list[int], timeout: float) -> tuple[list[int], bool]:
     return [codes[r] for r in range(len(pids))], False
 
 
-def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
-    """The server's loop: import the first request's modules, then fork each launch's ranks. Returns
-    in a forked rank (the rank to run), or None at the requests' end."""
-    line = requests.readline()
-    if not line:
-        return None
-    for name in json.loads(line)["preload"]:
+def _preload(names: list[str]) -> str | None:
+    """Import ``names``; None, or why ranks cannot be forked from this process any more."""
+    for name in names:
         try:
             importlib.import_module(name)
         except Exception:  # one that needs the command's own set-up is imported by the rank
             continue
         threads = len(os.listdir("/proc/self/task"))
         if threads != 1:  # a fork copies one thread: another's locks would stay held in every rank
-            error = f"importing {name} started a thread ({threads} in all): ranks cannot be forked safely"
-            replies.write(json.dumps({"error": error}) + "\n")
-            replies.flush()
-            return None
+            return f"importing {name} started a thread ({threads} in all): ranks cannot be forked safely"
+    return None
+
+
+def _discover(commands: list[list[str]], cwd: str, timeout: float) -> list[str]:
+    """What each command imports from the installation (:func:`installed_modules`), in import order:
+    each runs once, side by side, in a child forked from this process (so it imports only what the
+    preload lacks), its output discarded and its outcome ignored (``--help`` is enough for most)."""
+    children = []
+    for argv in commands:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            die_with_parent()
+            null = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(null, fd)
+            os.chdir(cwd)
+            try:
+                _Rank({"argv": argv, "cwd": cwd}, {"log": os.devnull, "env": {}, "netns": None}).execute()
+            except BaseException:  # the command's own outcome does not matter, its imports do
+                pass
+            with os.fdopen(write, "w") as out:
+                out.write(json.dumps(installed_modules(dict(sys.modules))))
+            os._exit(0)  # the command may have left threads or groups that a normal exit would wait on
+        os.close(write)
+        children.append((pid, os.fdopen(read, "rb"), argv))
+    deadline = time.monotonic() + timeout
+    modules: dict[str, None] = {}
+    try:
+        for _pid, out, argv in children:
+            with selectors.DefaultSelector() as sel:
+                sel.register(out, selectors.EVENT_READ)
+                data = b""
+                while sel.select(max(0.0, deadline - time.monotonic())):
+                    chunk = os.read(out.fileno(), 1 << 20)
+                    if not chunk:
+                        break
+                    data += chunk
+                else:
+                    raise TimeoutError(
+                        f"listing the imports of {' '.join(argv)}: no answer within {timeout:g} s"
+                    )
+            try:
+                modules.update(dict.fromkeys(json.loads(data)))
+            except json.JSONDecodeError:
+                raise RuntimeError(f"listing the imports of {' '.join(argv)} failed") from None
+    finally:
+        for pid, out, _ in children:
+            out.close()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(pid, 0)
+    return [name for name in modules if name not in sys.modules]
+
+
+def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
+    """The server's loop: import the first request's modules and what its commands import, then fork
+    each launch's ranks. Returns in a forked rank (the rank to run), or None at the requests' end."""
+    line = requests.readline()
+    if not line:
+        return None
+    start = json.loads(line)
+    try:
+        error = _preload(start["preload"])
+        if error is None:
+            error = _preload(_discover(start["discover"], start["cwd"], start["timeout"]))
+    except (TimeoutError, RuntimeError) as exc:
+        error = str(exc)
+    if error is not None:
+        replies.write(json.dumps({"error": error}) + "\n")
+        replies.flush()
+        return None
     # Out of the collector's reach: a rank's collections would otherwise walk every preloaded object
     # (torch, DeepSpeed and Megatron: 3,500 modules), and touch (so copy) its page.
     gc.freeze()
@@ -171,22 +249,7 @@ def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
     return None
 
 
-def _list_imports(argv: list[str]) -> None:
-    """``--imports ARGV``: run ARGV as a rank would, then print :func:`installed_modules` of what it imported."""
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    try:
-        _Rank({"argv": argv, "cwd": os.getcwd()}, {"log": os.devnull, "env": {}, "netns": None}).execute()
-    except BaseException:  # the command's own outcome does not matter, its imports do
-        pass
-    replies.write(json.dumps(installed_modules(dict(sys.modules))) + "\n")
-    replies.flush()
-    os._exit(0)  # the command may have left threads or groups that a normal exit would wait on
-
-
 def main() -> None:
-    if sys.argv[1:2] == ["--imports"]:
-        _list_imports(sys.argv[2:])
     # Replies go on a private copy of stdout; a preloaded module's prints go to stderr instead.
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)

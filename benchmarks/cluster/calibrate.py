@@ -14,6 +14,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from multirank.warm import WarmLauncher
+
 from .launch import EmulatedCluster
 from .netns import DEFAULT_PREFIX, ClusterUnavailable
 from .spec import PROFILES, ClusterSpec, profile
@@ -55,15 +57,17 @@ def calibrate(
     timeout: float = 600.0,
     prefix: str = DEFAULT_PREFIX,
     echo: bool = False,
+    warm: WarmLauncher | None = None,
 ) -> list[LinkMeasurement]:
-    """Build the cluster, time gloo send/recv for one pair per link class, tear it down."""
+    """Build the cluster, time gloo send/recv for one pair per link class, tear it down (its ranks
+    forked from ``warm`` when given, see EmulatedCluster)."""
     pairs = [(link, *spec.sample_pair(link)) for link in spec.link_classes()]
     if not pairs:
         raise ValueError(f"spec '{spec.name}' has a single rank: there is no link to measure")
     shared = shared_nic_flows(spec)
     argv = ["-m", "benchmarks.cluster.p2p", "--pairs", json.dumps(pairs), "--concurrent", json.dumps(shared),
             "--mbytes", str(mbytes), "--repeats", str(repeats), "--timeout", str(timeout)]  # fmt: skip
-    with EmulatedCluster(spec, prefix=prefix) as cluster:
+    with EmulatedCluster(spec, prefix=prefix, warm=warm) as cluster:
         if echo:
             print(
                 f"built {len(cluster.namespaces)} namespaces, launching {spec.world_size} ranks", flush=True

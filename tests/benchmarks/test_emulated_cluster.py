@@ -6,6 +6,7 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 
@@ -146,6 +147,14 @@ def shaped(measured_mbit: float, rate_mbit: float) -> bool:
     return rate_mbit / 2 < measured_mbit <= 1.25 * rate_mbit
 
 
+@pytest.fixture(scope="module")
+def warm() -> Iterator[WarmLauncher]:
+    """Ranks forked after importing torch.distributed (the link tests' ranks: what they measure is the
+    links, and test_a_warm_launch_puts_each_rank_in_its_namespace_as_a_cold_one_does checks the ranks)."""
+    with WarmLauncher(dict(os.environ), preload=["torch.distributed", "benchmarks.cluster.p2p"]) as launcher:
+        yield launcher
+
+
 def _leftovers() -> tuple[list[str], list[str]]:
     return netns.list_namespaces(PREFIX), netns.list_host_links(PREFIX)
 
@@ -180,6 +189,7 @@ def test_shaped_link_bandwidth_failures_and_teardown() -> None:
 
 
 # Each rank's own address, as the route to the master chooses it: a rank's namespace has only its link.
+# (Its /sys, which a warm rank mounts afresh as ip netns exec does, is read by the shared-NIC test.)
 WHERE = """
 import os, socket, torch.distributed as dist
 from benchmarks.cluster import write_result
@@ -192,31 +202,20 @@ write_result([os.environ["RANK"], probe.getsockname()[0], os.environ["CALLER"]])
 
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
-def test_a_warm_launch_puts_each_rank_in_its_namespace_as_a_cold_one_does() -> None:
+def test_a_warm_launch_puts_each_rank_in_its_namespace_as_a_cold_one_does(warm: WarmLauncher) -> None:
     spec = ClusterSpec(2, 1, 1, 200.0, 200.0, 200.0, name="smoke")
-    launcher = WarmLauncher(dict(os.environ), preload=["torch.distributed"])
-    try:
-        with EmulatedCluster(spec, prefix=PREFIX) as cluster:
-            cold = cluster.launch(["-c", WHERE], timeout=60, env={"CALLER": "x"})
-        with EmulatedCluster(spec, prefix=PREFIX, warm=launcher) as cluster:
-            assert (
-                cluster.launch(["-c", WHERE], timeout=60, env={"CALLER": "x"})
-                == cold
-                == [
-                    ["0", spec.address(0), "x"],
-                    ["1", spec.address(1), "x"],
-                ]
+    with EmulatedCluster(spec, prefix=PREFIX) as cluster:
+        cold = cluster.launch(["-c", WHERE], timeout=60, env={"CALLER": "x"})
+    with EmulatedCluster(spec, prefix=PREFIX, warm=warm) as cluster:
+        assert cluster.launch(["-c", WHERE], timeout=60, env={"CALLER": "x"}) == cold
+        assert cold == [["0", spec.address(0), "x"], ["1", spec.address(1), "x"]]
+        failed = r"ranks \[0\] failed with exit codes \[1\]\n--- rank 0 stderr \(tail\) ---\nboom\n"
+        with pytest.raises(RankFailure, match=failed):
+            cluster.launch(
+                ["-c", "import os, sys; os.environ['RANK'] == '0' and sys.exit('boom')"], timeout=30
             )
-            with pytest.raises(
-                RankFailure,
-                match=r"ranks \[0\] failed with exit codes \[1\]\n--- rank 0 stderr \(tail\) ---\nboom\n",
-            ):
-                fail = "import os, sys; os.environ['RANK'] == '0' and sys.exit('boom')"
-                cluster.launch(["-c", fail], timeout=30)
-            with pytest.raises(RankFailure, match=r"still running after 1 s"):
-                cluster.launch(["-c", "import time; time.sleep(60)"], timeout=1)
-    finally:
-        launcher.close()
+        with pytest.raises(RankFailure, match=r"still running after 1 s"):
+            cluster.launch(["-c", "import time; time.sleep(60)"], timeout=1)
     assert _leftovers() == ([], [])
 
 
@@ -240,14 +239,16 @@ write_result({k: after[k] - before[k] for k in after})
 
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
-def test_shared_nic_halves_each_flow_and_wire_bytes_are_counted_per_class() -> None:
+def test_shared_nic_halves_each_flow_and_wire_bytes_are_counted_per_class(warm: WarmLauncher) -> None:
     spec = ClusterSpec(2, 1, 2, 200.0, 200.0, 40.0, name="shared")  # 2 nodes, one package (one NIC) each
-    rows = {r.link: r for r in calibrate(spec, mbytes=0.5, repeats=2, timeout=120.0, prefix=PREFIX)}
+    rows = {
+        r.link: r for r in calibrate(spec, mbytes=0.5, repeats=2, timeout=120.0, prefix=PREFIX, warm=warm)
+    }
     assert shaped(rows["inter_node"].measured_mbit, 40.0), rows["inter_node"]
     for label in ("inter_node tx shared by a package", "inter_node rx shared by a package"):
         # Two flows through one 40 Mbit/s link: together 40, not the 80 of two own links.
         assert shaped(rows[label].measured_mbit, 40.0), rows[label]
-    with EmulatedCluster(spec, prefix=PREFIX) as cluster:
+    with EmulatedCluster(spec, prefix=PREFIX, warm=warm) as cluster:
         sent = cluster.launch(["-c", SEND_AND_COUNT], timeout=60)
     # Rank 0 put the 1 MB (plus TCP/IP headers, < 2 % at MTU 9000) on its inter-node class only.
     assert 1_000_000 <= sent[0]["inter_node"] < 1_030_000 and sent[0]["package"] < 10_000, sent[0]
@@ -282,9 +283,9 @@ write_result(rtt)
 
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
-def test_latency_per_link_class_round_trips() -> None:
+def test_latency_per_link_class_round_trips(warm: WarmLauncher) -> None:
     spec = frontier_latency(nodes=2, scale=2000)  # one way: package 4 ms, inter-node 20 ms
-    with EmulatedCluster(spec, prefix=PREFIX) as cluster:
+    with EmulatedCluster(spec, prefix=PREFIX, warm=warm) as cluster:
         rtt = cluster.launch(["-c", PING_PONG], timeout=60)[0]
     one_way = {"1": spec.package_latency_ms, "2": spec.inter_node_latency_ms, "3": spec.inter_node_latency_ms}
     # A round trip crosses the link twice and cannot beat the delay line, however loaded the host.

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from multirank import free_port
-from multirank.warm import WarmLauncher, installed_imports, installed_modules
+from multirank.warm import WarmLauncher, installed_modules
 
 # What each rank records: its variables, how Python sees it, and that atexit ran at its exit.
 RECORD = """
@@ -173,8 +173,12 @@ def test_the_ranks_die_with_the_server(warm: WarmLauncher, scripts: Path) -> Non
 def test_only_installed_packages_are_preloaded(scripts: Path) -> None:
     (scripts / "local_mod.py").write_text("")
     (scripts / "uses.py").write_text("import local_mod, json, numpy\n")
-    found = installed_imports([["uses.py"]], scripts, dict(os.environ), 60)
-    assert "numpy" in found and "json" in found and "local_mod" not in found
+    (scripts / "loaded.py").write_text(
+        "import json, sys\njson.dump([m in sys.modules for m in ('numpy', 'local_mod')], open('loaded.json', 'w'))\n"
+    )
+    with WarmLauncher(dict(os.environ), discover=[["uses.py"]], cwd=scripts) as launcher:
+        assert launcher.launch(["loaded.py"], scripts, scripts / "log", 1, 1, free_port(), 60) == [0]
+    assert json.loads((scripts / "loaded.json").read_text()) == [True, False]
     site = os.path.join(sys.prefix, "lib", "x.py")
     modules = {
         "shadowed": types.SimpleNamespace(__file__=str(scripts / "shadowed" / "__init__.py")),
@@ -191,7 +195,8 @@ def test_a_server_that_would_fork_threads_refuses(tmp_path: Path) -> None:
     )
     done = subprocess.run(
         [sys.executable, "-m", "multirank.warm_server"],
-        input=json.dumps({"preload": ["threaded"]}) + "\n",
+        input=json.dumps({"preload": ["threaded"], "discover": [], "cwd": str(tmp_path), "timeout": 60})
+        + "\n",
         cwd=Path(__file__).resolve().parents[2],
         env={**os.environ, "PYTHONPATH": str(tmp_path)},
         capture_output=True,

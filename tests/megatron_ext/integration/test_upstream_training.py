@@ -343,7 +343,8 @@ def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
     (each tree's pretrain_gpt.py --help through the launcher lists it); torchrun's variables."""
     scripts = (upstream[kind].pristine / "pretrain_gpt.py" for kind in TREES)
     help_runs = [["-m", "megatron_ext.launch", str(script), "--help"] for script in scripts]
-    launcher = WarmLauncher(_env(), discover=help_runs, cwd=upstream["work"])
+    # torch and DeepSpeed first, so that the --help runs, forked after them, import only the rest
+    launcher = WarmLauncher(_env(), preload=["torch", "deepspeed"], discover=help_runs, cwd=upstream["work"])
     yield launcher
     launcher.close()
 
