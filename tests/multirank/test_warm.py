@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from multirank import free_port
-from multirank.warm import WarmLauncher, installed_modules
+from multirank.warm import Rank, WarmLauncher, installed_modules
 
 # What each rank records: its variables, how Python sees it, and that atexit ran at its exit.
 RECORD = """
@@ -150,6 +150,18 @@ def test_a_launch_past_its_timeout_is_killed(warm: WarmLauncher, scripts: Path) 
         warm.launch(["sleep.py"], scripts, scripts / "log", 1, 2, free_port(), 2)
     pids = [int((scripts / f"pid-{rank}").read_text()) for rank in range(2)]
     assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+def test_a_rank_that_cannot_join_its_network_namespace_fails_naming_it(
+    warm: WarmLauncher, scripts: Path
+) -> None:
+    ranks = [
+        Rank(scripts / f"log-{r}", {"RANK": str(r)}, netns) for r, netns in enumerate((None, "no-such-ns"))
+    ]
+    assert warm.run(["-c", "print('the command ran')"], scripts, ranks, 30) == [0, 1]
+    assert (scripts / "log-0").read_text() == "the command ran\n"
+    failed = (scripts / "log-1").read_text()
+    assert "/var/run/netns/no-such-ns" in failed and "the command ran" not in failed
 
 
 def test_the_ranks_die_with_the_server(warm: WarmLauncher, scripts: Path) -> None:
