@@ -18,11 +18,11 @@ time. What this asks of the loader:
 Every process in a PID namespace of its own is started as ``unshare --pid --fork --mount-proc
 --kill-child <python> ...``: pid 1 of a new PID namespace, with a /proc of its own, dying with the
 ``unshare`` process; the tests skip where that is not permitted (it needs root). The controls' jobs,
-in this namespace, fork their ranks warm (``main_job_warm``); these ranks start cold, without torchrun, with the variables
-the main job reads (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), a
-tenth of a second apart as separate containers start (ranks started within one clock tick share a
-start time, which would hide a check by pid and start time). Every wait is bounded: on a hang both
-process trees are killed and the test fails with their output."""
+in this namespace, fork their ranks warm (``main_job_warm``). The other ranks start cold, without
+torchrun, with the variables the main job reads (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), a tenth of a second apart as separate containers start (ranks started
+within one clock tick share a start time, which would hide a check by pid and start time). Every
+wait is bounded: on a hang both process trees are killed and the test fails with their output."""
 
 from __future__ import annotations
 
