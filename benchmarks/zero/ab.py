@@ -88,6 +88,7 @@ REGIMES = {
     ),
 }
 PROBE_TARGET_S = 120.0
+AUTO_TARGET = 1.05
 # What a rank imports before it works (--warm preloads them): the probe's and the A/B command's modules.
 RANK_IMPORTS = [
     "deepspeed",
@@ -95,7 +96,6 @@ RANK_IMPORTS = [
     "deepspeed_ext.zero.tools.ab.cli",
     "benchmarks.zero.ab",
 ]
-AUTO_TARGET = 1.05
 
 
 def rank_main(argv: list[str]) -> None:
@@ -157,6 +157,15 @@ def dimensionless(rows: list[dict], profile: Profile) -> dict[str, Any]:
         return {"error": str(exc)}
 
 
+def _probe_target(result: dict[str, Any]) -> str:
+    """The 2-minute target is a cold launch's, its ranks' imports included: warm ranks do not judge it."""
+    if result["warm"]:
+        return f"target <= {PROBE_TARGET_S:.0f} s for a cold launch: not judged, the ranks started warm"
+    return (
+        f"target <= {PROBE_TARGET_S:.0f} s: {'met' if max(result['probe_s']) <= PROBE_TARGET_S else 'missed'}"
+    )
+
+
 def markdown(result: dict[str, Any]) -> str:
     spec, checks = result["spec"], result["auto_check"]
     worst = max(c["ratio"] for c in checks) if checks else float("nan")
@@ -169,8 +178,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         f"- Probe wall time (launch to exit, {result['spec']['nodes'] * spec['ranks_per_package'] * spec['packages_per_node']} "
         f"{'warm ranks, forked after their imports' if result['warm'] else 'ranks starting included'}): {result['probe_s'][0]:.0f} s and "
-        f"{result['probe_s'][1]:.0f} s (target <= {PROBE_TARGET_S:.0f} s: "
-        f"{'met' if max(result['probe_s']) <= PROBE_TARGET_S else 'missed'}); load "
+        f"{result['probe_s'][1]:.0f} s ({_probe_target(result)}); load "
         f"{result['loadavg'][0]} -> {result['loadavg'][1]}.",
         f"- auto from the first profile, timed in the second (measured): worst {worst:.3f}x the faster "
         f"algorithm (target <= {AUTO_TARGET}: {'met' if worst <= AUTO_TARGET else 'missed'}).",

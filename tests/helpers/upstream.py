@@ -162,7 +162,7 @@ def _build(entry: Path) -> dict[str, Tree]:
         )
         for tree in (pristine, patched):
             # Bytecode now, once: every rank imports the tree's modules from source, and a rank compiling
-            # them itself (as with PYTHONDONTWRITEBYTECODE) spent 1-3 s of CPU on it. What does not
+            # them itself (as with PYTHONDONTWRITEBYTECODE) spent 0.9-3.5 s of CPU on it (cProfile). What does not
             # compile with this Python (Megatron-LM has a 3.12 f-string) is not imported by the runs.
             compileall.compile_dir(tree, quiet=2, workers=1)
         trees[kind] = Tree(pristine, patched, f"{prefix}_text_document")
