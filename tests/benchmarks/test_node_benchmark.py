@@ -27,6 +27,15 @@ def _spin(seconds: float) -> None:
         pass
 
 
+def _wait_until_gone(pid: int, tid: int) -> None:
+    """Wait, bounded, until the kernel drops a joined thread from ``/proc/<pid>/task``: Python's
+    ``join`` returns when the thread's code ended, a moment before the OS thread exits."""
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/task/{tid}").exists():
+        assert time.monotonic() < deadline, f"thread {tid} still in /proc 10 s after its join"
+        time.sleep(0.001)
+
+
 def test_cpu_ns_counts_threads_in_nanoseconds() -> None:
     me = os.getpid()
     main = (me, threading.get_native_id())
@@ -37,6 +46,7 @@ def test_cpu_ns_counts_threads_in_nanoseconds() -> None:
     worker = threading.Thread(target=lambda: (born.append(threading.get_native_id()), _spin(0.05)))
     worker.start()
     worker.join()  # born and ended inside the window: neither reading sees it
+    _wait_until_gone(me, born[0])
     end = cpu_ns([me])
     assert end[main] - start[main] >= 0.05e9  # this thread's 50 ms, in nanoseconds
     assert (me, born[0]) not in start and (me, born[0]) not in end
