@@ -3,7 +3,8 @@ through ``python -m megatron_ext.launch`` on 4 gloo ranks: TP=2 x DP=2 unpatched
 patched with the plugins off (Megatron-LM) and with all of its plugins on at once, (Megatron-LM)
 the node loader under pipeline parallelism at TP=1 x PP=2 x DP=2 (the other PP layouts are
 compared with Megatron's stock batches in process, test_shm_pipeline.py), and (Megatron-DeepSpeed)
-Ulysses at SP=2 x DP=2 under ZeRO-3, stock DistributedAttention against Flash-Overlap's. With dropout 0
+Ulysses at SP=2 x DP=2 under ZeRO-3, stock DistributedAttention against Flash-Overlap's (GQA at SP=2
+on 2 ranks, against SP=1). With dropout 0
 every run must print its unpatched baseline's ``lm loss`` at every iteration, and each plugin run
 must log exactly its plugins enabled. A plugin is not run alone here: it is exact alone in the
 faster tests of its own (test_shm_loader, test_flash_overlap, test_hierarchical_zero) and together
@@ -177,16 +178,17 @@ class Variant:
     flags: tuple[str, ...]
     plugins: tuple[str, ...] = ()  # the plugins its log must show enabled
     baseline: str | None = "unpatched"  # the run whose losses it must print; None: a baseline itself
-    logs: str = ""  # a line its log must hold: the plugin's own path ran
-    nodes: int = 1  # torchrun launches (one per emulated node) sharing the 4 ranks
+    logs: tuple[str, ...] = ()  # lines its log must hold: each plugin's own path ran
+    nodes: int = 1  # torchrun launches (one per emulated node) sharing the ranks
     accumulation: int = 2  # gradient accumulation: global batch 4 = micro batch 1 x accumulation x DP
+    ranks: int = 4  # gloo ranks of the run
     rtol: float = 0.0  # losses agree to this relative difference (0: the baseline's printed losses exactly)
     zero_stage: int = 3  # Megatron-DeepSpeed's ZeRO stage
     clipping: float = 1.0  # the JSON's gradient_clipping (1.0: DeepSpeed's default)
     iters: int = ITERS  # iterations it trains (the flags' --train-iters where not ITERS)
 
 
-# (upstream, variant) -> how it runs; 4 ranks each
+# (upstream, variant) -> how it runs; 4 ranks each but GQA's (the head split needs no DP)
 VARIANTS = {
     # TP=2 x DP=2 with sequence parallelism
     ("megatron-lm", "unpatched"): Variant(False, (*TP2, *LOCAL_SPEC), baseline=None),
@@ -219,7 +221,7 @@ VARIANTS = {
         (*TP2, *SEQUENCE_PARALLEL, "--flash-overlap", *save("tp2-sp-flash-overlap")),
         ("flash_overlap",),
         "tp2-rope",
-        TP_LINEARS,
+        (TP_LINEARS,),
         rtol=1e-6,
     ),
     ("megatron-deepspeed", "tp2-sp-hierarchical-zero-flash-overlap"): Variant(
@@ -227,7 +229,7 @@ VARIANTS = {
         (*TP2, *SEQUENCE_PARALLEL, "--hierarchical-zero", "--flash-overlap"),
         ("hierarchical_zero", "flash_overlap"),
         "tp2-rope",
-        TP_LINEARS,
+        (TP_LINEARS,),
         nodes=2,
         rtol=1e-6,
     ),
@@ -237,7 +239,7 @@ VARIANTS = {
         (*TP2, *SEQUENCE_PARALLEL, "--flash-overlap"),
         ("flash_overlap",),
         "tp2-rope-zero1",
-        TP_LINEARS,
+        (TP_LINEARS,),
         zero_stage=1,
         rtol=1e-6,
     ),
@@ -247,30 +249,14 @@ VARIANTS = {
     # the optimizer 1/SP of SP=1's gradient (stock and ours alike), so its default clipping at 1.0 clips
     # an SP=1 run where it leaves SP=2 alone (norms 1.43 and 0.72 here), and the two would train apart.
     ("megatron-deepspeed", "sp2-patched-off"): Variant(True, tuple(SP2), baseline=None, clipping=0.0),
-    ("megatron-deepspeed", "sp2-flash-overlap"): Variant(
-        True,
-        (*SP2, "--flash-overlap"),
-        ("flash_overlap",),
-        "sp2-patched-off",
-        ULYSSES,
-        clipping=0.0,
-    ),
-    # stock ZeRO-3 partitions and reduces over sequence x data parallel ranks: the levels too
-    ("megatron-deepspeed", "sp2-hierarchical-zero"): Variant(
-        True,
-        (*SP2, "--hierarchical-zero"),
-        ("hierarchical_zero",),
-        "sp2-patched-off",
-        "hierarchical ZeRO: DP group 4 = 2 node(s)",
-        nodes=2,
-        clipping=0.0,
-    ),
+    # both plugins at once (each alone: test_ulysses.py against DistributedAttention, test_hierarchical_zero.py
+    # against stock ZeRO-3): stock partitions and reduces over sequence x data parallel ranks, the levels too
     ("megatron-deepspeed", "sp2-hierarchical-zero-flash-overlap"): Variant(
         True,
         (*SP2, "--hierarchical-zero", "--flash-overlap"),
         ("hierarchical_zero", "flash_overlap"),
         "sp2-patched-off",
-        "hierarchical ZeRO: DP group 4 = 2 node(s)",
+        ("hierarchical ZeRO: DP group 4 = 2 node(s)", ULYSSES),
         nodes=2,
         clipping=0.0,
     ),
@@ -285,30 +271,38 @@ VARIANTS = {
         (*SP2, *TEN, "--hierarchical-zero", "--hierarchical-zero-sequence-parallel-gradients", "mean"),
         ("hierarchical_zero",),
         "dp4-10-iterations",
-        "hierarchical_zero.sequence_parallel_gradients=mean: the optimizer gets SP=1's gradient",
+        ("hierarchical_zero.sequence_parallel_gradients=mean: the optimizer gets SP=1's gradient",),
         nodes=2,
         rtol=1e-6,
         iters=10,
     ),
-    # GQA (4 query heads, 2 key/value heads): stock Ulysses asserts against it, so the reference is
-    # the same model at SP=1 with the 4 ranks as DP (same global batch), on the patched tree, whose
-    # fused-QKV split the patch fixes for GQA. SP=2 sums each gradient over other ranks in another
-    # order than SP=1 (and Adam sees half of it): rounding, 1e-6 relative on the loss.
-    ("megatron-deepspeed", "gqa-dp4"): Variant(True, tuple(GQA), baseline=None, accumulation=1, clipping=0.0),
+    # GQA (4 query heads, 2 key/value heads) on 2 ranks: stock Ulysses asserts against it, so the
+    # reference is the same model at SP=1 with the 2 ranks as DP (same global batch), on the patched
+    # tree, whose fused-QKV split the patch fixes for GQA. SP=2 sums each gradient over other ranks in
+    # another order than SP=1 (and Adam sees half of it): rounding, 1e-6 relative on the loss.
+    ("megatron-deepspeed", "gqa-dp2"): Variant(True, tuple(GQA), baseline=None, ranks=2, clipping=0.0),
     ("megatron-deepspeed", "sp2-gqa-flash-overlap"): Variant(
-        True, (*SP2, *GQA, "--flash-overlap"), ("flash_overlap",), "gqa-dp4", ULYSSES, rtol=1e-6, clipping=0.0
+        True,
+        (*SP2, *GQA, "--flash-overlap"),
+        ("flash_overlap",),
+        "gqa-dp2",
+        (ULYSSES,),
+        accumulation=4,
+        ranks=2,
+        rtol=1e-6,
+        clipping=0.0,
     ),
     # A Llama-like attention: GQA with rotary embeddings. Stock Ulysses drops RoPE on this (non-flash)
-    # path (iteration 1: 5.972702 against SP=1's 5.972714), so the reference is SP=1 again.
-    ("megatron-deepspeed", "gqa-rope-dp4"): Variant(
-        True, (*GQA, *ROPE), baseline=None, accumulation=1, clipping=0.0
-    ),
+    # path (iteration 1 at 4 ranks: 5.972702 against SP=1's 5.972714), so the reference is SP=1 again.
+    ("megatron-deepspeed", "gqa-rope-dp2"): Variant(True, (*GQA, *ROPE), baseline=None, ranks=2, clipping=0.0),
     ("megatron-deepspeed", "sp2-gqa-rope-flash-overlap"): Variant(
         True,
         (*SP2, *GQA, *ROPE, "--flash-overlap"),
         ("flash_overlap",),
-        "gqa-rope-dp4",
-        ULYSSES,
+        "gqa-rope-dp2",
+        (ULYSSES,),
+        accumulation=4,
+        ranks=2,
         rtol=1e-6,
         clipping=0.0,
     ),
@@ -393,7 +387,7 @@ def _train(upstream: dict, warm: WarmLauncher, kind: str, variant: str) -> tuple
     log = work / f"{kind}-{variant}.log"
     try:
         codes = warm.launch(
-            _argv(upstream[kind], kind, how, work), work, log, how.nodes, 4 // how.nodes, port, RUN_TIMEOUT_S
+            _argv(upstream[kind], kind, how, work), work, log, how.nodes, how.ranks // how.nodes, port, RUN_TIMEOUT_S
         )
     except TimeoutError as exc:
         pytest.fail(f"{kind} {variant}: {exc}")
@@ -422,7 +416,7 @@ def _torchrun(upstream: dict, kind: str, variant: str) -> tuple[list[int], str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(how.nodes)]
     torchrun += [
         "--nproc-per-node",
-        str(4 // how.nodes),
+        str(how.ranks // how.nodes),
         "--master-addr",
         "127.0.0.1",
         "--master-port",
@@ -477,10 +471,13 @@ def _check_plugins(kind: str, variant: str, log: str) -> None:
     for config in configs:
         for plugin in ("shm_data_loader", "hierarchical_zero", "flash_overlap"):
             assert config[plugin]["enabled"] == (plugin in how.plugins), (plugin, config)
-    assert how.logs in log, f"{kind} {variant}: no {how.logs!r} in its log"
+    for line in how.logs:
+        assert line in log, f"{kind} {variant}: no {line!r} in its log"
     # the run exited 0, so every undo ran without error; each plugin's changes were among them
     undone = UNDONE.findall(log)
-    assert len(undone) == 4, f"{kind} {variant}: {len(undone)} of 4 ranks undid their changes:\n{log[-2500:]}"
+    assert len(undone) == how.ranks, (
+        f"{kind} {variant}: {len(undone)} of {how.ranks} ranks undid their changes:\n{log[-2500:]}"
+    )
     for plugin in how.plugins:
         assert all(f"{OWNERS[plugin]}: " in line for line in undone), (plugin, undone[0])
 
