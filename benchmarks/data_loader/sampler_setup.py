@@ -2,10 +2,12 @@
 
     .venv/bin/python -m benchmarks.data_loader.sampler_setup --samples 100000000 --streams 8
 
-For each configuration a fresh process builds the streams of ``--streams`` DP ranks on one node
-(``random`` order, as the producer does: one shared :class:`EpochPermutations`) and draws each
+For each configuration a process of its own builds the streams of ``--streams`` DP ranks on one
+node (``random`` order, as the producer does: one shared :class:`EpochPermutations`) and draws each
 stream's first micro-batch, which is when the epoch's shuffle is made; it reports the seconds that
-took and how much the process's peak RSS grew. ``lists`` redoes what the producer did before
+took and how much the process's peak RSS grew. Each process is forked from one that has imported
+torch (a fresh interpreter spent ~4 s of a case's ~4.5 s importing it); its peak is the kernel's
+high-water mark, reset when the case starts, so what the parent had held never counts. ``lists`` redoes what the producer did before
 (each stream its own ``torch.randperm(...).tolist()``, one after another) for ``--list-streams``
 streams, for comparison.
 """
@@ -15,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import resource
 import time
 
 
-def _rss_kib() -> int:
+def _status_kib(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (the peak) of this process, KiB."""
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
 
 
 def _measure(mode: str, samples: int, streams: int, mbs: int, sharding: bool, queue: mp.Queue) -> None:
@@ -30,7 +32,9 @@ def _measure(mode: str, samples: int, streams: int, mbs: int, sharding: bool, qu
     from megatron_ext.data.samplers import EpochPermutations, random_batches
 
     torch.set_num_threads(1)  # as in the producer
-    base = _rss_kib()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the peak RSS starts again from this process's RSS now (Linux 4.0+)
+    base = _status_kib("VmRSS")
     start = time.perf_counter()
     if mode == "arrays":
         shared = EpochPermutations()
@@ -50,7 +54,7 @@ def _measure(mode: str, samples: int, streams: int, mbs: int, sharding: bool, qu
                 lists.append(torch.randperm((samples // mbs) * mbs, generator=g).tolist()[r::streams])
         first = [lst[:mbs] for lst in lists]
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = _status_kib("VmHWM")
     queue.put(
         dict(
             mode=mode,
@@ -71,7 +75,8 @@ def main() -> None:
     p.add_argument("--list-streams", type=int, default=1, help="streams for the former list-based set-up")
     p.add_argument("--micro-batch-size", type=int, default=4)
     args = p.parse_args()
-    ctx = mp.get_context("spawn")  # a fresh process per case: its peak RSS is that case's alone
+    ctx = mp.get_context("forkserver")  # a process per case: its peak RSS is that case's alone
+    ctx.set_forkserver_preload(["torch", "megatron_ext.data.samplers"])
     cases = [("arrays", args.streams, s) for s in (True, False)] + [
         ("lists", args.list_streams, s) for s in (True, False)
     ]

@@ -294,7 +294,9 @@ VARIANTS = {
     ),
     # A Llama-like attention: GQA with rotary embeddings. Stock Ulysses drops RoPE on this (non-flash)
     # path (iteration 1 at 4 ranks: 5.972702 against SP=1's 5.972714), so the reference is SP=1 again.
-    ("megatron-deepspeed", "gqa-rope-dp2"): Variant(True, (*GQA, *ROPE), baseline=None, ranks=2, clipping=0.0),
+    ("megatron-deepspeed", "gqa-rope-dp2"): Variant(
+        True, (*GQA, *ROPE), baseline=None, ranks=2, clipping=0.0
+    ),
     ("megatron-deepspeed", "sp2-gqa-rope-flash-overlap"): Variant(
         True,
         (*SP2, *GQA, *ROPE, "--flash-overlap"),
@@ -387,7 +389,13 @@ def _train(upstream: dict, warm: WarmLauncher, kind: str, variant: str) -> tuple
     log = work / f"{kind}-{variant}.log"
     try:
         codes = warm.launch(
-            _argv(upstream[kind], kind, how, work), work, log, how.nodes, how.ranks // how.nodes, port, RUN_TIMEOUT_S
+            _argv(upstream[kind], kind, how, work),
+            work,
+            log,
+            how.nodes,
+            how.ranks // how.nodes,
+            port,
+            RUN_TIMEOUT_S,
         )
     except TimeoutError as exc:
         pytest.fail(f"{kind} {variant}: {exc}")
