@@ -63,7 +63,14 @@ def test_local_sbatch_trains(slurm: None, tmp_path: Path) -> None:
     cmd.append(str(LOCAL_SBATCH))
     # The caller's launcher parameters must not leak into the job (sbatch exports the environment).
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_PARAMS}
-    env.update(MODEL="tiny-cpu", CONFIG="ds_cpu_local.json", DRY_RUN="0", TRAIN_PYTHON=sys.executable)
+    # 5 of the preset's 20 iterations: enough for the loss to fall, and a quarter of the job's training
+    env.update(
+        MODEL="tiny-cpu",
+        CONFIG="ds_cpu_local.json",
+        EXTRA_ARGS="--train-iters 5",
+        DRY_RUN="0",
+        TRAIN_PYTHON=sys.executable,
+    )
     sub = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=env, check=False)
     assert sub.returncode == 0, f"sbatch failed ({sub.returncode}): {sub.stderr.strip()}"
     job_id = sub.stdout.strip().split(";")[0]
