@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from mdsp_base import comm
 from mdsp_base.topology import Topology
+from mdsp_base.volume import span_class, volume
 
 TOPOLOGY = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
 
@@ -93,9 +94,9 @@ def test_hops_equal_flat_collectives_and_bytes_are_counted_per_link(run_ranks):
 
 
 def test_link_class_and_volume_arithmetic():
-    assert comm.span_class(TOPOLOGY, [0, 1]) == "package"
-    assert comm.span_class(TOPOLOGY, [0, 2]) == "node"
-    assert comm.span_class(TOPOLOGY, [3, 4]) == "inter_node"
-    assert comm.volume("all_gather", 800, 8) == 700
-    assert comm.volume("all_reduce", 800, 8) == 1400
-    assert comm.volume("reduce_scatter", 800, 1) == 0
+    assert span_class(TOPOLOGY, [0, 1]) == "package"
+    assert span_class(TOPOLOGY, [0, 2]) == "node"
+    assert span_class(TOPOLOGY, [3, 4]) == "inter_node"
+    assert volume("all_gather", 800, 8) == 700
+    assert volume("all_reduce", 800, 8) == 1400
+    assert volume("reduce_scatter", 800, 1) == 0

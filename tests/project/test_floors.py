@@ -18,8 +18,9 @@ PLUGINS = {
     ZERO: ["megatron_ext", *ABOVE],
     "megatron_ext.data": ["deepspeed_ext", "megatron_ext.layers", *ABOVE],
     "megatron_ext.layers": ["deepspeed_ext", "megatron_ext.data", *ABOVE],
-    # Inside hierarchical ZeRO: the cost model below the engine, the engine below the tools.
-    f"{ZERO}.cost": [f"{ZERO}.engine", f"{ZERO}.tools", "megatron_ext", *ABOVE],
+    # Inside hierarchical ZeRO: the cost model below the engine, the engine below the tools. The cost
+    # model only computes: without torch or DeepSpeed the planning commands start in half a second.
+    f"{ZERO}.cost": [f"{ZERO}.engine", f"{ZERO}.tools", "megatron_ext", *ABOVE, "torch", "deepspeed"],
     f"{ZERO}.engine": [f"{ZERO}.tools", "megatron_ext", *ABOVE],
 }
 PROBE = """

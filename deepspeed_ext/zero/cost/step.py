@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost.collectives import Algorithm, CollectiveCosts, Operation
 from deepspeed_ext.zero.cost.profile import Profile
-from mdsp_base.comm import CallKey
 from mdsp_base.topology import LinkClass
+from mdsp_base.volume import CallKey
 
 
 @dataclass(frozen=True)

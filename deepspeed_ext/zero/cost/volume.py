@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import cast
 
 from deepspeed_ext.zero.cost.shape import DPShape
-from mdsp_base.comm import LINK_CLASSES, volume
 from mdsp_base.topology import Level, LinkClass
+from mdsp_base.volume import LINK_CLASSES, volume
 
 PACKAGE, NODE, INTER_NODE = LinkClass.PACKAGE, LinkClass.NODE, LinkClass.INTER_NODE
 # ZeRO++ (arXiv 2306.10209): qwZ sends INT8 weights plus block scales (~half of fp16), qgZ INT4 gradients.

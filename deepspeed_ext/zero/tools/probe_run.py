@@ -22,6 +22,7 @@ from deepspeed_ext.zero.engine import p2p_hops
 from deepspeed_ext.zero.engine.levels import build_levels
 from mdsp_base import comm
 from mdsp_base.topology import Level, LinkClass, Topology, TopologyConfig, detect_topology
+from mdsp_base.volume import span_class
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def collectives(topology: Topology) -> Iterator[Collective]:
     world = topology.world_size
     if world < 2:
         return
-    link = comm.span_class(topology, range(world))
+    link = span_class(topology, range(world))
     assert dist.group.WORLD is not None  # the probe runs in an initialized process group
     flat = [] if world in plan.sizes else [Operation.ALL_GATHER, Operation.REDUCE_SCATTER]
     for operation in flat:

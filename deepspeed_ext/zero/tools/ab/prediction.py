@@ -15,8 +15,8 @@ from deepspeed_ext.zero.cost.step import StepPrediction, predict
 from deepspeed_ext.zero.cost.workload import Buckets, Model
 from deepspeed_ext.zero.tools.ab.model import build_model
 from deepspeed_ext.zero.tools.ab.variants import Variant
-from mdsp_base import comm
 from mdsp_base.topology import Topology
+from mdsp_base.volume import CallKey
 
 
 def compute_steps(shape: Model, cfg: dict, steps: int, warmup: int, device: torch.device) -> list[float]:
@@ -61,7 +61,7 @@ def prefetch_concurrency(cfg: dict, variant: Variant) -> int:
 
 
 def predicted(
-    calls: dict[comm.CallKey, float],
+    calls: dict[CallKey, float],
     cfg: dict,
     profile: Profile,
     topology: Topology,

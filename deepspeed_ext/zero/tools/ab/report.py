@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
-from mdsp_base.comm import LINK_CLASSES
+from mdsp_base.volume import LINK_CLASSES
 
 
 def _spread(values: Sequence[float], scale: float, digits: int) -> str:

@@ -25,8 +25,8 @@ from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
 from deepspeed_ext.zero.tools.ab.prediction import compute_steps, predicted, slowest
 from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
 from mdsp_base import comm
-from mdsp_base.comm import LINK_CLASSES
 from mdsp_base.topology import Topology, TopologyConfig, detect_topology
+from mdsp_base.volume import LINK_CLASSES
 
 
 def build(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:

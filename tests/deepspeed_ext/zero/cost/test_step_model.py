@@ -16,8 +16,8 @@ from deepspeed_ext.zero.cost.collectives import (
 )
 from deepspeed_ext.zero.cost.profile import Profile, Timing
 from deepspeed_ext.zero.cost.step import overlapped, predict, prefetch_hidden
-from mdsp_base.comm import CallKey
 from mdsp_base.topology import LinkClass
+from mdsp_base.volume import CallKey
 
 INTER, PACKAGE = LinkClass.INTER_NODE, LinkClass.PACKAGE
 AG, RS = Operation.ALL_GATHER, Operation.REDUCE_SCATTER
