@@ -6,10 +6,10 @@ For each configuration a process of its own builds the streams of ``--streams`` 
 node (``random`` order, as the producer does: one shared :class:`EpochPermutations`) and draws each
 stream's first micro-batch, which is when the epoch's shuffle is made; it reports the seconds that
 took and how much the process's peak RSS grew. Each process is forked from one that has imported
-torch (a fresh interpreter spent ~4 s of a case's ~4.5 s importing it); its peak is the kernel's
-high-water mark, reset when the case starts, so what the parent had held never counts. ``lists`` redoes what the producer did before
-(each stream its own ``torch.randperm(...).tolist()``, one after another) for ``--list-streams``
-streams, for comparison.
+torch, so no case pays for that import; its peak is the kernel's high-water mark, reset when the
+case starts, so what the parent held never counts. ``lists`` builds what a list-based producer
+would (each stream its own ``torch.randperm(...).tolist()``, one after another) for
+``--list-streams`` streams, for comparison.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def _measure(mode: str, samples: int, streams: int, mbs: int, sharding: bool, qu
             random_batches(samples, 0, mbs, r, streams, sharding, permutations=shared) for r in range(streams)
         ]
         first = [next(s) for s in iters]
-    else:  # the former producer: a Python list per stream, built one after another
+    else:  # a Python list per stream, built one after another
         lists = []
         for r in range(streams):
             g = torch.Generator()
@@ -72,7 +72,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--samples", type=int, default=100_000_000)
     p.add_argument("--streams", type=int, default=8, help="DP ranks on the node")
-    p.add_argument("--list-streams", type=int, default=1, help="streams for the former list-based set-up")
+    p.add_argument("--list-streams", type=int, default=1, help="streams of the list-based set-up")
     p.add_argument("--micro-batch-size", type=int, default=4)
     args = p.parse_args()
     ctx = mp.get_context("forkserver")  # a process per case: its peak RSS is that case's alone
