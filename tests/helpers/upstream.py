@@ -23,6 +23,7 @@ import sys
 import tarfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -127,49 +128,56 @@ def _helper_dir(kind: str) -> str:
     return "megatron/core/datasets" if kind == "megatron-lm" else "megatron/data"
 
 
+def _build_tree(entry: Path, kind: str, corpus: Path) -> Tree:
+    """One kind's pristine and patched trees, its dataset helper built, its data set from ``corpus``."""
+    pristine, patched = entry / kind, entry / f"{kind}-patched"
+    with tarfile.open(UPSTREAM / TARBALLS[kind]) as tar:
+        tar.extractall(entry / f"unpacked-{kind}", filter="data")
+    (top,) = (entry / f"unpacked-{kind}").iterdir()  # the archive holds one directory, the tree
+    top.rename(pristine)
+    # Compiled once here; the patched copy keeps the built helper (copy2 keeps times, make sees it current).
+    _run(["make", "-C", _helper_dir(kind)], pristine)
+    shutil.copytree(pristine, patched, copy_function=shutil.copy2)
+    _run(["git", "apply", str(ROOT / "patches" / PATCHES[kind])], patched)
+    prefix = entry / "data" / kind
+    _run(
+        [
+            sys.executable,
+            "tools/preprocess_data.py",
+            "--input",
+            str(corpus),
+            "--output-prefix",
+            str(prefix),
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "256",
+            "--append-eod",
+            "--workers",
+            "1",
+        ],
+        pristine,
+    )
+    for tree in (pristine, patched):
+        # Bytecode now, once: every rank imports the tree's modules from source, and a rank compiling
+        # them itself (as with PYTHONDONTWRITEBYTECODE) spent 0.9-3.5 s of CPU on it (cProfile). What does not
+        # compile with this Python (Megatron-LM has a 3.12 f-string) is not imported by the runs.
+        compileall.compile_dir(tree, quiet=2, workers=1)
+    return Tree(pristine, patched, f"{prefix}_text_document")
+
+
 def _build(entry: Path) -> dict[str, Tree]:
+    """Both kinds at once: each is a chain of single-threaded steps (make, preprocess_data.py), so
+    two chains side by side take the time of the longer one on two cores, not the sum."""
     (entry / "data").mkdir(parents=True)
     corpus = entry / "data" / "corpus.jsonl"
     write_corpus(corpus)
-    trees = {}
-    for kind, tarball in TARBALLS.items():
-        pristine, patched = entry / kind, entry / f"{kind}-patched"
-        with tarfile.open(UPSTREAM / tarball) as tar:
-            tar.extractall(entry / "unpacked", filter="data")
-        (top,) = (entry / "unpacked").iterdir()  # the archive holds one directory, the tree
-        top.rename(pristine)
-        # Compiled once here; the patched copy keeps the built helper (copy2 keeps times, make sees it current).
-        _run(["make", "-C", _helper_dir(kind)], pristine)
-        shutil.copytree(pristine, patched, copy_function=shutil.copy2)
-        _run(["git", "apply", str(ROOT / "patches" / PATCHES[kind])], patched)
-        prefix = entry / "data" / kind
-        _run(
-            [
-                sys.executable,
-                "tools/preprocess_data.py",
-                "--input",
-                str(corpus),
-                "--output-prefix",
-                str(prefix),
-                "--tokenizer-type",
-                "NullTokenizer",
-                "--vocab-size",
-                "256",
-                "--append-eod",
-                "--workers",
-                "1",
-            ],
-            pristine,
-        )
-        for tree in (pristine, patched):
-            # Bytecode now, once: every rank imports the tree's modules from source, and a rank compiling
-            # them itself (as with PYTHONDONTWRITEBYTECODE) spent 0.9-3.5 s of CPU on it (cProfile). What does not
-            # compile with this Python (Megatron-LM has a 3.12 f-string) is not imported by the runs.
-            with warnings.catch_warnings():  # upstream's own SyntaxWarnings, not the tests'
-                warnings.simplefilter("ignore")
-                compileall.compile_dir(tree, quiet=2, workers=1)
-        trees[kind] = Tree(pristine, patched, f"{prefix}_text_document")
-    return trees
+    # Upstream's own SyntaxWarnings at compileall, not the tests'. Set here, around both threads:
+    # the filters are the process's, and a catch_warnings in each thread would undo the other's.
+    with warnings.catch_warnings(), ThreadPoolExecutor(len(TARBALLS)) as pool:
+        warnings.simplefilter("ignore")
+        futures = {kind: pool.submit(_build_tree, entry, kind, corpus) for kind in TARBALLS}
+        return {kind: future.result() for kind, future in futures.items()}
 
 
 def prepare() -> dict[str, Tree]:
