@@ -184,7 +184,7 @@ def steps(network: str, quick: bool) -> list[Step]:
         Step(
             "Set-up time and memory of the producer's index streams",
             "benchmarks.data_loader.sampler_setup",
-            ("--samples", "1000000") * quick,
+            ("--samples", "1000000") if quick else ("--list-streams", "8"),
             ("data_loader/sampler_setup.md",),
             stdout="data_loader/sampler_setup.md",
         ),

@@ -91,9 +91,8 @@ PROBE_TARGET_S = 120.0
 AUTO_TARGET = 1.05
 # What a rank imports before it works (--warm preloads them): the probe's and the A/B command's
 # modules, and what DeepSpeed imports lazily at a process's first ZeRO optimizer (its Muon module:
-# torch._dynamo, functorch's compiler, networkx) and CPU comm op (torch's extension loader). A rank
-# forked without those took 1.9 s of CPU longer to build its first engine, and 1.7 s longer to make
-# its first torch Adam (torch._dynamo), 4 ranks on 2 cores.
+# torch._dynamo, functorch's compiler, networkx) and CPU comm op (torch's extension loader). Without
+# them, each rank pays for those imports at its first torch Adam and its first engine.
 RANK_IMPORTS = [
     "deepspeed",
     "deepspeed.runtime.zero.muon.muon_optimizer",

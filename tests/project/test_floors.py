@@ -19,7 +19,7 @@ PLUGINS = {
     "megatron_ext.data": ["deepspeed_ext", "megatron_ext.layers", *ABOVE],
     "megatron_ext.layers": ["deepspeed_ext", "megatron_ext.data", *ABOVE],
     # Inside hierarchical ZeRO: the cost model below the engine, the engine below the tools. The cost
-    # model only computes: without torch or DeepSpeed the planning commands start in half a second.
+    # model only computes, so the planning commands start without importing torch or DeepSpeed.
     f"{ZERO}.cost": [f"{ZERO}.engine", f"{ZERO}.tools", "megatron_ext", *ABOVE, "torch", "deepspeed"],
     f"{ZERO}.engine": [f"{ZERO}.tools", "megatron_ext", *ABOVE],
 }

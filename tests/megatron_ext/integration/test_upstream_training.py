@@ -3,10 +3,9 @@ through ``python -m megatron_ext.launch`` on 4 gloo ranks: TP=2 x DP=2 unpatched
 patched with the plugins off (Megatron-LM) and with all of its plugins on at once, (Megatron-LM)
 the node loader under pipeline parallelism at TP=1 x PP=2 x DP=2 (the other PP layouts are
 compared with Megatron's stock batches in process, test_shm_pipeline.py), and (Megatron-DeepSpeed)
-Ulysses at SP=2 x DP=2 under ZeRO-3, stock DistributedAttention against Flash-Overlap's (GQA at SP=2
-on 2 ranks, against SP=1). With dropout 0
-every run must print its unpatched baseline's ``lm loss`` at every iteration, and each plugin run
-must log exactly its plugins enabled. A plugin is not run alone here: it is exact alone in the
+Ulysses at SP=2 x DP=2 under ZeRO-3, stock DistributedAttention against Flash-Overlap's (GQA at
+SP=2 on 2 ranks, against SP=1). With dropout 0 every run must print its baseline's ``lm loss`` at
+every iteration, and each plugin run must log exactly its plugins enabled. A plugin is not run alone here: it is exact alone in the
 faster tests of its own (test_shm_loader, test_flash_overlap, test_hierarchical_zero) and together
 with the others here.
 
