@@ -22,6 +22,7 @@ from pathlib import Path
 
 from benchmarks.catalog import REPO, Step, entry_points, left_out, steps
 from benchmarks.summary_plot import ResultFormatError, plot_summary
+from mdsp_base.shutdown import exit_without_teardown
 
 RESULTS = REPO / "benchmarks" / "results"
 UNCLASSIFIED = "**not classified in benchmarks/catalog.py**: add a step or a reason to leave it out"
@@ -155,4 +156,4 @@ def _has_gpu() -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -8,7 +8,6 @@ modules' own prints go to stderr.
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import gc
 import importlib
@@ -17,9 +16,10 @@ import os
 import selectors
 import signal
 import sys
-import threading
 import time
 from typing import IO, Any
+
+from mdsp_base.shutdown import exit_without_teardown
 
 from .processes import die_with_parent
 from .warm import ERROR_GRACE_S, installed_modules
@@ -37,11 +37,11 @@ class _Rank:
         self.log, self.env, self.netns = rank["log"], rank["env"], rank["netns"]
 
     def run(self) -> int:
-        """Become the rank (session, output, environment, directory), run the command, and end as
-        ``python`` ends (its exit code, thread joins, atexit, output flushed) up to the teardown of
-        its modules, which it skips: that is most of a cold exit's time, and with the preloaded
-        modules frozen (``gc.freeze``) it would report their objects as leaked. The torchrun and
-        srun launches that the tests compare with exercise the full exit."""
+        """Become the rank (session, output, environment, directory) and run the command; returns
+        the status ``python`` would exit with. The rank then ends without the teardown of its modules
+        (:func:`mdsp_base.shutdown.exit_without_teardown`): that is most of a cold exit's time, and
+        with the preloaded modules frozen (``gc.freeze``) it would report their objects as leaked.
+        The upstream runs that the tests launch by torchrun and srun exercise the full exit."""
         os.setsid()  # its own process group: a kill reaches what it starts (upstream runs make)
         die_with_parent()
         signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as at a cold start
@@ -64,10 +64,6 @@ class _Rank:
         except BaseException:
             sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception
             code = 1
-        threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's join of non-daemon threads
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
         return code
 
     def execute(self) -> None:
@@ -255,7 +251,7 @@ def main() -> None:
     os.dup2(2, 1)
     rank = _serve(sys.stdin, replies)
     if rank is not None:
-        os._exit(rank.run())
+        exit_without_teardown(rank.run())
 
 
 if __name__ == "__main__":

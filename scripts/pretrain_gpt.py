@@ -4,8 +4,7 @@ One process per rank (torchrun, srun, or the scripts in scripts/); ``--help`` li
 job itself is the ``megatron_ext.trainer`` package.
 """
 
-import sys
-
+from mdsp_base.shutdown import exit_without_teardown
 from megatron_ext.trainer.cli import parse_args
 
 
@@ -19,4 +18,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

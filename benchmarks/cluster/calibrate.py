@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from mdsp_base.shutdown import exit_without_teardown
 from multirank.warm import WarmLauncher
 
 from .launch import EmulatedCluster
@@ -207,4 +208,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

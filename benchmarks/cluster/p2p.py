@@ -15,6 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from mdsp_base.shutdown import exit_without_teardown
 from multirank.processes import write_result
 
 
@@ -108,3 +109,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -88,6 +88,7 @@ import warnings
 from benchmarks.data_loader import node_report, node_storage
 from benchmarks.data_loader.corpus import OUT, QUIET, RAW, ROOT, drop_cache, make_corpus
 from benchmarks.data_loader.node_rank import DEFAULT_WORKERS
+from mdsp_base.shutdown import exit_without_teardown
 from multirank import rank_env
 
 FULL = dict(repeats=5, steps=30, warmup=5, seq_length=4096, step_ms=100.0, mask_calls=3, tps=[1, 2, 4, 8])
@@ -358,3 +359,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -42,6 +42,7 @@ from benchmarks.data_loader.node_proc import (
     tree_memory,
     window_cpu,
 )
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Topology
 from megatron_ext.data.config import ShmDataLoaderConfig
 from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
@@ -247,3 +248,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

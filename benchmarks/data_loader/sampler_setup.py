@@ -19,6 +19,8 @@ import json
 import multiprocessing as mp
 import time
 
+from mdsp_base.shutdown import exit_without_teardown
+
 
 def _status_kib(field: str) -> int:
     """``VmRSS`` (now) or ``VmHWM`` (the peak) of this process, KiB."""
@@ -92,3 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

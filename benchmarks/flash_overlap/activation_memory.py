@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from mdsp_base.shutdown import exit_without_teardown
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RANK_MODULE = ["-m", "benchmarks.flash_overlap.activation_memory"]
 SLOTS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
@@ -205,3 +207,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mdsp_base.shutdown import exit_without_teardown
 from multirank import launch_ranks
 
 KINDS = ("gemm", "attention", "other")
@@ -76,3 +77,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

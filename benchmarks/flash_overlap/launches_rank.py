@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.flash_overlap.blocks import Block, Shapes
 from benchmarks.flash_overlap.ulysses_rank import local_attention
+from mdsp_base.shutdown import exit_without_teardown
 from megatron_ext.layers.p2p.link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, ulysses_attention
 
@@ -148,3 +149,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

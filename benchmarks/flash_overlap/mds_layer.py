@@ -24,6 +24,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from mdsp_base.shutdown import exit_without_teardown
 from multirank import launch_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -184,3 +185,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -20,6 +20,7 @@ import re
 import sys
 
 from benchmarks.flash_overlap.same_transport import torch_on_p2p
+from mdsp_base.shutdown import exit_without_teardown
 from megatron_ext.integration import launch
 from multirank import write_result
 
@@ -53,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

@@ -28,6 +28,7 @@ from benchmarks.flash_overlap.launch_spread import targets_across, targets_markd
 from benchmarks.flash_overlap.overlap_report import markdown, up_summary
 from benchmarks.flash_overlap.report import summarize
 from benchmarks.flash_overlap.run import REPO_ROOT, run_cluster, run_loopback
+from mdsp_base.shutdown import exit_without_teardown
 
 TP_METHODS = ["megatron_core_p2p", "te_split_p2p", "flash_overlap", "megatron_core"]
 UP_MODULE = ["-m", "benchmarks.flash_overlap.ulysses_rank"]
@@ -135,3 +136,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

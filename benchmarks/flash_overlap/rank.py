@@ -23,6 +23,7 @@ import torch.distributed as dist
 from benchmarks.cluster import write_result
 from benchmarks.flash_overlap import probes
 from benchmarks.flash_overlap.blocks import BLOCKS, METHODS, Block, Shapes
+from mdsp_base.shutdown import exit_without_teardown
 
 REGIMES = ("hideable", "balanced")
 COMPUTE_OPS = {
@@ -210,3 +211,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.flash_overlap.report import markdown, summarize, timeline_png
+from mdsp_base.shutdown import exit_without_teardown
 from multirank import launch_ranks
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,3 +92,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

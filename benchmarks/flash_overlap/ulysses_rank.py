@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from benchmarks.flash_overlap.rank import _timed
 from benchmarks.flash_overlap.same_transport import deepspeed_on_p2p, p2p_all_to_all_single
+from mdsp_base.shutdown import exit_without_teardown
 from megatron_ext.layers.p2p.link import OverlapGroup
 from megatron_ext.layers.ulysses import HeadSplit, ulysses_attention
 
@@ -234,3 +235,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.gpu.report import write_report
+from mdsp_base.shutdown import exit_without_teardown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -240,4 +241,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_without_teardown(main())

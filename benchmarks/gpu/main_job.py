@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.gpu.report import write_report
+from mdsp_base.shutdown import exit_without_teardown
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = [
@@ -145,4 +146,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_without_teardown(main())

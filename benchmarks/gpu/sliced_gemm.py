@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.gpu.report import write_report
+from mdsp_base.shutdown import exit_without_teardown
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -236,4 +237,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_without_teardown(main())

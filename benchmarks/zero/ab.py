@@ -35,6 +35,7 @@ from benchmarks.zero.regime import emulated
 from benchmarks.zero.run import OUT
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
 from deepspeed_ext.zero.cost.profile import Profile, parse
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import LinkClass
 from multirank.warm import WarmLauncher
 
@@ -286,5 +287,7 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
         rank_main(sys.argv[2:])
+        exit_without_teardown()
     else:
         main()
+        exit_without_teardown()

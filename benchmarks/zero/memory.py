@@ -33,6 +33,7 @@ from deepspeed.utils import groups
 from deepspeed_ext import zero
 from deepspeed_ext.zero.cost.volume import ShardSpec
 from mdsp_base import comm
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Topology
 from multirank import launch_ranks, write_result
 
@@ -384,3 +385,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -34,6 +34,7 @@ from deepspeed_ext.zero.cost.verified import Backend
 from deepspeed_ext.zero.cost.workload import Buckets, System
 from deepspeed_ext.zero.tools import recommend
 from deepspeed_ext.zero.tools.recommend_inputs import measured_costs
+from mdsp_base.shutdown import exit_without_teardown
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
 TARGET_VS_HPZ, TARGET_VS_ZEROPP, PAPER_TOLERANCE = 1.5, 1.2, 0.20
@@ -173,3 +174,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -33,6 +33,7 @@ from benchmarks.cluster.netns import sent_bytes
 from benchmarks.zero.variants import Question, scale_variants
 from mdsp_base import comm
 from mdsp_base.allocations import AllocationTrace
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Level, Topology
 
 
@@ -300,3 +301,4 @@ def measure(
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

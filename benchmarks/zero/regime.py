@@ -37,6 +37,7 @@ from deepspeed_ext.zero.cost.search import Rules, evaluate, fitting
 from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.cost.verified import Backend
 from deepspeed_ext.zero.cost.workload import Buckets, Model, System
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import LinkClass
 
 FRONTIER_NODES = 48
@@ -311,3 +312,4 @@ def main(argv: list[str] | None = None) -> str:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -32,6 +32,7 @@ from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.cost.collectives import Algorithm, AlgorithmFit, CollectiveCosts, Operation
 from deepspeed_ext.zero.cost.secondary_level import placement_for
 from mdsp_base.comm import LINK_CLASSES
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Level, LinkClass
 from multirank import launch_ranks
 
@@ -346,3 +347,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

@@ -31,6 +31,7 @@ import platform
 import time
 from enum import StrEnum
 
+from mdsp_base.shutdown import exit_without_teardown
 from megatron_ext.data.ordering import Architecture, Fences, TotalStoreOrder, architecture, fences_for
 
 _LINE_WORDS = 8  # 64-byte cache lines: a cell's data and flag never share one
@@ -156,4 +157,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_without_teardown(main())

@@ -16,6 +16,7 @@ from megatron.core import parallel_state as ps
 from mdsp_base import comm
 from mdsp_base.installer import Installer
 from mdsp_base.section import ConfigError
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import detect_topology
 from megatron_ext.data.config import check_shm_space_at_start
 from megatron_ext.data.indexed import DatasetFileError
@@ -139,4 +140,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_without_teardown(main())

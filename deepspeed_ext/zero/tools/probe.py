@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import require_launcher
 
 
@@ -69,3 +70,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

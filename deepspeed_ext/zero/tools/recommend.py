@@ -32,6 +32,7 @@ from deepspeed_ext.zero.tools.recommend_inputs import (
     measured_costs,
     written_config,
 )
+from mdsp_base.shutdown import exit_without_teardown
 
 PRESETS = Path(str(resources.files("mdsp_base") / "presets"))
 """The suite's presets (package data; scripts/presets links here)."""
@@ -226,3 +227,4 @@ def main(argv: list[str] | None = None) -> list[Row]:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()

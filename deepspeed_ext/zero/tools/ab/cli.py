@@ -32,6 +32,7 @@ import argparse
 from dataclasses import asdict, replace
 
 from deepspeed_ext.zero.cost.workload import Model
+from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import require_launcher
 
 QUICK = Model(layers=2, hidden=64, heads=4, seq=32, vocab=1024)
@@ -109,3 +110,4 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 if __name__ == "__main__":
     main()
+    exit_without_teardown()
