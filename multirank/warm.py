@@ -112,7 +112,9 @@ class WarmLauncher:
         )
         discover = [list(argv) for argv in discover]
         self._request({"preload": list(preload), "discover": discover, "cwd": str(cwd), "timeout": timeout_s})
-        self._reply(timeout_s + 30, "start")
+        self.discovered: list[str] = self._reply(timeout_s + 30, "start")["discovered"]
+        """What the ``discover`` commands imported beyond ``preload``, in import order (preloaded
+        too): a later launcher with the same commands can preload it instead of running them."""
 
     def launch(
         self, argv: Sequence[str], cwd: Path, log: Path, nodes: int, per_node: int, port: int, timeout: float

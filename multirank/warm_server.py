@@ -212,10 +212,12 @@ def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
     if not line:
         return None
     start = json.loads(line)
+    discovered: list[str] = []
     try:
         error = _preload(start["preload"])
         if error is None:
-            error = _preload(_discover(start["discover"], start["cwd"], start["timeout"]))
+            discovered = _discover(start["discover"], start["cwd"], start["timeout"])
+            error = _preload(discovered)
     except (TimeoutError, RuntimeError) as exc:
         error = str(exc)
     if error is not None:
@@ -227,7 +229,7 @@ def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
     gc.freeze()
     for stream in (sys.stdout, sys.stderr):  # what the imports printed, once: a rank inherits buffers
         stream.flush()
-    replies.write(json.dumps({"modules": len(sys.modules)}) + "\n")
+    replies.write(json.dumps({"modules": len(sys.modules), "discovered": discovered}) + "\n")
     replies.flush()
     for line in requests:
         request = json.loads(line)

@@ -191,6 +191,8 @@ def test_only_installed_packages_are_preloaded(scripts: Path) -> None:
     with WarmLauncher(dict(os.environ), discover=[["uses.py"]], cwd=scripts) as launcher:
         assert launcher.launch(["loaded.py"], scripts, scripts / "log", 1, 1, free_port(), 60) == [0]
     assert json.loads((scripts / "loaded.json").read_text()) == [True, False]
+    # what a later launcher may preload instead of discovering: numpy, not the server's own json
+    assert "numpy" in launcher.discovered and not {"local_mod", "json"} & set(launcher.discovered)
     site = os.path.join(sys.prefix, "lib", "x.py")
     modules = {
         "shadowed": types.SimpleNamespace(__file__=str(scripts / "shadowed" / "__init__.py")),

@@ -27,6 +27,7 @@ import os
 import re
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -335,13 +336,31 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tree]:
 @pytest.fixture(scope="module")
 def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
     """The ranks' launcher: forked from one interpreter that has imported what both trees import
-    (each tree's pretrain_gpt.py --help through the launcher lists it); torchrun's variables."""
+    (each tree's pretrain_gpt.py --help through the launcher lists it); torchrun's variables.
+
+    The list is kept beside the trees, for the same trees, interpreter and installed packages: the
+    --help runs take seconds of both cores, and their answer changes only with those."""
     scripts = (upstream[kind].pristine / "pretrain_gpt.py" for kind in TREES)
     help_runs = [["-m", "megatron_ext.launch", str(script), "--help"] for script in scripts]
     # torch and DeepSpeed first, so that the --help runs, forked after them, import only the rest
-    launcher = WarmLauncher(_env(), preload=["torch", "deepspeed"], discover=help_runs, cwd=upstream["work"])
+    preload = ["torch", "deepspeed"]
+    kept = upstream["megatron-lm"].pristine.parent / "warm-imports.json"
+    key = {"preload": preload, "discover": help_runs, "python": sys.executable, "packages": _packages_stamp()}
+    found = json.loads(kept.read_text()) if kept.is_file() else {}
+    if found.get("key") == key:
+        launcher = WarmLauncher(_env(), preload=preload + found["modules"], cwd=upstream["work"])
+    else:
+        launcher = WarmLauncher(_env(), preload=preload, discover=help_runs, cwd=upstream["work"])
+        partial = kept.with_suffix(f".{os.getpid()}")
+        partial.write_text(json.dumps({"key": key, "modules": launcher.discovered}))
+        partial.replace(kept)  # whole or not at all, whichever session writes last
     yield launcher
     launcher.close()
+
+
+def _packages_stamp() -> int:
+    """Changes when a package is installed into or removed from this interpreter's site-packages."""
+    return os.stat(sysconfig.get_paths()["purelib"]).st_mtime_ns
 
 
 def _env() -> dict[str, str]:
