@@ -2,7 +2,7 @@
 
 A launch through torchrun starts a fresh interpreter per rank, and on a small host the ranks' imports
 and exits dominate a short run: 4 ranks importing torch, DeepSpeed and Megatron side by side, and
-tearing those modules down again at exit. :class:`WarmLauncher` starts ``python -m multirank.warm_server``
+(for an upstream script, which exits normally) tearing those modules down again at exit. :class:`WarmLauncher` starts ``python -m multirank.warm_server``
 once; it imports the modules it is given, then forks every rank of each launch from itself. A rank
 sees what a torchrun worker sees (the variables of torchrun's local agent, in the launcher's own
 environment), runs its command as ``python`` would (``-m MODULE``, ``-c CODE`` or a script, as
