@@ -22,12 +22,12 @@ CI=true a missing prerequisite fails the tests; elsewhere it skips them.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
 import subprocess
 import sys
-import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -338,14 +338,15 @@ def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
     """The ranks' launcher: forked from one interpreter that has imported what both trees import
     (each tree's pretrain_gpt.py --help through the launcher lists it); torchrun's variables.
 
-    The list is kept beside the trees, for the same trees, interpreter and installed packages: the
-    --help runs take seconds of both cores, and their answer changes only with those."""
+    The list is kept beside the trees, for the same trees, Python and installed packages (a fresh
+    clone's new environment of the same versions finds it): the --help runs take seconds of both
+    cores, and their answer changes only with those."""
     scripts = (upstream[kind].pristine / "pretrain_gpt.py" for kind in TREES)
     help_runs = [["-m", "megatron_ext.launch", str(script), "--help"] for script in scripts]
     # torch and DeepSpeed first, so that the --help runs, forked after them, import only the rest
     preload = ["torch", "deepspeed"]
     kept = upstream["megatron-lm"].pristine.parent / "warm-imports.json"
-    key = {"preload": preload, "discover": help_runs, "python": sys.executable, "packages": _packages_stamp()}
+    key = {"preload": preload, "discover": help_runs, "python": sys.version, "packages": _installed()}
     found = json.loads(kept.read_text()) if kept.is_file() else {}
     if found.get("key") == key:
         launcher = WarmLauncher(_env(), preload=preload + found["modules"], cwd=upstream["work"])
@@ -358,9 +359,12 @@ def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
     launcher.close()
 
 
-def _packages_stamp() -> int:
-    """Changes when a package is installed into or removed from this interpreter's site-packages."""
-    return os.stat(sysconfig.get_paths()["purelib"]).st_mtime_ns
+def _installed() -> str:
+    """A digest of this interpreter's installed distributions, names and versions."""
+    from importlib.metadata import distributions
+
+    names = sorted(f"{d.metadata['Name']}=={d.version}" for d in distributions())
+    return hashlib.sha256("\n".join(names).encode()).hexdigest()
 
 
 def _env() -> dict[str, str]:
