@@ -347,7 +347,10 @@ def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
     preload = ["torch", "deepspeed"]
     kept = upstream["megatron-lm"].pristine.parent / "warm-imports.json"
     key = {"preload": preload, "discover": help_runs, "python": sys.version, "packages": _installed()}
-    found = json.loads(kept.read_text()) if kept.is_file() else {}
+    try:
+        found = json.loads(kept.read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: discovered and written again below
+        found = {}
     if found.get("key") == key:
         launcher = WarmLauncher(_env(), preload=preload + found["modules"], cwd=upstream["work"])
     else:
