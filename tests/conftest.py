@@ -17,9 +17,10 @@ sys.path.insert(0, ROOT)
 
 from multirank import WorkerPool  # noqa: E402
 
-# Fixtures that live with their helpers: ``slurm`` (skips without a responding cluster) and
-# ``main_job_warm`` (the main job's ranks forked warm).
-pytest_plugins = ["tests.helpers.slurm", "tests.helpers.main_job"]
+# Fixtures that live with their helpers: ``slurm`` (skips without a responding cluster),
+# ``main_job_warm`` (the main job's ranks forked warm) and ``ab_quick`` (the A/B command's quick run,
+# started in the background as the tests start).
+pytest_plugins = ["tests.helpers.slurm", "tests.helpers.main_job", "tests.helpers.ab_quick"]
 
 RunRanks = Callable[..., list[Any]]
 # Worker pools by world size, kept between tests: starting one costs seconds of imports per rank.

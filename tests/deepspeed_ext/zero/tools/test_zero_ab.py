@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -19,9 +18,9 @@ from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
 from deepspeed_ext.zero.tools.ab.report import comparison, prediction_error, separated
 from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
 from mdsp_base.topology import Topology
+from tests.helpers.ab_quick import HAVE_NETNS
 
 ROOT = Path(__file__).resolve().parents[4]
-HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 
 def test_hpz_runs_at_each_valid_size_and_zeropp_says_why_it_cannot_run_on_cpu():
@@ -127,13 +126,12 @@ def test_the_slurm_scripts_run_the_probe_then_the_ab_command_with_its_profile(pl
 
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason="needs root, ip and tc")
-def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
-    from benchmarks.zero import ab
-
-    # the frontier regime, the default; the ranks forked warm (the emulated cluster's tests check that
-    # a warm rank joins its namespace as a cold one does)
-    ab.main(["--quick", "--warm", "--nodes", "2", "--out", str(tmp_path)])
-    result = json.loads((tmp_path / "ab_frontier_quick.json").read_text())
+def test_probe_and_ab_quick_on_the_emulated_cluster(ab_quick):
+    # python -m benchmarks.zero.ab --quick --warm --nodes 2, run in the background from the session's
+    # start (tests/helpers/ab_quick.py): the frontier regime, the default; the ranks forked warm (the
+    # emulated cluster's tests check that a warm rank joins its namespace as a cold one does)
+    out = ab_quick.out
+    result = json.loads((out / "ab_frontier_quick.json").read_text())
     assert result["regime"] == "frontier" and result["spec"]["name"] == "frontier_bandwidth"
     assert result["warm"] and result["command"].endswith("--quick --warm")
     assert [result["spec"][f"{link}_latency_ms"] for link in ("package", "node", "inter_node")] == [0, 0, 0]
@@ -162,5 +160,5 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(tmp_path):
         numbers = result["dimensionless"][name]
         assert numbers["links"]["inter_node"]["message_over_product"] > 0 and numbers["comm_over_compute"] > 0
     assert result["auto_check"] and len(result["probe_s"]) == 2
-    assert (tmp_path / "ab_frontier_quick.png").stat().st_size > 0
-    assert (tmp_path / "ab_frontier_quick_profile.json").exists()
+    assert (out / "ab_frontier_quick.png").stat().st_size > 0
+    assert (out / "ab_frontier_quick_profile.json").exists()
