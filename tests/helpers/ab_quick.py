@@ -1,9 +1,10 @@
 """The A/B command's quick run (``python -m benchmarks.zero.ab --quick --warm --nodes 2``), started in
 the background as the session's tests start, and checked by its test, which runs last.
 
-The run spends about two thirds of its time waiting on the emulated cluster's shaped links (a 50
-Mbit/s NIC), time in which the tests before it use the cores. Its test checks what the run wrote,
-not how fast (it bounds the prediction error at 10x either way for that reason). The run's
+Run alone, it keeps the two cores about a third busy: most of its ~40 s its ranks wait on the
+emulated cluster's shaped links (a 50 Mbit/s NIC), time in which the tests before it now use the
+cores. Its test checks what the run wrote, not how fast (it bounds the prediction error at 10x
+either way for that reason). The run's
 namespaces have a prefix of their own (``emab``), so the link tests of the emulated cluster, which
 run meanwhile, never touch them.
 
