@@ -2,11 +2,12 @@
 
 A launch through torchrun starts a fresh interpreter per rank, and on a small host the ranks' imports
 and exits dominate a short run: 4 ranks importing torch, DeepSpeed and Megatron side by side, and
-(for an upstream script, which exits normally) tearing those modules down again at exit. :class:`WarmLauncher` starts ``python -m multirank.warm_server``
-once; it imports the modules it is given, then forks every rank of each launch from itself. A rank
-sees what a torchrun worker sees (the variables of torchrun's local agent, in the launcher's own
-environment), runs its command as ``python`` would (``-m MODULE``, ``-c CODE`` or a script, as
-``__main__``) and ends as ``python`` ends, but for the modules' teardown (``warm_server._Rank.run``).
+(for an upstream script, which exits normally) tearing those modules down again at exit.
+:class:`WarmLauncher` starts ``python -m multirank.warm_server`` once; it imports the modules it
+is given, then forks every rank of each launch from itself. A rank sees what a torchrun worker sees
+(the variables of torchrun's local agent, in the launcher's own environment), runs its command as
+``python`` would (``-m MODULE``, ``-c CODE`` or a script, as ``__main__``) and ends as ``python``
+ends, but for the modules' teardown (``warm_server._Rank.run``).
 
 What a warm rank cannot show is a cold start and a full exit: the preloaded modules were imported
 before anything the command does, so a command that changes the process before it imports them (and

@@ -287,7 +287,6 @@ def main(argv: list[str] | None = None) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--rank"]:
         rank_main(sys.argv[2:])
-        exit_without_teardown()
     else:
         main()
-        exit_without_teardown()
+    exit_without_teardown()

@@ -4,9 +4,8 @@ the background as the session's tests start, and checked by its test, which runs
 Run alone, it keeps the two cores about a third busy: most of its ~40 s its ranks wait on the
 emulated cluster's shaped links (a 50 Mbit/s NIC), time in which the tests before it now use the
 cores. Its test checks what the run wrote, not how fast (it bounds the prediction error at 10x
-either way for that reason). The run's
-namespaces have a prefix of their own (``emab``), so the link tests of the emulated cluster, which
-run meanwhile, never touch them.
+either way for that reason). The run's namespaces have a prefix of their own (``emab``), so the
+link tests of the emulated cluster, which run meanwhile, never touch them.
 
 The ``ab_quick`` fixture gives the test the finished run; without root, ``ip`` and ``tc`` nothing
 starts (the test skips).
