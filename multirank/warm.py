@@ -100,7 +100,10 @@ class WarmLauncher:
         ``cwd``, forked from the server once it has imported ``preload``, for a command that changes
         the process before its imports. A module of a package that also has modules elsewhere (the
         command's own tree shadowing an installed package of the same name) is left out, as is every
-        module of the project; ``preload`` must hold no package that a command brings its own copy of."""
+        module of the project; ``preload`` must hold no package that a command brings its own copy of.
+
+        The server imports in the background: this returns at once, and the first launch (or
+        :attr:`discovered`) waits for it, at most ``timeout_s`` (+30 s), and raises what it failed with."""
         self.env = {"OMP_NUM_THREADS": "1", **env}  # torchrun's default at more than one rank per node
         self._server = subprocess.Popen(
             [sys.executable, "-m", "multirank.warm_server"],
@@ -113,9 +116,20 @@ class WarmLauncher:
         )
         discover = [list(argv) for argv in discover]
         self._request({"preload": list(preload), "discover": discover, "cwd": str(cwd), "timeout": timeout_s})
-        self.discovered: list[str] = self._reply(timeout_s + 30, "start")["discovered"]
+        self._start_timeout = timeout_s + 30
+        self._discovered: list[str] | None = None
+
+    @property
+    def discovered(self) -> list[str]:
         """What the ``discover`` commands imported beyond ``preload``, in import order (preloaded
         too): a later launcher with the same commands can preload it instead of running them."""
+        return self._started()
+
+    def _started(self) -> list[str]:
+        """Wait for the server's start (it imports in the background until its first answer)."""
+        if self._discovered is None:
+            self._discovered = self._reply(self._start_timeout, "start")["discovered"]
+        return self._discovered
 
     def launch(
         self, argv: Sequence[str], cwd: Path, log: Path, nodes: int, per_node: int, port: int, timeout: float
@@ -130,6 +144,7 @@ class WarmLauncher:
         """Run ``python *argv`` in ``cwd`` once per rank of ``ranks``; every rank's exit code (-9:
         killed) in rank order. A rank that fails takes the others down after ``ERROR_GRACE_S``; past
         ``timeout`` all are killed and this raises TimeoutError."""
+        self._started()
         request: dict[str, Any] = {"argv": list(argv), "cwd": str(cwd), "timeout": timeout}
         request["ranks"] = [{"env": dict(r.env), "log": str(r.log), "netns": r.netns} for r in ranks]
         self._request(request)

@@ -12,6 +12,9 @@ export PATH="$root/.venv/bin:$PATH"
 .venv/bin/ruff format --check .
 # Static types of the libraries (what and how: [tool.mypy] in pyproject.toml).
 .venv/bin/mypy
+# The project's modules as bytecode, once: where PYTHONDONTWRITEBYTECODE is set (CI's machine sets
+# it), each of the hundreds of processes the tests start would compile them from source again.
+.venv/bin/python -m compileall -q mdsp_base deepspeed_ext megatron_ext multirank benchmarks scripts tests
 # pytest exits 5 when it collects nothing: that is a failure here, as is any other non-zero code.
 .venv/bin/python -m pytest "$@"
 # The whole suite's numeric tests once more with oneDNN held to AVX2: their bounds come from the

@@ -16,11 +16,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from multirank import WorkerPool  # noqa: E402
+from multirank.pool import start_fork_server  # noqa: E402
+from tests.helpers.early import starts_early  # noqa: E402
 
 # Fixtures that live with their helpers: ``slurm`` (skips without a responding cluster),
-# ``main_job_warm`` (the main job's ranks forked warm) and ``ab_quick`` (the A/B command's quick run,
-# started in the background as the tests start).
-pytest_plugins = ["tests.helpers.slurm", "tests.helpers.main_job", "tests.helpers.ab_quick"]
+# ``main_job_warm`` and ``upstream_warm`` (ranks forked warm; their servers start as the session
+# starts: ``early``) and ``ab_quick`` (the A/B command's quick run, started in the background as the
+# tests start).
+pytest_plugins = [
+    "tests.helpers.early",
+    "tests.helpers.slurm",
+    "tests.helpers.main_job",
+    "tests.helpers.upstream_warm",
+    "tests.helpers.ab_quick",
+]
 
 RunRanks = Callable[..., list[Any]]
 # Worker pools by world size, kept between tests: starting one costs seconds of imports per rank.
@@ -39,6 +48,12 @@ def _starts_its_own_processes(item: pytest.Item) -> bool:
     if "run_ranks" in getattr(item, "fixturenames", ()):
         return False
     return any(item.get_closest_marker(name) for name in OWN_PROCESSES)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The pools' fork server imports while the tests are collected (``tests.helpers.early``)."""
+    if starts_early(session.config):
+        start_fork_server()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,5 +1,6 @@
 """The main job as the tests launch it: its small model as flags (its dropout is 0: runs are
-deterministic), the environment its ranks start from, and the ``main_job_warm`` fixture."""
+deterministic), the environment its ranks start from, and the ``main_job_warm`` fixture (its server
+started as the session starts: :mod:`tests.helpers.early`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from multirank.warm import WarmLauncher
+from tests.helpers.early import start_early, take
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "scripts" / "pretrain_gpt.py")
@@ -27,6 +29,8 @@ SMALL = [
     "--lr",
     "3e-3",
 ]
+# The module megatron_ext.trainer.data.build_tokenizer imports its tokenizer from
+NULL_TOKENIZER = "megatron.core.tokenizers.text.libraries.null_tokenizer"
 RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -43,9 +47,20 @@ def job_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
-@pytest.fixture(scope="session")
-def main_job_warm() -> Iterator[WarmLauncher]:
+def _main_job_launcher() -> WarmLauncher:
     """Ranks of the main job forked from one interpreter that has imported it (the script imports it
-    first thing), for every test that needs the job's losses rather than its start."""
-    with WarmLauncher(job_env(), preload=["megatron_ext.trainer.main"]) as launcher:
+    first thing), and Megatron's NullTokenizer: a rank imports it when it builds its tokenizer, and
+    its package imports Hugging Face's transformers, 0.9 s of CPU per rank."""
+    return WarmLauncher(job_env(), preload=["megatron_ext.trainer.main", NULL_TOKENIZER])
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    start_early(session.config, "main_job_warm", _main_job_launcher)
+
+
+@pytest.fixture(scope="session")
+def main_job_warm(request: pytest.FixtureRequest) -> Iterator[WarmLauncher]:
+    """The main job's ranks forked warm, for every test that needs the job's losses rather than
+    its start."""
+    with take(request.config, "main_job_warm", _main_job_launcher) as launcher:
         yield launcher

@@ -185,9 +185,7 @@ def prepare() -> dict[str, Tree]:
     problems = missing_prerequisites()
     if problems:
         raise SetupError("; ".join(problems))
-    cache = Path(
-        os.environ.get("MEGATRON_EXT_UPSTREAM_CACHE", Path.home() / ".cache" / "megatron-ext" / "upstream")
-    )
+    cache = _cache()
     cache.mkdir(parents=True, exist_ok=True)
     entry = cache / _digest()
     with open(cache / ".lock", "w") as lock:
@@ -210,7 +208,24 @@ def prepare() -> dict[str, Tree]:
                 partial.rename(entry)
             finally:
                 shutil.rmtree(partial, ignore_errors=True)
+    return _trees(entry)
+
+
+def _cache() -> Path:
+    return Path(
+        os.environ.get("MEGATRON_EXT_UPSTREAM_CACHE", Path.home() / ".cache" / "megatron-ext" / "upstream")
+    )
+
+
+def _trees(entry: Path) -> dict[str, Tree]:
     return {
         kind: Tree(entry / kind, entry / f"{kind}-patched", str(entry / "data" / kind) + "_text_document")
         for kind in TARBALLS
     }
+
+
+def prepared() -> dict[str, Tree] | None:
+    """The trees, if a session has prepared them already (entries are renamed into place whole);
+    None where :func:`prepare` would build them or a prerequisite is missing."""
+    entry = _cache() / _digest()
+    return _trees(entry) if entry.is_dir() and not missing_prerequisites() else None

@@ -218,3 +218,21 @@ def test_a_server_that_would_fork_threads_refuses(tmp_path: Path) -> None:
         timeout=60,
     )
     assert "importing threaded started a thread (2 in all)" in json.loads(done.stdout)["error"]
+
+
+def test_the_server_imports_in_the_background_and_the_first_launch_waits_for_it(scripts: Path) -> None:
+    """The constructor returns while the preload still runs; the first launch waits for it, and a
+    server that cannot fork ranks makes that launch raise, naming why."""
+    (scripts / "slow.py").write_text("import time\ntime.sleep(2)\n")
+    (scripts / "threaded.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(scripts)}
+    start = time.monotonic()
+    with WarmLauncher(env, preload=["slow"]) as launcher:
+        assert time.monotonic() - start < 1.5, "the constructor waited for the preload"
+        assert launcher.launch(["record.py"], scripts, scripts / "log", 1, 1, free_port(), 60) == [0]
+        assert time.monotonic() - start >= 2.0, "a rank ran before the preload had finished"
+    launcher = WarmLauncher(env, preload=["threaded"])
+    with pytest.raises(RuntimeError, match="importing threaded started a thread"):
+        launcher.launch(["record.py"], scripts, scripts / "log", 1, 1, free_port(), 60)

@@ -22,7 +22,6 @@ CI=true a missing prerequisite fails the tests; elsewhere it skips them.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import re
@@ -35,9 +34,10 @@ import pytest
 
 from multirank import free_port
 from multirank.warm import WarmLauncher
+from tests.helpers.early import take
 from tests.helpers.slurm import LAUNCHER_PARAMS, LOCAL_SBATCH, wait_for_job
-from tests.helpers.upstream import TARBALLS as TREES
 from tests.helpers.upstream import SetupError, Tree, prepare, tool_env
+from tests.helpers.upstream_warm import FIXTURE, launcher, rank_env
 
 pytestmark = pytest.mark.upstream
 
@@ -334,49 +334,11 @@ def upstream(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tree]:
 
 
 @pytest.fixture(scope="module")
-def warm(upstream: dict[str, Tree]) -> Iterator[WarmLauncher]:
-    """The ranks' launcher: forked from one interpreter that has imported what both trees import
-    (each tree's pretrain_gpt.py --help through the launcher lists it); torchrun's variables.
-
-    The list is kept beside the trees, for the same trees, Python and installed packages (a fresh
-    clone's new environment of the same versions finds it): the --help runs take seconds of both
-    cores, and their answer changes only with those."""
-    scripts = (upstream[kind].pristine / "pretrain_gpt.py" for kind in TREES)
-    help_runs = [["-m", "megatron_ext.launch", str(script), "--help"] for script in scripts]
-    # torch and DeepSpeed first, so that the --help runs, forked after them, import only the rest
-    preload = ["torch", "deepspeed"]
-    kept = upstream["megatron-lm"].pristine.parent / "warm-imports.json"
-    key = {"preload": preload, "discover": help_runs, "python": sys.version, "packages": _installed()}
-    try:
-        found = json.loads(kept.read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: discovered and written again below
-        found = {}
-    if found.get("key") == key:
-        launcher = WarmLauncher(_env(), preload=preload + found["modules"], cwd=upstream["work"])
-    else:
-        launcher = WarmLauncher(_env(), preload=preload, discover=help_runs, cwd=upstream["work"])
-        partial = kept.with_suffix(f".{os.getpid()}")
-        partial.write_text(json.dumps({"key": key, "modules": launcher.discovered}))
-        partial.replace(kept)  # whole or not at all, whichever session writes last
-    yield launcher
-    launcher.close()
-
-
-def _installed() -> str:
-    """A digest of this interpreter's installed distributions, names and versions."""
-    from importlib.metadata import distributions
-
-    names = sorted(f"{d.metadata['Name']}=={d.version}" for d in distributions())
-    return hashlib.sha256("\n".join(names).encode()).hexdigest()
-
-
-def _env() -> dict[str, str]:
-    return {
-        **tool_env(),
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": str(ROOT),
-        "PYTHONFAULTHANDLER": "1",  # a rank killed by a signal prints every thread's Python stack
-    }
+def upstream_warm(request: pytest.FixtureRequest, upstream: dict) -> Iterator[WarmLauncher]:
+    """The ranks' launcher (``tests.helpers.upstream_warm``): forked from one interpreter that has
+    imported what both trees import; torchrun's variables."""
+    with take(request.config, FIXTURE, lambda: launcher(upstream, upstream["work"])) as warm:
+        yield warm
 
 
 def _argv(tree: Tree, kind: str, how: Variant, work: Path) -> list[str]:
@@ -460,7 +422,7 @@ def _torchrun(upstream: dict, kind: str, variant: str) -> tuple[list[int], str]:
         subprocess.Popen(
             [*torchrun, "--node-rank", str(node), *argv],
             cwd=work,
-            env=_env(),
+            env=rank_env(),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,  # one stream in time order: a failure's tail shows what came before it
             text=True,
@@ -486,9 +448,9 @@ def _torchrun(upstream: dict, kind: str, variant: str) -> tuple[list[int], str]:
     [key for key, how in VARIANTS.items() if how.baseline is None],
 )
 def test_baseline_upstream_runs_train_on_cpu(
-    upstream: dict, warm: WarmLauncher, kind: str, variant: str
+    upstream: dict, upstream_warm: WarmLauncher, kind: str, variant: str
 ) -> None:
-    losses, log = _train(upstream, warm, kind, variant)
+    losses, log = _train(upstream, upstream_warm, kind, variant)
     assert [it for it, _ in losses] == list(range(1, VARIANTS[(kind, variant)].iters + 1)), (
         f"no lm loss for every iteration:\n{log[-4000:]}"
     )
@@ -519,11 +481,11 @@ def _check_plugins(kind: str, variant: str, log: str) -> None:
     ("kind", "variant"), [key for key, how in VARIANTS.items() if how.baseline is not None]
 )
 def test_upstream_with_plugins_prints_the_baseline_losses(
-    upstream: dict, warm: WarmLauncher, kind: str, variant: str
+    upstream: dict, upstream_warm: WarmLauncher, kind: str, variant: str
 ) -> None:
     how = VARIANTS[(kind, variant)]
-    baseline, _ = _train(upstream, warm, kind, how.baseline)
-    losses, log = _train(upstream, warm, kind, variant)
+    baseline, _ = _train(upstream, upstream_warm, kind, how.baseline)
+    losses, log = _train(upstream, upstream_warm, kind, variant)
     _check_plugins(kind, variant, log)
     assert len(baseline) == how.iters and [it for it, _ in losses] == [it for it, _ in baseline], (
         losses,
@@ -536,13 +498,13 @@ def test_upstream_with_plugins_prints_the_baseline_losses(
 
 
 def test_torchrun_prints_the_losses_and_plugins_of_the_warm_launch(
-    upstream: dict, warm: WarmLauncher
+    upstream: dict, upstream_warm: WarmLauncher
 ) -> None:
     """The other tests fork their ranks from a warm interpreter; here torchrun starts them as a user
     does (two agents, one per emulated node, every plugin of the tree on but the loader): every rank
     exits 0 and prints what the warm launch printed. The Slurm test does the same for Megatron-LM."""
     kind, variant = "megatron-deepspeed", "tp2-sp-hierarchical-zero-flash-overlap"
-    expected, _ = _train(upstream, warm, kind, variant)
+    expected, _ = _train(upstream, upstream_warm, kind, variant)
     codes, log = _torchrun(upstream, kind, variant)
     assert codes == [0, 0], f"torchrun exited {codes}; output ends:\n{log[-6000:]}"
     _check_plugins(kind, variant, log)
@@ -563,13 +525,13 @@ def _layout(value: object) -> object:
 
 
 def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(
-    upstream: dict, warm: WarmLauncher
+    upstream: dict, upstream_warm: WarmLauncher
 ) -> None:
     import torch
 
     kind = "megatron-deepspeed"
     for variant in ("tp2-sp-patched-off", "tp2-sp-flash-overlap"):
-        _train(upstream, warm, kind, variant)
+        _train(upstream, upstream_warm, kind, variant)
     stock, ours = (
         upstream["work"] / f"ckpt-{name}" / f"global_step{ITERS}"
         for name in ("tp2-sp", "tp2-sp-flash-overlap")
@@ -582,7 +544,7 @@ def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(
         saved = [torch.load(d / name, map_location="cpu", weights_only=False) for d in (stock, ours)]
         assert _layout(saved[0]) == _layout(saved[1]), name
     # each loads into the other's model and trains on: iteration 4 agrees to rounding
-    resumed = [_train(upstream, warm, kind, variant)[0] for variant in (v for _, v in RESUMED)]
+    resumed = [_train(upstream, upstream_warm, kind, variant)[0] for variant in (v for _, v in RESUMED)]
     assert [it for it, _ in resumed[0]] == [it for it, _ in resumed[1]] == [ITERS + 1], resumed
     (_, a), (_, b) = resumed[0][0], resumed[1][0]
     assert abs(float(a) / float(b) - 1) <= 1e-6, resumed
@@ -590,10 +552,12 @@ def test_megatron_deepspeed_checkpoints_load_with_and_without_flash_overlap(
 
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm")
-def test_local_sbatch_runs_upstream_megatron_lm(upstream: dict, warm: WarmLauncher, tmp_path: Path) -> None:
+def test_local_sbatch_runs_upstream_megatron_lm(
+    upstream: dict, upstream_warm: WarmLauncher, tmp_path: Path
+) -> None:
     """``UPSTREAM_DIR=<patched Megatron-LM> sbatch scripts/slurm/local.sbatch``: srun starts the 4 ranks
     through the launcher, and they print the losses torchrun's ranks printed with the same flags."""
-    expected, _ = _train(upstream, warm, "megatron-lm", "both")
+    expected, _ = _train(upstream, upstream_warm, "megatron-lm", "both")
     tree, work = upstream["megatron-lm"], upstream["work"]
     flags = [
         *COMMON,
