@@ -227,5 +227,7 @@ def _trees(entry: Path) -> dict[str, Tree]:
 def prepared() -> dict[str, Tree] | None:
     """The trees, if a session has prepared them already (entries are renamed into place whole);
     None where :func:`prepare` would build them or a prerequisite is missing."""
+    if missing_prerequisites():
+        return None
     entry = _cache() / _digest()
-    return _trees(entry) if entry.is_dir() and not missing_prerequisites() else None
+    return _trees(entry) if entry.is_dir() else None

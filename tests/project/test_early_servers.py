@@ -71,3 +71,13 @@ def test_a_server_no_fixture_took_is_closed_at_the_end() -> None:
     early.start_early(config, "used_warm", lambda: server)
     early.pytest_sessionfinish(types.SimpleNamespace(config=config))
     assert server.closed
+
+
+def test_without_the_upstream_tarballs_no_upstream_server_starts(monkeypatch, tmp_path) -> None:
+    from tests.helpers import upstream, upstream_warm
+
+    monkeypatch.setattr(upstream, "UPSTREAM", tmp_path)  # an empty directory: no tarballs
+    assert upstream.prepared() is None
+    config = _config(["tests"])
+    upstream_warm.pytest_sessionstart(types.SimpleNamespace(config=config))
+    assert early.take(config, upstream_warm.FIXTURE, _Server).__class__ is _Server, "nothing was started"
