@@ -41,8 +41,6 @@ from tests.helpers.upstream_warm import FIXTURE, launcher, rank_env
 
 pytestmark = pytest.mark.upstream
 
-ROOT = Path(__file__).resolve().parents[3]
-
 ITERS = 3
 RUN_TIMEOUT_S = 300
 LOSS = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?\| lm loss: ([0-9.E+-]+) \|")
