@@ -35,10 +35,11 @@ def rank_env() -> dict[str, str]:
 
 
 def _installed() -> str:
-    """A digest of this interpreter's installed distributions, names and versions."""
+    """A digest of this interpreter's installed distributions, names and versions (each once: a
+    checkout with the project's egg-info on the path lists the project twice, one without once)."""
     from importlib.metadata import distributions
 
-    names = sorted(f"{d.metadata['Name']}=={d.version}" for d in distributions())
+    names = sorted({f"{d.metadata['Name']}=={d.version}" for d in distributions()})
     return hashlib.sha256("\n".join(names).encode()).hexdigest()
 
 

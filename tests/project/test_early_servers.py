@@ -81,3 +81,21 @@ def test_without_the_upstream_tarballs_no_upstream_server_starts(monkeypatch, tm
     config = _config(["tests"])
     upstream_warm.pytest_sessionstart(types.SimpleNamespace(config=config))
     assert early.take(config, upstream_warm.FIXTURE, _Server).__class__ is _Server, "nothing was started"
+
+
+def test_the_kept_import_list_is_keyed_alike_with_and_without_the_projects_egg_info(
+    monkeypatch, tmp_path
+) -> None:
+    """A checkout where ``pip install -e`` left an egg-info on the path and one without it (a worktree)
+    share the upstream runs' kept import list: the same installation, the same key."""
+    import sys
+
+    from tests.helpers import upstream_warm
+
+    without = upstream_warm._installed()
+    (tmp_path / "megatron_deepspeed_plugins.egg-info").mkdir()
+    (tmp_path / "megatron_deepspeed_plugins.egg-info" / "PKG-INFO").write_text(
+        "Metadata-Version: 2.1\nName: megatron-deepspeed-plugins\nVersion: 0.1.0\n"
+    )
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])
+    assert upstream_warm._installed() == without
