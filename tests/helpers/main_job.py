@@ -50,7 +50,7 @@ def job_env(**extra: str) -> dict[str, str]:
 def _main_job_launcher() -> WarmLauncher:
     """Ranks of the main job forked from one interpreter that has imported it (the script imports it
     first thing), and Megatron's NullTokenizer: a rank imports it when it builds its tokenizer, and
-    its package imports Hugging Face's transformers, 0.9 s of CPU per rank."""
+    its package imports Hugging Face's transformers, 1.0 s of CPU per rank."""
     return WarmLauncher(job_env(), preload=["megatron_ext.trainer.main", NULL_TOKENIZER])
 
 

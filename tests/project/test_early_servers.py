@@ -80,7 +80,7 @@ def test_without_the_upstream_tarballs_no_upstream_server_starts(monkeypatch, tm
     assert upstream.prepared() is None
     config = _config(["tests"])
     upstream_warm.pytest_sessionstart(types.SimpleNamespace(config=config))
-    assert early.take(config, upstream_warm.FIXTURE, _Server).__class__ is _Server, "nothing was started"
+    assert isinstance(early.take(config, upstream_warm.FIXTURE, _Server), _Server), "nothing was started"
 
 
 def test_the_kept_import_list_is_keyed_alike_with_and_without_the_projects_egg_info(
