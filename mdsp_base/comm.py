@@ -12,6 +12,12 @@ Two ways in: our own hops call :func:`all_gather_into_tensor` / :func:`reduce_sc
 communication backend object, through which stock ZeRO-3 and ZeRO++ hpZ send everything, so all
 three variants are counted the same way. Counting is on while a :class:`CommCounter` is active
 (:func:`counting`).
+
+Alongside, each rank books the bytes it sends on each physical link (:mod:`mdsp_base.links`: each
+NIC's egress and ingress, each package link, each intra-node link between packages) from the
+geometry of the algorithm that sends them. A rank books only the transfers it sends, both the
+sender's egress and the receiver's ingress, so summing the records over the ranks counts each
+transfer once: :func:`nic_bytes_per_step` does that sum and reports the most loaded NIC.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mdsp_base.links import PhysicalLink, Transfer, link_count, links_crossed, sends
 from mdsp_base.topology import Topology
 from mdsp_base.volume import LINK_CLASSES, CallKey, span_class, volume
 
@@ -44,35 +51,50 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 
 class CommCounter:
-    """Bytes per (phase, kind, link class) sent by this rank while active."""
+    """Bytes per (phase, kind, link class) sent by this rank while active, and per physical link."""
 
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._phase = threading.local()  # per thread: hops run on a worker thread for the caller's phase
         self._lock = threading.Lock()
         self.bytes: dict[tuple[str, str, str], int] = defaultdict(int)
+        # (phase, kind, physical link, link id) -> bytes of the transfers this rank sent across it
+        self.links: dict[tuple[str, str, PhysicalLink, int], int] = defaultdict(int)
         # launches per collective shape: what a cost model charges one by one
         self.calls: dict[CallKey, int] = defaultdict(int)
-        self._classes: dict[int, tuple[Any, str]] = {}
+        self._groups: dict[int, tuple[Any, str, list[int]]] = {}
+
+    def _group(self, group: dist.ProcessGroup | None) -> tuple[str, list[int]]:
+        cached = self._groups.get(id(group))
+        if cached is None or cached[0] is not group:  # an id can be reused once a group is gone
+            ranks = group_ranks(group)
+            cached = (group, span_class(self.topology, ranks), ranks)
+            self._groups[id(group)] = cached
+        return cached[1], cached[2]
 
     def link_class(self, group: dist.ProcessGroup | None) -> str:
-        cached = self._classes.get(id(group))
-        if cached is None or cached[0] is not group:  # an id can be reused once a group is gone
-            cached = (group, span_class(self.topology, group_ranks(group)))
-            self._classes[id(group)] = cached
-        return cached[1]
+        return self._group(group)[0]
 
-    def record(self, kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+    def record(
+        self, kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None, peer: int = 0
+    ) -> None:
         """Bytes of one send or collective; a library collective (not a point-to-point send) is also
-        counted as one ring launch."""
+        counted as one ring launch. ``peer``: the receiver's group rank (p2p), the root's (broadcast)."""
         size = dist.get_world_size(group)
         if size <= 1:
             return
         with self._lock:
-            link = self.link_class(group)
-            self.bytes[(self.current_phase, kind, link)] += volume(collective, nbytes, size)
-            if collective != "p2p":
+            link, ranks = self._group(group)
+            phase, me = self.current_phase, dist.get_rank()
+            self.bytes[(phase, kind, link)] += volume(collective, nbytes, size)
+            if collective == "p2p":
+                moves = [Transfer(me, ranks[peer], nbytes)]
+            else:
                 self.calls[CallKey(collective, "ring", link, size, nbytes)] += 1
+                moves = sends(collective, "ring", nbytes, ranks, me, root=peer)
+            for move in moves:
+                for physical, index in links_crossed(self.topology, move.src, move.dst):
+                    self.links[(phase, kind, physical, index)] += move.nbytes
 
     def count_launch(self, collective: str, algorithm: str, nbytes: int, group: dist.ProcessGroup) -> None:
         """One launch of a point-to-point ``algorithm`` (its sends count their own bytes)."""
@@ -103,6 +125,18 @@ class CommCounter:
                 out[link] += n
         return out
 
+    def physical_links(
+        self, phase: str | None = None, kind: str | None = None
+    ) -> dict[PhysicalLink, dict[int, int]]:
+        """Bytes per physical link (kind -> link id -> bytes) of the transfers this rank sent,
+        summed over the phases and kinds that match (None matches all). Sum it over the ranks for
+        each link's load (:func:`nic_bytes_per_step`)."""
+        out: dict[PhysicalLink, dict[int, int]] = {physical: {} for physical in PhysicalLink}
+        for (ph, kd, physical, index), n in self.links.items():
+            if (phase is None or ph == phase) and (kind is None or kd == kind):
+                out[physical][index] = out[physical].get(index, 0) + n
+        return out
+
     def snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{phase: {kind: {link: bytes}}}`` as plain dicts (JSON-ready)."""
         out: dict[str, dict[str, dict[str, int]]] = {}
@@ -112,7 +146,31 @@ class CommCounter:
 
     def reset(self) -> None:
         self.bytes.clear()
+        self.links.clear()
         self.calls.clear()
+
+
+_MIB = 1 << 20
+
+
+def nic_bytes_per_step(
+    counter: CommCounter, steps: int, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """MiB per step on the most loaded NIC (its egress) and the most loaded package link, over what
+    ``counter`` booked in ``steps`` steps on every rank of ``group`` (None: the job). Collective over
+    ``group``: every member calls it; the sum is not counted."""
+    kinds = (PhysicalLink.NIC_EGRESS, PhysicalLink.PACKAGE)
+    sizes = [link_count(counter.topology, physical) for physical in kinds]
+    vector = torch.zeros(sum(sizes), dtype=torch.float64)  # exact up to 2**53 bytes
+    loads, at = counter.physical_links(), 0
+    for physical, size in zip(kinds, sizes, strict=True):
+        for index, n in loads[physical].items():
+            vector[at + index] += n
+        at += size
+    dist.all_reduce(vector, group=group)
+    nic, package = vector.split(sizes)
+    most = [float(part.max()) if part.numel() else 0.0 for part in (nic, package)]
+    return {"nic_mib_per_step": most[0] / steps / _MIB, "package_link_mib_per_step": most[1] / steps / _MIB}
 
 
 _active: CommCounter | None = None
@@ -133,9 +191,9 @@ def active_counter() -> CommCounter | None:
     return _active
 
 
-def _record(kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None) -> None:
+def _record(kind: str, collective: str, nbytes: int, group: dist.ProcessGroup | None, peer: int = 0) -> None:
     if _active is not None:
-        _active.record(kind, collective, nbytes, group)
+        _active.record(kind, collective, nbytes, group, peer)
 
 
 def count_launch(collective: str, algorithm: str, nbytes: int, group: dist.ProcessGroup) -> None:
@@ -190,7 +248,7 @@ def send_recv(
         tags: dict[int, int] = {}
         for tensor, peer in pairs:
             if op is dist.isend:
-                _record(kind, "p2p", _nbytes(tensor), group)
+                _record(kind, "p2p", _nbytes(tensor), group, peer)
             tags[peer] = tags.get(peer, -1) + 1
             ops.append(dist.P2POp(op, tensor, group=group, group_peer=peer, tag=tags[peer]))
     if ops:
@@ -255,7 +313,9 @@ def _counted(
             arguments = signature.bind(*args, **kwargs).arguments
             buffer = arguments[sized]
             nbytes = _nbytes(buffer) if isinstance(buffer, torch.Tensor) else sum(_nbytes(t) for t in buffer)
-            _active.record(kind, collective, nbytes, arguments.get("group"))
+            group, src = arguments.get("group"), arguments.get("src")  # src: a broadcast's global root
+            root = 0 if src is None else group_ranks(group).index(src)
+            _active.record(kind, collective, nbytes, group, root)
         return method(*args, **kwargs)
 
     return wrapper
