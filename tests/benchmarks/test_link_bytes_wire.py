@@ -18,16 +18,17 @@ PREFIX = "emlb"  # a prefix of its own, so that another cluster test running at 
 HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 GATHERED = 4_000_000  # bytes: 500 kB per rank
 
-ALL_GATHER_AND_COUNT = f"""
+# The bytes each rank sends per link class in one call of {op}, after a first call warmed it up.
+COUNT = """
 import torch, torch.distributed as dist
 from benchmarks.cluster import write_result
 from benchmarks.cluster.netns import sent_bytes
 dist.init_process_group("gloo")
-out, mine = torch.empty({GATHERED // 4}), torch.ones({GATHERED // 32})
-dist.all_gather_into_tensor(out, mine)  # connections up and warm
+out, mine = torch.empty({gathered}), torch.ones({block})
+{op}  # connections up and warm
 dist.barrier()
 before = sent_bytes()
-dist.all_gather_into_tensor(out, mine)
+{op}
 dist.barrier()  # every rank has received all: the bytes have left every sender
 after = sent_bytes()
 write_result({{k: after[k] - before[k] for k in after}})
@@ -42,14 +43,31 @@ def warm() -> Iterator[WarmLauncher]:
 
 @pytest.mark.netns
 @pytest.mark.skipif(not HAVE_NETNS, reason="needs root and the ip and tc commands (iproute2)")
-def test_ring_all_gather_geometry_matches_the_wire_per_class_and_per_nic(warm: WarmLauncher) -> None:
+def test_ring_geometry_matches_the_wire_and_gloo_reduce_scatter_sends_twice(warm: WarmLauncher) -> None:
     # 2 nodes x 2 packages x 2 ranks, one NIC per package: the ring 0->1->...->7->0 has package edges
     # (0->1, 2->3, 4->5, 6->7), intra-node edges between packages (1->2, 5->6) and node boundaries
     # (3->4, 7->0). gloo's all-gather is this ring in group-rank order.
     spec = ClusterSpec(2, 2, 2, 400.0, 400.0, 200.0, name="links")
     topology = Topology(world_size=8, ranks_per_node=4, ranks_per_package=2)
     with EmulatedCluster(spec, prefix=PREFIX, warm=warm) as cluster:
-        sent = cluster.launch(["-c", ALL_GATHER_AND_COUNT], timeout=120)
+        sent = cluster.launch(
+            [
+                "-c",
+                COUNT.format(
+                    gathered=GATHERED // 4, block=GATHERED // 32, op="dist.all_gather_into_tensor(out, mine)"
+                ),
+            ],
+            timeout=120,
+        )
+        reduced = cluster.launch(
+            [
+                "-c",
+                COUNT.format(
+                    gathered=GATHERED // 4, block=GATHERED // 32, op="dist.reduce_scatter_tensor(mine, out)"
+                ),
+            ],
+            timeout=120,
+        )
     moves = transfers("all_gather", "ring", GATHERED, range(8))
     edge = GATHERED * 7 // 8
     predicted = [dict.fromkeys(("package", "node", "inter_node"), 0) for _ in range(8)]
@@ -66,4 +84,8 @@ def test_ring_all_gather_geometry_matches_the_wire_per_class_and_per_nic(warm: W
     for nic in range(4):
         wire = sent[2 * nic]["inter_node"] + sent[2 * nic + 1]["inter_node"]
         assert egress.get(nic, 0) <= wire <= 1.03 * egress.get(nic, 0) + 128_000, (nic, wire)
+    # gloo's reduce-scatter all-reduces its whole input (a ring towards member -1: 1->0 is a package
+    # edge, 0->7 crosses nodes) and keeps its block: twice the ring reduce-scatter's bytes on the wire.
+    for rank, link in ((0, "inter_node"), (1, "package"), (2, "node"), (4, "inter_node")):
+        assert 2 * edge <= reduced[rank][link] <= 1.03 * 2 * edge, (rank, reduced[rank])
     assert netns.list_namespaces(PREFIX) == [] and netns.list_host_links(PREFIX) == []
