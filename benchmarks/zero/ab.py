@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -31,10 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cluster.spec import ClusterSpec, frontier_bandwidth, frontier_latency
+from benchmarks.device import add_device_flags, device_flags
 from benchmarks.zero.regime import emulated
 from benchmarks.zero.run import OUT
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
 from deepspeed_ext.zero.cost.profile import Profile, parse
+from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import LinkClass
 from multirank.warm import WarmLauncher
@@ -60,8 +63,8 @@ DS_CONFIG = {
 class Regime:
     """A cluster and a batch that put the step in one regime."""
 
-    spec: Callable[[int], ClusterSpec]
-    """The emulated cluster for a node count."""
+    spec: Callable[[int, int], ClusterSpec]
+    """The emulated cluster for a node count and MI250Xs (NICs) per node."""
     model: tuple[str, ...]
     """The A/B command's model flags: the parameters' sizes set the messages."""
     micro_batch: int
@@ -75,14 +78,14 @@ REGIMES = {
     # measures with no delay added (1.6 ms x 2.9 MB/s); 48 x 256 tokens per rank: compute ~1-2x the
     # communication, as the best 20B plans' on Frontier (python -m benchmarks.zero.regime)
     "frontier": Regime(
-        lambda nodes: frontier_bandwidth(nodes=nodes),
+        lambda nodes, packages: frontier_bandwidth(nodes, packages),
         model=(*MODEL, "--hidden", "256", "--seq-length", "256"),
         micro_batch=48,
         about="Frontier's regime: no delay added, messages hundreds of times the latency x bandwidth "
         "product, compute above communication",
     ),
     "latency": Regime(
-        lambda nodes: frontier_latency(nodes=nodes),
+        lambda nodes, packages: frontier_latency(nodes, packages),
         model=(*MODEL, "--hidden", "128", "--seq-length", "64"),
         micro_batch=2,
         about="latency-bound regime: one-way delays 1000x Frontier's, compute a few percent of the step",
@@ -104,6 +107,15 @@ RANK_IMPORTS = [
 ]
 
 
+FRONTIER_NIC_MBIT = 200_000.0
+"""One Slingshot-11 NIC, 25 GB/s (OLCF's Frontier user guide): the emulated NIC is it / dilation."""
+
+
+def dilation_of(spec: ClusterSpec) -> float:
+    """The time dilation that makes the emulated NIC Frontier's: device time is stretched as much."""
+    return FRONTIER_NIC_MBIT / spec.inter_node_mbit
+
+
 def rank_main(argv: list[str]) -> None:
     """On a rank: ``probe ARGS...`` or ``bench ARGS...``, its result for the launcher."""
     from benchmarks.cluster import write_result
@@ -114,9 +126,13 @@ def rank_main(argv: list[str]) -> None:
         probe.main(argv[1:])
         write_result(True)
     else:
+        from benchmarks.device import add_device_flags, stand_in
         from deepspeed_ext.zero.tools.ab import cli as bench
 
-        write_result(bench.main(argv[1:]))
+        parser = argparse.ArgumentParser()
+        add_device_flags(parser)
+        device, rest = parser.parse_known_args(argv[1:])
+        write_result(bench.main(rest, stand_in(device)))
     # everything is written and the groups destroyed: skip the interpreter's teardown, where a
     # backend thread dropping a tensor can abort a rank that finished ("terminate called ...")
     sys.stdout.flush()
@@ -221,14 +237,30 @@ def main(argv: list[str] | None = None) -> None:
         "(multirank.warm); the probe's wall time then leaves the ranks' imports out",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument(
+        "--packages",
+        type=int,
+        default=None,
+        help="MI250Xs per node, each 2 ranks sharing one NIC (default 1 on the host's compute, 2 with --device)",
+    )
+    add_device_flags(parser, dilation=None)
     parser.add_argument("--out", default=str(OUT), help="where the results go")
     args = parser.parse_args(argv)
     from benchmarks.cluster import EmulatedCluster
     from deepspeed_ext.zero.tools.ab.report import comparison, plot, predictions, table
 
     regime = REGIMES[args.regime]
-    spec = regime.spec(args.nodes)
-    name = f"ab_{args.regime}" + ("_quick" if args.quick else "")
+    if args.packages is None:  # device runs leave the cores free for 2 NICs of 2 ranks per node
+        args.packages = 1 if args.device == "host" else 2
+    spec = regime.spec(args.nodes, args.packages)
+    if args.dilation is None:  # the links are Frontier's divided by it
+        args.dilation = dilation_of(spec)
+    device = [] if args.device == "host" else device_flags(args)
+    name = (
+        f"ab_{args.regime}"
+        + ("" if args.device == "host" else f"_{args.device}")
+        + ("_quick" if args.quick else "")
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     topology = {"ranks_per_node": spec.ranks_per_node, "ranks_per_package": spec.ranks_per_package}
@@ -240,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     # --quick: up to 1 MiB, the quick model's largest message, so that no prediction extrapolates
     sweep = ["--largest", str(2**20), "--repeats", "2"] if args.quick else []
     profiles = [out / f"{name}_profile.json", out / f"{name}_profile_heldout.json"]
+    bench_json = out / f"{name}_bench.json"
     rank = ["-m", "benchmarks.zero.ab", "--rank"]
     before, seconds = os.getloadavg(), []
     launcher = WarmLauncher(dict(os.environ), preload=RANK_IMPORTS) if args.warm else nullcontext()
@@ -252,15 +285,19 @@ def main(argv: list[str] | None = None) -> None:
             )
             seconds.append(time.monotonic() - start)
             print(f"probe: {seconds[-1]:.0f} s", flush=True)
-        bench = ["--deepspeed-config", str(config), "--profile", str(profiles[0])]
-        bench += ["--quick"] if args.quick else ["--steps", "5", "--warmup", "2", *regime.model]
-        rows = cluster.launch([*rank, "bench", *bench], timeout=args.timeout)[0]
+        bench = ["--deepspeed-config", str(config), "--profile", str(profiles[0]), "--json", str(bench_json)]
+        bench += ["--quick"] if args.quick else ["--warmup", "2", *regime.model]
+        bench += ["--steps", str(MIN_PAIRS)]
+        rows = cluster.launch([*rank, "bench", *bench, *device], timeout=args.timeout)[0]
+    run = json.loads(bench_json.read_text())[0]["run"]
     first, second = (parse(json.loads(p.read_text()), str(p)) for p in profiles)
     shown = [os.path.relpath(a) if a.startswith(os.sep) else a for a in bench]  # paths as from the checkout
     header = f"{spec.world_size} emulated ranks; deepspeed_ext.zero.bench {' '.join(shown)}"
     result = {
         "command": f"python -m benchmarks.zero.ab --regime {args.regime}"
         + (f" --nodes {args.nodes}" if args.nodes != DEFAULT_NODES else "")
+        + (f" --device {args.device}" if args.device != "host" else "")
+        + (f" --contention {args.contention:g}" if args.contention else "")
         + (" --quick" if args.quick else "")
         + (" --warm" if args.warm else ""),
         "regime": args.regime,
@@ -270,7 +307,12 @@ def main(argv: list[str] | None = None) -> None:
         "probe_s": seconds,
         "loadavg": [before, os.getloadavg()],
         "auto_check": auto_check(first, second),
+        "device": args.device,
+        "dilation": args.dilation if args.device != "host" else None,
+        "contention": args.contention if args.device != "host" else None,
+        "compute_only_step_s": statistics.median(run["compute_step_s"]),
         "variants": rows,
+        "paired": run["paired"],
         "dimensionless": dimensionless(rows, first),
         "table": table(rows, header) + "\n" + "\n".join(comparison(rows) + predictions(rows)),
     }

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from mdsp_base import comm
 
@@ -188,12 +190,17 @@ def _after(needs: Sequence[Future], fn: Callable[[], Any]) -> Any:
 
 
 def _attributed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` without autograd, its bytes counted in the phase of the thread that asked for it."""
+    """``fn`` without autograd, its bytes counted in the phase of the thread that asked for it, and
+    under that thread's dispatch modes that follow work onto other threads (a mode offering
+    ``for_thread()``, such as a profiler's or an emulated device's; torch's modes are per thread)."""
     counter = comm.active_counter()
     phase = counter.current_phase if counter is not None else "other"
+    modes = [m.for_thread() for m in _get_current_dispatch_mode_stack() if hasattr(m, "for_thread")]
 
     def attributed() -> Any:
-        with torch.no_grad():
+        with torch.no_grad(), ExitStack() as stack:
+            for mode in modes:
+                stack.enter_context(mode)
             if counter is None:
                 return fn()
             with counter.phase(phase):

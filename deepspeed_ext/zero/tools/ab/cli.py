@@ -12,7 +12,8 @@ builds, one after another: stock ZeRO-3; DeepSpeed's hpZ at each valid ``zero_hp
 qwZ + qgZ) where DeepSpeed's quantizer kernels build, else listed as not run with the reason; and
 the hierarchical variant with the JSON's ``hierarchical_zero`` section (``--profile`` sets its
 profile, so ``auto`` and the planner use what the probe measured). Each variant runs ``--warmup``
-untimed and ``--steps`` timed optimizer steps, each step the slowest rank's time from a barrier.
+untimed and ``--steps`` timed optimizer steps, each step the slowest rank's time from a barrier; the
+variants take turns step by step, so each round is a pair and each ratio has a 95 % interval.
 
 Reported per variant: step time and TFLOPS per rank (min / median / max over the steps), the bytes
 per link class the most loaded rank sent per step (counted from the collectives DeepSpeed and the
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, replace
+from typing import Any
 
 from deepspeed_ext.zero.cost.workload import Model
 from mdsp_base.shutdown import exit_without_teardown
@@ -68,7 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help=f"model {name} (overrides --megatron-args; default {getattr(QUICK, name)})",
         )
     parser.add_argument("--profile", help="a probe profile for ours (hierarchical_zero.profile)")
-    parser.add_argument("--steps", type=int, default=5, help="timed optimizer steps per variant")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed optimizer steps per variant (default 10; 5 with --quick)",
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant first")
     parser.add_argument("--json", help="write one object per variant here (rank 0)")
     parser.add_argument("--plot", help="write a bar plot of the step times here (rank 0; PNG)")
@@ -76,11 +83,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--no-peak", action="store_true", help="CPU: skip the peak-memory pass (a second engine per variant)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a tiny model, 1 warm-up and 5 timed steps: a smoke test"
+        "--quick",
+        action="store_true",
+        help="a tiny model, 1 warm-up and (unless --steps) 5 timed steps: a smoke test",
     )
     args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 5 if args.quick else 10
     if args.quick:
-        args.steps, args.warmup = 5, 1
+        args.warmup = 1
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"need --steps >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     return args
@@ -99,13 +110,14 @@ def model_shape(args: argparse.Namespace) -> Model:
     )
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    """Run every variant; rank 0 prints the table and writes the JSON and plot. Returns the rows."""
+def main(argv: list[str] | None = None, emulated: Any = None) -> list[dict]:
+    """Run every variant; rank 0 prints the table and writes the JSON and plot. Returns the rows.
+    ``emulated``: an emulated device the steps run on (:class:`.run.EmulatedDevice`)."""
     args = parse_args(argv)
     require_launcher("deepspeed_ext.zero.bench", "--deepspeed-config ds.json")
     from deepspeed_ext.zero.tools.ab.run import run  # torch, DeepSpeed: after the flags are read
 
-    return run(args)
+    return run(args, emulated)
 
 
 if __name__ == "__main__":

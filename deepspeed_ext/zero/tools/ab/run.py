@@ -9,9 +9,10 @@ import json
 import os
 import statistics
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,13 @@ from mdsp_base.topology import Topology, TopologyConfig, detect_topology
 from mdsp_base.volume import LINK_CLASSES
 
 
+class EmulatedDevice(AbstractContextManager, Protocol):
+    """A device the steps' tensor work runs on instead of this process's (an emulated cluster's
+    stand-in): entered around each step, which ends when it is idle."""
+
+    def synchronize(self) -> None: ...
+
+
 def build(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
     import deepspeed
 
@@ -40,20 +48,24 @@ def build(variant: Variant, cfg: dict, shape: Model, topology: Topology, device:
     return deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())[0]
 
 
-def one_step(engine: Any, shape: Model, step: int, device: torch.device) -> float:
-    """One optimizer step (all micro-batches), the slowest rank's seconds from a barrier."""
+def one_step(
+    engine: Any, shape: Model, step: int, device: torch.device, emulated: EmulatedDevice | None = None
+) -> float:
+    """One optimizer step (all micro-batches), the slowest rank's seconds from a barrier; with an
+    ``emulated`` device the step's tensor work runs on it and the step ends when it is idle."""
     dist.barrier()
     start = time.perf_counter()
-    for micro in range(engine.gradient_accumulation_steps()):
-        g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
-        tokens = torch.randint(
-            shape.vocab, (engine.train_micro_batch_size_per_gpu(), shape.seq + 1), generator=g
-        )
-        tokens = tokens.to(device)
-        logits = engine(tokens[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-        engine.backward(loss)
-        engine.step()
+    with emulated if emulated is not None else nullcontext():
+        for micro in range(engine.gradient_accumulation_steps()):
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+            tokens = torch.randint(
+                shape.vocab, (engine.train_micro_batch_size_per_gpu(), shape.seq + 1), generator=g
+            )
+            tokens = tokens.to(device)
+            logits = engine(tokens[:, :-1])
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
+            engine.backward(loss)
+            engine.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return slowest(time.perf_counter() - start, device)
@@ -70,19 +82,26 @@ def _release(engine: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def cpu_peak(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> int:
-    """Most bytes the process held at once during a fresh engine's second step."""
+def peak_bytes(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> int:
+    """Most bytes a fresh engine held during its second step (CUDA: the allocator's peak since the
+    engine was built; CPU: the process's allocations during that step)."""
     from torch.profiler import record_function
 
     from mdsp_base.allocations import AllocationTrace
 
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     with AllocationTrace() as trace:
         engine = build(variant, cfg, shape, topology, device)
         one_step(engine, shape, 0, device)
         with record_function("measured step"):
             one_step(engine, shape, 1, device)
     _release(engine)
-    return trace.process_peak("measured step")
+    return (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else trace.process_peak("measured step")
+    )
 
 
 def check_fits(shape: Model, device: torch.device) -> None:
@@ -99,8 +118,58 @@ def check_fits(shape: Model, device: torch.device) -> None:
         )
 
 
-def run_variant(
+def _build_fresh(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
+    """An engine built while others live: DeepSpeed keeps hpZ's group in a global that each ZeRO-3
+    engine reads when it is built (and keeps), so it is cleared first."""
+    from deepspeed.utils import groups
+
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    return build(variant, cfg, shape, topology, device)
+
+
+def run_variants(
+    runnable: list[Variant],
+    user: dict,
+    shape: Model,
+    topology: Topology,
+    args: argparse.Namespace,
+    device: torch.device,
+    emulated: EmulatedDevice | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every variant's engine built, then stepped in rounds, one step of each per round, the order
+    reversed every other round, so that each round's steps form a pair under the same load.
+    Returns per variant its step seconds, counter, parameter-fetch wait and engine facts."""
+    engines = {
+        v.name: _build_fresh(v, ds_config(user, v, args.profile), shape, topology, device) for v in runnable
+    }
+    counters = {v.name: comm.CommCounter(topology) for v in runnable}
+    seconds: dict[str, list[float]] = {v.name: [] for v in runnable}
+    waits = {v.name: GatherWait() for v in runnable}
+    for step in range(args.warmup + args.steps):
+        order = runnable if step % 2 == 0 else runnable[::-1]
+        for v in order:
+            if step < args.warmup:
+                one_step(engines[v.name], shape, step, device, emulated)
+                continue
+            with comm.counting(counters[v.name]), waits[v.name]:
+                seconds[v.name].append(one_step(engines[v.name], shape, step, device, emulated))
+    out = {}
+    for v in runnable:
+        engine = engines.pop(v.name)
+        out[v.name] = {
+            "seconds": seconds[v.name],
+            "counter": counters[v.name],
+            "wait": waits[v.name],
+            "micro": engine.train_micro_batch_size_per_gpu(),
+            "accumulation": engine.gradient_accumulation_steps(),
+        }
+        _release(engine)
+    return out
+
+
+def variant_row(
     variant: Variant,
+    measured: dict[str, Any],
     user: dict,
     shape: Model,
     topology: Topology,
@@ -109,22 +178,10 @@ def run_variant(
     compute_s: float | None = None,
     profile: Profile | None = None,
 ) -> dict:
-    """Build, warm up, time ``args.steps`` steps, count bytes and read the peak of one variant;
-    with a ``profile`` also its predicted step (``compute_s``: the measured single-rank step)."""
+    """One variant's row: steps, TFLOPS, bytes per link class and per NIC, fetch wait, peak and,
+    with a ``profile``, its predicted step (``compute_s``: the measured single-rank step)."""
     cfg = ds_config(user, variant, args.profile)
-    row: dict[str, Any] = {"variant": variant.name, "ran": False, "reason": variant.skipped}
-    if variant.skipped is not None:
-        return row
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    engine = build(variant, cfg, shape, topology, device)
-    counter = comm.CommCounter(topology)
-    for step in range(args.warmup):
-        one_step(engine, shape, step, device)
-    seconds = []
-    with comm.counting(counter), GatherWait() as waited:
-        for step in range(args.steps):
-            seconds.append(one_step(engine, shape, args.warmup + step, device))
+    seconds, counter, waited = measured["seconds"], measured["counter"], measured["wait"]
     sent = torch.tensor(
         [counter.per_link()[link] / args.steps for link in LINK_CLASSES], dtype=torch.float64, device=device
     )
@@ -132,15 +189,14 @@ def run_variant(
     wait = torch.tensor([waited.seconds, waited.forward_seconds], dtype=torch.float64, device=device)
     dist.all_reduce(wait, op=dist.ReduceOp.SUM)
     wait_s, forward_wait_s = (x / args.steps / topology.world_size for x in wait.tolist())  # the mean rank's
-    micro, accumulation = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
-    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    _release(engine)
-    if peak is None and not args.no_peak:
-        peak = cpu_peak(variant, cfg, shape, topology, device)
-    peak = None if peak is None else int(slowest(float(peak), device))
-    flops = flops_per_step(shape, micro * accumulation * shape.seq * topology.world_size)
+    peak = None
+    if not args.no_peak:
+        peak = int(slowest(float(peak_bytes(variant, cfg, shape, topology, device)), device))
+    flops = flops_per_step(
+        shape, measured["micro"] * measured["accumulation"] * shape.seq * topology.world_size
+    )
+    row: dict[str, Any] = {"variant": variant.name, "ran": True, "reason": None}
     row.update(
-        ran=True,
         step_s=seconds,
         tflops=[flops / s / topology.world_size / 1e12 for s in seconds],
         bytes_per_step=dict(zip(LINK_CLASSES, (int(x) for x in sent.tolist()))),
@@ -151,7 +207,7 @@ def run_variant(
     )
     if profile is not None and compute_s is not None:
         calls = {call: count / args.steps for call, count in counter.calls.items()}
-        prediction = predicted(calls, cfg, profile, topology, variant, accumulation, compute_s)
+        prediction = predicted(calls, cfg, profile, topology, variant, measured["accumulation"], compute_s)
         row.update(
             predicted_step_s=prediction.step_s,
             predicted=asdict(prediction),
@@ -160,10 +216,10 @@ def run_variant(
     return row
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run(args: argparse.Namespace, emulated: EmulatedDevice | None = None) -> list[dict]:
     """Run every variant of the parsed flags; rank 0 prints the table and writes the JSON and plot.
-    Returns the rows."""
-    from deepspeed_ext.zero.tools.ab.report import comparison, plot, predictions, table, write_json
+    With ``emulated``, the steps' tensor work runs on that emulated device. Returns the rows."""
+    from deepspeed_ext.zero.tools.ab.report import comparison, paired, plot, predictions, table, write_json
 
     user = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
     shape = model_shape(args)
@@ -182,17 +238,25 @@ def run(args: argparse.Namespace) -> list[dict]:
         before = os.getloadavg()
         # read once, before any variant runs: a profile that does not fit this job stops it here
         profile = load_profile(args.profile, topology) if args.profile is not None else None
-        compute = compute_steps(shape, user, args.steps, args.warmup, device) if profile else None
+        compute = None
+        if profile is not None or emulated is not None:
+            compute = compute_steps(shape, user, args.steps, args.warmup, device, emulated)
         compute_s = statistics.median(compute) if compute else None
+        every = variants(topology, device)
+        runnable = [v for v in every if v.skipped is None]
+        measured = run_variants(runnable, user, shape, topology, args, device, emulated)
+        args.no_peak = args.no_peak or emulated is not None  # an emulated device holds no tensors
         rows = [
-            run_variant(v, user, shape, topology, args, device, compute_s, profile)
-            for v in variants(topology, device)
+            variant_row(v, measured[v.name], user, shape, topology, args, device, compute_s, profile)
+            if v.skipped is None
+            else {"variant": v.name, "ran": False, "reason": v.skipped}
+            for v in every
         ]
         run = {
             "world_size": topology.world_size, "ranks_per_node": topology.ranks_per_node,
             "ranks_per_package": topology.ranks_per_package, "device": str(device), "shape": vars(shape),
             "steps": args.steps, "loadavg_before": before, "loadavg_after": os.getloadavg(),
-            "compute_step_s": compute,
+            "compute_step_s": compute, "paired": paired(rows),
         }  # fmt: skip
         if dist.get_rank() == 0:
             header = (f"{topology.world_size} ranks ({topology.ranks_per_node}/node, {topology.ranks_per_package}/package) "
