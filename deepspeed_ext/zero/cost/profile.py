@@ -4,8 +4,10 @@
 (or ``--hierarchical-zero-profile``) points a job at it. The profile holds the raw timings: for
 each link class, operation, algorithm and message size, the seconds of every repeat (the slowest
 rank's), measured with all of the node's rank-aligned groups running at once, as the job's hops
-run. It is valid only for the topology and the library versions it was measured with; anything
-else is refused by :func:`load` with the reason, and the job then runs the library's collectives.
+run; and since format version 2 the engine's host cost per step and per parameter fetch
+(:mod:`.host`). It is valid only for the topology and the library versions it was measured with;
+anything else is refused by :func:`load` with the reason, and the job then runs the library's
+collectives. A version 1 profile (collectives only) is still read: it predicts no host cost.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from deepspeed_ext.zero.cost import host
 from deepspeed_ext.zero.cost.collectives import (
     Algorithm,
     AlgorithmFit,
@@ -26,10 +29,12 @@ from deepspeed_ext.zero.cost.collectives import (
     algorithm_steps,
     bus_bytes,
 )
+from deepspeed_ext.zero.cost.host import HostTiming
 from mdsp_base.topology import LinkClass, Topology
 
 FORMAT = "hierarchical_zero.profile"
-VERSION = 1
+VERSION = 2
+READS = (1, VERSION)
 
 
 class ProfileError(ValueError):
@@ -94,6 +99,8 @@ class Profile:
     """world_size, ranks_per_node, ranks_per_package (:func:`topology_key`)."""
     timings: tuple[Timing, ...]
     """The raw timings."""
+    host: tuple[HostTiming, ...] = ()
+    """The engine's host cost, raw (:func:`.host.fit` fits it; none in a version 1 profile)."""
 
     def series(
         self, link: LinkClass, operation: Operation, algorithm: Algorithm, members: int
@@ -211,6 +218,7 @@ class Profile:
             "versions": dict(self.versions),
             "topology": dict(self.topology),
             "timings": [{**asdict(t), "seconds": list(t.seconds)} for t in self.timings],
+            "host": [t.to_json() for t in self.host],
         }
 
     def save(self, path: str | os.PathLike) -> None:
@@ -225,10 +233,10 @@ def parse(data: object, source: str) -> Profile:
     """A profile from its JSON, every field checked; :class:`ProfileError` names what is wrong."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ProfileError(f'{source} is not a hierarchical ZeRO profile (no "format": "{FORMAT}")')
-    if data.get("version") != VERSION:
+    if data.get("version") not in READS:
         raise ProfileError(
-            f"{source} has profile format version {data.get('version')}, this plugin reads {VERSION}: "
-            "run python -m deepspeed_ext.zero.probe again"
+            f"{source} has profile format version {data.get('version')}, this plugin reads "
+            f"{' and '.join(map(str, READS))}: run python -m deepspeed_ext.zero.probe again"
         )
     try:
         timings = tuple(
@@ -245,6 +253,7 @@ def parse(data: object, source: str) -> Profile:
         )
         versions = {str(k): str(v) for k, v in data["versions"].items()}
         topology = {str(k): int(v) for k, v in data["topology"].items()}
+        host_timings = host.parse(data["host"], source) if data["version"] == VERSION else ()
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProfileError(f"{source} is corrupt ({type(exc).__name__}: {exc}): run the probe again") from exc
     bad = [
@@ -259,7 +268,7 @@ def parse(data: object, source: str) -> Profile:
         raise ProfileError(
             f"{source} is corrupt: a timing without positive, finite sizes and times ({bad[0]})"
         )
-    return Profile(versions=versions, topology=topology, timings=timings)
+    return Profile(versions=versions, topology=topology, timings=timings, host=host_timings)
 
 
 def read(path: str | os.PathLike) -> Profile:
@@ -303,12 +312,3 @@ def _check_matches(profile: Profile, topology: Topology, versions: Mapping[str, 
             f"{source} was measured with other library versions: {', '.join(libs)}; run the probe again "
             "in this environment"
         )
-
-
-def sizes_sweep(smallest: int, largest: int, factor: int = 4) -> list[int]:
-    """Message sizes from ``smallest`` to ``largest`` bytes, each ``factor`` times the previous."""
-    out, n = [], smallest
-    while n <= largest:
-        out.append(n)
-        n *= factor
-    return out

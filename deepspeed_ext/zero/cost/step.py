@@ -1,17 +1,24 @@
 """Step time from its parts: compute, every collective, and what DeepSpeed's prefetching hides.
 
-``step = compute + communication - hidden``. The A/B command (``bench --profile``) predicts each
-variant's step from what it can know before timing it:
+``step = compute + host + communication - hidden``. The A/B command (``bench --profile``) predicts
+each variant's step from what it can know before timing it:
 
 - compute: a measured single-rank step of the same model and batch (no ZeRO, no communication),
   every rank at once, as the job's ranks share their host;
+- host: the engine's own cost of a step (DeepSpeed's hooks, fetch bookkeeping, Python), the
+  probe's per-step and per-fetch figures (:mod:`.host`) times the parameter fetches the engine made
+  per step (none from a profile of format version 1);
 - communication: every collective the engine launches in a step, by operation, algorithm, group
   and size (counted by :class:`mdsp_base.comm.CommCounter`), each at the probe profile's median
   for that group and size, interpolated between measured sizes; a group the probe did not time
   is charged by :func:`.collectives.seconds` with the costs fitted to the profile's hops;
 - hidden: with ``stage3_prefetch_bucket_size`` > 0 DeepSpeed launches the next modules'
   all-gathers before it waits for the current one, so every all-gather but the first of each
-  forward and backward pass is in flight beside others and beside compute. In flight together,
+  forward and backward pass is in flight beside others and beside compute. Gathers of parameters
+  at or under ``stage3_param_persistence_threshold`` are not among them: such parameters stay whole
+  through the passes and DeepSpeed gathers them all at once after the optimizer step, where no
+  compute runs (a gather is taken for one when its bytes are at most the threshold's; a hop of a
+  larger parameter that small is taken for one too, and charged whole). In flight together,
   ``concurrency`` of them share their latency (the time the profile measured at its smallest
   size), not their bytes: the backend's concurrency for stock engines (gloo: the 2 worker threads
   of a process group; NCCL/RCCL: one stream), 1 for ours on CPU (one hop worker runs whole hop
@@ -27,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deepspeed_ext.zero.cost import collectives
+from deepspeed_ext.zero.cost import collectives, host
 from deepspeed_ext.zero.cost.collectives import Algorithm, CollectiveCosts, Operation
 from deepspeed_ext.zero.cost.profile import Profile
 from mdsp_base.topology import LinkClass
@@ -40,6 +47,8 @@ class StepPrediction:
 
     compute_s: float
     """The measured single-rank step."""
+    host_s: float
+    """The engine's own host cost of the step (hooks, fetch bookkeeping, Python)."""
     comm_s: float
     """Every collective of the step, one after another."""
     hidden_s: float
@@ -50,7 +59,7 @@ class StepPrediction:
 
     @property
     def step_s(self) -> float:
-        return self.compute_s + self.comm_s - self.hidden_s
+        return self.compute_s + self.host_s + self.comm_s - self.hidden_s
 
 
 def overlapped(compute_s: float, comm_s: float, overlap: float) -> float:
@@ -104,22 +113,28 @@ def predict(
     profile: Profile,
     calls: Mapping[CallKey, float],
     compute_s: float,
+    fetches: float | None,
     passes: int,
     concurrency: int,
+    persistent_nbytes: float,
     fallback: CollectiveCosts,
 ) -> StepPrediction:
-    """The step of an engine that launches ``calls`` (launches per step of each shape) and computes
-    for ``compute_s`` in ``passes`` forward and backward passes; ``concurrency``: prefetched
-    all-gathers in flight at once (0: DeepSpeed does not prefetch, stage3_prefetch_bucket_size 0).
-    ``fallback``: the costs for links the profile has no fit for."""
+    """The step of an engine that launches ``calls`` (launches per step of each shape), fetches
+    parameters ``fetches`` times (None: not counted, so no host cost is charged) and computes for
+    ``compute_s`` in ``passes`` forward and backward passes; ``concurrency``: prefetched all-gathers
+    in flight at once (0: DeepSpeed does not prefetch, stage3_prefetch_bucket_size 0);
+    ``persistent_nbytes``: the largest gather taken for a persistent parameter's (never
+    prefetched). ``fallback``: the costs for links the profile has no fit for."""
     costs = profile.costs(fallback)
     comm = gather = latency = gathers = unmeasured = 0.0
     for call, count in calls.items():
         seconds = count * call_seconds(profile, costs, call)
         comm += seconds
         unmeasured += 0.0 if measured(profile, call) else count
-        if call.collective == Operation.ALL_GATHER:
+        if call.collective == Operation.ALL_GATHER and call.nbytes > persistent_nbytes:
             gather, gathers = gather + seconds, gathers + count
             latency += count * call_latency(profile, costs, call)
     hidden = prefetch_hidden(compute_s, gather, latency, gathers, passes, concurrency)
-    return StepPrediction(compute_s, comm, hidden, unmeasured)
+    cost = host.fit(profile.host)
+    host_s = cost.seconds(fetches) if cost is not None and fetches is not None else 0.0
+    return StepPrediction(compute_s, host_s, comm, hidden, unmeasured)

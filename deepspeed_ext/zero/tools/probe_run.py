@@ -16,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
+from deepspeed_ext.zero.cost import host
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
-from deepspeed_ext.zero.cost.profile import Profile, Timing, library_versions, sizes_sweep, topology_key
+from deepspeed_ext.zero.cost.profile import Profile, Timing, library_versions, topology_key
 from deepspeed_ext.zero.engine import p2p_hops
 from deepspeed_ext.zero.engine.levels import build_levels
+from deepspeed_ext.zero.tools.probe_host import host_timings
 from mdsp_base import comm
 from mdsp_base.topology import Level, LinkClass, Topology, TopologyConfig, detect_topology
 from mdsp_base.volume import span_class
@@ -86,6 +88,15 @@ def call(c: Collective, numel: int, dtype: torch.dtype, device: torch.device) ->
         return lambda: p2p_hops.reduce_scatter(full, c.group)
     out = torch.empty_like(mine)
     return lambda: comm.reduce_scatter_tensor(out, full, group=c.group)
+
+
+def sizes_sweep(smallest: int, largest: int, factor: int = 4) -> list[int]:
+    """Message sizes from ``smallest`` to ``largest`` bytes, each ``factor`` times the previous."""
+    out, n = [], smallest
+    while n <= largest:
+        out.append(n)
+        n *= factor
+    return out
 
 
 def timed(
@@ -155,6 +166,12 @@ def summary(profile: Profile) -> str:
         lines.append(
             f"{link:11} {operation:15} {algorithm:10} {members:5}  {len(series):5}  {span:28} {fitted}"
         )
+    cost = host.fit(profile.host)
+    if cost is not None:
+        lines.append(
+            f"engine host cost (ZeRO-3 on one rank less plain torch): {cost.per_step_s * 1e3:.2f} ms per step "
+            f"+ {cost.per_fetch_s * 1e3:.3f} ms per parameter fetch"
+        )
     return "\n".join(lines)
 
 
@@ -181,8 +198,15 @@ def run(args: argparse.Namespace) -> None:
     try:
         topology = detect_topology(topology_config(args), world_size=dist.get_world_size())
         timings, cut = measure(topology, args, device)
-        if dist.get_rank() == 0:  # only rank 0 imports DeepSpeed (for its version): 16 ranks start faster
-            profile = Profile(library_versions(), topology_key(topology), tuple(timings))
+        started = time.monotonic()
+        engine = host_timings(
+            args.repeats,
+            getattr(torch, args.dtype),
+            device,
+            lambda run: timed(run, args.repeats, device, started)[0],
+        )
+        if dist.get_rank() == 0:
+            profile = Profile(library_versions(), topology_key(topology), tuple(timings), tuple(engine))
             profile.save(args.out)
             print(summary(profile))
             for line in cut:

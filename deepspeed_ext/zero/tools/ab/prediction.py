@@ -4,6 +4,7 @@ model (:mod:`deepspeed_ext.zero.cost.step`) with the probe profile and the colle
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -19,10 +20,18 @@ from mdsp_base.topology import Topology
 from mdsp_base.volume import CallKey
 
 
-def compute_steps(shape: Model, cfg: dict, steps: int, warmup: int, device: torch.device) -> list[float]:
+def compute_steps(
+    shape: Model,
+    cfg: dict,
+    steps: int,
+    warmup: int,
+    device: torch.device,
+    emulated: AbstractContextManager | None = None,
+) -> list[float]:
     """The single-rank step the prediction takes as its compute: the same model, micro-batches and
     Adam step with no ZeRO and no communication inside, every rank at once (they share the host
-    as the job's ranks do); each step the slowest rank's seconds."""
+    as the job's ranks do); each step the slowest rank's seconds. With ``emulated`` (an emulated
+    device, entered around each step, idle when it exits) the steps run on it."""
     micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
     accumulation = int(cfg.get("gradient_accumulation_steps", 1))
     net = build_model(shape).to(device)
@@ -31,12 +40,13 @@ def compute_steps(shape: Model, cfg: dict, steps: int, warmup: int, device: torc
     for step in range(warmup + steps):
         dist.barrier()
         start = time.perf_counter()
-        for _ in range(accumulation):
-            tokens = torch.randint(shape.vocab, (micro, shape.seq + 1), device=device)
-            logits = net(tokens[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with emulated if emulated is not None else nullcontext():
+            for _ in range(accumulation):
+                tokens = torch.randint(shape.vocab, (micro, shape.seq + 1), device=device)
+                logits = net(tokens[:, :-1])
+                F.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if step >= warmup:
@@ -68,15 +78,21 @@ def predicted(
     variant: Variant,
     accumulation: int,
     compute_s: float,
+    fetches: float | None = None,
 ) -> StepPrediction:
-    """The step the model predicts from the profile, the collectives this rank launched per step
-    and the measured single-rank step."""
+    """The step the model predicts from the profile, the collectives this rank launched per step,
+    the measured single-rank step and the parameter fetches per step (DeepSpeed's
+    ``fetch_sub_module`` calls, as :class:`.gather_wait.GatherWait` counts them; None: not counted,
+    so the engine's host cost is left out)."""
     fallback = collectives.for_topology(topology.ranks_per_package)
+    half = (cfg.get("bf16") or {}).get("enabled") or (cfg.get("fp16") or {}).get("enabled")
     return predict(
         profile,
         calls,
         compute_s,
+        fetches=fetches,
         passes=2 * accumulation,
         concurrency=prefetch_concurrency(cfg, variant),
+        persistent_nbytes=Buckets.from_json(cfg).persistence * (2 if half else 4),
         fallback=fallback,
     )

@@ -6,8 +6,9 @@ import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from mdsp_base.volume import LINK_CLASSES
+from mdsp_base.paired import PairedRatio, paired_ratio
 
 
 def _spread(values: Sequence[float], scale: float, digits: int) -> str:
@@ -23,22 +24,23 @@ def _size(nbytes: float | None) -> str:
 
 
 def table(rows: Sequence[dict], header: str) -> str:
-    """One line per variant: step time and TFLOPS as median (min-max), bytes per link class per
-    step, peak memory, the share of the step the mean rank waited in parameter fetches (in brackets:
-    before forward passes); variants not run with their reason."""
-    links = " ".join(f"{link + ' /step':>16}" for link in LINK_CLASSES)
+    """One line per variant: step time and TFLOPS as median (min-max), the MiB per step through the
+    busiest NIC and the busiest package link (from each collective's geometry, :mod:`mdsp_base.links`),
+    peak memory, the share of the step the mean rank waited in parameter fetches (in brackets: before
+    forward passes); variants not run with their reason."""
     lines = [
         header,
-        f"{'variant':28} {'step ms, median (min-max)':30} {'TFLOPS/rank':22} {links} {'peak/rank':>10} {'gather wait (fwd)':>18}",
+        f"{'variant':28} {'step ms, median (min-max)':30} {'TFLOPS/rank':22} {'NIC MiB/step':>13} "
+        f"{'pkg link MiB/step':>18} {'peak/rank':>10} {'gather wait (fwd)':>18}",
     ]
     for row in rows:
         if not row["ran"]:
             lines.append(f"{row['variant']:28} not run: {row['reason']}")
             continue
-        sent = " ".join(f"{_size(row['bytes_per_step'][link]):>16}" for link in LINK_CLASSES)
         lines.append(
             f"{row['variant']:28} {_spread(row['step_s'], 1e3, 1):30} {_spread(row['tflops'], 1, 4):22} "
-            f"{sent} {_size(row['peak_bytes']):>10} {_wait(row):>18}"
+            f"{row['nic_mib_per_step']:>13.2f} {row['package_link_mib_per_step']:>18.2f} "
+            f"{_size(row['peak_bytes']):>10} {_wait(row):>18}"
         )
     return "\n".join(lines)
 
@@ -50,23 +52,38 @@ def _wait(row: dict) -> str:
 
 
 def separated(a: Sequence[float], b: Sequence[float]) -> bool:
-    """Whether two sets of repeats do not overlap (min-max), so their ratio may be claimed."""
+    """Whether two sets of repeats do not overlap (min-max): the studies' criterion for runs that
+    were not paired."""
     return max(a) < min(b) or max(b) < min(a)
 
 
-def comparison(rows: Sequence[dict], ours: str = "ours") -> list[str]:
-    """Ours against each other variant: the median ratio where the ranges are separated."""
-    by_name = {row["variant"]: row for row in rows if row["ran"]}
-    if ours not in by_name:
-        return []
-    mine = by_name[ours]["step_s"]
+def paired(rows: Sequence[dict]) -> list[dict[str, Any]]:
+    """Each variant's step over stock ZeRO-3's, and ours over every other, from the paired rounds."""
+    ran = {row["variant"]: row["step_s"] for row in rows if row["ran"]}
+    pairs = [(name, "zero3") for name in ran if name != "zero3" and "zero3" in ran]
+    pairs += [("ours", name) for name in ran if name not in ("ours", "zero3") and "ours" in ran]
+    out = []
+    for variant, baseline in pairs:
+        r = paired_ratio(ran[variant], ran[baseline])
+        out.append(
+            {
+                "variant": variant,
+                "baseline": baseline,
+                "metric": "step",
+                "ratio": r.ratio,
+                "ci95": list(r.ci95),
+            }
+        )
+    return out
+
+
+def comparison(rows: Sequence[dict]) -> list[str]:
+    """Each paired ratio of the run (:func:`paired`): steps timed in alternating rounds, with its
+    95 % interval; "not separated" where the interval holds 1."""
     lines = []
-    for name, row in by_name.items():
-        if name == ours:
-            continue
-        ratio = statistics.median(row["step_s"]) / statistics.median(mine)
-        verdict = f"{ratio:.2f}x its step time" if separated(mine, row["step_s"]) else "not separated"
-        lines.append(f"ours against {name}: {verdict}")
+    for p in paired(rows):
+        r = PairedRatio(p["ratio"], tuple(p["ci95"]), len(rows[0]["step_s"]))
+        lines.append(f"{p['variant']} against {p['baseline']}: step {r.verdict()}")
     return lines
 
 
@@ -89,7 +106,8 @@ def predictions(rows: Sequence[dict], tolerance: float = 0.25) -> list[str]:
         verdict = "within" if abs(error) <= tolerance else "outside"
         lines.append(
             f"{row['variant']}: predicted {row['predicted_step_s'] * 1e3:.1f} ms (compute "
-            f"{parts['compute_s'] * 1e3:.1f} + communication {parts['comm_s'] * 1e3:.1f} - hidden "
+            f"{parts['compute_s'] * 1e3:.1f} + engine host {parts['host_s'] * 1e3:.1f} + communication "
+            f"{parts['comm_s'] * 1e3:.1f} - hidden "
             f"{parts['hidden_s'] * 1e3:.1f}), measured median {statistics.median(row['step_s']) * 1e3:.1f} ms: "
             f"{error:+.1%}, {verdict} {tolerance:.0%}"
             + (

@@ -14,6 +14,7 @@ from deepspeed_ext.zero.cost.collectives import (
     CollectiveCosts,
     Operation,
 )
+from deepspeed_ext.zero.cost.host import HostTiming
 from deepspeed_ext.zero.cost.profile import Profile, Timing
 from deepspeed_ext.zero.cost.step import overlapped, predict, prefetch_hidden
 from mdsp_base.topology import LinkClass
@@ -50,20 +51,20 @@ def test_each_launch_is_charged_the_profiles_median_for_its_group_and_size():
         _call(AG, INTER, 8, 2**20): 2,  # the flat group's median 0.55 s
         _call(Operation.BROADCAST, INTER, 8, 8): 1,  # below the smallest size: its time, 0.07 s
     }
-    p = predict(PROFILE, calls, compute_s=0.0, passes=2, concurrency=0, fallback=FRONTIER_RCCL)
+    p = predict(PROFILE, calls, 0.0, None, 2, 0, 0, FRONTIER_RCCL)
     assert p.comm_s == pytest.approx(3 * 0.25 + 2 * 0.55 + 0.07)
     assert p.step_s == pytest.approx(p.comm_s) and p.hidden_s == 0.0
 
 
 def test_between_measured_sizes_the_time_is_interpolated_in_log_log():
     # 2 MB is halfway between 1 MB and 4 MB in log size: the geometric mean of 0.4 s and 1.3 s
-    p = predict(PROFILE, {_call(RS, INTER, 4, 2**21): 1}, 0.0, 2, 0, FRONTIER_RCCL)
+    p = predict(PROFILE, {_call(RS, INTER, 4, 2**21): 1}, 0.0, None, 2, 0, 0, FRONTIER_RCCL)
     assert p.comm_s == pytest.approx((0.4 * 1.3) ** 0.5)
 
 
 def test_a_group_the_probe_did_not_time_is_charged_the_fallback_line():
     # a 2-member package ring of 1 MB: 1 step x 1 ms + 0.5 MB at 0.5 GB/s = 2 ms
-    p = predict(PROFILE, {_call(AG, PACKAGE, 2, 10**6): 1}, 0.0, 2, 0, NO_PACKAGE_FIT)
+    p = predict(PROFILE, {_call(AG, PACKAGE, 2, 10**6): 1}, 0.0, None, 2, 0, 0, NO_PACKAGE_FIT)
     assert p.comm_s == pytest.approx(1e-3 + 0.5e6 / 0.5e9)
 
 
@@ -71,7 +72,7 @@ def test_prefetching_hides_every_gather_but_the_first_of_each_pass_up_to_the_com
     # 6 gathers of 0.25 s (latency 0.25 s: 1 MB is the smallest size measured) in 2 passes:
     # 4 prefetched, 1.0 s, one at a time (ours), behind 0.6 s of compute: 0.6 s hidden
     calls = {_call(AG, INTER, 4, 2**20): 6, _call(RS, INTER, 4, 2**20): 1}
-    p = predict(PROFILE, calls, compute_s=0.6, passes=2, concurrency=1, fallback=FRONTIER_RCCL)
+    p = predict(PROFILE, calls, 0.6, None, 2, 1, 0, FRONTIER_RCCL)
     assert p.comm_s == pytest.approx(6 * 0.25 + 0.4)
     assert p.hidden_s == pytest.approx(0.6)
     assert p.step_s == pytest.approx(0.6 + 1.9 - 0.6)
@@ -89,7 +90,7 @@ def test_gathers_in_flight_together_share_their_latency_not_their_bytes():
     assert prefetch_hidden(0.5, 1.5, 0.6, 6, 2, concurrency=2) == pytest.approx(0.7)
     # the latency is the profile's time at its smallest size: 0.25 s per 1 MB hop gather here
     calls = {_call(AG, INTER, 4, 2**22): 6}
-    p = predict(PROFILE, calls, compute_s=0.0, passes=2, concurrency=2, fallback=FRONTIER_RCCL)
+    p = predict(PROFILE, calls, 0.0, None, 2, 2, 0, FRONTIER_RCCL)
     assert p.comm_s == pytest.approx(6 * 0.9)
     assert p.hidden_s == pytest.approx(4 * 0.25 / 2)
 
@@ -112,6 +113,43 @@ def test_launches_the_profile_did_not_measure_are_counted():
         _call(AG, INTER, 4, 2**23): 1,  # above the largest measured: extrapolated
         _call(AG, PACKAGE, 2, 10**6): 3,  # a group the probe did not time: the fitted line
     }
-    p = predict(PROFILE, calls, 0.0, 2, 0, NO_PACKAGE_FIT)
+    p = predict(PROFILE, calls, 0.0, None, 2, 0, 0, NO_PACKAGE_FIT)
     assert p.unmeasured == 4
-    assert predict(PROFILE, {_call(AG, INTER, 4, 2**20): 5}, 0.0, 2, 0, FRONTIER_RCCL).unmeasured == 0
+    assert (
+        predict(PROFILE, {_call(AG, INTER, 4, 2**20): 5}, 0.0, None, 2, 0, 0, FRONTIER_RCCL).unmeasured == 0
+    )
+
+
+def test_the_engines_host_cost_is_the_probes_line_per_step_and_per_fetch():
+    # the probe's two stacks: 10 fetches cost 20 ms over plain torch (median 24 - 4), 66 fetches 76 ms
+    # (median 90 - 14): 1 ms per fetch, 10 ms per step whatever is fetched
+    host = (
+        HostTiming(4, 10.0, (0.030, 0.024, 0.020), (0.004, 0.005, 0.003)),
+        HostTiming(32, 66.0, (0.090, 0.095, 0.080), (0.014, 0.012, 0.016)),
+    )
+    profile = Profile(VERSIONS, TOPOLOGY, PROFILE.timings, host)
+    calls = {_call(AG, INTER, 4, 2**20): 3}  # 3 x 0.25 s, not prefetched (concurrency 0)
+    p = predict(profile, calls, 0.5, 36.0, 2, 0, 0, FRONTIER_RCCL)
+    assert p.host_s == pytest.approx(0.010 + 36 * 0.001)
+    assert p.step_s == pytest.approx(0.5 + 0.046 + 0.75)
+    # fetches not counted, or a profile without host timings (format version 1): no host cost
+    assert predict(profile, calls, 0.5, None, 2, 0, 0, FRONTIER_RCCL).host_s == 0.0
+    assert predict(PROFILE, calls, 0.5, 36.0, 2, 0, 0, FRONTIER_RCCL).host_s == 0.0
+
+
+def test_a_noisy_pair_never_gives_a_negative_host_cost():
+    # the larger stack measured cheaper than the smaller: no cost per fetch, the smaller's 20 ms per step
+    host = (
+        HostTiming(4, 10.0, (0.024,), (0.004,)),
+        HostTiming(32, 66.0, (0.018,), (0.004,)),
+    )
+    p = predict(Profile(VERSIONS, TOPOLOGY, PROFILE.timings, host), {}, 0.0, 50.0, 2, 0, 0, FRONTIER_RCCL)
+    assert p.host_s == pytest.approx(0.020)
+
+
+def test_gathers_of_persistent_parameters_are_not_prefetched():
+    # 6 gathers of 1 MB (0.25 s each) and compute of 2 s: with prefetching 4 of them hide (1.0 s);
+    # taken for persistent parameters (DeepSpeed gathers those after the optimizer step) none does
+    calls = {_call(AG, INTER, 4, 2**20): 6}
+    assert predict(PROFILE, calls, 2.0, None, 2, 1, 2**20 - 1, FRONTIER_RCCL).hidden_s == pytest.approx(1.0)
+    assert predict(PROFILE, calls, 2.0, None, 2, 1, 2**20, FRONTIER_RCCL).hidden_s == 0.0

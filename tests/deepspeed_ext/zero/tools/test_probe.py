@@ -14,6 +14,7 @@ import pytest
 
 from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
+from deepspeed_ext.zero.cost.host import HostTiming
 from deepspeed_ext.zero.cost.profile import Profile, ProfileError, Timing, load
 from deepspeed_ext.zero.engine import hops
 from deepspeed_ext.zero.engine.levels import HopSchedule
@@ -23,6 +24,7 @@ from multirank.processes import launch_ranks
 AG, RS = Operation.ALL_GATHER, Operation.REDUCE_SCATTER
 RING, RECURSIVE = Algorithm.RING, Algorithm.RECURSIVE
 TOPOLOGY = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)
+TOPOLOGY_KEY = {"world_size": 4, "ranks_per_node": 2, "ranks_per_package": 1}
 VERSIONS = {"torch": "2.13.0", "deepspeed": "0.19.8", "collectives": "NCCL 2.27.3"}
 # Medians per (algorithm, bytes): recursive wins small messages, ring large ones.
 MEASURED = {
@@ -148,6 +150,29 @@ def test_a_profile_that_does_not_fit_this_job_is_refused_with_the_reason(tmp_pat
         load(tmp_path / "absent.json", TOPOLOGY, VERSIONS)
 
 
+HOST = (HostTiming(4, 10.0, (0.02, 0.03), (0.004,)), HostTiming(32, 66.0, (0.08,), (0.01, 0.02)))
+
+
+def test_the_engines_host_cost_round_trips_and_a_format_1_profile_reads_without_it(tmp_path):
+    written = Profile(VERSIONS, TOPOLOGY_KEY, _profile().timings, HOST)
+    data = json.loads(json.dumps(written.to_json()))
+    assert data["version"] == 2 and data["host"][1] == {
+        "modules": 32,
+        "fetches": 66.0,
+        "engine_seconds": [0.08],
+        "plain_seconds": [0.01, 0.02],
+    }
+    assert load(_write(tmp_path, data), TOPOLOGY, VERSIONS) == written
+    # format 1, as the probe wrote it before it timed the engine: collectives only, no host cost
+    old = {k: v for k, v in data.items() if k != "host"} | {"version": 1}
+    assert load(_write(tmp_path, old), TOPOLOGY, VERSIONS).host == ()
+    for bad in ({**data["host"][0], "plain_seconds": []}, {**data["host"][0], "fetches": 0}):
+        with pytest.raises(ProfileError, match="corrupt.*host timing"):
+            load(_write(tmp_path, {**data, "host": [bad]}), TOPOLOGY, VERSIONS)
+    with pytest.raises(ProfileError, match="corrupt"):  # format 2 without its host timings
+        load(_write(tmp_path, {k: v for k, v in data.items() if k != "host"}), TOPOLOGY, VERSIONS)
+
+
 def _job_reads(path: str) -> tuple[bool, list[str]]:
     """On a rank: whether a job of 4 ranks as 2 nodes uses the profile, and what rank 0 logged."""
     from deepspeed_ext.zero.engine.api import logger, measured_profile
@@ -207,6 +232,11 @@ def test_the_probe_times_every_hop_and_a_job_of_its_topology_reads_it(tmp_path, 
         (2, LinkClass.INTER_NODE),
     }
     assert profile.versions["collectives"].startswith("gloo")
+    # the engine's host cost: each stack stepped as ZeRO-3 and as plain torch, 2 repeats each;
+    # DeepSpeed fetches every linear layer and the stack itself, in forward and in backward
+    assert [(t.modules, t.fetches) for t in profile.host] == [(4, 2 * 5), (32, 2 * 33)]
+    for t in profile.host:
+        assert len(t.engine_seconds) == len(t.plain_seconds) == 2 and min(t.engine_seconds) > 0
 
     used, messages = run_ranks(4, _job_reads, str(out))[0]
     assert used

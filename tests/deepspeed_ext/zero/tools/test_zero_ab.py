@@ -15,7 +15,7 @@ import torch
 from deepspeed_ext.zero.cost.workload import Model
 from deepspeed_ext.zero.tools.ab.cli import model_shape, parse_args
 from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
-from deepspeed_ext.zero.tools.ab.report import comparison, prediction_error, separated
+from deepspeed_ext.zero.tools.ab.report import comparison, prediction_error
 from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
 from mdsp_base.topology import Topology
 from tests.helpers.ab_quick import HAVE_NETNS
@@ -66,18 +66,21 @@ def test_the_model_takes_a_megatron_presets_shape_and_counts_its_flops_by_hand()
         Model(layers=2, hidden=10, heads=4, seq=4)
 
 
-def test_a_ratio_is_claimed_only_where_the_ranges_do_not_overlap():
-    assert separated([1.0, 1.1], [1.2, 1.3]) and not separated([1.0, 1.25], [1.2, 1.3])
+def test_a_ratio_is_claimed_only_where_its_paired_interval_excludes_one():
+    # steps from alternating rounds: round i of each variant forms a pair
     rows = [
-        {"variant": "zero3", "ran": True, "step_s": [2.0, 2.2, 2.1]},
-        {"variant": "hpZ(2)", "ran": True, "step_s": [1.0, 1.6, 1.3]},
+        {"variant": "zero3", "ran": True, "step_s": [2.0, 2.2, 2.1, 2.0]},
+        {"variant": "hpZ(2)", "ran": True, "step_s": [1.0, 2.6, 1.3, 2.4]},
         {"variant": "zero++", "ran": False, "reason": "cpu"},
-        {"variant": "ours", "ran": True, "step_s": [1.0, 1.1, 1.05]},
+        {"variant": "ours", "ran": True, "step_s": [1.0, 1.1, 1.05, 1.0]},
     ]
-    assert comparison(rows) == [
-        "ours against zero3: 2.00x its step time",
-        "ours against hpZ(2): not separated",
-    ]
+    lines = comparison(rows)
+    # ours / zero3 is exactly 0.5 in every round: no spread, the interval is the point
+    assert "ours against zero3: step 0.500x [0.500, 0.500]" in lines
+    # hpZ(2)'s rounds scatter from 0.5x to 1.2x: its interval holds 1
+    assert [line for line in lines if line.startswith("hpZ(2) against zero3")][0].endswith("not separated")
+    assert [line for line in lines if line.startswith("ours against hpZ(2)")][0].endswith("not separated")
+    assert not any("zero++" in line for line in lines)
 
 
 def test_the_gather_wait_timer_wraps_deepspeeds_fetch_only_while_entered():
@@ -150,7 +153,7 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(ab_quick):
         # -0.9 to +9), catches a broken model's units (ms for s, bytes for bits).
         parts = row["predicted"]
         assert row["predicted_step_s"] == pytest.approx(
-            parts["compute_s"] + parts["comm_s"] - parts["hidden_s"]
+            parts["compute_s"] + parts["host_s"] + parts["comm_s"] - parts["hidden_s"]
         )
         assert parts["compute_s"] > 0 and parts["comm_s"] > 0 and row["calls_per_step"]
         assert -0.9 <= prediction_error(row) <= 9.0, (name, row["predicted_step_s"], row["step_s"])
