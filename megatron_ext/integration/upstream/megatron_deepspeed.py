@@ -205,14 +205,18 @@ def split_qkv(attention: Any, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.
     """Megatron-DeepSpeed's fused QKV output without Ulysses, [s, b, (heads + 2 kv_heads) * d] of
     this tensor-parallel rank, as q [s, b, heads, d] and k, v [s, b, kv_heads, d] (its [q | k | v]
     layout). Upstream cuts it in thirds, which holds only without grouped-query attention
-    (``--num-key-value-heads`` < heads fails with "shape '[64, 1, -1, 16]' is invalid")."""
+    (``--num-key-value-heads`` < heads fails with "shape '[64, 1, -1, 16]' is invalid").
+
+    Each part is made contiguous: a cut of the last dimension is a strided view, and the tree's
+    ``CoreAttention`` merges its batch and head dimensions with ``view``, which such a view allows
+    only at micro-batch 1 ("view size is not compatible with input tensor's size and stride")."""
     d = attention.head_dim
     q = attention.num_attention_heads_per_partition * d
     kv = attention.num_key_value_heads_per_partition * d
     s, b = mixed.shape[:2]
     return cast(
         tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-        tuple(part.reshape(s, b, -1, d) for part in torch.split(mixed, [q, kv, kv], dim=-1)),
+        tuple(part.reshape(s, b, -1, d).contiguous() for part in torch.split(mixed, [q, kv, kv], dim=-1)),
     )
 
 

@@ -134,16 +134,10 @@ TP_LINEARS = (
 GQA = ["--num-key-value-heads", "2"]
 TEN = ("--train-iters", "10")
 ROPE = ["--use-rotary-position-embeddings"]
-# Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; its non-flash attention needs micro batch 1.
+# Megatron-DeepSpeed: ZeRO-3 needs --no-pipeline-parallel; micro batch 1 but where a variant says
+# (the unpatched tree's non-flash attention needs micro batch 1; the patch's QKV split lifts that).
 # Weight decay stays at the tree's default (0.01): hierarchical ZeRO builds under zero.Init as stock does.
-DEEPSPEED = [
-    "--micro-batch-size",
-    "1",
-    "--global-batch-size",
-    "4",
-    "--deepspeed",
-    "--no-pipeline-parallel",
-]
+DEEPSPEED = ["--global-batch-size", "4", "--deepspeed", "--no-pipeline-parallel"]
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": 1,
     "train_batch_size": 4,
@@ -178,7 +172,8 @@ class Variant:
     baseline: str | None = "unpatched"  # the run whose losses it must print; None: a baseline itself
     logs: tuple[str, ...] = ()  # lines its log must hold: each plugin's own path ran
     nodes: int = 1  # torchrun launches (one per emulated node) sharing the ranks
-    accumulation: int = 2  # gradient accumulation: global batch 4 = micro batch 1 x accumulation x DP
+    accumulation: int = 2  # gradient accumulation: global batch 4 = micro batch x accumulation x DP
+    micro_batch: int = 1  # Megatron-DeepSpeed's --micro-batch-size
     ranks: int = 4  # gloo ranks of the run
     rtol: float = 0.0  # losses agree to this relative difference (0: the baseline's printed losses exactly)
     zero_stage: int = 3  # Megatron-DeepSpeed's ZeRO stage
@@ -230,6 +225,16 @@ VARIANTS = {
         (TP_LINEARS,),
         nodes=2,
         rtol=1e-6,
+    ),
+    # micro batch 2: the tree's CoreAttention views q, k and v with batch and heads merged, which the
+    # strided thirds of its fused QKV output allow only at micro batch 1 ("view size is not compatible
+    # with input tensor's size and stride", with or without sequence parallelism); the patch's split
+    # hands it contiguous parts, and sequence parallelism prints TP=2's losses at micro batch 2 too.
+    ("megatron-deepspeed", "tp2-rope-mbs2"): Variant(
+        True, (*TP2, *ROPE), baseline=None, accumulation=1, micro_batch=2
+    ),
+    ("megatron-deepspeed", "tp2-sp-mbs2"): Variant(
+        True, (*TP2, *SEQUENCE_PARALLEL), baseline="tp2-rope-mbs2", accumulation=1, micro_batch=2, rtol=1e-6
     ),
     ("megatron-deepspeed", "tp2-rope-zero1"): Variant(False, (*TP2, *ROPE), baseline=None, zero_stage=1),
     ("megatron-deepspeed", "tp2-sp-zero1-flash-overlap"): Variant(
@@ -356,13 +361,14 @@ def _argv(tree: Tree, kind: str, how: Variant, work: Path) -> list[str]:
         return cmd + MEGATRON_LM + flags
     ds = {
         **DS_CONFIG,
+        "train_micro_batch_size_per_gpu": how.micro_batch,
         "gradient_accumulation_steps": how.accumulation,
         "zero_optimization": {"stage": how.zero_stage},
         "gradient_clipping": how.clipping,
     }
-    config = work / f"ds_config_{how.accumulation}_{how.zero_stage}_{how.clipping}.json"
+    config = work / f"ds_config_{how.micro_batch}_{how.accumulation}_{how.zero_stage}_{how.clipping}.json"
     config.write_text(json.dumps(ds))
-    stage = ["--zero-stage", str(how.zero_stage)]
+    stage = ["--micro-batch-size", str(how.micro_batch), "--zero-stage", str(how.zero_stage)]
     return cmd + DEEPSPEED + stage + ["--deepspeed_config", str(config)] + flags
 
 
