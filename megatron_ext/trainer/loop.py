@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 from deepspeed_ext.zero.cost.workload import Model, Recompute
 from megatron_ext.integration.gpt import gpt_loss
 from megatron_ext.trainer.components import plugin_figures
+from megatron_ext.trainer.iteration_log import Interval, iteration_line, loss_scale
 
 
 def lr_at(args: argparse.Namespace, iteration: int) -> float:
@@ -39,16 +40,20 @@ def train_loop(
     log_file: Any,
     tensorboard: Any = None,
 ) -> None:
-    """Train from ``start_iteration`` to ``--train-iters`` (or ``--exit-interval``), logging each
-    iteration's loss, learning rate, tokens/s and the plugins' figures (to ``log_file`` and a
-    TensorBoard writer where given), saving where asked."""
+    """Train from ``start_iteration`` to ``--train-iters`` (or ``--exit-interval``), saving where
+    asked. Every ``--log-interval`` iterations rank 0 prints Megatron's iteration line
+    (:mod:`megatron_ext.trainer.iteration_log`) with tokens/s, memory and the plugins' figures;
+    every iteration's figures go to ``log_file`` and a TensorBoard writer where given."""
     rank, dp = dist.get_rank(), ps.get_data_parallel_world_size()
     device = next(engine.module.parameters()).device
-    flops = iteration_flops(args, engine, global_batch)
+    # Megatron's model TFLOP/s: a figure for accelerators; a CPU run prints none
+    flops = iteration_flops(args, engine, global_batch) if device.type == "cuda" else None
+    interval = Interval()
     for iteration in range(start_iteration, args.train_iters):
         counter.reset()
         t0 = time.perf_counter()
         lr = engine.get_lr()[0]  # the rate this iteration's step uses
+        skipped_before = engine.skipped_steps
         losses = []
         for _ in range(engine.gradient_accumulation_steps()):
             batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
@@ -57,34 +62,49 @@ def train_loop(
             engine.step()
             losses.append(loss.detach())
         consumed += global_batch
-        mean = torch.stack(losses).mean().reshape(1).float()
-        dist.all_reduce(mean, group=ps.get_data_parallel_group())
-        mean = mean.item() / dp
+        total = torch.stack(losses).mean().reshape(1).float()
+        dist.all_reduce(total, group=ps.get_data_parallel_group())
+        mean = total.item() / dp
         elapsed = time.perf_counter() - t0
+        skipped = engine.skipped_steps > skipped_before
+        interval.add(elapsed, mean, skipped)
         figures = plugin_figures(data, counter)
         done = iteration + 1
         grad_norm = engine.get_global_grad_norm()
         record = {
             "iteration": done,
+            "consumed_samples": consumed,
             "loss": mean,
             "lr": lr,
             "ms_per_iter": elapsed * 1e3,
             "tokens_per_s": global_batch * args.seq_length / elapsed,
-            "tflops_per_gpu": flops / elapsed / dist.get_world_size() / 1e12,
             "grad_norm": None if grad_norm is None else float(grad_norm),
+            "skipped": skipped,
             "memory_gb": peak_memory_gb(device),
             **figures,
         }
+        if flops is not None:
+            record["tflops_per_gpu"] = flops / elapsed / dist.get_world_size() / 1e12
         if done % args.log_interval == 0:
-            extras = "".join(f" | {k} {v}" for k, v in figures.items())
-            norm = "n/a" if record["grad_norm"] is None else f"{record['grad_norm']:.3f}"
-            log(
-                rank,
-                f"iteration {done}/{args.train_iters} | loss {mean:.4f} | lr {lr:.3e} | "
-                f"elapsed time per iteration (ms): {record['ms_per_iter']:.1f} | grad norm {norm} | "
-                f"tokens/s {record['tokens_per_s']:.1f} | "
-                f"TFLOP/s/GPU {record['tflops_per_gpu']:.3f} | {memory_label(device)} {record['memory_gb']:.2f} GB{extras}",
+            per_iteration = interval.seconds / interval.iterations
+            line = iteration_line(
+                iteration=done,
+                train_iters=args.train_iters,
+                consumed_samples=consumed,
+                interval=interval,
+                learning_rate=lr,
+                global_batch_size=global_batch,
+                scale=loss_scale(engine),
+                grad_norm=record["grad_norm"],
+                throughput=None if flops is None else flops / per_iteration / dist.get_world_size() / 1e12,
+                extras={
+                    "tokens/s": f"{global_batch * args.seq_length / per_iteration:.1f}",
+                    f"{memory_label(device)} (GB)": f"{record['memory_gb']:.2f}",
+                    **figures,
+                },
             )
+            log(rank, line)
+            interval = Interval()
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
@@ -121,6 +141,7 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 def memory_label(device: torch.device) -> str:
+    """What :func:`peak_memory_gb` measures on ``device``."""
     return "max allocated" if device.type == "cuda" else "peak RSS"
 
 

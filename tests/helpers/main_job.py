@@ -5,7 +5,7 @@ started as the session starts: :mod:`tests.helpers.early`)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -64,3 +64,12 @@ def main_job_warm(request: pytest.FixtureRequest) -> Iterator[WarmLauncher]:
     its start."""
     with take(request.config, "main_job_warm", _main_job_launcher) as launcher:
         yield launcher
+
+
+@pytest.fixture
+def pretrain_main(lone_rank: Path) -> Callable[..., int]:
+    """The main job's ``main(argv)`` in this process, as a lone rank with a clean environment, on
+    the small model and ``flags``."""
+    from scripts.pretrain_gpt import main
+
+    return lambda *flags: main([*SMALL, "--data-cache-path", str(lone_rank / "data"), *flags])

@@ -21,7 +21,8 @@ import pytest
 from tests.helpers.slurm import LAUNCHER_PARAMS, LOCAL_SBATCH, wait_for_job
 
 ROOT = Path(__file__).resolve().parents[2]
-ITERATION_RE = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|\s*loss\s+([0-9.eE+-]+|nan|inf)")
+# Megatron's iteration line, as the job prints it: the loss is the line's "lm loss" field
+ITERATION_RE = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|.*? lm loss: ([0-9.eE+-]+|nan|inf) \|")
 pytestmark = pytest.mark.slurm
 
 
@@ -35,10 +36,13 @@ def _losses(log: str) -> list[tuple[int, float]]:
 
 def test_parse_losses() -> None:
     log = (
-        "iteration 1/20 | loss 9.1234 | lr 1.000e-04 | tokens/s 1234.5\n"
-        "0: iteration 2/20 | loss 8.5 | lr 1.000e-04 | tokens/s 1300.0\n"
-        "iteration 2/20 | loss 7.0 | duplicate from another rank\n"
-        "iteration 3/20 | loss 6.25e+00 | lr 1.000e-04\n"
+        " [2026-01-01 00:00:00.000000] iteration        1/      20 | consumed samples:            4 | "
+        "learning rate: 1.000000E-04 | global batch size:     4 | lm loss: 9.123400E+00 | tokens/s: 1234.5 |\n"
+        "0:  [2026-01-01 00:00:01.000000] iteration        2/      20 | consumed samples:            8 | "
+        "lm loss: 8.500000E+00 |\n"
+        " [2026-01-01 00:00:01.000000] iteration        2/      20 | consumed samples:            8 | "
+        "lm loss: 7.000000E+00 | duplicate from another rank |\n"
+        " [2026-01-01 00:00:02.000000] iteration        3/      20 | lm loss: 6.250000E+00 |\n"
     )
     assert _losses(log) == [(1, 9.1234), (2, 8.5), (3, 6.25)]
 
@@ -87,7 +91,7 @@ def test_local_sbatch_trains(slurm: None, tmp_path: Path) -> None:
     )
 
     losses = _losses(log)
-    assert len(losses) >= 2, f"fewer than 2 'iteration N/M | loss X' lines in {log_file}:\n{tail}"
+    assert len(losses) >= 2, f"fewer than 2 'iteration N/M | ... | lm loss: X |' lines in {log_file}:\n{tail}"
     (first_it, first), (last_it, last) = losses[0], losses[-1]
     assert last < first, (
         f"loss did not fall: iteration {first_it} loss {first}, iteration {last_it} loss {last}"

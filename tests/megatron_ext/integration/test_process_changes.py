@@ -84,7 +84,7 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
 
     events = EventAccumulator(str(lone_rank / "tensorboard"))
     events.Reload()
-    assert {"loss", "lr", "ms_per_iter", "tflops_per_gpu", "memory_gb"} <= set(events.Tags()["scalars"])
+    assert {"loss", "lr", "ms_per_iter", "consumed_samples", "memory_gb"} <= set(events.Tags()["scalars"])
     assert [e.step for e in events.Scalars("loss")] == [1]
     # A plugin with nothing to do here (Flash-Overlap at TP=1, hierarchical ZeRO at DP=1) says so once.
     err = capsys.readouterr().err
