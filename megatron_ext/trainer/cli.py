@@ -4,6 +4,8 @@ suite's plugin flags (:mod:`megatron_ext.integration.args`)."""
 from __future__ import annotations
 
 import argparse
+import difflib
+from typing import NoReturn
 
 from megatron_ext.integration.args import extra_args_provider
 
@@ -23,9 +25,24 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag is one ``error:`` line with the nearest valid flag, not the whole usage (a
+    job of many ranks would print that once per rank)."""
+
+    def error(self, message: str) -> NoReturn:
+        unknown = [w for w in message.partition(": ")[2].split() if w.startswith("--")]
+        near = [
+            m
+            for w in unknown
+            for m in difflib.get_close_matches(w, self._option_string_actions, n=1, cutoff=0.8)
+        ]
+        hint = f"did you mean {', '.join(near)}? " if near else ""
+        self.exit(2, f"error: {message}; {hint}{self.prog} --help lists the flags\n")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed flags (``argv`` None: the command line)."""
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python scripts/pretrain_gpt.py", description=DESCRIPTION, formatter_class=_HelpWithDefaults
     )
     g = p.add_argument_group("model")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -20,43 +21,16 @@ import torch.distributed as dist
 from deepspeed_ext.zero.engine.inject import ENGINE_CHANGES
 from mdsp_base.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
 from mdsp_base.installer import Installer
-from mdsp_base.section import read_ds_config
 from mdsp_base.topology import Topology
 from megatron_ext.integration.plugin_config import PluginConfig
+from megatron_ext.trainer.checks import UsageError, env_int
 
 
-class UsageError(ValueError):
-    """Bad flags or environment for the main job."""
-
-
-def _env_int(*names: str, default: int) -> int:
-    for name in names:
-        if os.environ.get(name):
-            return int(os.environ[name])
-    return default
-
-
-def init_distributed(args: argparse.Namespace, installer: Installer) -> tuple[int, int]:
-    """Join the job's process group (torchrun or srun variables; a lone process otherwise).
-    Checks the parallel layout against the world size first, so a bad flag fails before any wait."""
-    world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    rank = _env_int("RANK", "SLURM_PROCID", default=0)
-    tp = args.tensor_model_parallel_size
-    if tp < 1 or world % tp:
-        raise UsageError(
-            f"--tensor-model-parallel-size {tp} does not divide the world size {world}: "
-            f"use a divisor of {world}"
-        )
-    if args.pipeline_model_parallel_size != 1:
-        raise UsageError("--pipeline-model-parallel-size other than 1 is not supported by this job")
-    if args.num_attention_heads % tp:
-        raise UsageError(
-            f"--num-attention-heads {args.num_attention_heads} is not divisible by "
-            f"--tensor-model-parallel-size {tp}"
-        )
-    if args.sequence_parallel and args.seq_length % tp:
-        raise UsageError(f"--sequence-parallel needs --seq-length ({args.seq_length}) divisible by TP ({tp})")
-    local = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
+def init_distributed(world: int, installer: Installer) -> int:
+    """Join the job's process group of ``world`` ranks (torchrun or srun variables; a lone process
+    otherwise); returns this rank."""
+    rank = env_int("RANK", "SLURM_PROCID", default=0)
+    local = env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     _set_env(installer, "LOCAL_RANK", str(local))
     if torch.cuda.is_available():
         torch.cuda.set_device(local % torch.cuda.device_count())
@@ -64,7 +38,13 @@ def init_distributed(args: argparse.Namespace, installer: Installer) -> tuple[in
     else:
         backend = "gloo"
     if world == 1 and "MASTER_ADDR" not in os.environ:
-        init = f"file://{tempfile.mkdtemp(prefix='pretrain-gpt-')}/rendezvous"
+        folder = tempfile.mkdtemp(prefix="pretrain-gpt-")
+        installer.add(
+            "megatron_ext.trainer",
+            "a lone process's rendezvous folder in the temporary directory (removed)",
+            lambda: shutil.rmtree(folder, ignore_errors=True),
+        )
+        init = f"file://{folder}/rendezvous"
     else:
         if "MASTER_ADDR" not in os.environ:
             raise UsageError(
@@ -78,7 +58,7 @@ def init_distributed(args: argparse.Namespace, installer: Installer) -> tuple[in
         "the job's process group (gloo on CPU, NCCL on GPUs)",
         dist.destroy_process_group,
     )
-    return world, rank
+    return rank
 
 
 def _set_env(installer: Installer, name: str, value: str) -> None:
@@ -90,35 +70,6 @@ def _set_env(installer: Installer, name: str, value: str) -> None:
             "LOCAL_RANK and MASTER_PORT, where the launch sets none",
             lambda: os.environ.pop(name, None),
         )
-
-
-def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
-    """The user's DeepSpeed JSON with the batch and precision flags applied; a conflict is an error."""
-    config = dict(read_ds_config(args.deepspeed_config))  # {} without one
-    mbs = args.micro_batch_size
-    gbs = args.global_batch_size or mbs * dp
-    if gbs % (mbs * dp):
-        raise UsageError(
-            f"--global-batch-size {gbs} is not a multiple of micro batch ({mbs}) x data-parallel ({dp})"
-        )
-    accum = gbs // (mbs * dp)
-    for key, want in (
-        ("train_micro_batch_size_per_gpu", mbs),
-        ("gradient_accumulation_steps", accum),
-        ("train_batch_size", gbs),
-    ):
-        if key in config and config[key] != want:
-            raise UsageError(
-                f"{args.deepspeed_config}: {key}={config[key]} but the flags give {want} "
-                f"(micro batch {mbs}, global batch {gbs}, data-parallel {dp}): make them agree"
-            )
-    config.update(train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=accum, train_batch_size=gbs)
-    config.setdefault("optimizer", {"type": "Adam", "params": {"torch_adam": True}})
-    config["optimizer"].setdefault("params", {})["lr"] = args.lr
-    if args.bf16:
-        config["bf16"] = {"enabled": True}
-    config.setdefault("steps_per_print", 10**9)
-    return config
 
 
 def build_model(

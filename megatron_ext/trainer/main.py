@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
+import os
 import sys
-import warnings
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -20,22 +19,27 @@ from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import detect_topology
 from megatron_ext.data.config import check_shm_space_at_start
 from megatron_ext.data.indexed import DatasetFileError
-from megatron_ext.integration.args import plugin_config_from_args
 from megatron_ext.integration.core_on_cpu import cpu_support_enabled
-from megatron_ext.integration.plugin_config import log_effective_config, validate_against_world
+from megatron_ext.integration.plugin_config import log_effective_config
 from megatron_ext.trainer import components as c
 from megatron_ext.trainer import data as d
+from megatron_ext.trainer.checks import UsageError, check_job, env_int
 from megatron_ext.trainer.cli import parse_args
 from megatron_ext.trainer.loop import log, lr_at, train_loop
+from megatron_ext.trainer.notices import StartupNotices, quiet
 
 
-def train(args: argparse.Namespace, installer: Installer) -> None:
-    """Set up the job, then train; every process-wide change goes through ``installer``."""
-    plugins = plugin_config_from_args(args)  # config errors surface before any process group exists
-    world, rank = c.init_distributed(args, installer)
+def train(args: argparse.Namespace, installer: Installer, notices: StartupNotices) -> None:
+    """Set up the job, then train; every process-wide change goes through ``installer``; the
+    start-up's third-party warnings, collected in ``notices``, are reported once it is done."""
+    world = env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    # Every model-free check, before any process group exists: a bad flag fails before any wait.
+    plugins, ds_config, warnings = check_job(args, world)
+    rank = c.init_distributed(world, installer)
+    for warning in warnings if rank == 0 else []:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
     tp = args.tensor_model_parallel_size
     dp = world // tp
-    validate_against_world(plugins, world, dp)
     if plugins.hierarchical_zero.enabled and dp == 1 and rank == 0:
         print(
             "warning: hierarchical_zero is on with one data-parallel rank: there is nothing to partition "
@@ -52,7 +56,6 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
         args.seq_length,
         args.vocab_size,
     )
-    ds_config = c.deepspeed_config_for(args, dp)
     tensorboard = c.tensorboard_writer(args, rank, installer)
     log_effective_config(plugins, rank)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
@@ -69,6 +72,7 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
     engine = c.build_engine(
         args, model, ds_config, plugins, topology, lambda it: lr_at(args, it) / args.lr, installer
     )
+    notices.report()
     start_iteration, consumed = 0, 0
     if args.load:
         path, client = engine.load_checkpoint(args.load)
@@ -94,47 +98,23 @@ def train(args: argparse.Namespace, installer: Installer) -> None:
     dist.barrier()  # every rank is done before the installer takes the groups down
 
 
-def _quiet(installer: Installer) -> None:
-    """megatron-core, torch and DeepSpeed warn once per rank about optional fused kernels and
-    deprecations, and log every collective set-up: keep the job's log to its own lines."""
-    installer.enter(
-        "megatron_ext.trainer",
-        "warnings filters for megatron, torch and deepspeed",
-        warnings.catch_warnings(),
-    )
-    for module in ("megatron", "torch", "deepspeed"):
-        warnings.filterwarnings("ignore", category=UserWarning, module=module)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
-    for name in ("DeepSpeed", "deepspeed", "torch.distributed"):
-        installer.setattr(
-            "megatron_ext.trainer",
-            "DeepSpeed's and torch.distributed's loggers at WARNING",
-            logging.getLogger(name),
-            "level",
-            logging.WARNING,
-        )
-    root = logging.getLogger()
-    if not root.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        root.addHandler(handler)
-        installer.add("megatron_ext.trainer", "a root log handler", lambda: root.removeHandler(handler))
-    installer.setattr("megatron_ext.trainer", "the root logger at INFO", root, "level", logging.INFO)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the job; returns the exit status (2 with one ``error:`` line on bad input)."""
-    return run(parse_args(argv))
+    args = parse_args(argv)
+    with Installer() as installer:
+        return run(args, installer, quiet(installer))
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the job with parsed flags; returns the exit status (2 with one ``error:`` line on bad input)."""
+def run(args: argparse.Namespace, installer: Installer, notices: StartupNotices) -> int:
+    """Run the job with parsed flags, its changes made through ``installer`` (which holds
+    :func:`~megatron_ext.trainer.notices.quiet`'s ``notices``); returns the exit status: 2 with one
+    ``error:`` line on bad input, printed by the first rank of each node (a node's environment,
+    such as its ``/dev/shm``, may differ from another's; the flags and config are every rank's)."""
     try:
-        with Installer() as installer:
-            _quiet(installer)
-            train(args, installer)
-    except (c.UsageError, ConfigError, DatasetFileError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        train(args, installer, notices)
+    except (UsageError, ConfigError, DatasetFileError) as e:
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+            print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -20,6 +20,8 @@ if [[ -z "${REPO_DIR:-}" ]]; then
 fi
 SLURM_SCRIPTS_DIR="$REPO_DIR/scripts/slurm"
 PRESETS_DIR="$REPO_DIR/scripts/presets"
+# shellcheck source=job_checks.sh
+source "$SLURM_SCRIPTS_DIR/job_checks.sh"
 
 die() {
     echo "error: $*" >&2
@@ -134,7 +136,22 @@ _need_value() {
 
 launcher_init() {
     CLI_ARGS=()
-    local arg
+    # This run's options but --dry-run and --nodes (sbatch -N sets the allocation): what the dry
+    # run's submit line passes on.
+    SUBMIT_ARGS=()
+    local i=1 arg
+    while ((i <= $#)); do
+        arg="${!i}"
+        if [[ "$arg" == -- ]]; then
+            SUBMIT_ARGS+=("${@:i}")
+            break
+        elif [[ "$arg" == --nodes ]]; then
+            ((i += 1))
+        elif [[ "$arg" != --dry-run && "$arg" != --nodes=* ]]; then
+            SUBMIT_ARGS+=("$arg")
+        fi
+        ((i += 1))
+    done
     while [[ $# -gt 0 ]]; do
         arg="$1"
         case "$arg" in
@@ -419,7 +436,7 @@ print_plan() {
     local n
     echo "# platform: $PLATFORM  nodes: $NODES  tasks/node: $TASKS_PER_NODE  tasks: $NTASKS"
     echo "# account: ${ACCOUNT:-(from the allocation)}  partition: ${PARTITION:-(from the allocation)}"
-    echo "# submit: sbatch${ACCOUNT:+ --account=$ACCOUNT}${PARTITION:+ --partition=$PARTITION} --nodes=$NODES scripts/slurm/${PLATFORM}.sbatch"
+    echo "# submit: $(submit_line)"
     if [[ -n "${CONTAINER_IMAGE:-}" ]]; then
         echo "# container (pyxis): $CONTAINER_IMAGE"
     elif [[ -n "${APPTAINER_IMAGE:-}" ]]; then
@@ -499,6 +516,7 @@ launch() {
     LAUNCH_CMD+=(${SRUN_ARGS:-})
     LAUNCH_CMD+=("${CONTAINER_EXEC[@]}" "$SLURM_SCRIPTS_DIR/rank_env.sh" "$TRAIN_PYTHON" -u "${TRAIN_PROGRAM[@]}" "${train[@]}")
 
+    check_job_flags "$([[ -n "$UPSTREAM_KIND" ]] && echo upstream || echo job)" "${train[@]}"
     _dry_run_done && return 0
     [[ -f "$TRAIN_SCRIPT" ]] ||
         die "training script $TRAIN_SCRIPT not found; check the checkout or set TRAIN_SCRIPT"
@@ -525,6 +543,7 @@ _launch_zero_ab() {
     LAUNCH_CMD=("${srun_cmd[@]}" deepspeed_ext.zero.bench "${config[@]}" --megatron-args "$MODEL_FILE"
         --profile "$AB_DIR/profile.json" --json "$AB_DIR/ab.json" --plot "$AB_DIR/ab.png" "${CLI_ARGS[@]}")
     prepend_path PYTHONPATH "$REPO_DIR" # the plugins, also where the suite is not installed
+    [[ -n "$CONFIG_FILE" ]] && check_job_flags upstream --deepspeed_config "$CONFIG_FILE"
     _dry_run_done && return 0
     mkdir -p "$AB_DIR"
     print_plan
