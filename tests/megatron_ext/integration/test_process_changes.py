@@ -42,6 +42,7 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
     from megatron_ext.integration.core_on_cpu import cpu_support_enabled
     from megatron_ext.trainer import main as job
     from megatron_ext.trainer.cli import parse_args
+    from megatron_ext.trainer.notices import quiet
 
     (lone_rank / "ds.json").write_text(
         json.dumps(
@@ -62,8 +63,7 @@ def test_the_main_job_records_the_documented_rows_and_undoes_them(lone_rank, cap
     stock = (partition_parameters._dist_allgather_fn, stage3.reduce_scatter_coalesced)
     before = _children()
     with Installer() as installer:
-        job._quiet(installer)
-        job.train(args, installer)
+        job.train(args, installer, quiet(installer))
         recorded = {(c.owner, c.what) for c in installer.changes}
         started = _children() - before
     assert recorded <= documented_rows(), sorted(recorded - documented_rows())
