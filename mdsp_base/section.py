@@ -1,5 +1,5 @@
 """What every plugin's section of the DeepSpeed JSON shares: the strict base model, the error it
-raises, and the suite's one reader of DeepSpeed JSON.
+raises, the suite's one reader of DeepSpeed JSON, and the check of DeepSpeed's own sections.
 
 DeepSpeed forbids unknown keys inside its own sections but keeps unknown top-level sections, so
 each plugin owns one top-level section, modelled next to its code; ``plugin_config`` assembles them.
@@ -7,6 +7,7 @@ each plugin owns one top-level section, modelled next to its code; ``plugin_conf
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from typing import Any, Self, TypeVar, Union
@@ -83,3 +84,35 @@ def read_ds_config(ds_config: Union[str, os.PathLike, dict, None]) -> dict:
         ) from None
     except json.JSONDecodeError as e:
         raise ConfigError(f"DeepSpeed config {os.fspath(ds_config)!r} is not valid JSON: {e}") from None
+
+
+def check_deepspeed_sections(config: dict[str, Any], source: str | None) -> None:
+    """DeepSpeed's own sections of ``config`` as ``deepspeed.initialize`` would validate them, but
+    before the model: an unknown or mistyped key is one :class:`ConfigError` naming it."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
+
+    # Only the sections are checked here; the batch keys are the job's (or upstream's) to set.
+    config = {k: v for k, v in config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
+    config.setdefault("train_micro_batch_size_per_gpu", 1)
+    where = f"DeepSpeed config {source}" if source else "the DeepSpeed config"
+    try:
+        DeepSpeedConfig(config)
+    except ValidationError as e:
+        error = e.errors()[0]
+        key = ".".join(str(part) for part in error["loc"])
+        known = _fields(DeepSpeedConfigModel).get(e.title, [])
+        near = difflib.get_close_matches(str(error["loc"][-1]), known, n=1)
+        fix = f"did you mean {near[0]!r}?" if near else "see DeepSpeed's configuration documentation"
+        raise ConfigError(f"{where}: {e.title} rejects {key!r} ({error['msg'].lower()}): {fix}") from None
+    except (AssertionError, ValueError, TypeError, KeyError) as e:
+        raise ConfigError(f"{where}: DeepSpeed rejects it: {e}") from None
+
+
+def _fields(base: type[BaseModel]) -> dict[str, list[str]]:
+    """Every DeepSpeed config model's field names (and aliases), by class name."""
+    found: dict[str, list[str]] = {}
+    for cls in base.__subclasses__():
+        found[cls.__name__] = [*cls.model_fields, *(f.alias for f in cls.model_fields.values() if f.alias)]
+        found.update(_fields(cls))
+    return found

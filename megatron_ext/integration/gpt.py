@@ -23,9 +23,13 @@ def gpt_config(
     ffn_hidden_size: int | None = None,
     dropout: float = 0.0,
     init_method_std: float = 0.02,
+    recompute_granularity: str | None = None,
+    recompute_method: str | None = None,
+    recompute_num_layers: int | None = None,
 ) -> TransformerConfig:
     """A TransformerConfig for GPT; CPU initialisation when there is no GPU, so that weights do not
-    depend on the TP size (the master weight is built whole and sliced)."""
+    depend on the TP size (the master weight is built whole and sliced). The recompute settings are
+    Megatron's (``--recompute-granularity`` and its companions)."""
     return TransformerConfig(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -39,6 +43,9 @@ def gpt_config(
         hidden_dropout=dropout,
         attention_dropout=dropout,
         init_method_std=init_method_std,
+        recompute_granularity=recompute_granularity,
+        recompute_method=recompute_method,
+        recompute_num_layers=recompute_num_layers,
     )
 
 

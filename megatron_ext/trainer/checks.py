@@ -10,14 +10,11 @@ names the flag or key, the value and the fix; :func:`main` prints it as one ``er
 from __future__ import annotations
 
 import argparse
-import difflib
 import os
 import sys
 from typing import Any
 
-from pydantic import BaseModel
-
-from mdsp_base.section import ConfigError, read_ds_config
+from mdsp_base.section import ConfigError, check_deepspeed_sections, read_ds_config
 from megatron_ext.integration.args import plugin_config_from_args
 from megatron_ext.integration.plugin_config import PluginConfig, validate_against_world
 
@@ -36,7 +33,13 @@ POSITIVE = (
 # Flags where zero means "off" or "none", and below zero means nothing.
 NOT_NEGATIVE = ("train_iters", "lr", "min_lr", "lr_warmup_iters")
 # Zero here would divide by zero or mean "never": give no flag instead.
-POSITIVE_WHEN_GIVEN = ("global_batch_size", "save_interval", "exit_interval", "ffn_hidden_size")
+POSITIVE_WHEN_GIVEN = (
+    "global_batch_size",
+    "save_interval",
+    "exit_interval",
+    "ffn_hidden_size",
+    "recompute_num_layers",
+)
 
 
 class UsageError(ValueError):
@@ -98,6 +101,26 @@ def check_layout(args: argparse.Namespace, plugins: PluginConfig, world: int) ->
         )
 
 
+def check_recompute(args: argparse.Namespace) -> None:
+    """Megatron's recompute flags together: full needs a method and a layer count, which mean
+    nothing without it (megatron-core's TransformerConfig would refuse them after start-up)."""
+    full = args.recompute_granularity == "full"
+    given = args.recompute_method is not None and args.recompute_num_layers is not None
+    if full and not given:
+        raise UsageError(
+            "--recompute-granularity full needs --recompute-method and --recompute-num-layers "
+            "(e.g. --recompute-method uniform --recompute-num-layers 1: every layer on its own)"
+        )
+    if not full and (args.recompute_method is not None or args.recompute_num_layers is not None):
+        raise UsageError(
+            "--recompute-method and --recompute-num-layers apply to --recompute-granularity full only"
+        )
+    if full and args.recompute_num_layers > args.num_layers:
+        raise UsageError(
+            f"--recompute-num-layers {args.recompute_num_layers} is more than --num-layers {args.num_layers}"
+        )
+
+
 def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     """The user's DeepSpeed JSON with the batch and precision flags applied; a conflict is an error."""
     config = dict(read_ds_config(args.deepspeed_config))  # {} without one
@@ -127,39 +150,6 @@ def deepspeed_config_for(args: argparse.Namespace, dp: int) -> dict[str, Any]:
     return config
 
 
-def check_deepspeed_sections(config: dict[str, Any], source: str | None) -> None:
-    """DeepSpeed's own sections of ``config`` as ``deepspeed.initialize`` would validate them, but
-    before the model: an unknown or mistyped key is one :class:`ConfigError` naming it."""
-    from deepspeed.runtime.config import DeepSpeedConfig
-    from deepspeed.runtime.config_utils import DeepSpeedConfigModel
-    from pydantic import ValidationError
-
-    # Only the sections are checked here; the batch keys are the job's (or upstream's) to set.
-    config = {k: v for k, v in config.items() if k not in ("train_batch_size", "gradient_accumulation_steps")}
-    config.setdefault("train_micro_batch_size_per_gpu", 1)
-    where = f"DeepSpeed config {source}" if source else "the DeepSpeed config"
-    try:
-        DeepSpeedConfig(config)
-    except ValidationError as e:
-        error = e.errors()[0]
-        key = ".".join(str(part) for part in error["loc"])
-        known = _fields(DeepSpeedConfigModel).get(e.title, [])
-        near = difflib.get_close_matches(str(error["loc"][-1]), known, n=1)
-        fix = f"did you mean {near[0]!r}?" if near else "see DeepSpeed's configuration documentation"
-        raise ConfigError(f"{where}: {e.title} rejects {key!r} ({error['msg'].lower()}): {fix}") from None
-    except (AssertionError, ValueError, TypeError, KeyError) as e:
-        raise ConfigError(f"{where}: DeepSpeed rejects it: {e}") from None
-
-
-def _fields(base: type[BaseModel]) -> dict[str, list[str]]:
-    """Every DeepSpeed config model's field names (and aliases), by class name."""
-    found: dict[str, list[str]] = {}
-    for cls in base.__subclasses__():
-        found[cls.__name__] = [*cls.model_fields, *(f.alias for f in cls.model_fields.values() if f.alias)]
-        found.update(_fields(cls))
-    return found
-
-
 def checkpoint_warnings(args: argparse.Namespace) -> list[str]:
     """Settings that run but do not do what they seem to: an interval with nowhere to save."""
     if args.save_interval and not args.save:
@@ -174,6 +164,7 @@ def check_job(args: argparse.Namespace, world: int) -> tuple[PluginConfig, dict[
     """Every check of the job that needs no process group and no model, in the order a user fixes
     them; returns the plugin configuration, the DeepSpeed config the engine gets and the warnings."""
     check_ranges(args)
+    check_recompute(args)
     plugins = plugin_config_from_args(args)
     check_layout(args, plugins, world)
     dp = world // args.tensor_model_parallel_size
@@ -220,8 +211,6 @@ def main(argv: list[str] | None = None) -> int:
     flags = [f for f in flags if f != "--"]
     if ours.world_size < 1:
         parser.exit(2, f"error: --world-size {ours.world_size}: give a positive number of ranks\n")
-    # No device is used here; on a login node DeepSpeed would warn at import that it found none.
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         if ours.upstream:
             check_upstream(flags, ours.world_size)
@@ -236,4 +225,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # No device is used: on a login node DeepSpeed would warn at import that it found none.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.exit(main())

@@ -71,6 +71,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--sequence-parallel", action="store_true")
+    g = p.add_argument_group("activation recomputation (Megatron's flags)")
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="recompute activations in backward: each whole layer (full) or the attention core (selective)",
+    )
+    g.add_argument(
+        "--recompute-method",
+        choices=["uniform", "block"],
+        default=None,
+        help="with full: checkpoint groups of --recompute-num-layers layers (uniform), or only the first "
+        "--recompute-num-layers layers (block)",
+    )
+    g.add_argument("--recompute-num-layers", type=int, default=None, help="with full: see --recompute-method")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=2)
     g.add_argument(

@@ -107,6 +107,9 @@ def build_model(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=sequence_parallel,
         bf16=args.bf16,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
     )
     layer_spec = None
     if plugins.flash_overlap.enabled and args.tensor_model_parallel_size == 1 and dist.get_rank() == 0:

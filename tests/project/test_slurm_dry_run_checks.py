@@ -59,6 +59,11 @@ REFUSED = [
         "--global-batch-size 6 is not a multiple of micro batch (2) x data-parallel (2)",
     ),
     (["--micro-batch-size", "0"], None, "--micro-batch-size 0: give a positive number"),
+    (
+        ["--recompute-granularity", "full"],
+        None,
+        "--recompute-granularity full needs --recompute-method and --recompute-num-layers",
+    ),
 ]
 
 

@@ -5,10 +5,13 @@ JSON, with the Megatron flags it changes.
   python -m deepspeed_ext.zero.plan --layers 24 --hidden 2048 --heads 16 --seq 2048 --nodes 4 --topology h100
   python -m deepspeed_ext.zero.plan --model gpt-20b-frontier --nodes 48 --profile profile.json --output-json ds.json
 
-By default it proposes exact plans (no quantization) on paths that have run on the topology's
-collective library (docs/hierarchical_zero.md, "Which paths have run on which backend"), keeps the
-global batch of your configuration, and leaves 10 % of the memory free. Every figure is computed
-by the cost model (deepspeed_ext/zero/cost/), not measured.
+By default it proposes exact plans (no quantization) on the default path and on those that have
+run on the topology's collective library, in the words of deepspeed_ext/zero/cost/verified.py
+(docs/hierarchical_zero.md, "Which paths have run on which backend"), keeps the global batch of
+your configuration, and leaves 10 % of the memory free. Your JSON is checked as the job checks it
+(DeepSpeed's sections, the plugin sections) and every number range-checked before any work; its
+Megatron flags are ones scripts/pretrain_gpt.py, Megatron-LM and Megatron-DeepSpeed accept. Every
+figure is computed by the cost model (deepspeed_ext/zero/cost/), not measured.
 """
 
 from __future__ import annotations
@@ -19,19 +22,24 @@ import sys
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
+from statistics import mean
 
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, H100_NCCL
 from deepspeed_ext.zero.cost.projection import Scheme, project
 from deepspeed_ext.zero.cost.search import Row, Rules, baseline, evaluate
 from deepspeed_ext.zero.cost.uncertainty import systems
-from deepspeed_ext.zero.cost.verified import Backend
+from deepspeed_ext.zero.cost.verified import RUN, Backend, has_run
+from deepspeed_ext.zero.cost.verified import Path as VerifiedPath
 from deepspeed_ext.zero.cost.workload import Model, Recompute, System
 from deepspeed_ext.zero.tools.recommend_inputs import (
     PlanInputError,
+    check_config,
+    check_numbers,
     global_batch,
     measured_costs,
     written_config,
 )
+from mdsp_base.section import ConfigError
 from mdsp_base.shutdown import exit_without_teardown
 
 PRESETS = Path(str(resources.files("mdsp_base") / "presets"))
@@ -51,16 +59,30 @@ TOPOLOGIES = {
 
 
 def label(row: Row) -> str:
+    """The candidate's settings as ``key=value`` words, each explained by :data:`LEGEND`."""
     p = row.plan
-    quant = "int8/int4" if p.quantized_weights else "bf16"
     return (
-        f"TP={p.tp} {p.secondary.value if p.secondary else 'no copy'} {p.inter_node} {quant} "
-        f"{'boundary' if p.boundary_sync else 'every-mb'} chunks={p.pipeline_chunks} "
-        f"bucket={p.buckets.prefetch:.0e} mb={p.micro_batch} {p.recompute.value}"
+        f"TP={p.tp} copy={p.secondary.value if p.secondary else 'none'} inter-node={p.inter_node} "
+        f"weights={'int8' if p.quantized_weights else 'bf16'} "
+        f"grads={'int4' if p.quantized_gradients else 'bf16'} "
+        f"sync={'boundary' if p.boundary_sync else 'every-mb'} chunks={p.pipeline_chunks} "
+        f"bucket={p.buckets.prefetch:.0e} mb={p.micro_batch} recompute={p.recompute.value}"
     )
 
 
+LEGEND = (
+    "candidate: TP = --tensor-model-parallel-size; copy = hierarchical_zero.secondary_level (the level "
+    "holding the secondary bf16 weight copy, none without one); inter-node = inter_node_algorithm; "
+    "weights, grads = what crosses nodes (int8/int4: quantized_weights/quantized_gradients); sync = "
+    "grad_sync (every micro-batch, or at the accumulation boundary); chunks = pipeline_chunks; bucket = "
+    "stage3_prefetch_bucket_size; mb = --micro-batch-size; recompute = --recompute-granularity (none: off)"
+)
+"""What each word of a candidate's label means, by the setting it writes."""
+
+
 def megatron_flags(row: Row, model: Model, batch: int) -> list[str]:
+    """The flags of ``scripts/pretrain_gpt.py`` (Megatron-LM's and Megatron-DeepSpeed's names) that
+    the plan sets."""
     p = row.plan
     flags = [
         f"--tensor-model-parallel-size {p.tp}",
@@ -71,7 +93,10 @@ def megatron_flags(row: Row, model: Model, batch: int) -> list[str]:
     ]
     if p.recompute != Recompute.NONE:
         flags.append(f"--recompute-granularity {p.recompute.value}")
-        flags += ["--recompute-method uniform"] if p.recompute == Recompute.FULL else []
+        # Megatron's full recomputation needs both: every layer checkpointed on its own.
+        flags += (
+            ["--recompute-method uniform --recompute-num-layers 1"] if p.recompute == Recompute.FULL else []
+        )
     return flags
 
 
@@ -145,29 +170,51 @@ def _ranges(
     system: System, model: Model, nodes: int, best: Row, ds: dict, measured: bool, device: str
 ) -> str:
     """The best row's TFLOPS and ratio to hpZ (as the table prices it) over every combination of the
-    uncertain inputs."""
+    uncertain inputs, and the input whose values move the TFLOPS most (averaged over the others)."""
     tflops, vs_hpz = [], []
-    for _, s in systems(system, sweep_collectives=system.costs is FRONTIER_RCCL and not measured):
+    by_input: dict[str, dict[float, list[float]]] = {}
+    for inputs, s in systems(system, sweep_collectives=system.costs is FRONTIER_RCCL and not measured):
         mine = project(s, model, nodes, best.plan).tflops_per_gcd
         hpz = project(s, model, nodes, baseline(best.plan, Scheme.HPZ, ds)).tflops_per_gcd
         tflops.append(mine)
         vs_hpz.append(mine / hpz)
+        for name, value in inputs.items():
+            by_input.setdefault(name, {}).setdefault(value, []).append(mine)
+    spread = {
+        name: max(map(mean, runs.values())) - min(map(mean, runs.values())) for name, runs in by_input.items()
+    }
+    top = max(spread, key=spread.__getitem__)
+    values = sorted(by_input[top])
     return (
         f"best row over the uncertain inputs ({len(tflops)} combinations): {min(tflops):.3g}-{max(tflops):.3g} "
-        f"TFLOPS/{device}, {min(vs_hpz):.2f}-{max(vs_hpz):.2f}x hpZ"
+        f"TFLOPS/{device}, {min(vs_hpz):.2f}-{max(vs_hpz):.2f}x hpZ; most of the spread is {top} "
+        f"({values[0]:g}-{values[-1]:g} moves it {spread[top]:.3g} TFLOPS/{device} on average)"
     )
+
+
+def _what_has_run(backend: Backend, allow_unverified: bool) -> str:
+    """What the proposed plans' paths have run on ``backend``, in :mod:`~deepspeed_ext.zero.cost.verified`'s words."""
+    if allow_unverified:
+        return f"Paths not run on {backend} included (column 'settings not run here'). "
+    others = [p.value for p in VerifiedPath if p not in (VerifiedPath.LIBRARY_HOPS, VerifiedPath.PROBE)]
+    ran = [p for p in others if has_run(VerifiedPath(p), backend)]
+    rest = f"besides it only {', '.join(ran)}, which have run there" if ran else "no other path has run there"
+    return f"Path: {VerifiedPath.LIBRARY_HOPS.value}, run on {backend}: {RUN[VerifiedPath.LIBRARY_HOPS][backend]}; {rest}. "
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
     parser = _parser()
     args = parser.parse_args(argv)
+    try:
+        check_numbers(args)  # before anything divides by them
+    except PlanInputError as exc:
+        parser.exit(2, f"error: {exc}\n")
     model, preset = _model(args, parser)
     system, backend, device = TOPOLOGIES[args.topology]
     system = replace(system, memory_gb=args.memory_gb) if args.memory_gb else system
-    if not 0 <= args.headroom < 1:
-        parser.error(f"--headroom {args.headroom}: give a fraction in [0, 1)")
     try:
         ds = json.loads(args.ds_config.read_text())
+        check_config(ds, args.ds_config)
         measured = measured_costs(args.profile, system, backend, args.nodes) if args.profile else None
         if measured is not None:
             system = measured.system
@@ -175,7 +222,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 print(f"warning: {note}", file=sys.stderr)
         grad_accum = args.grad_accum or int(ds.get("gradient_accumulation_steps", 1))
         batch = global_batch(ds, preset, system.ranks_per_node * args.nodes, grad_accum, args.global_batch)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, PlanInputError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, PlanInputError, ConfigError) as exc:
         parser.exit(2, f"error: {exc}\n")
     rules = Rules(
         backend,
@@ -205,11 +252,12 @@ def main(argv: list[str] | None = None) -> list[Row]:
         f"less {args.headroom:.0%} headroom), accumulation {grad_accum}, global batch {kept}; "
         f"COMPUTED by the cost model (costs: {system.costs.system}), not measured. "
         f"{'Lossy plans included. ' if args.allow_lossy else 'Exact plans only. '}"
-        f"{'Unverified settings included. ' if args.allow_unverified else f'Only settings that have run on {backend}. '}"
+        f"{_what_has_run(backend, args.allow_unverified)}"
         f"{len(rows)} fit."
     )
     print(_ranges(system, model, args.nodes, best, ds, args.profile is not None, device))
     _print_table(rows, args.top, device)
+    print(LEGEND)
     plan_batch = (
         best.plan.micro_batch * best.plan.grad_accum * system.ranks_per_node * args.nodes // best.plan.tp
     )

@@ -3,20 +3,70 @@ the planned machine (with what it does not cover named), and the DeepSpeed JSON 
 
 from __future__ import annotations
 
+import argparse
 import copy
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from pydantic import ValidationError
+
+from deepspeed_ext.zero.config import HierarchicalZeroConfig, check_zero_stage
 from deepspeed_ext.zero.cost.profile import ProfileError, read
 from deepspeed_ext.zero.cost.projection import Candidate
 from deepspeed_ext.zero.cost.verified import Backend
 from deepspeed_ext.zero.cost.workload import System
+from mdsp_base.section import ConfigError, check_deepspeed_sections, describe
 from mdsp_base.topology import LinkClass
 
 
 class PlanInputError(ValueError):
     """An input the planner cannot use, with what to give instead."""
+
+
+# (flag, attribute, smallest value, whether the smallest itself is refused): the planner's numbers.
+RANGES = (
+    ("--nodes", "nodes", 1, False),
+    ("--layers", "layers", 1, False),
+    ("--hidden", "hidden", 1, False),
+    ("--heads", "heads", 1, False),
+    ("--seq", "seq", 1, False),
+    ("--memory-gb", "memory_gb", 0, True),
+    ("--grad-accum", "grad_accum", 1, False),
+    ("--global-batch", "global_batch", 1, False),
+    ("--top", "top", 0, False),
+)
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Every number of the command line within what it can mean (``--headroom`` a fraction in [0, 1))."""
+    for flag, name, low, exclusive in RANGES:
+        value = getattr(args, name)
+        if value is not None and (value < low or (exclusive and value == low)):
+            words = "a positive number" if exclusive or low == 1 else "0 or more"
+            raise PlanInputError(f"{flag} {value}: give {words}")
+    if not 0 <= args.headroom < 1:
+        raise PlanInputError(f"--headroom {args.headroom}: give a fraction in [0, 1)")
+    if args.hidden and args.heads and args.hidden % args.heads:
+        raise PlanInputError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
+
+
+def check_config(ds: dict, source: Path | str) -> None:
+    """``ds`` as the job validates it before its model: DeepSpeed's own sections, then the plugin
+    sections. The assembler of all plugin sections sits above this plugin: where it is installed
+    (the suite's job), it checks them all; alone, this plugin checks its own section and the stage."""
+    check_deepspeed_sections(ds, str(source))
+    try:
+        from megatron_ext.integration.plugin_config import load_plugin_config
+    except ImportError:  # this plugin installed alone
+        try:
+            section = HierarchicalZeroConfig.model_validate(ds.get("hierarchical_zero") or {})
+        except ValidationError as e:
+            raise ConfigError(describe(e, HierarchicalZeroConfig, "hierarchical_zero")) from None
+        if section.enabled:
+            check_zero_stage((ds.get("zero_optimization") or {}).get("stage", 0))
+    else:
+        load_plugin_config(ds)
 
 
 def _megatron_flag(preset: Path | None, flag: str) -> int | None:
@@ -107,8 +157,9 @@ def written_config(ds: dict, plan: Candidate, profile: Path | None, batch: int) 
     out["gradient_accumulation_steps"] = plan.grad_accum
     if "train_batch_size" in out:
         out["train_batch_size"] = batch
-    zero = out.setdefault("zero_optimization", {"stage": 3})
+    zero = out.setdefault("zero_optimization", {})
     zero.update(
+        stage=3,  # the plan is hierarchical ZeRO-3's
         stage3_prefetch_bucket_size=plan.buckets.prefetch,
         reduce_bucket_size=plan.buckets.reduce,
         stage3_max_live_parameters=plan.buckets.max_live,

@@ -72,7 +72,7 @@ def test_lossy_and_unverified_plans_only_when_asked_and_marked(capsys):
     chunked = [r for r in rows if r.plan.pipeline_chunks > 1]
     assert chunked and all("pipeline_chunks 4" in r.unverified for r in chunked)
     assert any("recursive (not run on rccl)" in r.unverified for r in rows)
-    assert "Lossy plans included. Unverified settings included." in out
+    assert "Lossy plans included. Paths not run on rccl included" in out
 
 
 def test_one_row_per_distinct_configuration_and_no_auto():
