@@ -154,14 +154,18 @@ _MIB = 1 << 20
 
 
 def nic_bytes_per_step(
-    counter: CommCounter, steps: int, group: dist.ProcessGroup | None = None
+    counter: CommCounter,
+    steps: int,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str = "cpu",
 ) -> dict[str, float]:
     """MiB per step on the most loaded NIC (its egress) and the most loaded package link, over what
     ``counter`` booked in ``steps`` steps on every rank of ``group`` (None: the job). Collective over
-    ``group``: every member calls it; the sum is not counted."""
+    ``group`` (its tensor on ``device``, where the backend needs it): every member calls it; the sum
+    is not counted."""
     kinds = (PhysicalLink.NIC_EGRESS, PhysicalLink.PACKAGE)
     sizes = [link_count(counter.topology, physical) for physical in kinds]
-    vector = torch.zeros(sum(sizes), dtype=torch.float64)  # exact up to 2**53 bytes
+    vector = torch.zeros(sum(sizes), dtype=torch.float64, device=device)  # exact up to 2**53 bytes
     loads, at = counter.physical_links(), 0
     for physical, size in zip(kinds, sizes, strict=True):
         for index, n in loads[physical].items():

@@ -190,8 +190,8 @@ class StandInMode(TorchDispatchMode):
 
         out = func(*tree_map(writable, args), **tree_map(writable, kwargs))
         for item in tree_flatten(out)[0]:
-            if isinstance(item, torch._C._distributed_c10d.Work):
-                device.collective_started(item)
+            if isinstance(item, torch.ScriptObject):  # the op's work handle, boxed
+                device.collective_started(torch._C._distributed_c10d.Work.unbox(item))
         return out
 
     def _ready(self, tensors: list[torch.Tensor]) -> float:

@@ -116,6 +116,14 @@ def dilation_of(spec: ClusterSpec) -> float:
     return FRONTIER_NIC_MBIT / spec.inter_node_mbit
 
 
+def job_config(regime: Regime, spec: ClusterSpec, quick: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON the regime's job runs on ``spec``; ``quick``: a smoke test of the
+    cluster, not of its compute (micro-batch at most 2)."""
+    micro_batch = min(regime.micro_batch, 2) if quick else regime.micro_batch
+    topology = {"ranks_per_node": spec.ranks_per_node, "ranks_per_package": spec.ranks_per_package}
+    return {**DS_CONFIG, "train_micro_batch_size_per_gpu": micro_batch, "topology": topology}
+
+
 def rank_main(argv: list[str]) -> None:
     """On a rank: ``probe ARGS...`` or ``bench ARGS...``, its result for the launcher."""
     from benchmarks.cluster import write_result
@@ -263,12 +271,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    topology = {"ranks_per_node": spec.ranks_per_node, "ranks_per_package": spec.ranks_per_package}
     config = out / f"{name}_ds_config.json"
-    # --quick: a smoke test of the regime's cluster, not of its compute
-    micro_batch = min(regime.micro_batch, 2) if args.quick else regime.micro_batch
-    ds = {**DS_CONFIG, "train_micro_batch_size_per_gpu": micro_batch, "topology": topology}
-    config.write_text(json.dumps(ds, indent=1) + "\n")
+    config.write_text(json.dumps(job_config(regime, spec, args.quick), indent=1) + "\n")
     # --quick: up to 1 MiB, the quick model's largest message, so that no prediction extrapolates
     sweep = ["--largest", str(2**20), "--repeats", "2"] if args.quick else []
     profiles = [out / f"{name}_profile.json", out / f"{name}_profile_heldout.json"]
@@ -286,8 +290,8 @@ def main(argv: list[str] | None = None) -> None:
             seconds.append(time.monotonic() - start)
             print(f"probe: {seconds[-1]:.0f} s", flush=True)
         bench = ["--deepspeed-config", str(config), "--profile", str(profiles[0]), "--json", str(bench_json)]
-        bench += ["--quick"] if args.quick else ["--warmup", "2", *regime.model]
-        bench += ["--steps", str(MIN_PAIRS)]
+        # pairs enough for a ratio; --quick checks that everything runs and is written
+        bench += ["--quick"] if args.quick else ["--warmup", "2", "--steps", str(MIN_PAIRS), *regime.model]
         rows = cluster.launch([*rank, "bench", *bench, *device], timeout=args.timeout)[0]
     run = json.loads(bench_json.read_text())[0]["run"]
     first, second = (parse(json.loads(p.read_text()), str(p)) for p in profiles)

@@ -1,14 +1,17 @@
-"""The A/B command's quick run (``python -m benchmarks.zero.ab --quick --warm --nodes 2``), started in
-the background as the session's tests start, and checked by its test, which runs last.
+"""Two runs on the emulated cluster with compute on the MI250X stand-in, started in the background
+as the session's tests start, and checked by their tests, which run last:
 
-Run alone, it keeps the two cores about a third busy: most of its ~40 s its ranks wait on the
-emulated cluster's shaped links (a 50 Mbit/s NIC), time in which the tests before it now use the
-cores. Its test checks what the run wrote, not how fast (it bounds the prediction error at 10x
-either way for that reason). The run's namespaces have a prefix of their own (``emab``), so the
-link tests of the emulated cluster, which run meanwhile, never touch them.
+* the A/B command's quick run (``python -m benchmarks.zero.ab --device mi250x --quick --warm --nodes 2``);
+* the compute-only step at 8 and 16 ranks (``python -m benchmarks.zero.compute_only --device mi250x
+  --quick --warm --nodes 2 4``), the stand-in's scale invariance.
 
-The ``ab_quick`` fixture gives the test the finished run; without root, ``ip`` and ``tc`` nothing
-starts (the test skips).
+Their ranks mostly sleep on the virtual device or wait on the shaped links, time in which the tests
+before them use the cores. The tests check what the runs wrote, not how fast. Each run's namespaces
+have a prefix of their own (``emab``, ``emco``), so the link tests of the emulated cluster, which run
+meanwhile, never touch them.
+
+The ``ab_quick`` and ``compute_only_quick`` fixtures give the tests the finished runs; without root,
+``ip`` and ``tc`` nothing starts (the tests skip).
 """
 
 from __future__ import annotations
@@ -27,21 +30,38 @@ import pytest
 from multirank.processes import die_with_parent
 
 ROOT = Path(__file__).resolve().parents[2]
-TEST = "test_probe_and_ab_quick_on_the_emulated_cluster"
-COMMAND = ["-m", "benchmarks.zero.ab", "--quick", "--warm", "--nodes", "2"]
-TIMEOUT_S = 900.0  # a hang bound, not a speed target: the run takes about 40 s on 2 idle cores
+COMMANDS = {
+    "test_probe_and_ab_quick_on_the_emulated_cluster": [
+        *("-m", "benchmarks.zero.ab", "--device", "mi250x", "--quick", "--warm", "--nodes", "2")
+    ],
+    "test_the_compute_only_step_does_not_grow_with_the_ranks": [
+        *(
+            "-m",
+            "benchmarks.zero.compute_only",
+            "--device",
+            "mi250x",
+            "--quick",
+            "--warm",
+            "--nodes",
+            "2",
+            "4",
+        )
+    ],
+}
+TIMEOUT_S = 900.0  # a hang bound, not a speed target: each run takes about 2-3 minutes
 HAVE_NETNS = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None
 
 
 class QuickRun:
     """The run in the background: its results in ``out``, its output in ``out / 'output.log'``."""
 
-    def __init__(self) -> None:
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
         self.out = Path(tempfile.mkdtemp(prefix="ab-quick-"))
         self.log = self.out / "output.log"
         with open(self.log, "w") as log:
             self._proc = subprocess.Popen(
-                [sys.executable, *COMMAND, "--out", str(self.out)],
+                [sys.executable, *command, "--out", str(self.out)],
                 cwd=ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -59,7 +79,7 @@ class QuickRun:
         except subprocess.TimeoutExpired:
             self.stop()
             pytest.fail(
-                f"{' '.join(COMMAND)} still running after {TIMEOUT_S:.0f} s:\n{self.output()[-5000:]}"
+                f"{' '.join(self.command)} still running after {TIMEOUT_S:.0f} s:\n{self.output()[-5000:]}"
             )
 
     def output(self) -> str:
@@ -73,36 +93,47 @@ class QuickRun:
         shutil.rmtree(self.out, ignore_errors=True)
 
 
-RUN = pytest.StashKey[QuickRun]()
+RUNS = pytest.StashKey[dict[str, QuickRun]]()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The test that only waits for the run goes last: by then the run is over."""
-    items.sort(key=lambda item: item.name == TEST)  # stable: the order is kept otherwise
+    """The tests that only wait for the runs go last: by then the runs are over."""
+    items.sort(key=lambda item: item.name in COMMANDS)  # stable: the order is kept otherwise
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtestloop(session: pytest.Session) -> None:
-    """Start the run as the tests start, if its test is among them and can run here."""
+    """Start each run as the tests start, if its test is among them and can run here."""
     if session.config.option.collectonly or not HAVE_NETNS:
         return
-    if any(item.name == TEST for item in session.items):
-        session.config.stash[RUN] = QuickRun()
+    selected = {item.name for item in session.items}
+    session.config.stash[RUNS] = {name: QuickRun(cmd) for name, cmd in COMMANDS.items() if name in selected}
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    run = session.config.stash.get(RUN, None)
-    if run is not None:
+    for run in session.config.stash.get(RUNS, {}).values():
         run.stop()
+
+
+def _finished(request: pytest.FixtureRequest, test: str) -> QuickRun:
+    """The background run of ``test``, finished (started now if the session did not start it)."""
+    runs = request.config.stash.setdefault(RUNS, {})
+    if test not in runs:
+        runs[test] = QuickRun(COMMANDS[test])
+    run = runs[test]
+    code = run.wait()
+    assert code == 0, f"{' '.join(run.command)} exited {code}:\n{run.output()[-5000:]}"
+    return run
 
 
 @pytest.fixture
 def ab_quick(request: pytest.FixtureRequest) -> QuickRun:
-    """The background run, finished (started now if the session did not start it)."""
-    run = request.config.stash.get(RUN, None)
-    if run is None:
-        run = request.config.stash[RUN] = QuickRun()
-    code = run.wait()
-    assert code == 0, f"{' '.join(COMMAND)} exited {code}:\n{run.output()[-5000:]}"
-    return run
+    """The A/B command's quick run on the stand-in, finished."""
+    return _finished(request, "test_probe_and_ab_quick_on_the_emulated_cluster")
+
+
+@pytest.fixture
+def compute_only_quick(request: pytest.FixtureRequest) -> QuickRun:
+    """The compute-only steps at 8 and 16 ranks on the stand-in, finished."""
+    return _finished(request, "test_the_compute_only_step_does_not_grow_with_the_ranks")

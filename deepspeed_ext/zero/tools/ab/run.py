@@ -200,6 +200,7 @@ def variant_row(
         step_s=seconds,
         tflops=[flops / s / topology.world_size / 1e12 for s in seconds],
         bytes_per_step=dict(zip(LINK_CLASSES, (int(x) for x in sent.tolist()))),
+        **comm.nic_bytes_per_step(counter, args.steps, device=device),
         peak_bytes=peak,
         gather_wait_s=wait_s,
         gather_wait_share=wait_s / statistics.median(seconds),
@@ -207,7 +208,10 @@ def variant_row(
     )
     if profile is not None and compute_s is not None:
         calls = {call: count / args.steps for call, count in counter.calls.items()}
-        prediction = predicted(calls, cfg, profile, topology, variant, measured["accumulation"], compute_s)
+        fetches = waited.fetches / args.steps
+        prediction = predicted(
+            calls, cfg, profile, topology, variant, measured["accumulation"], compute_s, fetches
+        )
         row.update(
             predicted_step_s=prediction.step_s,
             predicted=asdict(prediction),

@@ -1,0 +1,146 @@
+"""The compute stand-in: ops charged to a virtual device instead of computed, the host running
+ahead of it, and waiting only where a GPU's host would.
+
+Expected durations are worked out by hand from the device tables (FLOPs over peak x efficiency,
+bytes over bandwidth x efficiency, times the dilation); time bounds are loose semantic checks
+(ran ahead / waited), not speed targets."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from benchmarks.device import H100, MI250X, StandIn
+from benchmarks.device.tables import SLICED_GEMM
+from deepspeed_ext.zero.engine.hop_worker import HopWorker
+
+
+def test_the_h100_gemm_efficiency_is_the_measured_median_over_the_datasheet_peak():
+    rows = json.loads(SLICED_GEMM.read_text())["rows"]
+    unsliced = [r["tflops"] for r in rows if r["slices"] == 1 and r["mode"] == "eager"]
+    assert H100.gemm_efficiency == pytest.approx(statistics.median(unsliced) / 989.4, abs=1e-3)
+    assert MI250X.matmul_tflops[torch.bfloat16] == 191.5  # half of the 383 TFLOP/s module
+    for table in (H100, MI250X):
+        assert any("assumed" in source for source in table.sources)
+
+
+def test_a_matmul_is_charged_its_flops_not_computed_and_reads_as_zeros():
+    a, b = torch.ones(512, 1024, dtype=torch.bfloat16), torch.ones(1024, 2048, dtype=torch.bfloat16)
+    with StandIn(H100, dilation=1000) as device:
+        out = a @ b
+    assert out.shape == (512, 2048) and out.dtype == torch.bfloat16
+    assert not out.any()  # 1024 for every element had it been computed
+    flops = 2 * 512 * 1024 * 2048
+    assert device.stats.by_kind["matmul"] == pytest.approx(flops / (989.4e12 * H100.gemm_efficiency) * 1000)
+
+
+def test_an_elementwise_op_is_charged_the_bytes_it_reads_and_writes():
+    x = torch.ones(1 << 20)  # 4 MiB of fp32
+    with StandIn(MI250X, dilation=100) as device:
+        y = x * 2
+    moved = 2 * 4 * (1 << 20)
+    assert device.stats.by_kind["memory"] == pytest.approx(moved / (1638.4e9 * 0.8) * 100)
+    assert not y.any()
+
+
+def test_tiny_ops_cost_at_least_the_kernel_floor():
+    with StandIn(H100, dilation=10) as device:
+        torch.ones(16) + torch.ones(16)
+    assert device.stats.busy_s >= H100.kernel_floor_us * 1e-6 * 10
+
+
+def test_the_host_runs_ahead_and_waits_only_when_it_synchronizes():
+    a = torch.ones(256, 256)
+    # fp32 at 66.9 TFLOP/s and ~70 %: a 256^3 matmul is ~0.7 us, dilated to ~0.35 s
+    with StandIn(H100, dilation=1e6) as device:
+        start = time.perf_counter()
+        out = a @ a
+        issued = time.perf_counter() - start
+        device.synchronize()
+        finished = time.perf_counter() - start
+    charged = device.stats.busy_s
+    assert charged > 0.2
+    assert issued < charged / 2 <= finished
+    assert out.shape == (256, 256)
+
+
+def test_item_waits_for_the_op_that_made_the_value():
+    a = torch.ones(256, 256)
+    with StandIn(H100, dilation=1e6) as device:
+        start = time.perf_counter()
+        total = (a @ a).sum()
+        assert total.item() == 0.0
+        waited = time.perf_counter() - start
+    assert waited >= device.stats.by_kind["matmul"]
+
+
+def test_host_scalars_are_computed_so_an_optimizer_counts_its_steps():
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    with StandIn(H100) as device:
+        for _ in range(3):
+            model(torch.ones(8, 64)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    state = optimizer.state[model.weight]
+    assert float(state["step"]) == 3.0  # a one-element host tensor: really incremented
+    assert device.stats.by_kind["matmul"] > 0
+
+
+def _collectives() -> dict[str, float]:
+    """A gather of untouched weights starts at once; a reduction of what a device op wrote waits
+    for that op; compute slows while a collective is in flight."""
+    weights, a = torch.ones(1024), torch.ones(256, 256)
+    out = {}
+    with StandIn(H100, dilation=1e6, contention=0.2) as device:
+        start = time.perf_counter()
+        grads = (a @ a).flatten()  # ~0.35 s of virtual device time
+        gathered = torch.empty(1024 * dist.get_world_size())
+        dist.all_gather_into_tensor(gathered, weights)
+        out["gather_s"] = time.perf_counter() - start
+        dist.all_reduce(grads)
+        out["reduce_s"] = time.perf_counter() - start
+        out["matmul_s"] = device.stats.by_kind["matmul"]
+    with StandIn(H100, contention=0.2) as device:
+        work = dist.all_reduce(torch.ones(1 << 24), async_op=True)  # 64 MiB: tens of ms in flight
+        torch.ones(8, 8) + 1  # two ops (fill, add) issued while it runs: contended
+        out["in_flight"] = not work.is_completed()
+        work.wait()
+        torch.ones(8, 8) + 1  # after it: not contended
+        out["contended"] = device.stats.contended_ops
+    out["gathered_ones"] = float(gathered.sum())
+    return out
+
+
+def test_collectives_wait_for_the_device_ops_that_wrote_their_input_and_only_those(run_ranks):
+    for result in run_ranks(2, _collectives):
+        assert result["gathered_ones"] == 2048.0  # real values over the real transport
+        assert result["gather_s"] < result["matmul_s"] / 2
+        assert result["reduce_s"] >= result["matmul_s"]
+        if result["in_flight"]:
+            assert result["contended"] == 2
+
+
+def test_work_the_hop_worker_runs_on_its_thread_is_charged_to_the_same_device():
+    worker = HopWorker()
+    a = torch.ones(1024, 1024)
+    try:
+        with StandIn(H100, dilation=10) as device:
+            handle = worker.submit(torch.device("cpu"), lambda: a @ a)
+            handle.wait()
+    finally:
+        worker.shutdown()
+    assert device.stats.by_kind["matmul"] == pytest.approx(
+        2 * 1024**3 / (66.9e12 * H100.gemm_efficiency) * 10
+    )
+
+
+@pytest.mark.parametrize("dilation, contention", [(0, 0.0), (1.0, 1.0), (1.0, -0.1)])
+def test_impossible_factors_are_refused_by_name(dilation, contention):
+    with pytest.raises(ValueError, match="dilation" if dilation <= 0 else "contention"):
+        StandIn(H100, dilation, contention)
