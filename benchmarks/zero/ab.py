@@ -116,12 +116,17 @@ def dilation_of(spec: ClusterSpec) -> float:
     return FRONTIER_NIC_MBIT / spec.inter_node_mbit
 
 
-def job_config(regime: Regime, spec: ClusterSpec, quick: bool) -> dict[str, Any]:
+def job_config(regime: Regime, spec: ClusterSpec, quick: bool, device: str = "host") -> dict[str, Any]:
     """The DeepSpeed JSON the regime's job runs on ``spec``; ``quick``: a smoke test of the
-    cluster, not of its compute (micro-batch at most 2)."""
+    cluster, not of its compute (micro-batch at most 2). On a stand-in device the job trains in
+    bf16 as on Frontier (weights gathered in bf16, matmuls at the bf16 rate); on the host's own
+    compute in fp32, which its CPU runs fastest."""
     micro_batch = min(regime.micro_batch, 2) if quick else regime.micro_batch
     topology = {"ranks_per_node": spec.ranks_per_node, "ranks_per_package": spec.ranks_per_package}
-    return {**DS_CONFIG, "train_micro_batch_size_per_gpu": micro_batch, "topology": topology}
+    cfg = {**DS_CONFIG, "train_micro_batch_size_per_gpu": micro_batch, "topology": topology}
+    if device != "host":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
 
 
 def rank_main(argv: list[str]) -> None:
@@ -272,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = out / f"{name}_ds_config.json"
-    config.write_text(json.dumps(job_config(regime, spec, args.quick), indent=1) + "\n")
+    config.write_text(json.dumps(job_config(regime, spec, args.quick, args.device), indent=1) + "\n")
     # --quick: up to 1 MiB, the quick model's largest message, so that no prediction extrapolates
     sweep = ["--largest", str(2**20), "--repeats", "2"] if args.quick else []
     profiles = [out / f"{name}_profile.json", out / f"{name}_profile_heldout.json"]

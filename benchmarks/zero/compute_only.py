@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
             if args.dilation is None:  # the links are Frontier's divided by it (the same NIC at every size)
                 args.dilation = dilation_of(spec)
             config = out / f"{name}_{nodes}_ds_config.json"
-            config.write_text(json.dumps(job_config(regime, spec, args.quick)) + "\n")
+            config.write_text(json.dumps(job_config(regime, spec, args.quick, args.device)) + "\n")
             flags = ["--deepspeed-config", str(config), *(["--quick"] if args.quick else regime.model)]
             with EmulatedCluster(spec, prefix="emco", warm=warm) as cluster:
                 argv_rank = ["-m", "benchmarks.zero.compute_only", "--rank", *flags, *device_flags(args)]
