@@ -8,6 +8,7 @@ import difflib
 from typing import NoReturn
 
 from megatron_ext.integration.args import extra_args_provider
+from megatron_ext.trainer.tokenizer import add_tokenizer_args
 
 DESCRIPTION = (
     "Pretrain a megatron-core GPT under the DeepSpeed engine, with the suite's plugins when enabled. "
@@ -54,19 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--bf16", action="store_true", help="bf16 parameters and activations")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument(
-        "--tokenizer-type",
-        choices=["NullTokenizer"],
-        default="NullTokenizer",
-        help="Megatron's tokenizer types that need no files: NullTokenizer (ids 0..N-1, EOD = N)",
-    )
-    g.add_argument(
-        "--vocab-size",
-        type=int,
-        default=256,
-        help="vocabulary size before EOD and padding, Megatron's meaning; 256 fits the generated "
-        "byte corpus, a corpus from a real tokenizer needs its own (e.g. 50257 for GPT-2's)",
-    )
+    add_tokenizer_args(g)
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import random
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -56,14 +56,20 @@ def synthetic_documents(num_documents: int, seed: int = 1234) -> list[str]:
     return docs
 
 
-def write_indexed_dataset(prefix: str, documents: Iterable[str], eod: int = ByteTokenizer.eod) -> None:
-    """Tokenise ``documents`` byte by byte into ``prefix.bin`` / ``prefix.idx`` (megatron-core's
-    format), each document ended by ``eod`` (a NullTokenizer of N ids has its EOD at N)."""
-    tokenizer = ByteTokenizer()
+def write_indexed_dataset(
+    prefix: str,
+    documents: Iterable[str],
+    eod: int = ByteTokenizer.eod,
+    tokenize: Callable[[str], list[int]] | None = None,
+) -> None:
+    """Tokenise ``documents`` with ``tokenize`` (None: byte by byte) into ``prefix.bin`` /
+    ``prefix.idx`` (megatron-core's format), each document ended by ``eod`` (a NullTokenizer of N
+    ids has its EOD at N)."""
+    tokenize = tokenize or ByteTokenizer().tokenize
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16 if eod < 2**16 else np.int32)
     for doc in documents:
-        builder.add_item(torch.tensor(tokenizer.tokenize(doc) + [eod], dtype=torch.int64))
+        builder.add_item(torch.tensor(tokenize(doc) + [eod], dtype=torch.int64))
         builder.end_document()
     builder.finalize(prefix + ".idx")
 

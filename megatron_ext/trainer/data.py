@@ -1,4 +1,4 @@
-"""The main job's data: Megatron's NullTokenizer, the corpus (``--data-path`` or a generated one),
+"""The main job's data: its tokenizer, the corpus (``--data-path`` or a generated one),
 and this rank's batches (the node loader when enabled, Megatron's stock path otherwise)."""
 
 from __future__ import annotations
@@ -13,22 +13,37 @@ import torch.distributed as dist
 
 from mdsp_base.installer import Installer
 from mdsp_base.topology import Topology
+from megatron_ext.integration.gpt import padded_vocab_size
 from megatron_ext.integration.plugin_config import PluginConfig
-from megatron_ext.trainer.components import UsageError
+from megatron_ext.trainer import tokenizer
+from megatron_ext.trainer.checks import UsageError
+from megatron_ext.trainer.tokenizer import tokenizer_digest
 
 
 def build_tokenizer(args: argparse.Namespace) -> Any:
-    """megatron-core's NullTokenizer of ``--vocab-size`` ids plus EOD, as Megatron-LM builds it."""
-    from megatron.core.tokenizers.text.libraries.null_tokenizer import NullTokenizer
-
-    if args.vocab_size < 1:
-        raise UsageError(f"--vocab-size {args.vocab_size} must be positive")
-    if not args.data_path and args.vocab_size < 256:
-        raise UsageError(
-            f"--vocab-size {args.vocab_size} is too small for the generated corpus (byte ids 0-255): "
-            "pass --vocab-size 256 or more, or --data-path"
+    """The ``--tokenizer-type`` tokenizer (:mod:`megatron_ext.trainer.tokenizer`), its
+    ``--vocab-size`` checked where it sets the vocabulary."""
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size < 1:
+            raise UsageError(f"--vocab-size {args.vocab_size} must be positive")
+        if not args.data_path and args.vocab_size < 256:
+            raise UsageError(
+                f"--vocab-size {args.vocab_size} is too small for the generated corpus (byte ids 0-255): "
+                "pass --vocab-size 256 or more, or --data-path"
+            )
+    built = tokenizer.build_tokenizer(args)
+    # Megatron-LM's two lines about the tokenizer, in its words, from rank 0
+    padded = padded_vocab_size(
+        built.vocab_size, args.tensor_model_parallel_size, args.make_vocab_size_divisible_by
+    )
+    if dist.get_rank() == 0:
+        print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
+        print(
+            f" > padded vocab (size: {built.vocab_size}) with {padded - built.vocab_size} dummy tokens "
+            f"(new size: {padded})",
+            flush=True,
         )
-    return NullTokenizer(args.vocab_size)
+    return built
 
 
 def prepare_data(args: argparse.Namespace, rank: int, tokenizer: Any) -> str:
@@ -38,10 +53,14 @@ def prepare_data(args: argparse.Namespace, rank: int, tokenizer: Any) -> str:
     from megatron_ext.trainer.corpus import largest_token_id, synthetic_documents, write_indexed_dataset
 
     if not args.data_path:
-        name = "local_corpus" if tokenizer.eod == 256 else f"local_corpus_eod{tokenizer.eod}"
+        if args.tokenizer_type != "NullTokenizer":  # the documents in the tokenizer's own ids
+            name, tokenize = f"local_corpus_{tokenizer_digest(args)}", tokenizer.tokenize
+        else:  # bytes: ids below 256, whatever --vocab-size says
+            name = "local_corpus" if tokenizer.eod == 256 else f"local_corpus_eod{tokenizer.eod}"
+            tokenize = None
         prefix = os.path.join(_cache_dir(args), name)
         if rank == 0 and not os.path.exists(prefix + ".idx"):
-            write_indexed_dataset(prefix, synthetic_documents(4000), eod=tokenizer.eod)
+            write_indexed_dataset(prefix, synthetic_documents(4000), eod=tokenizer.eod, tokenize=tokenize)
         dist.barrier()
         return prefix
     check_indexed_dataset(args.data_path)
