@@ -33,6 +33,7 @@ import sys
 import sysconfig
 
 from mdsp_base.installer import Installer
+from megatron_ext.integration import transport
 
 MEGATRON_LM = "Megatron-LM"
 MEGATRON_DEEPSPEED = "Megatron-DeepSpeed"
@@ -163,6 +164,7 @@ def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> N
         standins.uninstall,
     )
     _log_plugins(installer)
+    transport.watch_transport(installer)  # NCCL's network checked once the script's group exists
     enable = cpu_upstream.enable if kind == MEGATRON_LM else cpu_upstream.enable_megatron_deepspeed
     if enable():
         installer.add(

@@ -22,6 +22,7 @@ from deepspeed_ext.zero.engine.inject import ENGINE_CHANGES
 from mdsp_base.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
 from mdsp_base.installer import Installer
 from mdsp_base.topology import Topology
+from megatron_ext.integration import transport
 from megatron_ext.integration.plugin_config import PluginConfig
 from megatron_ext.trainer.checks import UsageError, env_int
 
@@ -37,6 +38,7 @@ def init_distributed(world: int, installer: Installer) -> int:
         backend = "nccl"
     else:
         backend = "gloo"
+    checks_transport = transport.capture_init_log(installer)  # NCCL's init log, read below
     if world == 1 and "MASTER_ADDR" not in os.environ:
         folder = tempfile.mkdtemp(prefix="pretrain-gpt-")
         installer.add(
@@ -58,6 +60,8 @@ def init_distributed(world: int, installer: Installer) -> int:
         "the job's process group (gloo on CPU, NCCL on GPUs)",
         dist.destroy_process_group,
     )
+    if checks_transport:  # sockets across nodes beside a high-speed network: one line, before the model
+        transport.check_transport()
     return rank
 
 
