@@ -12,7 +12,11 @@ timed steps, the peak: a fresh copy of each engine is built and stepped twice un
 trace (mdsp_base/allocations.py), and the most bytes the rank held at once during the second step
 is read from the allocator's running total (everything allocated since the engine's model was
 made, on every thread: state, gathered parameters, activations, gradients, hop buffers, and gloo's
-own buffers, which NCCL would not have).
+own buffers, which NCCL would not have). After the timed steps each engine's last step is
+charged to the physical links from each collective's geometry (``comm.nic_bytes_per_step``: the
+busiest NIC and package link). With ``--device`` every step runs on the compute stand-in
+(benchmarks.device) in bf16, as on Frontier; memory is then not read (the stand-in's outputs share
+one zero buffer).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import time
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -30,11 +35,13 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from benchmarks.cluster.netns import sent_bytes
-from benchmarks.zero.variants import Question, scale_variants
+from benchmarks.device import StandIn, add_device_flags, stand_in
+from benchmarks.zero.variants import Question, param_count, variant_configs
 from mdsp_base import comm
 from mdsp_base.allocations import AllocationTrace
+from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
-from mdsp_base.topology import Level, Topology
+from mdsp_base.topology import Topology
 
 
 def model(hidden: int, layers: int) -> torch.nn.Module:
@@ -43,41 +50,6 @@ def model(hidden: int, layers: int) -> torch.nn.Module:
     for _ in range(layers):
         blocks += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
     return torch.nn.Sequential(*blocks)
-
-
-def param_count(args: argparse.Namespace) -> int:
-    return args.layers * (args.hidden * args.hidden + args.hidden)
-
-
-def ds_config(
-    args: argparse.Namespace, topology: Topology, level: Level = Level.PACKAGE, **zero: object
-) -> dict:
-    # Prefetch on; every parameter gathered in each forward and backward (no reuse, none persistent,
-    # at most --max-live elements gathered at once: with DeepSpeed's default of 1e9 a small model
-    # stays gathered from its forward to its backward), as the cost model assumes. One reduce bucket
-    # of the model's size: DeepSpeed's default (5e8 elements) reduces this model in one bucket at the
-    # end of backward too, but preallocates 2 GB for it, which would swamp every peak.
-    return {
-        "train_micro_batch_size_per_gpu": args.batch,
-        "gradient_accumulation_steps": args.micro,
-        "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-        "zero_optimization": {
-            "stage": 3,
-            "stage3_param_persistence_threshold": 0,
-            "stage3_max_reuse_distance": 0,
-            "stage3_prefetch_bucket_size": args.prefetch_bucket,
-            "overlap_comm": True,
-            "reduce_bucket_size": param_count(args),
-            "stage3_max_live_parameters": args.max_live,
-            **zero,
-        },
-        "steps_per_print": 10**9,
-        "topology": {
-            "ranks_per_node": topology.ranks_per_node,
-            "ranks_per_package": topology.ranks_per_package,
-        },
-        "hierarchical_zero": {"enabled": False, "secondary_level": level, "secondary_memory_budget_gb": 1.0},
-    }
 
 
 def build(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace) -> Any:
@@ -132,24 +104,28 @@ def engine_bytes(engine: Any) -> dict[str, int]:
 
 
 def one_step(
-    engine: Any, counter: comm.CommCounter, step: int, args: argparse.Namespace
+    engine: Any, counter: comm.CommCounter, step: int, args: argparse.Namespace, device: StandIn | None = None
 ) -> tuple[float, dict[str, int]]:
+    """One optimizer step between barriers: its seconds and, on the host's own compute, the engine's
+    bytes after the last backward. On a stand-in ``device`` the step ends when the device is idle."""
     dist.barrier()
     start = time.perf_counter()
     held: dict[str, int] = {}
-    for micro in range(args.micro):
-        g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
-        x = torch.randn(args.batch, args.hidden, generator=g)
-        with counter.phase("forward"):
-            loss = engine(x).pow(2).mean()
-        with counter.phase("backward"):
-            engine.backward(loss)
-        if micro == args.micro - 1:
-            paused = time.perf_counter()
-            held = engine_bytes(engine)
-            start += time.perf_counter() - paused  # reading the tensors is not part of the step
-        with counter.phase("step"):
-            engine.step()
+    dtype = torch.float32 if device is None else torch.bfloat16
+    with device if device is not None else nullcontext():
+        for micro in range(args.micro):
+            g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
+            x = torch.randn(args.batch, args.hidden, generator=g, dtype=dtype)
+            with counter.phase("forward"):
+                loss = engine(x).pow(2).mean()
+            with counter.phase("backward"):
+                engine.backward(loss)
+            if micro == args.micro - 1 and device is None:
+                paused = time.perf_counter()
+                held = engine_bytes(engine)
+                start += time.perf_counter() - paused  # reading the tensors is not part of the step
+            with counter.phase("step"):
+                engine.step()
     dist.barrier()
     return time.perf_counter() - start, held
 
@@ -178,7 +154,9 @@ def main() -> None:
         default=[1],
         help="gradient accumulation steps; several: one after the other",
     )
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per variant")
+    parser.add_argument(
+        "--steps", type=int, default=MIN_PAIRS, help="timed steps per variant (paired across the variants)"
+    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--prefetch-bucket", type=int, default=50_000_000, help="stage3_prefetch_bucket_size")
     parser.add_argument("--max-live", type=int, default=300_000, help="stage3_max_live_parameters")
@@ -219,6 +197,7 @@ def main() -> None:
     parser.add_argument(
         "--no-peak", action="store_true", help="skip the peak-memory pass after the timed steps"
     )
+    add_device_flags(parser)
     args = parser.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     torch.set_num_threads(1)
@@ -239,56 +218,40 @@ def main() -> None:
     write_result(results)
 
 
-def variant_configs(args: argparse.Namespace, topology: Topology) -> dict[str, tuple[str, dict]]:
-    """The engines to compare, by name: (stock or ours, DeepSpeed config)."""
-    node, package = topology.ranks_per_node, topology.ranks_per_package
-    if args.variant_set == "scale":
-        configs = {}
-        for name, variant in scale_variants(node, args.chunks, args.algorithms, args.question).items():
-            cfg = ds_config(args, topology, Level.NODE, **variant.zero)
-            cfg["hierarchical_zero"].update(variant.hierarchical)
-            configs[name] = (variant.kind, cfg)
-        return configs
-    # ZeRO++ hpZ next to ours at the same secondary memory: hpZ(package size) and hpZ(node size).
-    configs = {
-        "zero3": ("stock", ds_config(args, topology)),
-        f"zero++ hpZ({package})": ("stock", ds_config(args, topology, zero_hpz_partition_size=package)),
-        "ours (package)": ("ours", ds_config(args, topology, Level.PACKAGE)),
-        f"zero++ hpZ({node})": ("stock", ds_config(args, topology, zero_hpz_partition_size=node)),
-        "ours (node)": ("ours", ds_config(args, topology, Level.NODE)),
-    }
-    for item in args.ours_variant:
-        name, _, keys = item.partition("=")
-        cfg = ds_config(args, topology, Level.PACKAGE)
-        cfg["hierarchical_zero"].update(json.loads(keys))
-        configs[f"ours ({name})"] = ("ours", cfg)
-    return configs
-
-
 def measure(
     configs: dict[str, tuple[str, dict]], topology: Topology, args: argparse.Namespace, on_cluster: bool
 ) -> dict[str, Any]:
-    """Build every engine, interleave their steps, then (unless --no-peak) measure each one's peak."""
+    """Build every engine, interleave their steps, charge each one's last step to the physical
+    links, then (unless --no-peak or on a stand-in) measure each one's peak."""
     engines = {name: build(kind, copy.deepcopy(cfg), topology, args) for name, (kind, cfg) in configs.items()}
     counters = {name: comm.CommCounter(topology) for name in engines}
-    record: dict[str, dict[str, Any]] = {name: {"times": [], "wire": [], "held": []} for name in engines}
+    devices = {name: stand_in(args) for name in engines}  # one each: its charged seconds are its own
+    record: dict[str, dict[str, Any]] = {
+        name: {"times": [], "wire": [], "held": [], "device_s": []} for name in engines
+    }
     counts: dict[str, dict] = {}
     for step in range(args.warmup + args.steps):
         for name, engine in engines.items():
             counters[name].reset()
             before = sent_bytes() if on_cluster else None
+            device = devices[name]
+            busy = device.stats.busy_s if device else 0.0
             with comm.counting(counters[name]):
-                seconds, held = one_step(engine, counters[name], step, args)
+                seconds, held = one_step(engine, counters[name], step, args, device)
             if step >= args.warmup:
                 record[name]["times"].append(seconds)
                 record[name]["held"].append(held)
+                if device:
+                    record[name]["device_s"].append(device.stats.busy_s - busy)
                 if before is not None:
                     after = sent_bytes()
                     record[name]["wire"].append({k: after[k] - before[k] for k in after})
                 counts[name] = counters[name].snapshot()
     del engines  # the next accumulation value's engines replace them
     for name, (kind, cfg) in configs.items():
-        record[name]["peak"] = None if args.no_peak else peak_bytes(kind, cfg, topology, args)
+        record[name]["nic"] = comm.nic_bytes_per_step(counters[name], 1)  # the last step's
+        measured = not args.no_peak and devices[name] is None
+        record[name]["peak"] = peak_bytes(kind, cfg, topology, args) if measured else None
     return {
         "record": record,
         "counts": counts,
@@ -296,6 +259,8 @@ def measure(
         "args": dict(vars(args)),  # a copy: args.micro changes per accumulation value
         "topology": [topology.world_size, topology.ranks_per_node, topology.ranks_per_package],
         "loadavg": os.getloadavg(),
+        # the device and its factors (the charged figures in it are the first engine's)
+        "device": next((d.describe() for d in devices.values() if d is not None), None),
     }
 
 

@@ -2,18 +2,23 @@
 
   python -m benchmarks.zero.run --network cluster --launches 3 --micro 1 4   (root: emulated cluster)
   python -m benchmarks.zero.run --network loopback                          (unshaped 127.0.0.1 only)
+  python -m benchmarks.zero.run --device mi250x --micro 1 4                  (root: compute on a stand-in)
 
 The cluster is 2 nodes x 2 packages x 2 ranks, links 400 / 200 Mbit/s per rank inside a package /
 node and one 50 Mbit/s inter-node link per package shared by its two ranks (Frontier's ratios and
 NIC sharing; docs/emulated_cluster.md). Each round launches every accumulation value on the cluster
 and then the same launch over unshaped loopback (the time of the same work without the shaped
 network). Measured: step time (each step the slowest rank's; min / median / max pooled over
-launches), wire bytes per link class per rank and step from the interfaces' tc classes, bytes held
-by each engine's tensors, each engine's peak bytes per rank (the most of any rank, from the
-allocator; benchmarks.zero.rank), load average before each launch. Computed beside them (ring-aware cost
-model with the emulator's links, one channel as gloo): ring wire bytes, communication time, and the
-counter's bytes. Writes benchmarks/results/zero/<network>.{json,md}. Remaining arguments go to
-``benchmarks.zero.rank``.
+launches), each variant's step over ZeRO-3's and ours over the hpZ at the same memory as paired
+ratios with 95 % intervals (benchmarks.zero.run_report), wire bytes per link class per rank and
+step from the interfaces' tc classes, bytes held by each engine's tensors, each engine's peak
+bytes per rank (the most of any rank, from the allocator; benchmarks.zero.rank), load average
+before each launch. Computed beside them (ring-aware cost model with the emulator's links, one
+channel as gloo): ring wire bytes, communication time, and the busiest NIC's and package link's
+bytes per step from each collective's geometry. ``--device h100|mi250x`` runs every rank's
+compute on the stand-in of benchmarks.device (bf16; memory not measured), dilated by default so
+that the emulated NIC is Frontier's 25 GB/s one. Writes benchmarks/results/zero/<network>.{json,md}
+(``_<device>`` appended with a stand-in). Remaining arguments go to ``benchmarks.zero.rank``.
 """
 
 from __future__ import annotations
@@ -26,12 +31,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cluster.spec import frontier
+from benchmarks.device import add_device_flags, device_flags
+from benchmarks.zero.run_report import markdown, notes, paired
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost import volume as cm
 from deepspeed_ext.zero.cost.collectives import Algorithm, AlgorithmFit, CollectiveCosts, Operation
 from deepspeed_ext.zero.cost.secondary_level import placement_for
 from mdsp_base.comm import LINK_CLASSES
+from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Level, LinkClass
 from multirank import launch_ranks
@@ -72,7 +81,7 @@ def run_all(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, l
                     lambda m=micro: loopback([*rank_args, "--micro", str(m)], args.timeout),
                 )
         return runs, None
-    from benchmarks.cluster import EmulatedCluster, frontier
+    from benchmarks.cluster import EmulatedCluster
 
     spec = frontier(shared_nic=not args.own_nic)
     with EmulatedCluster(spec, prefix="emzr") as cluster:
@@ -82,6 +91,15 @@ def run_all(args: argparse.Namespace, rank_args: list[str]) -> tuple[dict[str, l
                 launch(f"cluster micro {micro}", lambda a=argv: cluster.launch(a, timeout=args.timeout))
                 launch(f"loopback micro {micro}", lambda a=argv: loopback(a[2:], args.timeout))
     return runs, spec.to_dict() | {"ranks_per_nic": spec.ranks_per_nic}
+
+
+def check_pairs(parser: argparse.ArgumentParser, args: argparse.Namespace, rank_args: list[str]) -> None:
+    """Refuse a run that gives fewer than ``MIN_PAIRS`` paired steps per variant."""
+    steps = argparse.ArgumentParser(add_help=False)
+    steps.add_argument("--steps", type=int, default=MIN_PAIRS)
+    pairs = steps.parse_known_args(rank_args)[0].steps * args.launches
+    if pairs < MIN_PAIRS:
+        parser.error(f"--steps x --launches = {pairs} paired steps; a ratio needs at least {MIN_PAIRS}")
 
 
 def check_keys(rank_args: list[str]) -> None:
@@ -103,7 +121,10 @@ def model_for(first: dict[str, Any]) -> tuple[cm.DPShape, cm.ShardSpec, dict[str
     )
     a = first["args"]
     numels = tuple([a["hidden"] * a["hidden"], a["hidden"]] * a["layers"])
-    model = cm.ShardSpec(param_numels=numels, weight_bytes=4, grad_bytes=4, gathers_per_pass=a["layers"])
+    width = 4 if a.get("device", "host") == "host" else 2  # a stand-in's job runs in bf16
+    model = cm.ShardSpec(
+        param_numels=numels, weight_bytes=width, grad_bytes=width, gathers_per_pass=a["layers"]
+    )
     variants = {
         "zero3": cm.ZERO3,
         f"zero++ hpZ({per_package})": cm.hpz(per_package, Level.PACKAGE),
@@ -166,12 +187,14 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
     shape, model, variants = model_for(first)
     costs = emulated_costs(spec) if spec else None
     per_node = spec["packages_per_node"] * spec["ranks_per_package"] if spec else 0
-    rows = {}
+    rows: dict[str, Any] = {}
+    timed: dict[str, list[float]] = {}  # the steps the paired ratios come from: shaped where run
     for name in first["record"]:
         row: dict[str, Any] = {}
         for key, launches in (("shaped", shaped), ("unshaped", base)):
             if launches:
                 steps, medians = step_times(launches, name)
+                timed.setdefault(name, steps)
                 row[key] = {
                     "median": statistics.median(steps),
                     "min": min(steps),
@@ -179,18 +202,15 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
                     "launch_medians": medians,
                 }
         ranks = (shaped or base)[0]["ranks"]
-        row["held_bytes"] = max((r["record"][name]["held"][-1] for r in ranks), key=lambda h: sum(h.values()))
+        # on a stand-in nothing holds real tensors: no engine or peak bytes (empty / None)
+        held = max((r["record"][name]["held"][-1] for r in ranks), key=lambda h: sum(h.values()))
+        row["held_bytes"] = held or None
         peaks = [r["record"][name].get("peak") for launch in shaped or base for r in launch["ranks"]]
-        row["peak_bytes"] = max(peaks) if None not in peaks else None  # None: a result from before peaks
-        row["counter_bytes"] = {
-            link: sum(
-                kinds.get(link, 0)
-                for phase in first["counts"][name].values()
-                for kind, kinds in phase.items()
-                if kind != "other"
-            )
-            for link in LINK_CLASSES
-        }
+        row["peak_bytes"] = max(peaks) if None not in peaks else None
+        row["nic"] = first["record"][name].get("nic")  # the same on every rank (summed over the job)
+        if first["record"][name].get("device_s"):
+            per_step = zip(*(r["record"][name]["device_s"] for r in ranks))
+            row["device_s"] = statistics.median(max(step) for step in per_step)
         if shaped:
             row["wire_bytes"] = {
                 k: statistics.mean(
@@ -203,7 +223,6 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
         if name in variants:
             hops = cm.step_hops(model, shape, variants[name], micro)
             row["computed"] = {
-                "counter_bytes": cm.bytes_per_link(hops),
                 # gloo's reduce-scatter sends what an all-reduce sends (measured: 7.03 MB per rank
                 # for a 4 MB reduce-scatter over the 8 ranks, 3.51 MB for the all-gather)
                 "ring_wire_bytes": cm.ring_wire_bytes(hops, reduce_scatter_wire=2.0),
@@ -214,84 +233,14 @@ def summarize(runs: dict[str, list], spec: dict | None, micro: int) -> dict[str,
         rows[name] = row
     return {
         "rows": rows,
+        "paired": paired(timed),
+        "device": first.get("device"),
         "params": first["params"],
         "args": first["args"],
         "micro": micro,
         "loadavg": [launch["loadavg_before"][0] for launch in (shaped or []) + base],
         "launches": len(shaped or base),
     }
-
-
-def _peer(name: str, rows: dict[str, Any]) -> str | None:
-    """The hpZ engine holding the same secondary copy as one of ours (package: hpZ(2), node: hpZ(4))."""
-    hpzs = sorted((k for k in rows if k.startswith("zero++ hpZ(")), key=lambda k: int(k[11:-1]))
-    if not name.startswith("ours") or len(hpzs) < 2:
-        return None
-    return hpzs[1] if name == "ours (node)" else hpzs[0]
-
-
-def markdown(summary: dict[str, Any], title: str) -> str:
-    rows, mb = summary["rows"], 1e6
-    loads = ", ".join(f"{x:.1f}" for x in summary["loadavg"])
-    lines = [
-        f"### {title}, gradient accumulation {summary['micro']}",
-        "",
-        f"{summary['params']:,} fp32 parameters, {summary['launches']} launch(es) x {summary['args']['steps']} timed "
-        f"steps, prefetch bucket {summary['args']['prefetch_bucket']:,}; load average before each launch: {loads}",
-        "",
-        "| variant | step s, shaped: median (min-max) | launch medians | unshaped median | shaped - unshaped (measured) "
-        "| comm s (computed) | computed / measured | vs hpZ at equal memory |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in rows.items():
-        s, u = r.get("shaped"), r["unshaped"]
-        exposed = s["median"] - u["median"] if s else None
-        comm = (r.get("computed") or {}).get("comm_s")
-        peer = _peer(name, rows)
-        ref = rows[peer].get("shaped", rows[peer]["unshaped"])["median"] if peer else None
-        own = (s or u)["median"]
-        lines.append(
-            f"| {name} | "
-            + (f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})" if s else "-")
-            + " | "
-            + (", ".join(f"{t:.2f}" for t in s["launch_medians"]) if s else "-")
-            + f" | {u['median']:.2f} | "
-            + (f"{exposed:.2f}" if exposed is not None else "-")
-            + " | "
-            + (f"{comm:.2f}" if comm is not None else "-")
-            + " | "
-            + (f"{comm / exposed:.2f}" if comm is not None and exposed else "-")
-            + " | "
-            + (f"{ref / own:.2f}x {peer}" if ref else "-")
-            + " |"
-        )
-    lines += [
-        "",
-        "| variant | wire MB measured: package / node / inter-node (all) | ring wire MB computed | "
-        "counter MB computed: package / node / inter-node | engine MB: secondary / all | peak MB (measured) |",
-        "|---|---|---|---|---:|---:|",
-    ]
-    for name, r in rows.items():
-        w, c = r.get("wire_bytes"), r["counter_bytes"]
-        ring = (r.get("computed") or {}).get("ring_wire_bytes")
-        held = r["held_bytes"]
-        lines.append(
-            f"| {name} | "
-            + (
-                f"{w['package'] / mb:.2f} / {w['node'] / mb:.2f} / {w['inter_node'] / mb:.2f} ({w['total'] / mb:.2f})"
-                if w
-                else "-"
-            )
-            + " | "
-            + (" / ".join(f"{ring[k] / mb:.2f}" for k in LINK_CLASSES) if ring else "-")
-            + " | "
-            + " / ".join(f"{c[k] / mb:.2f}" for k in LINK_CLASSES)
-            + " | "
-            + f"{held['secondary'] / mb:.2f} / {sum(held.values()) / mb:.2f} | "
-            + (f"{r['peak_bytes'] / mb:.2f}" if r.get("peak_bytes") is not None else "-")
-            + " |"
-        )
-    return "\n".join(lines)
 
 
 def main() -> None:
@@ -310,6 +259,7 @@ def main() -> None:
     parser.add_argument(
         "--from-json", type=Path, help="rebuild the tables from an earlier run's raw/NAME.json"
     )
+    add_device_flags(parser, dilation=None)
     args, rank_args = parser.parse_known_args()
     if args.from_json:
         saved = json.loads(args.from_json.read_text())
@@ -317,6 +267,13 @@ def main() -> None:
         args.micro = [int(m) for m in saved["summary"]]
     else:
         check_keys(rank_args)
+        check_pairs(parser, args, rank_args)
+        if args.device != "host":
+            from benchmarks.zero.ab import dilation_of  # here: ab imports this module
+
+            if args.dilation is None:  # the cluster's links (the loopback twin takes the same)
+                args.dilation = dilation_of(frontier(shared_nic=not args.own_nic))
+            rank_args += device_flags(args)
         runs, spec = run_all(args, rank_args)
     if spec:
         title = (
@@ -327,15 +284,11 @@ def main() -> None:
         title = "Loopback (127.0.0.1, unshaped), 8 ranks as 2 nodes x 2 packages x 2"
     summaries = {str(m): summarize(runs, spec, m) for m in args.micro}
     text = "\n\n".join(markdown(s, title) for s in summaries.values())
-    text += (
-        "\n\nBytes are per rank and step. Wire bytes: what the ranks' interfaces sent per tc class (measured, "
-        "mean over ranks of each rank's median step); ring wire and counter bytes: computed. Engine MB: the "
-        "engine's state tensors after the last backward (the largest rank's). Peak MB: the most bytes a rank "
-        "held at once during a step, from the allocator (the largest of the ranks).\n"
-    )
+    device = next(iter(summaries.values()))["device"]  # the run's, also when read back
+    text += "\n\n" + notes(device)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = args.name or args.network
+    name = args.name or args.network + (f"_{device['device']}" if device else "")
     # the summary beside the tables (the summary plot reads it); every rank's steps under raw/
     (args.out / f"{name}.json").write_text(json.dumps({"summary": summaries, "spec": spec}, indent=1))
     (args.out / "raw").mkdir(exist_ok=True)
