@@ -52,7 +52,7 @@ class Shapes:
     """MLP width f (a multiple of the TP size)."""
 
 
-def _config(shapes: Shapes, tp: int, compute_only: bool) -> TransformerConfig:
+def _config(shapes: Shapes, tp: int, compute_only: bool, dtype: torch.dtype) -> TransformerConfig:
     n = tp if compute_only else 1  # compute-only: TP=1 with the shard shapes of TP=tp
     return TransformerConfig(
         num_layers=1,
@@ -63,7 +63,8 @@ def _config(shapes: Shapes, tp: int, compute_only: bool) -> TransformerConfig:
         tensor_model_parallel_size=1 if compute_only else tp,
         sequence_parallel=not compute_only and tp > 1,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         add_bias_linear=False,
@@ -90,11 +91,20 @@ def _layer_spec(method: str) -> ModuleSpec:
 class Block(torch.nn.Module):
     """One method's block; ``step(x)`` runs forward and backward and returns the output."""
 
-    def __init__(self, block: str, method: str, shapes: Shapes, group: dist.ProcessGroup, tp: int) -> None:
-        """``group``: the TP group of size ``tp``, or for compute_only a group of this rank alone."""
+    def __init__(
+        self,
+        block: str,
+        method: str,
+        shapes: Shapes,
+        group: dist.ProcessGroup,
+        tp: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """``group``: the TP group of size ``tp``, or for compute_only a group of this rank alone;
+        ``dtype``: of the weights (bf16 on a stand-in device, as GPUs train)."""
         super().__init__()
         compute_only = method == "compute_only"
-        config = _config(shapes, tp, compute_only)
+        config = _config(shapes, tp, compute_only, dtype)
         spec = copy.deepcopy(_layer_spec("megatron_core" if compute_only else method))
         # megatron_core_p2p: megatron-core's own layers, their collectives swapped for the step only.
         self.on_p2p = method == "megatron_core_p2p"

@@ -5,13 +5,18 @@ figures of megatron-core and DistributedAttention run beside them, labelled as s
 
   python -m benchmarks.flash_overlap.overlap --network cluster --quick      (root: namespaces + tc)
   python -m benchmarks.flash_overlap.overlap --network cluster --tp 2 4 --sp 2 --launches 5
+  python -m benchmarks.flash_overlap.overlap --network cluster --device h100      (compute on a stand-in H100)
   python -m benchmarks.flash_overlap.overlap --network loopback --quick
 
-Each size runs ``--launches`` times, each a fresh set of processes; the targets are judged across
-launches (``launch_spread.py``), and the first launch's tables follow. TP runs the balanced regime
+Each size runs ``--launches`` times, each a fresh set of processes, every method interleaved with the
+others repeat by repeat; each comparison is paired, pooled over the launches (``targets.py``: ratio
+ours / baseline with its 95 % interval, "not separated" where it holds 1), and the first launch's
+tables follow. ``--device h100`` / ``mi250x`` runs the ranks on the compute stand-in; its dilation
+defaults, per launch, to the GPU-GPU link's rate over that launch's emulated one
+(``run.derived_dilation``). TP runs the balanced regime
 (T_comm ~ T_comp on P2P, ffn tuned by the first launch and kept for the others) at ``--mbit``; UP runs
 a real model's shapes (32 heads x 128, 8 key/value heads) at ``--up-mbit``. Writes
-overlap_<network>[_quick].json / .md under --out and prints the tables. What is swapped for the same
+overlap_<network>[_<device>][_quick].json / .md under --out and prints the tables. What is swapped for the same
 transport: ``benchmarks/flash_overlap/same_transport.py``; TE's split: ``te_split.py``.
 """
 
@@ -24,10 +29,21 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.flash_overlap.launch_spread import targets_across, targets_markdown
-from benchmarks.flash_overlap.overlap_report import markdown, up_summary
+from benchmarks.device import add_device_flags
+from benchmarks.flash_overlap.overlap_report import LABELS, markdown, up_summary
+from benchmarks.flash_overlap.paired import table
 from benchmarks.flash_overlap.report import summarize
-from benchmarks.flash_overlap.run import REPO_ROOT, run_cluster, run_loopback
+from benchmarks.flash_overlap.run import (
+    REPO_ROOT,
+    check_device_flags,
+    device_note,
+    launch_dilation,
+    rank_device_flags,
+    run_cluster,
+    run_loopback,
+)
+from benchmarks.flash_overlap.targets import paired_across, targets, targets_markdown
+from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
 
 TP_METHODS = ["megatron_core_p2p", "te_split_p2p", "flash_overlap", "megatron_core"]
@@ -39,9 +55,14 @@ TP_REGIME = "balanced"
 def _launch(
     args: argparse.Namespace, world: int, module: list[str], rank_args: list[str], mbit: float
 ) -> list[dict]:
+    flags = rank_device_flags(args, _dilation(args, world, mbit))
     if args.network == "loopback":
-        return run_loopback(world, rank_args, args.timeout, module)
-    return run_cluster(world, mbit, rank_args, args.timeout, module)
+        return run_loopback(world, [*rank_args, *flags], args.timeout, module)
+    return run_cluster(world, mbit, [*rank_args, *flags], args.timeout, module)
+
+
+def _dilation(args: argparse.Namespace, world: int, mbit: float) -> float:
+    return launch_dilation(args, world, None if args.network == "loopback" else mbit)
 
 
 def _tp_launches(args: argparse.Namespace, tp: int, repeats: list[str]) -> list[list[dict]]:
@@ -69,19 +90,25 @@ def main() -> None:
     parser.add_argument(
         "--launches", type=int, default=None, help="fresh launches per size (default 5, quick 1)"
     )
-    parser.add_argument("--quick", action="store_true", help="fewer repeats (a few minutes in all)")
-    parser.add_argument("--steps", type=int, default=None, help="timed repeats (default 10, quick 5)")
+    parser.add_argument("--quick", action="store_true", help="one launch (a few minutes in all)")
+    parser.add_argument("--steps", type=int, default=MIN_PAIRS, help=f"timed repeats (default {MIN_PAIRS})")
     parser.add_argument("--warmup", type=int, default=None, help="untimed repeats (default 2, quick 1)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "flash_overlap")
     parser.add_argument("--timeout", type=float, default=1800.0)
+    add_device_flags(parser, dilation=None)
     args = parser.parse_args()
+    check_device_flags(parser, args)
     argv = sys.argv[1:]
-    steps = args.steps or (5 if args.quick else 10)
+    steps = args.steps
     warmup = args.warmup or (1 if args.quick else 2)
+    args.launches = args.launches or (1 if args.quick else 5)
+    if steps * args.launches < MIN_PAIRS:
+        parser.error(
+            f"--steps x --launches = {steps * args.launches}: a paired comparison needs {MIN_PAIRS} pairs"
+        )
     repeats = ["--steps", str(steps), "--warmup", str(warmup)]
     args.out.mkdir(parents=True, exist_ok=True)
     started, load_before = time.monotonic(), os.getloadavg()[0]
-    args.launches = args.launches or (1 if args.quick else 5)
     tp_runs = [_tp_launches(args, tp, repeats) for tp in args.tp]
     up_runs = []
     for sp in args.sp:
@@ -94,6 +121,13 @@ def main() -> None:
     network = "loopback (127.0.0.1, unshaped)" if args.network == "loopback" else (
         f"emulated cluster, one package, links shaped to {args.mbit:g} Mbit/s (TP), {args.up_mbit:g} Mbit/s (UP)"
     )  # fmt: skip
+    dilations = {
+        **{f"tp{tp}": _dilation(args, tp, args.mbit) for tp in args.tp},
+        **{f"sp{sp}": _dilation(args, sp, args.up_mbit) for sp in args.sp},
+    }
+    compute = "; ".join(f"{case}: {device_note(args, d)}" for case, d in dilations.items())
+    if args.device == "host":
+        compute = device_note(args, 1.0)
     minutes = (time.monotonic() - started) / 60
     meta = {
         "network": network,
@@ -101,9 +135,10 @@ def main() -> None:
         "wall_minutes": minutes,
         "steps": steps,
         "warmup": warmup,
+        "compute": compute,
         "note": (
-            f"{network}; {args.launches} launch(es) per size, each {steps} timed repeats after {warmup} warm-up, "
-            "methods interleaved repeat by repeat; "
+            f"{network}; {compute}; {args.launches} launch(es) per size, each {steps} timed repeats after "
+            f"{warmup} warm-up, methods interleaved repeat by repeat; "
             f"host load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after; {minutes:.1f} min "
             "in all. Same transport: megatron-core's linears with their collectives swapped for the P2P "
             "exchange, TE's split (ring exchange for qkv/fc1 fprop and proj/fc2 dgrad, pipelined 4-chunk "
@@ -113,25 +148,30 @@ def main() -> None:
         ),
     }
     label = f"overlap_{'cluster' + format(args.mbit, 'g') if args.network == 'cluster' else 'loopback'}"
-    label += "_quick" if args.quick else ""
-    rows = targets_across(tp_runs, up_runs)
-    table = "\n".join([
+    label += ("" if args.device == "host" else f"_{args.device}") + ("_quick" if args.quick else "")
+    entries = paired_across(tp_runs, up_runs)
+    rows = targets(entries, tp_runs, up_runs)
+    page = "\n".join([
         f"### Same-transport overlap benchmark, {network}", "",
-        f"`python -m benchmarks.flash_overlap.overlap {' '.join(argv)}`", "",
-        f"**Targets across {args.launches} launch(es)** (a side: min / median / max over launches of each "
-        "launch's median; a ratio only where the ranges do not overlap):", "",
-        *targets_markdown(rows), "", "#### The first launch in detail", "",
+        f"`python -m benchmarks.flash_overlap.overlap {' '.join(argv)}` (measured; {compute})", "",
+        f"**Targets**, paired over {args.launches} launch(es) x {steps} repeats (ratio ours / baseline, 95 % "
+        "interval from the per-pair log ratios; met only where the interval excludes 1):", "",
+        *targets_markdown(rows), "", "**Every paired comparison** (exposed = step - the compute-only twin "
+        "of the same repeat):", "", *table(entries, LABELS), "", "#### The first launch in detail", "",
         markdown(f"Launch 1 of {args.launches}", tp_summaries, up_summaries, meta),
     ])  # fmt: skip
-    print(table, flush=True)
-    (args.out / f"{label}.md").write_text(table + "\n")
+    print(page, flush=True)
+    (args.out / f"{label}.md").write_text(page + "\n")
     for s in tp_summaries:
         for m in s["methods"].values():
             m.pop("timeline", None)  # the per-op spans are run.py's PNGs, not this benchmark's figures
-    (args.out / f"{label}.json").write_text(json.dumps(
-        {"meta": meta, "targets": rows, "tp": tp_summaries, "up": up_summaries},
-        indent=1,
-    ))  # fmt: skip
+    result = {
+        "meta": meta, "device": args.device, "dilation": dilations,
+        "paired": [e for e in entries if e["ratio"] is not None],
+        "unpaired": [e for e in entries if e["ratio"] is None],
+        "targets": rows, "tp": tp_summaries, "up": up_summaries,
+    }  # fmt: skip
+    (args.out / f"{label}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -81,23 +82,31 @@ def comm_only(transport: str, pairs: int, shard: torch.Tensor, group: dist.Proce
             move(kind, shard.clone(), full, group)
 
 
-def _min_time(fn: Callable[[], object], reps: int = 5) -> float:
-    """Minimum over reps: load on a shared host only ever adds time."""
+def _min_time(fn: Callable[[], object], device: AbstractContextManager | None, reps: int = 5) -> float:
+    """Minimum over reps: load on a shared host only ever adds time. ``device``: a stand-in device
+    entered around each rep (it waits for its device on exit)."""
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        fn()
+        with device if device is not None else nullcontext():
+            fn()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def gemm_times(linear: Linear, tokens: int) -> dict[str, float]:
-    """Forward, dgrad and wgrad GEMM of ``linear`` over the whole sequence (``tokens`` = s b), alone."""
-    x = torch.randn(tokens, linear.in_features)
-    w = torch.randn(linear.out_features, linear.in_features)
-    dy = torch.randn(tokens, linear.out_features)
+def gemm_times(
+    linear: Linear,
+    tokens: int,
+    dtype: torch.dtype = torch.float32,
+    device: AbstractContextManager | None = None,
+) -> dict[str, float]:
+    """Forward, dgrad and wgrad GEMM of ``linear`` over the whole sequence (``tokens`` = s b), alone
+    (on ``device``, a stand-in, when given)."""
+    x = torch.randn(tokens, linear.in_features, dtype=dtype)
+    w = torch.randn(linear.out_features, linear.in_features, dtype=dtype)
+    dy = torch.randn(tokens, linear.out_features, dtype=dtype)
     return {
-        "fwd": _min_time(lambda: x @ w.t()),
-        "dgrad": _min_time(lambda: dy @ w),
-        "wgrad": _min_time(lambda: dy.t() @ x),
+        "fwd": _min_time(lambda: x @ w.t(), device),
+        "dgrad": _min_time(lambda: dy @ w, device),
+        "wgrad": _min_time(lambda: dy.t() @ x, device),
     }

@@ -4,6 +4,11 @@ layer under each method, side by side, with the compute-only and transfer-only r
 Started by ``benchmarks.flash_overlap.run`` (loopback) or by the emulated cluster's launcher, with
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set; the rank's result goes through ``write_result``.
 
+With ``--device h100`` or ``mi250x`` every step runs on the compute stand-in
+(``benchmarks.device``): weights and activations in bf16, compute charged to a virtual device, the
+transfers real; the numeric check against megatron-core and the profiled step are skipped there
+(values are not computed, and the host runs no compute ops to profile).
+
 Regimes set the MLP width f from a probe made here (c: one sequence slice of fc1's forward GEMM,
 p: one slice's P2P transfer): ``hideable`` c = 2p (the transfers can hide entirely), ``balanced``
 N c = (N-1) p (T_comp = T_comm per GEMM). The layer's attention GEMMs follow from the hidden size.
@@ -16,11 +21,14 @@ import gc
 import os
 import time
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
 
 from benchmarks.cluster import write_result
+from benchmarks.device import StandIn, add_device_flags, stand_in
 from benchmarks.flash_overlap import probes
 from benchmarks.flash_overlap.blocks import BLOCKS, METHODS, Block, Shapes
 from mdsp_base.shutdown import exit_without_teardown
@@ -41,9 +49,16 @@ COMPUTE_OPS = {
 """The profiled ops counted as compute for the in-step figure and the timelines (outermost only)."""
 
 
-def _timed(fns: dict, warmup: int, steps: int) -> dict[str, list[float]]:
+def _timed(
+    fns: dict[str, Callable[[], object]],
+    warmup: int,
+    steps: int,
+    device: AbstractContextManager | None = None,
+) -> dict[str, list[float]]:
     """Every function warmup + steps times, interleaved step by step (load drifts on a shared host hit
-    all alike), each after a barrier and without garbage collection inside; the timed steps' seconds."""
+    all alike: the pairs of a paired comparison), each after a barrier and without garbage collection
+    inside; the timed steps' seconds. ``device``: a stand-in entered around each step, whose exit
+    waits for its virtual device as ``torch.cuda.synchronize`` would."""
     out: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + steps):
         for name, fn in fns.items():
@@ -51,7 +66,8 @@ def _timed(fns: dict, warmup: int, steps: int) -> dict[str, list[float]]:
             gc.disable()
             dist.barrier()
             start = time.perf_counter()
-            fn()
+            with device if device is not None else nullcontext():
+                fn()
             elapsed = time.perf_counter() - start
             gc.enable()
             if i >= warmup:
@@ -91,17 +107,22 @@ def _profiled(fn) -> dict:
     return {"step_s": elapsed, "compute_s": sum(b - a for _, a, b in spans) / 1e3, "spans": spans}
 
 
-def _tune_ffn(regime: str, shapes: Shapes, group: dist.ProcessGroup, warmup: int) -> tuple[int, dict]:
+def _tune_ffn(
+    regime: str, shapes: Shapes, group: dist.ProcessGroup, warmup: int, device: StandIn | None
+) -> tuple[int, dict]:
     """The MLP width that puts fc1's per-slice compute c at the regime's multiple of the slice transfer p
-    (minima of short probes; rank 0 decides for all)."""
+    (minima of short probes, on the stand-in when there is one; rank 0 decides for all)."""
     n = group.size()
-    shard = torch.randn(shapes.seq // n, shapes.batch, shapes.hidden)
+    shard = torch.randn(shapes.seq // n, shapes.batch, shapes.hidden, dtype=_dtype(device))
     full = shard.new_empty((shapes.seq, shapes.batch, shapes.hidden))
     gather = _timed({"p": lambda: probes.p2p_exchange("all_gather", shard, full, group)}, warmup, 7)["p"]
     p = min(gather) / (n - 1)
     columns = 256
     per_column = probes.gemm_times(
-        probes.Linear("probe", True, shapes.hidden, columns), shard.numel() // shapes.hidden
+        probes.Linear("probe", True, shapes.hidden, columns),
+        shard.numel() // shapes.hidden,
+        shard.dtype,
+        device,
     )
     per_column = per_column["fwd"] / columns  # one slice: s/N rows
     c = 2 * p if regime == "hideable" else (n - 1) * p / n
@@ -124,30 +145,40 @@ def _check(modules: dict[str, Block], shard: torch.Tensor, grad: torch.Tensor) -
     return {m: max((a - b).abs().max().item() for a, b in zip(r, reference)) for m, r in results.items()}
 
 
-def _run_block(block: str, shapes: Shapes, tp_group, solo, args) -> dict:
+def _dtype(device: StandIn | None) -> torch.dtype:
+    """bf16 on a stand-in GPU, as GPUs train (its matmuls charged at the bf16 rate); fp32 on the
+    host, which its CPU runs fastest."""
+    return torch.float32 if device is None else torch.bfloat16
+
+
+def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn | None) -> dict:
     n, rank = tp_group.size(), tp_group.rank()
+    dtype = _dtype(device)
     torch.manual_seed(0)
-    x = torch.randn(shapes.seq, shapes.batch, shapes.hidden)
+    x = torch.randn(shapes.seq, shapes.batch, shapes.hidden, dtype=dtype)
     shard, grad_full = x.chunk(n)[rank].contiguous(), torch.ones_like(x)
     grad_shard = grad_full.chunk(n)[rank].contiguous()
     modules = {}
     for method in args.methods:
         torch.manual_seed(1)  # equal weights in every method, for _check
-        modules[method] = Block(block, method, shapes, tp_group, n)
+        modules[method] = Block(block, method, shapes, tp_group, n, dtype)
     load = [os.getloadavg()[0]]
-    check = _check(modules, shard, grad_shard)
+    # a stand-in computes no values: there is nothing to compare
+    check = _check(modules, shard, grad_shard) if device is None else {}
     steps = {method: (lambda m=module: m.step(shard, grad_shard)) for method, module in modules.items()}
-    compute = Block(block, "compute_only", shapes, solo, n)
+    compute = Block(block, "compute_only", shapes, solo, n, dtype)
     steps["compute_only"] = lambda: compute.step(x, grad_full)
     pairs = 1 if block == "mlp" else 2
     for transport in probes.TRANSPORTS:
         steps[f"comm_only_{transport}"] = lambda t=transport: probes.comm_only(t, pairs, shard, tp_group)
-    times = _timed(steps, args.warmup, args.steps)
+    times = _timed(steps, args.warmup, args.steps, device)
     load.append(os.getloadavg()[0])
-    profiled = {name: _profiled(steps[name]) for name in (*args.methods, "compute_only")}
+    # the profiler sees host compute ops, which a stand-in does not run
+    names = (*args.methods, "compute_only") if device is None else ()
+    profiled = {name: _profiled(steps[name]) for name in names}
     tokens = shapes.seq * shapes.batch
     gemms = {
-        lin.name: {"column": lin.column, **probes.gemm_times(lin, tokens)}
+        lin.name: {"column": lin.column, **probes.gemm_times(lin, tokens, dtype, device)}
         for lin in probes.linears(block, shapes, n)
     }
     return {
@@ -172,6 +203,7 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=None, help="fixed MLP width instead of tuning per regime")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    add_device_flags(parser)
     args = parser.parse_args()
     if args.seq_per_rank % 4:
         parser.error(f"--seq-per-rank {args.seq_per_rank} must be a multiple of 4 (chunked_4 cuts it in 4)")
@@ -195,15 +227,17 @@ def main() -> None:
     for r in range(n):  # every rank creates every group, in the same order
         made = dist.new_group([r])
         solo = made if r == dist.get_rank() else solo
+    device = stand_in(args)
     result: dict = {"world_size": n, "args": vars(args), "regimes": {}}
     for regime in args.regimes:
         base = Shapes(args.seq_per_rank * n, args.batch, args.hidden, args.heads, args.ffn or n)
-        ffn, probe = (args.ffn, {}) if args.ffn else _tune_ffn(regime, base, tp_group, args.warmup)
+        ffn, probe = (args.ffn, {}) if args.ffn else _tune_ffn(regime, base, tp_group, args.warmup, device)
         shapes = Shapes(base.seq, base.batch, base.hidden, base.heads, ffn)
-        blocks = {block: _run_block(block, shapes, tp_group, solo, args) for block in args.blocks}
+        blocks = {block: _run_block(block, shapes, tp_group, solo, args, device) for block in args.blocks}
         result["regimes"][regime] = {"ffn": ffn, **probe, "blocks": blocks}
         if dist.get_rank() == 0:
             print(f"regime {regime}: ffn={ffn} done", flush=True)
+    result["device"] = None if device is None else device.describe()
     dist.barrier()
     write_result(result)
     dist.destroy_process_group()

@@ -3,8 +3,10 @@ bound and timeline.
 
 Per step the slowest rank stands for the step; a figure is the median over steps (min-max beside it).
 Exposed communication = a method's step - T_comp, the compute-only run of the same shapes (separate
-steps, same run). The in-step figure = the step minus the compute ops recorded inside it, from one
-extra step under torch.profiler; it is named so because it hides whatever slows compute down.
+steps, same run). Comparisons with megatron-core are paired (``paired.py``): step by step, ratio
+and 95 % interval. The in-step figure = the step minus the compute ops recorded inside it, from one
+extra step under torch.profiler (host compute only: none on a stand-in device); it is named so
+because it hides whatever slows compute down.
 
 Bounds (computed, not measured), with N ranks, per linear its GEMMs alone (fwd, dgrad, wgrad over the
 whole sequence) and P a whole sequence-parallel transfer on the method's transport (T_comm / number of
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.flash_overlap.chunked import CHUNKS
+from benchmarks.flash_overlap.paired import compare_all, verdict
 from benchmarks.flash_overlap.probes import TRANSFERS_PER_PAIR
 
 TRANSPORT = {
@@ -87,8 +90,8 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
         if name not in times:
             continue
         step = _stats(times[name])
-        profiled = [rec["profiled"][name] for rec in recs]
-        slow = max(profiled, key=lambda p: p["step_s"])
+        profiled = [rec["profiled"][name] for rec in recs if name in rec["profiled"]]
+        slow = max(profiled, key=lambda p: p["step_s"], default=None)
         bound = t_comp + _extra(name, gemms, t_comm[transport] / transfers, n)
         methods[name] = {
             "transport": transport,
@@ -97,21 +100,20 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
             # Per repeat: the step minus the compute-only run of the same repeat (interleaved).
             "exposed_per_repeat_s": _stats([a - b for a, b in zip(times[name], times["compute_only"])]),
             "exposed_pct_of_t_comm": 100 * (step["median"] - t_comp) / t_comm[transport],
-            "in_step_exposed_s": slow["step_s"] - slow["compute_s"],
-            "profiled_step_s": slow["step_s"],
+            "in_step_exposed_s": None if slow is None else slow["step_s"] - slow["compute_s"],
+            "profiled_step_s": None if slow is None else slow["step_s"],
             "bound_s": bound,
             "step_over_bound": step["median"] / bound,
             "timeline": [p["spans"] for p in profiled],
         }
-    reference = methods.get("megatron_core", next(iter(methods.values())))["step_s"]["median"]
-    for m in methods.values():
-        m["speedup_vs_megatron_core"] = reference / m["step_s"]["median"]
     return {
         "block": block,
         "regime": regime,
         "tp": n,
         "ffn": per_rank[0]["regimes"][regime]["ffn"],
         "t_comp_s": _stats(times["compute_only"]),
+        "repeats_s": times,
+        "stand_in": per_rank[0].get("device"),
         "t_comm_s": {t: _stats(times[f"comm_only_{t}"]) for t in t_comm},
         "comm_over_comp": {t: v / t_comp for t, v in t_comm.items()},
         "gemms": gemms,
@@ -123,6 +125,21 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
 
 def _ms(s: dict[str, float]) -> str:
     return f"{s['median'] * 1e3:.1f} ({s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f})"
+
+
+def case_name(s: dict[str, Any]) -> str:
+    """A summary's case in the paired list: ``tp2-mlp-balanced``."""
+    return f"tp{s['tp']}-{s['block']}-{s['regime']}"
+
+
+def paired_vs_megatron_core(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every other method against megatron-core's linears (gloo's collectives), step and exposed."""
+    pairs = [(name, "megatron_core") for name in s["methods"] if name != "megatron_core"]
+    return compare_all(case_name(s), s["repeats_s"], pairs)
+
+
+def _optional_ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.1f}"
 
 
 def markdown(title: str, summaries: list[dict[str, Any]], args: dict[str, Any]) -> str:
@@ -144,14 +161,15 @@ def markdown(title: str, summaries: list[dict[str, Any]], args: dict[str, Any]) 
             f"{ratio['collectives']:.2f} (collectives).",
             "",
             "| method | step | exposed (step - T_comp) | % of own T_comm | in-step exposed (profiled step) "
-            "| own bound | step / bound | speed-up vs megatron-core |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
+            "| own bound | step / bound | step / megatron-core's (paired) | exposed / megatron-core's (paired) |",
+            "|---|---|---:|---:|---:|---:|---:|---|---|",
         ]
+        paired = {(e["variant"], e["metric"]): verdict(e) for e in paired_vs_megatron_core(s)}
         for name, m in s["methods"].items():
             lines.append(
                 f"| {name} | {_ms(m['step_s'])} | {m['exposed_s'] * 1e3:.1f} | {m['exposed_pct_of_t_comm']:.0f} "
-                f"| {m['in_step_exposed_s'] * 1e3:.1f} | {m['bound_s'] * 1e3:.1f} | {m['step_over_bound']:.2f} "
-                f"| {m['speedup_vs_megatron_core']:.2f} |"
+                f"| {_optional_ms(m['in_step_exposed_s'])} | {m['bound_s'] * 1e3:.1f} | {m['step_over_bound']:.2f} "
+                f"| {paired.get((name, 'step'), 'baseline')} | {paired.get((name, 'exposed'), 'baseline')} |"
             )
         lines.append("")
     return "\n".join(lines)

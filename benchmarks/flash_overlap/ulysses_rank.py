@@ -18,6 +18,9 @@ key/value heads repeated for their query heads after the all-to-all):
   compute_only               one rank's GEMMs and attention with each all-to-all replaced by a view
                              of the same elements as the shape it would produce: no communication.
 
+With ``--device h100`` or ``mi250x`` the steps run on the compute stand-in (``benchmarks.device``)
+in bf16 and the agreement check is skipped (values are not computed).
+
 Shapes are a real model's: hidden = heads x head_dim (default 32 x 128, 8 key/value heads); the
 regime (T_comm / T_comp) is set by the emulated link's rate, reported as measured.
 Started by ``benchmarks.flash_overlap.overlap`` with torch.distributed's variables set.
@@ -37,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from benchmarks.device import add_device_flags, stand_in
 from benchmarks.flash_overlap.rank import _timed
 from benchmarks.flash_overlap.same_transport import deepspeed_on_p2p, p2p_all_to_all_single
 from mdsp_base.shutdown import exit_without_teardown
@@ -104,7 +108,8 @@ def host_streams() -> Iterator[None]:
 class UlyssesBlock(torch.nn.Module):
     """One method's attention block on the WORLD group; ``step()`` runs forward + backward."""
 
-    def __init__(self, method: str, sizes: Sizes, seed: int = 0) -> None:
+    def __init__(self, method: str, sizes: Sizes, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        """``dtype``: of weights and activations (bf16 on a stand-in device, as GPUs train)."""
         super().__init__()
         n, r = dist.get_world_size(), dist.get_rank()
         g = torch.Generator().manual_seed(seed)
@@ -112,11 +117,11 @@ class UlyssesBlock(torch.nn.Module):
         s = sizes.seq_per_rank * n
         kv = sizes.kv_heads * sizes.head_dim
         self.w_qkv = torch.nn.Parameter(
-            torch.randn(c + 2 * kv, sizes.hidden, generator=g) / sizes.hidden**0.5
+            (torch.randn(c + 2 * kv, sizes.hidden, generator=g) / sizes.hidden**0.5).to(dtype)
         )
-        self.w_out = torch.nn.Parameter(torch.randn(sizes.hidden, c, generator=g) / c**0.5)
-        x = torch.randn(s, sizes.batch, sizes.hidden, generator=g)
-        cotangent = torch.randn(s, sizes.batch, sizes.hidden, generator=g)
+        self.w_out = torch.nn.Parameter((torch.randn(sizes.hidden, c, generator=g) / c**0.5).to(dtype))
+        x = torch.randn(s, sizes.batch, sizes.hidden, generator=g).to(dtype)
+        cotangent = torch.randn(s, sizes.batch, sizes.hidden, generator=g).to(dtype)
         rows = slice(r * sizes.seq_per_rank, (r + 1) * sizes.seq_per_rank)
         self.x, self.cotangent = x[rows].contiguous(), cotangent[rows].contiguous()
         self.method, self.sizes = method, sizes
@@ -170,12 +175,12 @@ class UlyssesBlock(torch.nn.Module):
         return out
 
 
-def comm_only(transport: str, sizes: Sizes) -> None:
+def comm_only(transport: str, sizes: Sizes, dtype: torch.dtype = torch.float32) -> None:
     """The step's four all-to-alls alone (QKV and context, forward and backward), on ``transport``."""
     c, t = sizes.heads * sizes.head_dim, sizes.seq_per_rank * sizes.batch
     qkv = c + 2 * sizes.kv_heads * sizes.head_dim
     for width in (qkv, c, c, qkv):
-        src = torch.empty(t * width)
+        src = torch.empty(t * width, dtype=dtype)
         move = p2p_all_to_all_single if transport == "p2p" else dist.all_to_all_single
         move(torch.empty_like(src), src)
 
@@ -205,19 +210,23 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    add_device_flags(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="env://")
     hidden = args.heads * args.head_dim
     sizes = Sizes(args.seq_per_rank, args.batch, hidden, args.heads, args.kv_heads, args.head_dim)
-    blocks = {m: UlyssesBlock(m, sizes) for m in (*METHODS, "compute_only")}
+    device = stand_in(args)
+    dtype = torch.float32 if device is None else torch.bfloat16
+    blocks = {m: UlyssesBlock(m, sizes, dtype=dtype) for m in (*METHODS, "compute_only")}
     load = [os.getloadavg()[0]]
-    check = agreement({m: blocks[m] for m in METHODS})
+    # a stand-in computes no values: there is nothing to compare
+    check = agreement({m: blocks[m] for m in METHODS}) if device is None else {}
     steps = {name: block.step for name, block in blocks.items()}
     for transport in ("p2p", "collectives"):
-        steps[f"comm_only_{transport}"] = lambda t=transport: comm_only(t, sizes)
-    times = _timed(steps, args.warmup, args.steps)
+        steps[f"comm_only_{transport}"] = lambda t=transport: comm_only(t, sizes, dtype)
+    times = _timed(steps, args.warmup, args.steps, device)
     load.append(os.getloadavg()[0])
     regime = {
         "sizes": asdict(sizes),
@@ -225,7 +234,12 @@ def main() -> None:
         "max_abs_diff_vs_distributed_attention": check,
         "load": load,
     }
-    result = {"world_size": dist.get_world_size(), "args": vars(args), "regimes": {"real_shape": regime}}
+    result = {
+        "world_size": dist.get_world_size(),
+        "args": vars(args),
+        "regimes": {"real_shape": regime},
+        "device": None if device is None else device.describe(),
+    }
     dist.barrier()
     from benchmarks.cluster import write_result
 
