@@ -272,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     name = (
         f"ab_{args.regime}"
         + ("" if args.device == "host" else f"_{args.device}")
+        + (f"_contention{args.contention:g}" if args.contention else "")
         + ("_quick" if args.quick else "")
     )
     out = Path(args.out)
