@@ -8,6 +8,8 @@ import json
 import math
 import resource
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -39,11 +41,16 @@ def train_loop(
     global_batch: int,
     log_file: Any,
     tensorboard: Any = None,
+    iteration_context: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> None:
     """Train from ``start_iteration`` to ``--train-iters`` (or ``--exit-interval``), saving where
     asked. Every ``--log-interval`` iterations rank 0 prints Megatron's iteration line
     (:mod:`megatron_ext.trainer.iteration_log`) with tokens/s, memory and the plugins' figures;
-    every iteration's figures go to ``log_file`` and a TensorBoard writer where given."""
+    every iteration's figures go to ``log_file`` and a TensorBoard writer where given.
+
+    ``iteration_context()`` is entered around each iteration's timed work (micro-batches, step,
+    loss reduction and read) and left before the clock stops: the hook through which a benchmark
+    runs that work elsewhere, such as on an emulated device (the job itself passes none)."""
     rank, dp = dist.get_rank(), ps.get_data_parallel_world_size()
     device = next(engine.module.parameters()).device
     # Megatron's model TFLOP/s: a figure for accelerators; a CPU run prints none
@@ -55,16 +62,17 @@ def train_loop(
         lr = engine.get_lr()[0]  # the rate this iteration's step uses
         skipped_before = engine.skipped_steps
         losses = []
-        for _ in range(engine.gradient_accumulation_steps()):
-            batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
-            loss = gpt_loss(engine, batch)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.detach())
+        with iteration_context():
+            for _ in range(engine.gradient_accumulation_steps()):
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
+                loss = gpt_loss(engine, batch)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.detach())
+            total = torch.stack(losses).mean().reshape(1).float()
+            dist.all_reduce(total, group=ps.get_data_parallel_group())
+            mean = total.item() / dp
         consumed += global_batch
-        total = torch.stack(losses).mean().reshape(1).float()
-        dist.all_reduce(total, group=ps.get_data_parallel_group())
-        mean = total.item() / dp
         elapsed = time.perf_counter() - t0
         skipped = engine.skipped_steps > skipped_before
         interval.add(elapsed, mean, skipped)

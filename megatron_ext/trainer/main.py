@@ -8,6 +8,7 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
@@ -29,9 +30,15 @@ from megatron_ext.trainer.loop import log, lr_at, train_loop
 from megatron_ext.trainer.notices import StartupNotices, quiet
 
 
-def train(args: argparse.Namespace, installer: Installer, notices: StartupNotices) -> None:
+def train(
+    args: argparse.Namespace,
+    installer: Installer,
+    notices: StartupNotices,
+    iteration_context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+) -> None:
     """Set up the job, then train; every process-wide change goes through ``installer``; the
-    start-up's third-party warnings, collected in ``notices``, are reported once it is done."""
+    start-up's third-party warnings, collected in ``notices``, are reported once it is done;
+    ``iteration_context`` as :func:`~megatron_ext.trainer.loop.train_loop` takes it."""
     world = env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
     # Every model-free check, before any process group exists: a bad flag fails before any wait.
     plugins, ds_config, warnings = check_job(args, world)
@@ -93,7 +100,16 @@ def train(args: argparse.Namespace, installer: Installer, notices: StartupNotice
         comm.counting(counter),
     ):
         train_loop(
-            args, engine, data, counter, start_iteration, consumed, global_batch, log_file, tensorboard
+            args,
+            engine,
+            data,
+            counter,
+            start_iteration,
+            consumed,
+            global_batch,
+            log_file,
+            tensorboard,
+            iteration_context,
         )
     dist.barrier()  # every rank is done before the installer takes the groups down
 
@@ -105,13 +121,20 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, installer, quiet(installer))
 
 
-def run(args: argparse.Namespace, installer: Installer, notices: StartupNotices) -> int:
+def run(
+    args: argparse.Namespace,
+    installer: Installer,
+    notices: StartupNotices,
+    iteration_context: Callable[[], contextlib.AbstractContextManager[object]] = contextlib.nullcontext,
+) -> int:
     """Run the job with parsed flags, its changes made through ``installer`` (which holds
     :func:`~megatron_ext.trainer.notices.quiet`'s ``notices``); returns the exit status: 2 with one
     ``error:`` line on bad input, printed by the first rank of each node (a node's environment,
-    such as its ``/dev/shm``, may differ from another's; the flags and config are every rank's)."""
+    such as its ``/dev/shm``, may differ from another's; the flags and config are every rank's).
+    ``iteration_context`` is entered around each iteration's work (a benchmark's hook; see
+    :func:`~megatron_ext.trainer.loop.train_loop`)."""
     try:
-        train(args, installer, notices)
+        train(args, installer, notices, iteration_context)
     except (UsageError, ConfigError, DatasetFileError) as e:
         if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
