@@ -34,6 +34,7 @@ import sysconfig
 
 from mdsp_base.installer import Installer
 from megatron_ext.integration import transport
+from megatron_ext.integration.shm_comm_op import without_shm_comm_op
 
 MEGATRON_LM = "Megatron-LM"
 MEGATRON_DEEPSPEED = "Megatron-DeepSpeed"
@@ -165,6 +166,8 @@ def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> N
     )
     _log_plugins(installer)
     transport.watch_transport(installer)  # NCCL's network checked once the script's group exists
+    if kind == MEGATRON_DEEPSPEED:  # Megatron-LM trains without DeepSpeed
+        without_shm_comm_op(installer)
     enable = cpu_upstream.enable if kind == MEGATRON_LM else cpu_upstream.enable_megatron_deepspeed
     if enable():
         installer.add(

@@ -10,10 +10,8 @@ warnings are left alone: the user asked to see them.
 
 Every change goes through the job's installer: the warnings filters and the collector, the
 loggers' levels and filters, a root log handler that prints INFO on rank 0 only (other ranks
-print warnings and errors), and DeepSpeed's shared-memory communication op left unbuilt (only its
-``inference_all_reduce`` uses it, which training never calls: the job saves the op's build, 20 s
-to 2 minutes on each new checkout or virtualenv path, its ``built successfully`` line per rank, and
-its 69 MB buffer per rank left in /dev/shm).
+print warnings and errors), and DeepSpeed's shared-memory communication op left unbuilt
+(:mod:`megatron_ext.integration.shm_comm_op`).
 """
 
 from __future__ import annotations
@@ -24,9 +22,10 @@ import re
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, TextIO
+from typing import TextIO
 
 from mdsp_base.installer import Installer
+from megatron_ext.integration.shm_comm_op import without_shm_comm_op
 
 OWNER = "megatron_ext.trainer.notices"
 # Deprecations raised inside the libraries: only their maintainers can act on them.
@@ -156,7 +155,7 @@ def quiet(installer: Installer) -> StartupNotices:
     loggers = [logging.getLogger(name) for name in ("DeepSpeed", "deepspeed", "torch.distributed")]
     if not sys.warnoptions:  # before DeepSpeed's import, which logs its accelerator choice
         _collect_log_warnings(installer, loggers, notices)
-    _no_shm_comm_op(installer)
+    without_shm_comm_op(installer)
     for log in loggers:  # after DeepSpeed's import, which sets its logger's level
         installer.setattr(
             OWNER, "DeepSpeed's and torch.distributed's loggers at WARNING", log, "level", logging.WARNING
@@ -187,17 +186,3 @@ def _collect_log_warnings(
             log.removeFilter(collect)
 
     installer.add(OWNER, "DeepSpeed's and torch.distributed's log warnings collected", remove)
-
-
-def _no_shm_comm_op(installer: Installer) -> None:
-    """DeepSpeed's torch backend builds without its CPU shared-memory op (see the module's doc)."""
-    import deepspeed.comm.torch  # noqa: F401  # its package binds the name "torch" to torch itself
-
-    backend = sys.modules["deepspeed.comm.torch"]
-
-    def build_shm_op() -> Any:
-        return None
-
-    installer.setattr(
-        OWNER, "DeepSpeed's CPU shared-memory comm op not built", backend, "build_shm_op", build_shm_op
-    )
