@@ -6,10 +6,6 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 bash scripts/setup_env.sh
-# DeepSpeed's CPU op builds go where the set-up script built them (see there), not to ~/.cache.
-export TORCH_EXTENSIONS_DIR="$root/.venv/torch_extensions"
-# The venv first on PATH (as when activated): one ninja for every process that loads that op.
-export PATH="$root/.venv/bin:$PATH"
 nproc=${NPROC:-4}
 # The preset holds one Megatron flag set; comments start with '#'.
 mapfile -t preset < <(sed -e 's/#.*//' scripts/presets/tiny-cpu.args | tr -s ' \t' '\n' | sed '/^$/d')
