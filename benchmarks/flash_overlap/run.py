@@ -141,10 +141,12 @@ def main() -> None:
         table = f"`{command}` (measured)\n\n{table}"
         print(table, flush=True)
         (args.out / f"{label}.md").write_text(table + "\n")
+        entries = [e for s in summaries for e in paired_vs_megatron_core(s)]
         result = {
             "title": title, "command": command, "load": load, "args": per_rank[0]["args"],
             "device": args.device,
-            "paired": [e for s in summaries for e in paired_vs_megatron_core(s)],
+            "paired": [e for e in entries if e["ratio"] is not None],
+            "unpaired": [e for e in entries if e["ratio"] is None],
             "summaries": summaries,
         }  # fmt: skip
         (args.out / f"{label}.json").write_text(json.dumps(result, indent=1))

@@ -1,10 +1,25 @@
 """The Flash-Overlap benchmark's baselines are what they claim: the 4-chunk slicing computes exactly what
 megatron-core's linears compute, forward and backward, in the MLP and in a whole layer; and the
-compute-only twin holds exactly one rank's weight shapes, so T_comp is that rank's work."""
+compute-only twin holds exactly one rank's weight shapes, so T_comp is that rank's work; on the
+compute stand-in both commands write the device and their paired comparisons."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 import torch
+
+from benchmarks.flash_overlap.paired import compare, verdict
+from benchmarks.flash_overlap.run import REPO_ROOT as REPO
+from benchmarks.flash_overlap.run import derived_dilation
+from benchmarks.flash_overlap.run import main as run_main
+from benchmarks.flash_overlap.targets import TP_BASELINES, paired_across, targets
+from mdsp_base.paired import MIN_PAIRS
 
 
 def _blocks_against_megatron_core() -> dict:
@@ -47,3 +62,104 @@ def test_chunked_baseline_equals_megatron_core_and_compute_only_has_one_ranks_sh
             assert per_rank[block]["same_shapes"], block
             assert per_rank[block]["chunked_4"] < 1e-5, (block, per_rank[block])
             assert per_rank[block]["flash_overlap"] < 1e-5, (block, per_rank[block])
+
+
+# The commands on the compute stand-in: the fields their results carry, not speed. Loopback with a
+# given dilation, so no root is needed and the virtual device adds little time.
+STAND_IN = ("--network", "loopback", "--device", "h100", "--dilation", "1")
+PAIRED_KEYS = {"case", "variant", "baseline", "metric", "ratio", "ci95"}
+
+
+def _command(module: str, *args: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *STAND_IN, *args],
+        cwd=REPO,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def _check_paired(entries: list[dict], cases: set[str]) -> None:
+    assert {e["case"] for e in entries} == cases
+    for e in entries:
+        assert set(e) >= PAIRED_KEYS and e["metric"] in ("exposed", "step"), e
+        assert e["pairs"] >= MIN_PAIRS
+        low, high = e["ci95"]
+        assert low <= e["ratio"] <= high, e
+
+
+@pytest.mark.slow
+def test_the_run_command_on_a_stand_in_h100_writes_paired_ratios(tmp_path: Path) -> None:
+    sizes = ("--seq-per-rank", "16", "--hidden", "64", "--heads", "4", "--ffn", "64", "--blocks", "mlp")
+    _command(
+        "benchmarks.flash_overlap.run", "--tp", "2", "--out", str(tmp_path), *sizes,
+        "--regimes", "balanced", "--methods", "megatron_core", "flash_overlap", "--warmup", "1",
+    )  # fmt: skip
+    result = json.loads((tmp_path / "loopback_tp2_h100.json").read_text())
+    assert result["device"] == "h100"
+    assert result["summaries"][0]["stand_in"]["device"] == "h100"
+    steps = [e for e in result["paired"] if e["metric"] == "step"]
+    assert [(e["variant"], e["baseline"]) for e in steps] == [("flash_overlap", "megatron_core")]
+    _check_paired(steps, {"tp2-mlp-balanced"})
+    assert not list(tmp_path.glob("*.png"))  # no profiled step on a stand-in: no timelines
+
+
+@pytest.mark.slow
+def test_the_overlap_command_on_a_stand_in_h100_writes_device_and_paired_ratios(tmp_path: Path) -> None:
+    # UP only (its TP ranks are the run command's, above): one launch instead of two
+    _command("benchmarks.flash_overlap.overlap", "--quick", "--tp", "--sp", "2", "--out", str(tmp_path))
+    result = json.loads((tmp_path / "overlap_loopback_h100_quick.json").read_text())
+    assert result["device"] == "h100" and result["dilation"] == {"sp2": 1.0}
+    assert result["up"][0]["stand_in"]["device"] == "h100"
+    _check_paired(result["paired"], {"sp2-ulysses"})
+    formed = {(e["variant"], e["baseline"]) for e in result["paired"] if e["metric"] == "step"}
+    assert ("ulysses_group_major", "distributed_attention_p2p") in formed
+    for e in result["unpaired"]:  # an exposed time at or below zero: no log ratio, said why
+        assert e["ratio"] is None and e["why"]
+    # values are not computed on a stand-in: no agreement check
+    assert all(
+        m["max_abs_diff_vs_distributed_attention"] is None for m in result["up"][0]["methods"].values()
+    )
+
+
+def _summary(block: str, ours: float) -> dict:
+    """A TP case of one launch: Flash-Overlap's step ``ours`` against 1.0 s for every baseline."""
+    noise = [1.0 + 0.01 * (i % 3) for i in range(MIN_PAIRS)]
+    repeats = {name: noise for name in TP_BASELINES}
+    repeats |= {"flash_overlap": [ours * t for t in noise], "compute_only": [0.5] * MIN_PAIRS}
+    return {"tp": 2, "block": block, "comm_over_comp": {"p2p": 1.0}, "repeats_s": repeats}
+
+
+def test_tp_cases_are_named_by_degree_and_judged_on_their_paired_ratio() -> None:
+    runs = [[[_summary("mlp", 0.7), _summary("layer", 1.0)]]]  # [size][launch][block]
+    entries = paired_across(runs, [])
+    assert {e["case"] for e in entries} == {"tp2-mlp", "tp2-layer"}
+    rows = {(r["case"], r["target"]): r["result"] for r in targets(entries, runs, [])}
+    # exposed: (0.7 - 0.5) / (1.0 - 0.5) = 0.4 <= 0.5 of megatron-core's, and <= 0.7 of TE's
+    assert set(rows.values()) == {"met", "not separated"}
+    assert all(result == "met" for (case, _), result in rows.items() if case == "tp2-mlp")
+
+
+def test_the_dilation_is_the_gpu_link_over_the_emulated_one() -> None:
+    assert derived_dilation("h100", 2, 400.0) == pytest.approx(450e9 * 8 / 400e6)
+    assert derived_dilation("mi250x", 2, 400.0) == pytest.approx(200e9 * 8 / 400e6)
+    assert derived_dilation("mi250x", 4, 400.0) == pytest.approx(50e9 * 8 / 400e6)  # spans packages
+
+
+def test_a_stand_in_on_loopback_needs_a_dilation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["run", "--network", "loopback", "--device", "h100"])
+    with pytest.raises(SystemExit):
+        run_main()
+
+
+def test_a_comparison_needs_enough_pairs_of_positive_times() -> None:
+    repeats = {"a": [2.0] * MIN_PAIRS, "b": [3.0] * MIN_PAIRS, "compute_only": [2.0] * MIN_PAIRS}
+    assert compare("c", repeats, "b", "a", "exposed")["why"].startswith("exposed <= 0")
+    short = {name: times[:-1] for name, times in repeats.items()}
+    assert compare("c", short, "b", "a", "step")["why"] == f"fewer than {MIN_PAIRS} pairs"
+    repeats["b"] = [3.0, 3.3] * (MIN_PAIRS // 2)
+    entry = compare("c", repeats, "b", "a", "step")
+    assert entry["ci95"][0] > 1 and verdict(entry).startswith("1.5")
