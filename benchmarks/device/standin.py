@@ -20,6 +20,7 @@ nothing that reads them (clipping, loss scaling, NaN checks) may steer a stand-i
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any
@@ -169,7 +170,11 @@ class StandInMode(TorchDispatchMode):
             seconds = flops / (table.matmul_peak(tensors[0].dtype) * efficiency)
             kind = "attention" if attention else "matmul"
         else:
-            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            outs = (
+                [out]
+                if isinstance(out, torch.Tensor)
+                else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            )
             if func._overloadpacket is aten.embedding:  # reads the rows it returns, not the table
                 tensors = tensors[1:]
             moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
@@ -208,7 +213,7 @@ class StandInMode(TorchDispatchMode):
         if when <= time.perf_counter():
             return
         zero = self.shared.zeros.data_ptr()
-        for t in tree_flatten(out)[0]:
+        for t in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.shared.ready_of_tensor[t] = when
                 ptr = t.untyped_storage().data_ptr()
@@ -216,6 +221,7 @@ class StandInMode(TorchDispatchMode):
                     self.shared.ready_of_storage[ptr] = when
 
 
+@functools.cache
 def _is_view(func: Any) -> bool:
     """Ops whose outputs alias an input without writing it (view, reshape, transpose, detach)."""
     returns = func._schema.returns

@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"probe: {seconds[-1]:.0f} s", flush=True)
         bench = ["--deepspeed-config", str(config), "--profile", str(profiles[0]), "--json", str(bench_json)]
         # pairs enough for a ratio; --quick checks that everything runs and is written
-        bench += ["--quick"] if args.quick else ["--warmup", "2", "--steps", str(MIN_PAIRS), *regime.model]
+        bench += ["--quick"] if args.quick else ["--warmup", "1", "--steps", str(MIN_PAIRS), *regime.model]
         rows = cluster.launch([*rank, "bench", *bench, *device], timeout=args.timeout)[0]
     run = json.loads(bench_json.read_text())[0]["run"]
     first, second = (parse(json.loads(p.read_text()), str(p)) for p in profiles)
