@@ -112,6 +112,12 @@ def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def has_plugin_flags(args: argparse.Namespace) -> bool:
+    """Whether ``args`` came from a parser that holds the suite's flags (a patched upstream script's:
+    an unpatched one never asks for the plugins)."""
+    return all(hasattr(args, _dest(flag)) for flag in _FLAGS)
+
+
 def plugin_config_from_args(args: argparse.Namespace) -> PluginConfig:
     """The effective plugin configuration: the DeepSpeed JSON (``--deepspeed-config``, or
     Megatron-DeepSpeed's ``--deepspeed_config``) with the flags given on the command line on top."""

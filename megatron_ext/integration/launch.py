@@ -15,13 +15,17 @@ Before the script runs, the launcher
   :func:`megatron_ext.integration.upstream.scripts_on_cpu.enable_megatron_deepspeed`, one gloo shape rule;
 * gives the suite's loggers (``megatron_ext``, ``deepspeed_ext``) a handler at INFO when they have
   none, so the effective plugin configuration is printed also where the script configures no logging;
+* wraps ``torch.distributed.init_process_group``: the plugin configuration is checked before the
+  script's process group, NCCL's transport after it (:mod:`megatron_ext.integration.upstream.startup`);
 then runs the script as ``__main__`` with the script's directory first on ``sys.path``, as
 ``python pretrain_gpt.py`` would, and undoes the process-wide changes afterwards. When the script
 ends normally (returns, or exits with status 0) it destroys the process groups the script created
 and left: upstream's ``pretrain`` never does, and a backend thread that drops a tensor's last
 reference while the interpreter finalizes cannot take the GIL, which can abort a rank that trained
-successfully ("terminate called without an active exception"). A failing script keeps its groups:
-its peers may still be inside a collective, which a destroy would wait on.
+successfully ("terminate called without an active exception"). So does a refusal (a
+``ConfigError``: every rank refuses at the same point), which ends as one ``error:`` line from the
+first rank of each node and exit status 2 on every rank, no traceback. Another failing script keeps
+its groups: its peers may still be inside a collective, which a destroy would wait on.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import sys
 import sysconfig
 
 from mdsp_base.installer import Installer
-from megatron_ext.integration import transport
+from mdsp_base.section import ConfigError
+from megatron_ext.integration.refusal import refuse
 from megatron_ext.integration.shm_comm_op import without_shm_comm_op
 
 MEGATRON_LM = "Megatron-LM"
@@ -134,7 +139,7 @@ def _log_plugins(installer: Installer) -> None:
 
 def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> None:
     """Every change the upstream script needs, made through ``installer``."""
-    from megatron_ext.integration.upstream import hooks, standins
+    from megatron_ext.integration.upstream import hooks, standins, startup
     from megatron_ext.integration.upstream import scripts_on_cpu as cpu_upstream
 
     saved_env, saved_path, saved_argv = dict(os.environ), list(sys.path), list(sys.argv)
@@ -165,7 +170,7 @@ def _prepare(installer: Installer, script: str, args: list[str], kind: str) -> N
         standins.uninstall,
     )
     _log_plugins(installer)
-    transport.watch_transport(installer)  # NCCL's network checked once the script's group exists
+    startup.check_around_process_group(installer)  # the plugins and NCCL's network, before heavy work
     if kind == MEGATRON_DEEPSPEED:  # Megatron-LM trains without DeepSpeed
         without_shm_comm_op(installer)
     enable = cpu_upstream.enable if kind == MEGATRON_LM else cpu_upstream.enable_megatron_deepspeed
@@ -185,24 +190,31 @@ def run(script: str, args: list[str]) -> None:
     kind = upstream_kind(script)
     with Installer() as installer:
         _prepare(installer, script, args, kind)
-        ended = [False]  # the script returned or exited 0: its peers are past every collective too
+        # the script returned, exited 0 or refused (every rank at the same point): its peers are past
+        # every collective too
+        ended = [False]
         if not _distributed_started():
             installer.add(
                 OWNER,
                 "the process groups the script leaves (destroyed when it ends normally)",
                 lambda: _destroy_process_groups() if ended[0] else None,
             )
+        refused = False
         try:
             runpy.run_path(script, run_name="__main__")
             ended[0] = True
         except SystemExit as exc:
             ended[0] = exc.code in (None, 0)
             raise
+        except ConfigError:
+            ended[0] = refused = True
+            raise
         finally:
-            logger.info(
-                "undoing the run's process-wide changes, newest first: %s",
-                "; ".join(f"{c.owner}: {c.what}" for c in reversed(installer.changes)),
-            )
+            if not refused:  # a refusal is the one error line
+                logger.info(
+                    "undoing the run's process-wide changes, newest first: %s",
+                    "; ".join(f"{c.owner}: {c.what}" for c in reversed(installer.changes)),
+                )
 
 
 def _distributed_started() -> bool:
@@ -221,14 +233,15 @@ def _destroy_process_groups() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry point; returns the exit code (2 with one ``error:`` line on bad input)."""
+    """Command-line entry point; returns the exit code: 2 on bad input or a refusal of the plugin
+    configuration or the network transport (:mod:`megatron_ext.integration.upstream.startup`), with
+    one ``error:`` line from the first rank of each node (:func:`~megatron_ext.integration.refusal.refuse`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         return 0 if argv else 2
     try:
         run(argv[0], argv[1:])
-    except LaunchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except (LaunchError, ConfigError) as exc:
+        return refuse(exc)
     return 0

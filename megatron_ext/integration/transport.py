@@ -11,9 +11,12 @@ NET messages in a file per process (``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET
 NCCL_DEBUG_FILE=<folder>/nccl.%h.%p.log``); once an NCCL process group exists,
 :func:`check_transport` makes its communicator with a barrier and reads the log's ``Using network
 ...`` line (after the ``NET/OFI`` plugin's or the ``NET/Socket`` / ``NET/IB`` lines). The main job
-calls both around its process group; the upstream launcher wraps the script's
-``torch.distributed.init_process_group`` (:func:`watch_transport`). A user's own ``NCCL_DEBUG_FILE`` is read instead; ``NCCL_DEBUG`` set without a file
-prints to the job's output, where the job cannot read it: the check is then skipped, saying so.
+calls both around its process group; the upstream launcher around the script's
+``torch.distributed.init_process_group`` (:mod:`megatron_ext.integration.upstream.startup`). A
+user's own ``NCCL_DEBUG_FILE`` is read instead; ``NCCL_DEBUG`` set without a file prints to the
+job's output, where the job cannot read it: the check is then skipped, saying so. The refusal is a
+:class:`TransportError`, which the main job and the launcher print as one ``error:`` line, exit
+status 2.
 """
 
 from __future__ import annotations
@@ -28,10 +31,10 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from mdsp_base.installer import Installer
 from mdsp_base.section import ConfigError
+from megatron_ext.integration.refusal import first_rank_of_node
 
 OWNER = "megatron_ext.integration.transport"
 ALLOW = "ALLOW_SOCKET_TRANSPORT"
@@ -138,40 +141,17 @@ def capture_init_log(installer: Installer) -> bool:
 
 def check_transport() -> None:
     """Once the job's NCCL process group exists: a barrier, at which NCCL makes its communicator
-    and logs its network, then :func:`check_log` on this process's log."""
+    and logs its network, then :func:`check_log` on this process's log. Another backend writes no
+    NCCL log: nothing to check."""
     import torch
     import torch.distributed as dist
 
+    if dist.get_backend() != "nccl":
+        return
     dist.barrier(device_ids=[torch.cuda.current_device()])
     pattern = os.environ["NCCL_DEBUG_FILE"]
     host = socket.gethostname().split(".")[0]  # NCCL's %h: the host name up to its first dot
     check_log(Path(pattern.replace("%h", host).replace("%p", str(os.getpid()))))
-
-
-def watch_transport(installer: Installer) -> None:
-    """For a script that makes its own process group (the upstream launcher's): the init log
-    captured, and ``torch.distributed.init_process_group`` wrapped to check it once an NCCL group
-    exists."""
-    if not capture_init_log(installer):
-        return
-    import torch.distributed as dist
-
-    original = dist.init_process_group
-
-    @functools.wraps(original)
-    def init_process_group(*args: Any, **kwargs: Any) -> Any:
-        result = original(*args, **kwargs)
-        if dist.get_backend() == "nccl":
-            check_transport()
-        return result
-
-    installer.setattr(
-        OWNER,
-        "torch.distributed.init_process_group checks NCCL's transport",
-        dist,
-        "init_process_group",
-        init_process_group,
-    )
 
 
 def check_log(path: Path, sys_class: Path = Path("/sys/class")) -> None:
@@ -194,5 +174,5 @@ def check_log(path: Path, sys_class: Path = Path("/sys/class")) -> None:
 
 def _print(line: str) -> None:
     """``line`` on stderr from each node's first rank."""
-    if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":
+    if first_rank_of_node():
         print(line, file=sys.stderr, flush=True)

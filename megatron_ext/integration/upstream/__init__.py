@@ -4,5 +4,6 @@
 * :mod:`.megatron_lm` and :mod:`.megatron_deepspeed`: what each script calls through ``patches/``;
 * :mod:`.layer_specs`: the blocks behind Megatron-LM's ``--spec megatron_ext.integration.upstream.megatron_lm <name>``;
 * :mod:`.scripts_on_cpu` and :mod:`.standins`: what ``python -m megatron_ext.launch`` installs so that the
-  scripts run on a machine without CUDA, undone when the script returns.
+  scripts run on a machine without CUDA, undone when the script returns;
+* :mod:`.startup`: the plugin configuration and NCCL's transport checked around the script's process group.
 """

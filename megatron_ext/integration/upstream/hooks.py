@@ -146,7 +146,8 @@ def plugin_config(args: argparse.Namespace | None = None) -> PluginConfig:
         )
         validate_against_world(config, args.world_size, args.data_parallel_size)
         _check_supported(args, config)
-        log_effective_config(config, dist.get_rank() if dist.is_initialized() else 0)
+        # Checked before the process group too (megatron_ext.integration.upstream.startup): Megatron's rank then.
+        log_effective_config(config, dist.get_rank() if dist.is_initialized() else getattr(args, "rank", 0))
         _effective = (args, config)
     return _effective[1]
 
