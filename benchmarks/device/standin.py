@@ -188,9 +188,10 @@ class StandInMode(TorchDispatchMode):
         zero = self.shared.zeros.data_ptr()
 
         def writable(x: Any) -> Any:
-            # a collective writes real values: never into the shared zero buffer
+            # a collective writes real values: never into the shared zero buffer, but into a fresh
+            # buffer (uninitialised: its values are as unread as every device op's)
             if isinstance(x, torch.Tensor) and x.numel() > 1 and x.untyped_storage().data_ptr() == zero:
-                return torch.zeros_like(x)
+                return torch.empty_like(x)
             return x
 
         out = func(*tree_map(writable, args), **tree_map(writable, kwargs))
