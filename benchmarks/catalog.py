@@ -43,6 +43,8 @@ RANKS = {
     "benchmarks.flash_overlap.mds_rank": "one rank of `benchmarks.flash_overlap.mds_layer`, started by it",
     "benchmarks.run_all": "this script",
     "benchmarks.zero.rank": "one rank of `benchmarks.zero.run`, started by it",
+    "benchmarks.zero.nic_bytes": "recomputes the per-NIC bytes of A/B results recorded before the A/B counted them "
+    "(`python -m benchmarks.zero.nic_bytes FILE.json`), by hand",
 }
 
 
@@ -62,6 +64,9 @@ def left_out(network: str) -> dict[str, str]:
         )
         out["benchmarks.zero.ab"] = (
             "the probe and the A/B command on the emulated cluster (8 ranks on 4 nodes): `--network cluster` only (root)"
+        )
+        out["benchmarks.zero.compute_only"] = (
+            "the stand-in's ranks on the emulated cluster (8-32 ranks): `--network cluster` only (root)"
         )
         out["benchmarks.zero.regime"] = (
             "sets Frontier's regime against the emulated cluster's A/B runs: `--network cluster` only (root)"
@@ -129,6 +134,25 @@ def steps(network: str, quick: bool) -> list[Step]:
         )
         for regime in ("frontier", "latency")
     ]
+    device = [
+        Step(
+            f"Hierarchical ZeRO's A/B, {regime} regime, compute on the MI250X stand-in: 4 nodes of 2 MI250Xs (emulated cluster)",
+            "benchmarks.zero.ab",
+            ("--device", "mi250x", "--regime", regime, *("--quick",) * quick, "--out", f"{RESULTS_ARG}/zero"),
+            (f"zero/ab_{regime}_mi250x{'_quick' if quick else ''}.md",),
+        )
+        for regime in ("frontier", "latency")
+    ]
+    device.append(
+        Step(
+            "The MI250X stand-in's compute-only step at 8, 16 and 32 ranks (emulated cluster)",
+            "benchmarks.zero.compute_only",
+            ("--device", "mi250x", "--nodes", *(("2", "4") if quick else ("2", "4", "8")))
+            + ("--quick",) * quick
+            + ("--out", f"{RESULTS_ARG}/zero"),
+            (f"zero/compute_only_mi250x{'_quick' if quick else ''}.md",),
+        )
+    )
     suffix = "_quick" if quick else ""
     regime = Step(
         "The regimes' dimensionless numbers: Frontier's (computed) against both A/B runs'",
@@ -155,6 +179,7 @@ def steps(network: str, quick: bool) -> list[Step]:
         ),
         *[scale] * cluster,
         *ab * cluster,
+        *device * cluster,
         *[regime] * cluster,
         Step(
             f"Flash-Overlap MLP and layer, forward + backward, vs megatron-core and 4-chunk slicing ({network})",
@@ -194,6 +219,12 @@ def steps(network: str, quick: bool) -> list[Step]:
             ("--launches", "1") * quick + ("--out", f"{RESULTS_ARG}/gpu"),
             ("gpu/main_job.md",),
             needs_gpu=True,
+        ),
+        Step(
+            "The main job's GPU record predicted by the H100 stand-in on this host (computed)",
+            "benchmarks.device.main_job",
+            ("--out", f"{RESULTS_ARG}/gpu"),
+            ("gpu/standin_main_job.md",),
         ),
         Step(
             "Node loader's GPU copy path vs Megatron's, one GPU",

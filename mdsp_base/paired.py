@@ -10,6 +10,7 @@ import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # Two-sided 95 % quantiles of Student's t for 1..30 degrees of freedom (any statistics table).
 _T95 = (
@@ -46,6 +47,17 @@ class PairedRatio:
     def separated(self) -> bool:
         """Whether the interval excludes 1."""
         return self.ci95[1] < 1 or self.ci95[0] > 1
+
+    def record(self, variant: str, baseline: str, metric: str) -> dict[str, Any]:
+        """The comparison as results JSON records it: names, metric, ratio, interval and pairs."""
+        return {
+            "variant": variant,
+            "baseline": baseline,
+            "metric": metric,
+            "ratio": self.ratio,
+            "ci95": list(self.ci95),
+            "pairs": self.pairs,
+        }
 
     def verdict(self) -> str:
         """``0.91x [0.88, 0.94]`` or, when the interval holds 1, that with "not separated"."""

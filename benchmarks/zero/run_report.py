@@ -34,17 +34,7 @@ def paired(steps: dict[str, list[float]]) -> list[dict[str, Any]]:
     for variant, baseline in pairs:
         if len(steps[variant]) < MIN_PAIRS:
             continue
-        r = paired_ratio(steps[variant], steps[baseline])
-        out.append(
-            {
-                "variant": variant,
-                "baseline": baseline,
-                "metric": "step",
-                "ratio": r.ratio,
-                "ci95": list(r.ci95),
-                "pairs": r.pairs,
-            }
-        )
+        out.append(paired_ratio(steps[variant], steps[baseline]).record(variant, baseline, "step"))
     return out
 
 

@@ -62,19 +62,7 @@ def paired(rows: Sequence[dict]) -> list[dict[str, Any]]:
     ran = {row["variant"]: row["step_s"] for row in rows if row["ran"]}
     pairs = [(name, "zero3") for name in ran if name != "zero3" and "zero3" in ran]
     pairs += [("ours", name) for name in ran if name not in ("ours", "zero3") and "ours" in ran]
-    out = []
-    for variant, baseline in pairs:
-        r = paired_ratio(ran[variant], ran[baseline])
-        out.append(
-            {
-                "variant": variant,
-                "baseline": baseline,
-                "metric": "step",
-                "ratio": r.ratio,
-                "ci95": list(r.ci95),
-            }
-        )
-    return out
+    return [paired_ratio(ran[v], ran[b]).record(v, b, "step") for v, b in pairs]
 
 
 def comparison(rows: Sequence[dict]) -> list[str]:
@@ -82,7 +70,7 @@ def comparison(rows: Sequence[dict]) -> list[str]:
     95 % interval; "not separated" where the interval holds 1."""
     lines = []
     for p in paired(rows):
-        r = PairedRatio(p["ratio"], tuple(p["ci95"]), len(rows[0]["step_s"]))
+        r = PairedRatio(p["ratio"], tuple(p["ci95"]), p["pairs"])
         lines.append(f"{p['variant']} against {p['baseline']}: step {r.verdict()}")
     return lines
 
