@@ -153,6 +153,14 @@ def steps(network: str, quick: bool) -> list[Step]:
             (f"zero/compute_only_mi250x{'_quick' if quick else ''}.md",),
         )
     )
+    device.append(
+        Step(
+            "Validation of the device-faithful cluster, from the results above",
+            "benchmarks.device.validation",
+            ("--results", RESULTS_ARG),
+            ("emulated_validation.md",),
+        )
+    )
     suffix = "_quick" if quick else ""
     regime = Step(
         "The regimes' dimensionless numbers: Frontier's (computed) against both A/B runs'",

@@ -1,0 +1,124 @@
+"""The stand-in's validation table, from the results its checks wrote: what must hold before a
+plugin figure is quoted from a device-faithful run.
+
+  python -m benchmarks.device.validation [--results benchmarks/results]
+
+1. Scale invariance: the compute-only step within 5 % at 8, 16 and 32 ranks
+   (``python -m benchmarks.zero.compute_only --device mi250x --nodes 2 4 8``).
+2. The one GPU record: the H100 stand-in's main job against the measured tokens/s, within 25 %
+   (``python -m benchmarks.device.main_job``).
+3. The cost model against every stand-in A/B variant, both regimes, within 15 %
+   (``python -m benchmarks.zero.ab --device mi250x [--regime latency]``).
+4. The cost model's host term against 4 loopback ranks' ``bench --quick``, within 25 %
+   (a recorded ``deepspeed_ext.zero.bench --json`` run, ``zero/bench_quick_loopback.json``).
+
+A check whose result file is missing is listed as not run. Writes ``emulated_validation.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+SCALE_TARGET, RECORD_TARGET, AB_TARGET, LOOPBACK_TARGET = 0.05, 0.25, 0.15, 0.25
+
+
+def _load(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**missed**"
+
+
+def scale_rows(results: Path) -> list[str]:
+    run = _load(results / "zero" / "compute_only_mi250x.json")
+    if run is None:
+        return ["| scale invariance | not run | | |"]
+    steps = ", ".join(f"{s['ranks']} ranks {s['median_s']:.3f} s" for s in run["sizes"])
+    return [
+        f"| scale invariance: compute-only step, `{run['command']}` | {steps}: spread {run['spread']:.1%} "
+        f"| <= {SCALE_TARGET:.0%} | {_verdict(run['spread'] <= SCALE_TARGET)} |"
+    ]
+
+
+def record_rows(results: Path) -> list[str]:
+    run = _load(results / "gpu" / "standin_main_job.json")
+    if run is None:
+        return ["| GPU record | not run | | |"]
+    out = []
+    for row in run["rows"]:
+        error = row["comparison"]["error"]
+        out.append(
+            f"| GPU record ({row['config']}): H100 stand-in tokens/s against the measured median "
+            f"{row['record']['median']:.0f}, `{run['meta']['command']}` | {error:+.1%} "
+            f"| within {RECORD_TARGET:.0%} | {_verdict(abs(error) <= RECORD_TARGET)} |"
+        )
+    return out
+
+
+def prediction_rows(label: str, variants: list[dict], target: float) -> list[str]:
+    """One row per variant that ran with a prediction: predicted against the measured median."""
+    out = []
+    for row in variants:
+        if not row.get("ran") or row.get("predicted_step_s") is None:
+            continue
+        measured = statistics.median(row["step_s"])
+        error = (row["predicted_step_s"] - measured) / measured
+        out.append(
+            f"| {label}, {row['variant']}: predicted {row['predicted_step_s']:.3f} s, measured median "
+            f"{measured:.3f} s | {error:+.1%} | within {target:.0%} | {_verdict(abs(error) <= target)} |"
+        )
+    return out
+
+
+def ab_rows(results: Path) -> list[str]:
+    out = []
+    for regime in ("frontier", "latency"):
+        run = _load(results / "zero" / f"ab_{regime}_mi250x.json")
+        if run is None:
+            out.append(f"| cost model, {regime} regime | not run | | |")
+            continue
+        out += prediction_rows(f"cost model, `{run['command']}`", run["variants"], AB_TARGET)
+    return out
+
+
+def loopback_rows(results: Path) -> list[str]:
+    rows = _load(results / "zero" / "bench_quick_loopback.json")
+    if rows is None:
+        return ["| host term, 4 loopback ranks' `bench --quick` | not run | | |"]
+    return prediction_rows("host term, 4 loopback ranks' `bench --quick`", rows, LOOPBACK_TARGET)
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the results folder")
+    args = parser.parse_args(argv)
+    lines = [
+        "# Validation of the device-faithful cluster",
+        "",
+        "Each check before any plugin figure is quoted from a stand-in run; the figures are read from the "
+        "result files the commands wrote (measured on this host; the stand-in's own figures are computed "
+        "from its device table). `python -m benchmarks.device.validation` rewrites this page.",
+        "",
+        "| check | figure | target | verdict |",
+        "|---|---|---|---|",
+        *scale_rows(args.results),
+        *record_rows(args.results),
+        *ab_rows(args.results),
+        *loopback_rows(args.results),
+    ]
+    text = "\n".join(lines) + "\n"
+    (args.results / "emulated_validation.md").write_text(text)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
