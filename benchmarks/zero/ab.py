@@ -251,6 +251,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument(
+        "--prefix",
+        default="emab",
+        help="the emulated cluster's name prefix (another for a run beside this one)",
+    )
+    parser.add_argument(
         "--packages",
         type=int,
         default=None,
@@ -286,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     rank = ["-m", "benchmarks.zero.ab", "--rank"]
     before, seconds = os.getloadavg(), []
     launcher = WarmLauncher(dict(os.environ), preload=RANK_IMPORTS) if args.warm else nullcontext()
-    with launcher as warm, EmulatedCluster(spec, prefix="emab", warm=warm) as cluster:
+    with launcher as warm, EmulatedCluster(spec, prefix=args.prefix, warm=warm) as cluster:
         for path in profiles:
             start = time.monotonic()
             cluster.launch(

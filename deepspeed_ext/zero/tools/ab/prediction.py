@@ -28,13 +28,13 @@ def compute_steps(
     device: torch.device,
     emulated: AbstractContextManager | None = None,
 ) -> list[float]:
-    """The single-rank step the prediction takes as its compute: the same model, micro-batches and
-    Adam step with no ZeRO and no communication inside, every rank at once (they share the host
+    """The single-rank step the prediction takes as its compute: the same model in the job's dtype,
+    micro-batches and Adam step with no ZeRO and no communication inside, every rank at once (they share the host
     as the job's ranks do); each step the slowest rank's seconds. With ``emulated`` (an emulated
     device, entered around each step, idle when it exits) the steps run on it."""
     micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
     accumulation = int(cfg.get("gradient_accumulation_steps", 1))
-    net = build_model(shape).to(device)
+    net = build_model(shape).to(device, job_dtype(cfg))
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-4)
     seconds = []
     for step in range(warmup + steps):
@@ -52,6 +52,15 @@ def compute_steps(
         if step >= warmup:
             seconds.append(slowest(time.perf_counter() - start, device))
     return seconds
+
+
+def job_dtype(cfg: dict) -> torch.dtype:
+    """The dtype the job's DeepSpeed JSON trains in (its bf16 or fp16 section, else fp32): the
+    compute-only step runs its matmuls in it, as the engines do."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        if (cfg.get(key) or {}).get("enabled"):
+            return dtype
+    return torch.float32
 
 
 def slowest(value: float, device: torch.device) -> float:

@@ -182,3 +182,11 @@ def test_the_compute_only_step_does_not_grow_with_the_ranks(compute_only_quick):
     assert [size["ranks"] for size in result["sizes"]] == [8, 16]
     medians = [size["median_s"] for size in result["sizes"]]
     assert (max(medians) - min(medians)) / min(medians) <= 0.05, medians
+
+
+def test_the_compute_only_step_trains_in_the_jobs_dtype():
+    from deepspeed_ext.zero.tools.ab.prediction import job_dtype
+
+    assert job_dtype({"bf16": {"enabled": True}}) is torch.bfloat16
+    assert job_dtype({"fp16": {"enabled": True}}) is torch.float16
+    assert job_dtype({"bf16": {"enabled": False}}) is torch.float32 and job_dtype({}) is torch.float32
