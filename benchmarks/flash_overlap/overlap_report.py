@@ -24,7 +24,7 @@ LABELS = {
     "chunked_4": "4-chunk slicing, gloo collectives (reference)",
     "distributed_attention_p2p": "DistributedAttention, P2P",
     "distributed_attention_sp_stream_p2p": "DistributedAttention with sp_stream overlap, P2P",
-    "ulysses_flash_overlap": "Flash-Overlap UP, [q|k|v] weight, P2P",
+    "ulysses_flash_overlap": "Flash-Overlap UP, [q, k, v] weight, P2P",
     "ulysses_group_major": "Flash-Overlap UP, group-major weight, P2P",
     "distributed_attention_gloo": "DistributedAttention, gloo all-to-all (reference)",
 }
