@@ -65,6 +65,9 @@ def left_out(network: str) -> dict[str, str]:
         out["benchmarks.zero.ab"] = (
             "the probe and the A/B command on the emulated cluster (8 ranks on 4 nodes): `--network cluster` only (root)"
         )
+        out["benchmarks.device.validation"] = (
+            "reads the stand-in runs of the emulated cluster: `--network cluster` only (root)"
+        )
         out["benchmarks.zero.compute_only"] = (
             "the stand-in's ranks on the emulated cluster (8-32 ranks): `--network cluster` only (root)"
         )
