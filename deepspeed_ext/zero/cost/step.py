@@ -31,6 +31,7 @@ figures are computed; none is fitted to the step times it is compared with.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -68,8 +69,18 @@ def overlapped(compute_s: float, comm_s: float, overlap: float) -> float:
 
 
 def call_seconds(profile: Profile, costs: CollectiveCosts, call: CallKey) -> float:
-    """One launch of ``call``: the profile's median for its group and size, else the fitted cost."""
+    """One launch of ``call``: the profile's median for its group and size, else the fitted cost.
+    Above a group's only measured size, that median plus the fitted cost's growth from there: one
+    size cannot tell latency from bandwidth (a latency-bound point scaled in proportion to the
+    bytes would charge a 1 MB reduce-scatter a hundred times its time)."""
     operation, algorithm, link = Operation(call.collective), Algorithm(call.algorithm), LinkClass(call.link)
+    series = profile.series(link, operation, algorithm, call.members)
+    if len(series) == 1 and call.nbytes > series[0].nbytes:
+        fitted = [
+            collectives.seconds(costs, operation, algorithm, call.members, n, link)
+            for n in (series[0].nbytes, call.nbytes)
+        ]
+        return statistics.median(series[0].seconds) + fitted[1] - fitted[0]
     measured = profile.seconds(link, operation, algorithm, call.members, call.nbytes)
     if measured is not None:
         return measured

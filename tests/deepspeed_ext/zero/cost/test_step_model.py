@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from deepspeed_ext.zero.cost import collectives
 from deepspeed_ext.zero.cost.collectives import (
     FRONTIER_RCCL,
     Algorithm,
@@ -16,7 +17,7 @@ from deepspeed_ext.zero.cost.collectives import (
 )
 from deepspeed_ext.zero.cost.host import HostTiming
 from deepspeed_ext.zero.cost.profile import Profile, Timing
-from deepspeed_ext.zero.cost.step import overlapped, predict, prefetch_hidden
+from deepspeed_ext.zero.cost.step import call_seconds, overlapped, predict, prefetch_hidden
 from mdsp_base.topology import LinkClass
 from mdsp_base.volume import CallKey
 
@@ -60,6 +61,18 @@ def test_between_measured_sizes_the_time_is_interpolated_in_log_log():
     # 2 MB is halfway between 1 MB and 4 MB in log size: the geometric mean of 0.4 s and 1.3 s
     p = predict(PROFILE, {_call(RS, INTER, 4, 2**21): 1}, 0.0, None, 2, 0, 0, FRONTIER_RCCL)
     assert p.comm_s == pytest.approx((0.4 * 1.3) ** 0.5)
+
+
+def test_above_a_groups_only_measured_size_the_fitted_line_adds_its_growth():
+    # the flat group's broadcast was timed at 4 KB only (0.07 s): a 1 MB one costs that plus what
+    # the fitted line adds from 4 KB to 1 MB, not 0.07 s x 256
+    costs = PROFILE.costs(FRONTIER_RCCL)
+    bcast = Operation.BROADCAST
+    growth = collectives.seconds(costs, bcast, RING, 8, 2**20, INTER) - collectives.seconds(
+        costs, bcast, RING, 8, 4096, INTER
+    )
+    assert call_seconds(PROFILE, costs, _call(bcast, INTER, 8, 2**20)) == pytest.approx(0.07 + growth)
+    assert call_seconds(PROFILE, costs, _call(bcast, INTER, 8, 1024)) == pytest.approx(0.07)
 
 
 def test_a_group_the_probe_did_not_time_is_charged_the_fallback_line():
