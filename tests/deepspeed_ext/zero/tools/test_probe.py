@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -266,3 +267,24 @@ def test_the_planner_charges_the_fitted_step_latency_and_bandwidth_of_what_the_p
     # what it did not measure keeps the documented figures
     assert costs.fit(RS, RING, LinkClass.INTER_NODE) == FRONTIER_RCCL.fit(RS, RING, LinkClass.INTER_NODE)
     assert costs.fit(AG, RING, LinkClass.PACKAGE) == FRONTIER_RCCL.fit(AG, RING, LinkClass.PACKAGE)
+
+
+def test_the_probes_help_shows_every_flags_default(capsys):
+    from deepspeed_ext.zero.tools.probe import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    options = capsys.readouterr().out.split("options:", 1)[1]
+    entries = re.split(r"\n  (?=-)", options)  # one per flag, its help wrapped onto further lines
+    lines = {entry.split()[0]: " ".join(entry.split()) for entry in entries if entry.strip()}
+    shown = {
+        "--smallest": "4096",
+        "--largest": "268435456",
+        "--repeats": "5",
+        "--max-call-s": "0.5",
+        "--budget-s": "90.0",
+    }
+    for flag, default in shown.items():
+        assert lines[flag].endswith(f"(default: {default})"), lines[flag]
+    for flag in ("--deepspeed-config", "--ranks-per-node", "--ranks-per-package", "--sizes", "--dtype"):
+        assert "(default: " in lines[flag] and "None" not in lines[flag], lines[flag]
