@@ -201,14 +201,35 @@ def _probe_target(result: dict[str, Any]) -> str:
     )
 
 
+def _compute_share(result: dict[str, Any]) -> float:
+    """The compute-only step over stock ZeRO-3's median step."""
+    zero3 = next(row for row in result["variants"] if row["variant"] == "zero3")
+    return result["compute_only_step_s"] / statistics.median(zero3["step_s"])
+
+
+def _device_line(result: dict[str, Any]) -> list[str]:
+    """Where the ranks computed: the host's cores, or a stand-in device with its factors."""
+    if result.get("device", "host") == "host":
+        return ["Compute: the host's own cores, shared by every rank.", ""]
+    return [
+        f"Compute: each rank's tensor work on a virtual {result['device']} device (benchmarks.device), durations "
+        f"x {result['dilation']:g} as the links are divided, contention {result['contention']:g}; compute-only "
+        f"step {result['compute_only_step_s']:.3f} s ({_compute_share(result):.0%} of ZeRO-3's step, whatever the regime "
+        "line says of the host's compute); values not computed (no clipping, no loss scaling).",
+        "",
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     spec, checks = result["spec"], result["auto_check"]
     worst = max(c["ratio"] for c in checks) if checks else float("nan")
     lines = [
         f"Regime: {result['about']}.",
         "",
-        f"Emulated cluster: {spec['nodes']} nodes x {spec['ranks_per_package'] * spec['packages_per_node']} ranks "
-        f"sharing one {spec['inter_node_mbit']:g} Mbit/s NIC, one-way delays {spec['package_latency_ms']:g} / "
+        *_device_line(result),
+        f"Emulated cluster: {spec['nodes']} nodes x {spec['packages_per_node']} packages x {spec['ranks_per_package']} "
+        f"ranks, each package's ranks sharing one {spec['inter_node_mbit']:g} Mbit/s NIC, one-way delays "
+        f"{spec['package_latency_ms']:g} / "
         f"{spec['inter_node_latency_ms']:g} ms (package / inter-node). Command: `{result['command']}`.",
         "",
         f"- Probe wall time (launch to exit, {result['spec']['nodes'] * spec['ranks_per_package'] * spec['packages_per_node']} "
