@@ -366,7 +366,11 @@ def test_a_death_in_one_namespace_stops_the_other_ranks_within_seconds(
     ranks = _start_job(tmp_path, data_cache, 5000, flags)  # 5000 iterations: far more than it runs
     try:
         wait_for(
-            lambda: "iteration 1/" in ranks[0].output() or any(p.popen.poll() is not None for p in ranks),
+            # Megatron's iteration line pads the count: "iteration        1/    5000"
+            lambda: (
+                re.search(r"iteration\s+1/", ranks[0].output()) is not None
+                or any(p.popen.poll() is not None for p in ranks)
+            ),
             "rank 0's first iteration",
             JOB_S,
         )
