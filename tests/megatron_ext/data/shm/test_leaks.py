@@ -193,6 +193,9 @@ def test_stop_is_bounded_when_sigkill_does_not_end_the_producer(monkeypatch):
 
 
 def _drop_without_close(dataset, path, queue):
+    # Only what this child makes is collected below: garbage inherited from the forked pytest process
+    # (earlier tests' process groups, thread pools) has finalizers that are not safe after a fork.
+    gc.freeze()
     it = _iterator(dataset, path, 0, consumers=1)
     next(it)
     queue.put(it.producer.pid)
