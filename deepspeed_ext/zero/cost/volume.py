@@ -84,18 +84,6 @@ def hpz(size: int, link: LinkClass = NODE) -> Placement:
     return Placement(f"zero++ hpZ({size})", secondary="hpz", hpz_size=size, hpz_link=link)
 
 
-def zeropp_paper(size: int, link: LinkClass = NODE) -> Placement:
-    """ZeRO++ with hpZ, qwZ and qgZ as the paper describes them (their kernels need a GPU)."""
-    return Placement(
-        f"zero++ hpZ({size})+qwZ+qgZ",
-        secondary="hpz",
-        hpz_size=size,
-        hpz_link=link,
-        weight_factor=QWZ_BYTES_FACTOR,
-        grad_factor=QGZ_BYTES_FACTOR,
-    )
-
-
 def hierarchical(
     secondary: Level,
     grad_reduce: str = "hierarchical",
