@@ -14,7 +14,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "HierarchicalPlan": "engine.api",
+    "HierarchicalPlan": "engine.hierarchical_plan",
     "check_deepspeed_version": "engine.contract",
     "initialize": "engine.api",
     "shard_spec": "engine.contract",

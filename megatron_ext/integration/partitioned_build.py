@@ -9,13 +9,16 @@ Megatron's tensor-parallel RNG tracker restored after, so the real build under
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.zero.engine.hierarchical_plan import HierarchicalPlan, Sections
 from mdsp_base.installer import Installer
+from mdsp_base.topology import Topology
 
 
 def megatron_model_spec(build: Callable[[], torch.nn.Module], ds: dict) -> Any:
@@ -37,19 +40,30 @@ def megatron_model_spec(build: Callable[[], torch.nn.Module], ds: dict) -> Any:
     return spec_on_meta(kept, ds)
 
 
-def hierarchical_init(
+def partitioned_plan(
     build: Callable[[], torch.nn.Module],
     ds: dict,
-    sections: Any,
+    sections: Sections,
     mpu: Any,
     installer: Installer,
-    topology: Any = None,
-    **init_kwargs: Any,
-) -> Any:
-    """``deepspeed_ext.zero.Init`` on the plan of ``build``'s model (``sections``: the effective
-    plugin configuration). Enter it and call ``build()`` inside: each module is partitioned over the
-    plan's groups as it is made; ``deepspeed_ext.zero.initialize`` finds the plan by the partition."""
-    from deepspeed_ext.zero import Init, prepare
+    topology: Topology | None = None,
+) -> HierarchicalPlan:
+    """The hierarchical plan of ``build``'s model, made from a meta-device build before the model
+    exists; its groups and hop routes are recorded on ``installer``.
+
+    Args:
+        build: makes the model (called here on the meta device only).
+        ds: the DeepSpeed config.
+        sections: the effective plugin configuration (its hierarchical_zero and topology sections).
+        mpu: the model-parallel unit whose (sequence-)data-parallel group is partitioned over.
+        installer: the job's owner of process-wide changes.
+        topology: the ranks' placement; None: detected from ``sections``.
+
+    Returns:
+        The plan: build the model under ``deepspeed_ext.zero.Init(plan.levels, ...)``, then pass
+        the plan to ``deepspeed_ext.zero.initialize``.
+    """
+    from deepspeed_ext.zero import prepare
     from deepspeed_ext.zero.engine.construction import INIT_CHANGES
     from deepspeed_ext.zero.engine.inject import unregister
 
@@ -61,4 +75,26 @@ def hierarchical_init(
             f"(secondary level {plan.levels.secondary_level})",
             flush=True,
         )
-    return Init(plan.levels, config_dict_or_path=ds, mpu=mpu, **init_kwargs)
+    return plan
+
+
+@contextlib.contextmanager
+def hierarchical_init(
+    build: Callable[[], torch.nn.Module],
+    ds: dict,
+    sections: Sections,
+    mpu: Any,
+    installer: Installer,
+    topology: Topology | None = None,
+) -> Iterator[HierarchicalPlan]:
+    """``deepspeed_ext.zero.Init`` on the :func:`partitioned_plan` of ``build``'s model: call
+    ``build()`` inside, and each module is partitioned over the plan's groups as it is made.
+
+    Returns:
+        A context manager giving the plan, for ``deepspeed_ext.zero.initialize(plan=...)``.
+    """
+    from deepspeed_ext.zero import Init
+
+    plan = partitioned_plan(build, ds, sections, mpu, installer, topology)
+    with Init(plan.levels, config_dict_or_path=ds, mpu=mpu):
+        yield plan

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from deepspeed_ext.zero.engine.inject import ENGINE_CHANGES
+from deepspeed_ext.zero.engine.hierarchical_plan import HierarchicalPlan
 from mdsp_base.comm import CommCounter, patch_deepspeed_comm, unpatch_deepspeed_comm
 from mdsp_base.installer import Installer
 from mdsp_base.topology import Topology
@@ -83,10 +83,11 @@ def build_model(
     topology: Topology,
     ds_config: dict[str, Any],
     installer: Installer,
-) -> torch.nn.Module:
+) -> tuple[torch.nn.Module, HierarchicalPlan | None]:
     """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled (the
     topology lets their ``backend: auto`` check that the TP group sits in one node). With
-    hierarchical ZeRO it is built partitioned, each module as it is made: no rank holds it whole."""
+    hierarchical ZeRO it is built partitioned, each module as it is made: no rank holds it whole;
+    the plan it is partitioned on comes with it (None without the variant), for :func:`build_engine`."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -136,51 +137,50 @@ def build_model(
     def build() -> torch.nn.Module:
         return build_gpt_model(config, vocab, args.max_position_embeddings, layer_spec)
 
+    plan = None
     if plugins.hierarchical_zero.enabled:
         from megatron_ext.integration.mpu import MegatronMPU
         from megatron_ext.integration.partitioned_build import hierarchical_init
 
-        with hierarchical_init(build, ds_config, plugins, MegatronMPU(), installer, topology):
+        with hierarchical_init(build, ds_config, plugins, MegatronMPU(), installer, topology) as plan:
             model = build()
     else:
         model = build()
     allreduce_sequence_parallel_grads(model, ps.get_tensor_model_parallel_group())
     if torch.cuda.is_available():
         model.cuda()
-    return model
+    return model, plan
 
 
 def build_engine(
     args: argparse.Namespace,
     model: torch.nn.Module,
+    plan: HierarchicalPlan | None,
     ds_config: dict[str, Any],
     plugins: PluginConfig,
     topology: Topology,
     lr_factor: Callable[[int], float],
     installer: Installer,
 ) -> Any:
-    """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled)."""
-    import deepspeed
-
+    """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled, on ``plan``: the plan
+    the model was built partitioned on), destroyed when ``installer`` closes."""
+    from deepspeed_ext.zero import initialize
     from megatron_ext.integration.mpu import MegatronMPU
 
     def scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
-    kwargs = dict(
+    engine, *_ = initialize(
         model=model,
         model_parameters=[p for p in model.parameters() if p.requires_grad],
         config=ds_config,
         mpu=MegatronMPU(),
         lr_scheduler=scheduler,
+        plugin_config=plugins,
+        topology=topology,
+        plan=plan,
+        installer=installer,
     )
-    if plugins.hierarchical_zero.enabled:
-        from deepspeed_ext.zero import initialize as hierarchical_initialize
-
-        engine, *_ = hierarchical_initialize(plugin_config=plugins, topology=topology, **kwargs)
-    else:
-        engine, *_ = deepspeed.initialize(**kwargs)
-    installer.add("deepspeed_ext.zero", ENGINE_CHANGES, engine.destroy)
     return engine
 
 

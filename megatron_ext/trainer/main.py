@@ -70,14 +70,14 @@ def train(
 
     tokenizer = d.build_tokenizer(args)
     data_prefix = d.prepare_data(args, rank, tokenizer)
-    model = c.build_model(args, plugins, tokenizer, topology, ds_config, installer)
+    model, plan = c.build_model(args, plugins, tokenizer, topology, ds_config, installer)
     log(
         rank,
         f"device {next(model.parameters()).device}, backend {dist.get_backend()}, "
         f"megatron-core CPU support {'on' if cpu_support_enabled() else 'off'}",
     )
     engine = c.build_engine(
-        args, model, ds_config, plugins, topology, lambda it: lr_at(args, it) / args.lr, installer
+        args, model, plan, ds_config, plugins, topology, lambda it: lr_at(args, it) / args.lr, installer
     )
     notices.report()
     start_iteration, consumed = 0, 0

@@ -1,17 +1,11 @@
 """Time of one collective as a function of (operation, algorithm, ranks, message size, link class).
 
 The one function through which the planner, the projection and the hops' algorithm dispatch
-charge every collective: the baseline's flat rings and our hops alike (our hops are the same
-library's collectives on smaller groups, or point-to-point transfers). Model: ``steps x step
-latency + bus bytes x concurrent groups / node bandwidth``, where a ring takes ``members - 1``
-steps and the recursive algorithms ``ceil(log2 members)``, both moving the bandwidth-optimal bus
-bytes. Across nodes a communicator pushes at most ``bus_gbps`` through its node's NICs (RCCL leaves
-NICs idle: PCCL, arXiv 2504.18658), and the node's concurrent communicators share ``nic_gbps``.
-Frontier's constants come from its hardware's documentation, with the uncertain ones given a range
-the projection sweeps; H100's from published nccl-tests figures; a probe profile replaces them with
-what it measured (``profile.py``). None is fitted to a ratio it is checked against
-(docs/hierarchical_zero.md, "Calibration").
-"""
+charge every collective, flat rings and hops alike: ``steps x step latency + bus bytes x
+concurrent groups / node bandwidth``. Frontier's constants come from its hardware documentation
+(the uncertain ones as ranges), H100's from published nccl-tests figures, or a probe profile's
+fits replace them; none is fitted to a ratio it is checked against. The model and its sources:
+docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
-"""The engine's own per-step host cost: DeepSpeed's module hooks, parameter-fetch bookkeeping and
-Python, measured by the probe and charged per parameter fetch.
+"""The engine's own per-step host cost (DeepSpeed's module hooks, fetch bookkeeping, Python),
+measured by the probe and charged ``per_step + per_fetch x fetches``.
 
-On a small model or a slow host this cost is most of a ZeRO-3 step (4 CPU ranks on 2 cores: about
-24 ms of a 110 ms step on the A/B command's quick model, with every collective made free), and no
-collective accounts for it. The probe (:mod:`..tools.probe_run`) times it where the job runs: every
-rank at once, a ZeRO-3 engine over a one-rank group (so its collectives cost next to nothing) on two
-stacks of linear layers, against the same stacks stepped by plain torch, counting DeepSpeed's
-parameter fetches (one per module and pass). The line through the two differences gives the cost
-per step and per fetch; a step that fetches ``f`` times is charged ``per_step + per_fetch x f``.
-"""
+On a small model or a slow host it is most of a ZeRO-3 step, and no collective accounts for it.
+How the probe measures it: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

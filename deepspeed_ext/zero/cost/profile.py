@@ -1,14 +1,9 @@
 """A probe profile: collective timings measured on this cluster, and what ``auto`` reads from them.
 
-``python -m deepspeed_ext.zero.probe`` writes one (see :mod:`..tools.probe`); ``hierarchical_zero.profile``
-(or ``--hierarchical-zero-profile``) points a job at it. The profile holds the raw timings: for
-each link class, operation, algorithm and message size, the seconds of every repeat (the slowest
-rank's), measured with all of the node's rank-aligned groups running at once, as the job's hops
-run; and since format version 2 the engine's host cost per step and per parameter fetch
-(:mod:`.host`). It is valid only for the topology and the library versions it was measured with;
-anything else is refused by :func:`load` with the reason, and the job then runs the library's
-collectives. A version 1 profile (collectives only) is still read: it predicts no host cost.
-"""
+``python -m deepspeed_ext.zero.probe`` writes one; ``hierarchical_zero.profile`` points a job at
+it. It is valid only for the topology and library versions it was measured with: :func:`load`
+refuses anything else with the reason, and the job then runs the library's collectives. What it
+holds: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

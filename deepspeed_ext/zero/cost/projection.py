@@ -1,13 +1,9 @@
 """Step time, TFLOPS per GCD and memory per rank of ZeRO-3, hpZ, ZeRO++ and the hierarchical variant.
 
-One model for the planner CLI (``python -m deepspeed_ext.zero.plan``), ``secondary_level: auto``
-and the Frontier benchmark (``python -m benchmarks.zero.project``). Every collective is charged
-through :func:`.collectives.seconds`; launches and message sizes come from the DeepSpeed JSON
-(``stage3_prefetch_bucket_size``, ``reduce_bucket_size``, ``stage3_param_persistence_threshold``):
-one all-gather per module and forward/backward pass, split at the prefetch bucket; one
-reduce-scatter per reduce bucket and micro-batch. Communication is not overlapped with compute
-unless ``overlap`` says so. All figures are computed.
-"""
+One model for the planner, ``secondary_level: auto`` and the Frontier benchmark. Every collective
+is charged through :func:`.collectives.seconds`; launches and message sizes come from the
+DeepSpeed JSON's buckets; communication overlaps compute only as ``overlap`` says. All figures are
+computed. What it assumes: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

@@ -1,33 +1,10 @@
-"""Step time from its parts: compute, every collective, and what DeepSpeed's prefetching hides.
+"""Step time from its parts: ``step = compute + host + communication - hidden``.
 
-``step = compute + host + communication - hidden``. The A/B command (``bench --profile``) predicts
-each variant's step from what it can know before timing it:
-
-- compute: a measured single-rank step of the same model and batch (no ZeRO, no communication),
-  every rank at once, as the job's ranks share their host;
-- host: the engine's own cost of a step (DeepSpeed's hooks, fetch bookkeeping, Python), the
-  probe's per-step and per-fetch figures (:mod:`.host`) times the parameter fetches the engine made
-  per step (none from a profile of format version 1);
-- communication: every collective the engine launches in a step, by operation, algorithm, group
-  and size (counted by :class:`mdsp_base.comm.CommCounter`), each at the probe profile's median
-  for that group and size, interpolated between measured sizes; a group the probe did not time
-  is charged by :func:`.collectives.seconds` with the costs fitted to the profile's hops;
-- hidden: with ``stage3_prefetch_bucket_size`` > 0 DeepSpeed launches the next modules'
-  all-gathers before it waits for the current one, so every all-gather but the first of each
-  forward and backward pass is in flight beside others and beside compute. Gathers of parameters
-  at or under ``stage3_param_persistence_threshold`` are not among them: such parameters stay whole
-  through the passes and DeepSpeed gathers them all at once after the optimizer step, where no
-  compute runs (a gather is taken for one when its bytes are at most the threshold's; a hop of a
-  larger parameter that small is taken for one too, and charged whole). In flight together,
-  ``concurrency`` of them share their latency (the time the profile measured at its smallest
-  size), not their bytes: the backend's concurrency for stock engines (gloo: the 2 worker threads
-  of a process group; NCCL/RCCL: one stream), 1 for ours on CPU (one hop worker runs whole hop
-  operations in order). What remains of them hides behind compute, at most all of it.
-  Reduce-scatters are charged whole (the engine waits for its last bucket before the step).
-
-The projection's step (:func:`overlapped`) uses the same sum with an assumed overlap fraction. All
-figures are computed; none is fitted to the step times it is compared with.
-"""
+The A/B command predicts each variant's step from a measured single-rank step, the probe's host
+cost and profile, and the collectives the engine launches; the projection (:func:`overlapped`)
+uses the same sum with an assumed overlap fraction. All figures are computed, none fitted to the
+step times they are compared with. What each part counts and what prefetching hides:
+docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

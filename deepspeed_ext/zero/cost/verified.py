@@ -62,10 +62,3 @@ def has_run(path: Path, backend: Backend) -> bool:
     setting it may propose without ``--allow-unverified``."""
     where = RUN[path][backend]
     return not where.startswith(NEVER) and "one GPU" not in where
-
-
-def markdown_table() -> str:
-    """The docs' table of :data:`RUN`."""
-    lines = ["| path | gloo (CPU) | NCCL (CUDA) | RCCL (ROCm) |", "|---|---|---|---|"]
-    lines += [f"| {path.value} | {' | '.join(RUN[path][b] for b in Backend)} |" for path in Path]
-    return "\n".join(lines)

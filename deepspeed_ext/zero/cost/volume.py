@@ -1,19 +1,10 @@
 """What one ZeRO-3 step sends: every collective of ZeRO-3, ZeRO++ and the hierarchical variant as a
 :class:`Hop`, and its bytes per link class (computed from the parameter sizes, never measured).
 
-- ``bytes_per_link``: :mod:`mdsp_base.comm`'s accounting (per rank, bandwidth-optimal volume,
-  all of it charged to the slowest link class a group spans), so a prediction can be compared
-  with a :class:`~mdsp_base.comm.CommCounter`, which counts the same way.
-- ``ring_wire_bytes``: what a ring algorithm puts on each link class, per rank on average (a ring
-  over node-contiguous ranks crosses each node boundary once; most of its edges stay inside a
-  package or node). This is what interface counters can be compared with.
-
-Time is :mod:`.collectives`' (one model for the planner, the projection and ``auto``). Assumed
-about the step (ZeRO-3 with ``stage3_max_reuse_distance=0`` and
-``stage3_param_persistence_threshold=0``): every parameter is gathered once per forward and once
-per backward of each micro-batch; gradients are reduce-scattered once per micro-batch (across
-nodes once per step with ``boundary_sync``).
-"""
+:func:`bytes_per_link` counts as :class:`~mdsp_base.comm.CommCounter` does (a prediction to
+compare with a count); :func:`ring_wire_bytes` is what a ring puts on each link class (to compare
+with interface counters). Time is :mod:`.collectives`'. The step it assumes:
+docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 
@@ -82,18 +73,6 @@ ZERO3 = Placement("zero3")
 
 def hpz(size: int, link: LinkClass = NODE) -> Placement:
     return Placement(f"zero++ hpZ({size})", secondary="hpz", hpz_size=size, hpz_link=link)
-
-
-def zeropp_paper(size: int, link: LinkClass = NODE) -> Placement:
-    """ZeRO++ with hpZ, qwZ and qgZ as the paper describes them (their kernels need a GPU)."""
-    return Placement(
-        f"zero++ hpZ({size})+qwZ+qgZ",
-        secondary="hpz",
-        hpz_size=size,
-        hpz_link=link,
-        weight_factor=QWZ_BYTES_FACTOR,
-        grad_factor=QGZ_BYTES_FACTOR,
-    )
 
 
 def hierarchical(

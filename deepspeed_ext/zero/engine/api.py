@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Protocol, Union
+from typing import Any, Union
 
 import deepspeed
 import torch
@@ -17,15 +16,9 @@ from deepspeed_ext.zero.config import HierarchicalZeroConfig, InterNodeAlgorithm
 from deepspeed_ext.zero.cost.memory import hop_buffers
 from deepspeed_ext.zero.cost.profile import Profile, ProfileError
 from deepspeed_ext.zero.cost.profile import load as load_profile
-from deepspeed_ext.zero.cost.secondary_level import (
-    SecondaryChoice,
-    as_charged,
-    choose_secondary_level,
-    describe,
-    placement_for,
-)
+from deepspeed_ext.zero.cost.secondary_level import as_charged, choose_secondary_level, describe
 from deepspeed_ext.zero.cost.shape import dp_shape
-from deepspeed_ext.zero.cost.volume import ShardSpec, bytes_per_link, step_hops
+from deepspeed_ext.zero.cost.volume import ShardSpec
 from deepspeed_ext.zero.cost.workload import Buckets
 from deepspeed_ext.zero.engine import inject, known_plans
 from deepspeed_ext.zero.engine.contract import (
@@ -34,57 +27,14 @@ from deepspeed_ext.zero.engine.contract import (
     largest_collectives,
     shard_spec,
 )
-from deepspeed_ext.zero.engine.levels import ZeroLevels, build_levels
+from deepspeed_ext.zero.engine.hierarchical_plan import HierarchicalPlan, JsonSections, Sections
+from deepspeed_ext.zero.engine.levels import build_levels
 from mdsp_base import comm
+from mdsp_base.installer import Installer
 from mdsp_base.section import ConfigError, read_ds_config
-from mdsp_base.topology import LinkClass, Topology, TopologyConfig, check_data_parallel, detect_topology
+from mdsp_base.topology import Topology, check_data_parallel, detect_topology
 
 logger = logging.getLogger(__name__)
-
-
-class Sections(Protocol):
-    """What the variant reads of the effective configuration: its own section and the topology's
-    (``plugin_config.PluginConfig`` is one; without one they are read from the DeepSpeed JSON)."""
-
-    # Read-only, so that a frozen dataclass (JsonSections) conforms as well as a pydantic model.
-    @property
-    def hierarchical_zero(self) -> HierarchicalZeroConfig: ...
-    @property
-    def topology(self) -> TopologyConfig: ...
-
-
-@dataclass(frozen=True)
-class JsonSections:
-    """The two sections as the DeepSpeed JSON gives them."""
-
-    hierarchical_zero: HierarchicalZeroConfig
-    """The ``hierarchical_zero`` section."""
-    topology: TopologyConfig
-    """The ``topology`` section."""
-
-    @classmethod
-    def of(cls, ds: dict) -> JsonSections:
-        return cls(
-            HierarchicalZeroConfig.parse(ds.get("hierarchical_zero"), "hierarchical_zero"),
-            TopologyConfig.parse(ds.get("topology"), "topology"),
-        )
-
-
-@dataclass
-class HierarchicalPlan:
-    """What the variant decided for this rank, kept on the engine as ``engine.hierarchical_zero``."""
-
-    levels: ZeroLevels
-    """Groups and the chosen secondary level."""
-    choice: SecondaryChoice
-    """The planner's figures."""
-    model: ShardSpec
-    """This rank's parameters as the cost model sees them."""
-
-    def predicted_bytes(self, micro_batches: int = 1) -> dict[LinkClass, int]:
-        """Bytes per link class this rank sends in one steady-state step (gathers and reductions)."""
-        variant = placement_for(self.levels.config, self.levels.secondary_level, self.model)
-        return bytes_per_link(step_hops(self.model, self.levels.shape, variant, micro_batches))
 
 
 def partition_group(mpu: Any) -> dist.ProcessGroup | None:
@@ -133,8 +83,23 @@ def prepare(
     topology: Topology | None = None,
 ) -> HierarchicalPlan:
     """Check everything, choose the secondary level, then create the level groups (the first
-    collective). Pass the result to :func:`initialize` and to :class:`~.inject.Init`; before a model
-    exists (to build it under ``Init``) pass a :class:`ShardSpec` of its parameters instead."""
+    collective). Pass the result to :func:`initialize` and to :class:`~.construction.Init`.
+
+    Args:
+        model: the model, or before it exists (to build it under ``Init``) a :class:`ShardSpec` of
+            its parameters.
+        config: the DeepSpeed config (dict or JSON path).
+        plugin_config: the variant's and the topology's sections; None: read from ``config``.
+        mpu: the model-parallel unit whose (sequence-)data-parallel group is partitioned over;
+            None: the world.
+        topology: the ranks' placement; None: detected from the topology section.
+
+    Returns:
+        The plan: the level groups (already created) and the planner's figures.
+
+    Raises:
+        ConfigError: a configuration the variant cannot run, before any collective.
+    """
     ds = read_ds_config(config)
     plugin_config = plugin_config or JsonSections.of(ds)
     hz = plugin_config.hierarchical_zero
@@ -188,16 +153,53 @@ def initialize(
     mpu: Any = None,
     topology: Topology | None = None,
     plan: HierarchicalPlan | None = None,
+    installer: Installer | None = None,
     **kwargs: Any,
 ) -> tuple:
-    """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``
-    (else exactly ``deepspeed.initialize``). ``kwargs`` go to ``deepspeed.initialize`` unchanged.
-    Returns what it returns; the engine carries the plan as ``engine.hierarchical_zero``."""
-    source = _config_source(config, kwargs)
-    plugin_config = plugin_config or JsonSections.of(read_ds_config(source))
-    if not plugin_config.hierarchical_zero.enabled:
-        return deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)
+    """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``,
+    else exactly ``deepspeed.initialize``.
+
+    Args:
+        model: the model, built whole or partitioned under :class:`~.construction.Init`.
+        config: the DeepSpeed config (dict or JSON path); None: ``config_params`` or
+            ``args.deepspeed_config`` from ``kwargs``, where DeepSpeed finds it.
+        plugin_config: the variant's and the topology's sections; None: read from the config.
+        mpu: the model-parallel unit, as ``deepspeed.initialize`` takes it.
+        topology: the ranks' placement; None: detected from the topology section.
+        plan: the plan the model was built partitioned on (:func:`prepare`); None: the plan of an
+            earlier engine or ``Init`` on this model, else a new one.
+        installer: where the engine's process-wide changes are recorded, undone by its
+            ``destroy()`` when the installer closes; None: the caller destroys the engine.
+        kwargs: passed to ``deepspeed.initialize`` unchanged.
+
+    Returns:
+        What ``deepspeed.initialize`` returns; with the variant on, the engine carries the plan as
+        ``engine.hierarchical_zero``.
+    """
+    if plugin_config is None:
+        plugin_config = JsonSections.of(read_ds_config(_config_source(config, kwargs)))
+    if plugin_config.hierarchical_zero.enabled:
+        result = _hierarchical_initialize(model, config, plugin_config, mpu, topology, plan, kwargs)
+    else:
+        result = deepspeed.initialize(model=model, config=config, mpu=mpu, **kwargs)
+    if installer is not None:
+        installer.add("deepspeed_ext.zero", inject.ENGINE_CHANGES, result[0].destroy)
+    return result
+
+
+def _hierarchical_initialize(
+    model: torch.nn.Module,
+    config: Union[str, os.PathLike, dict, None],
+    sections: Sections,
+    mpu: Any,
+    topology: Topology | None,
+    plan: HierarchicalPlan | None,
+    kwargs: dict,
+) -> tuple:
+    """:func:`initialize` with the variant on: the plan (given, found by the model's partition, or
+    made), then ``deepspeed.initialize`` with DeepSpeed's collectives dispatched to its levels."""
     check_deepspeed_version()
+    source = _config_source(config, kwargs)
     # what deepspeed.initialize does first: a caller may leave creating the process group to it
     deepspeed.comm.init_distributed(
         dist_backend=get_accelerator().communication_backend_name(),
@@ -206,16 +208,16 @@ def initialize(
     )
     known = known_plans.plan_of_partition(model, plan)
     if known is not None:
-        if plan is None and known.plan.levels.config != plugin_config.hierarchical_zero:
+        if plan is None and known.plan.levels.config != sections.hierarchical_zero:
             raise ConfigError(
                 "the model's parameters are partitioned by an earlier hierarchical engine (or Init) whose "
                 "hierarchical_zero section differs from this config's: give the same section, or build the "
                 "model again"
             )
-        check_before_collectives(read_ds_config(source), plugin_config.hierarchical_zero)
+        check_before_collectives(read_ds_config(source), sections.hierarchical_zero)
         plan = known.plan
     else:
-        plan = plan or prepare(model, source, plugin_config, mpu=mpu, topology=topology)
+        plan = plan or prepare(model, source, sections, mpu=mpu, topology=topology)
         known = known_plans.remember(plan)
     levels = plan.levels
     previous_mpu = ds_groups.mpu

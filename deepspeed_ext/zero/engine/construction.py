@@ -1,15 +1,9 @@
 """A model built partitioned over the hierarchical levels: ``deepspeed.zero.Init`` on our groups.
 
-No rank ever holds the model whole: each module's parameters are broadcast from the group's
-first rank, partitioned over the levels' data-parallel group, and copied into the secondary
-partition as construction goes. One difference from DeepSpeed's own Init, for models that
-initialise a child's weight in the parent's ``__init__`` right after building it (megatron-core's
-position embeddings: ``init_method(self.position_embeddings.weight)`` after
-``torch.nn.Embedding(...)``): a module's parameters are partitioned when the next module's
-``__init__`` ends (or the Init's block does), not when its own does. Under DeepSpeed's Init that
-initialisation writes into an empty partitioned placeholder and is lost, without a word, and every
-random number drawn after it shifts. The price is one module more whole at a time.
-"""
+No rank ever holds the model whole. Unlike DeepSpeed's Init, a module's parameters are partitioned
+when the next module's ``__init__`` ends, so that what a parent writes into a child's weight right
+after building it (megatron-core's position embeddings) is kept; the price is one module more
+whole at a time. Why: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

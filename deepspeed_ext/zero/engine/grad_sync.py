@@ -1,18 +1,10 @@
 """The gradient reduce-scatter of one hierarchical engine, with DeepSpeed's contract.
 
-Hops run inside the node every micro-batch. The hop across nodes runs every micro-batch (as
-ZeRO-3), or, with ``grad_sync: accumulation_boundary``, once per optimizer step: each rank holds its
-node-level block (fp32, summed over the step's micro-batches) and hands DeepSpeed zeros until the
-boundary micro-batch, which sends the sum. DeepSpeed adds the partitions of every micro-batch, so
-the step sees the same total (MiCS and FSDP's hybrid sharding do the same). The hop across nodes
-may be quantized (int8 / int4 with error feedback, :mod:`.quantize`).
-
-Held blocks and error-feedback residuals belong to a bucket: the k-th reduce-scatter call since
-the engine's last forward. DeepSpeed fills its buckets in backward order, so the k-th call holds
-the same tensors every micro-batch; the layout is checked at every call. The residuals go into
-checkpoints (:data:`CHECKPOINT_KEY`): without them a resumed run quantizes other values than the
-uninterrupted one.
-"""
+Hops inside the node run every micro-batch; the hop across nodes every micro-batch, or with
+``grad_sync: accumulation_boundary`` once per optimizer step on the held fp32 sums, optionally
+quantized with error feedback (:mod:`.quantize`). Held blocks and residuals belong to the k-th
+bucket since the last forward, checked at every call; residuals go into checkpoints
+(:data:`CHECKPOINT_KEY`). Details: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

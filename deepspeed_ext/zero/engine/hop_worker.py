@@ -1,29 +1,11 @@
-"""Asynchronous hops: work handles that complete when the hops do.
+"""Asynchronous hops: work handles that complete when the hops do, as a flat collective's does.
 
-A flat ZeRO-3 all-gather returns at once and DeepSpeed waits on its handle only when the parameters
-are needed, which is what lets prefetching and ``overlap_comm`` hide it. Hops are several
-collectives in sequence plus a reordering copy, so they need an owner that runs them after the
-call returns:
-
-* CPU tensors (gloo blocks the calling thread): one worker thread per engine runs whole hop
-  operations (:meth:`HopWorker.submit`, :meth:`HopWorker.run`) in the order they were asked for.
-  Every rank asks in the same order (DeepSpeed issues its collectives identically on all ranks), so
-  the hop groups see the same sequence everywhere, as a communication stream would give them.
-  Pipelined operations (:meth:`HopWorker.submit_stages`) are cut into stages, each a collective on
-  one group: a thread per group (a *lane*) runs its stages in the order asked for, so the levels
-  work at once on their own links while every group still sees one order on every rank. A whole
-  operation is a fence: it starts when every earlier stage has run, and later stages wait for it.
-* CUDA tensors (ROCm reports "cuda" too): the collectives are queued on the current stream of the
-  output tensor's device (DeepSpeed's all-gather stream), which is asynchronous already; the
-  handle's ``wait`` makes that device's current stream wait for an event recorded after the hops, as
-  NCCL/RCCL work handles do. Pipelined stages are queued on a stream per group instead, each
-  waiting for the caller's stream and for the stages it needs; the handle keeps every tensor the
-  stages made until ``wait`` has put the caller's stream behind all of them, and every later
-  operation's streams start behind the caller's, so no memory is reused while a stream may read it.
-* Any other device type is refused with an error naming it: the hops have no owner for it.
-
-A failed collective re-raises in ``wait``. Waits are bounded by the process group's timeout.
-"""
+Hops are several collectives plus a reordering copy, so they need an owner that runs them after
+the call returns: on CPU a worker thread per engine (and a lane thread per group for pipelined
+stages), on CUDA/ROCm the output device's current stream (a stream per group for stages); any
+other device is refused. Every group sees one order of collectives on every rank. A failed
+collective re-raises in ``wait``; waits are bounded by the process group's timeout. Details:
+docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

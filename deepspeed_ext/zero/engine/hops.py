@@ -1,20 +1,10 @@
 """Hierarchical all-gather and reduce-scatter that hand every rank what the flat collective would.
 
-A flat collective over a parent of ``p`` members moves ``p`` equal blocks, block ``i`` belonging to
-the member with group rank ``i``. With hops of sizes ``s_0`` (innermost) .. ``s_m`` (outermost),
-``i`` is the mixed-radix number ``(d_m, ..., d_0)``. Reduce-scatter: reorder the blocks so that
-``d_0`` varies slowest, reduce-scatter over hop 0 (each member keeps the ``p/s_0`` blocks with its
-``d_0``), then hop 1 on that result, and so on; the last hop leaves block ``i``. All-gather runs
-the hops in the opposite order and undoes the reordering at the end. Each hop crosses a slower
-link with less data: the outermost (inter-node) hop carries ``1/(s_0 * ... * s_{m-1})`` of it.
-
-A hop across nodes runs the library's collective (ring) or the log-latency point-to-point
-algorithm of :mod:`.p2p_hops` (``HopSchedule.inter_node``; auto takes, per call, the one the probe
-profile measured faster at that size, and ring without a profile). With
-``pieces > 1`` an operation is cut along the block into pieces, each its own chain of hops, as
-:class:`~.hop_worker.Stage` s a worker runs a lane per group: while one piece crosses nodes the
-previous one crosses packages, so the levels' links work at once.
-"""
+A flat collective over ``p`` members becomes a chain of hops whose sizes multiply to ``p`` (a
+member's index is the mixed-radix number of its hop indices); each hop crosses a slower link with
+less data. A hop across nodes runs the library's ring or the point-to-point algorithm of
+:mod:`.p2p_hops`; with ``pieces > 1`` pieces pipeline across the levels. The arithmetic:
+docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """How the hierarchical variant enters DeepSpeed 0.19: subclasses and three collective dispatchers.
 
-* ``partition_parameters._dist_allgather_fn`` (ZeRO-3's parameter fetches in forward and backward),
-  ``deepspeed.comm.all_gather_into_tensor`` (every other gather: ``GatheredParameters``, persistent
-  parameters, checkpoints) and ``stage3.reduce_scatter_coalesced`` (every gradient reduce-scatter)
-  are replaced by dispatchers that run a :class:`~.levels.HopSchedule` when the group is one of OUR
-  groups, and call DeepSpeed's own function otherwise. Our groups are fresh objects made for this
-  engine (never megatron's or DeepSpeed's), so a stock engine in the same process is untouched; with
-  no route registered the dispatchers only add a dict lookup. Hops run on the engine's
-  :class:`~.hop_worker.HopWorker`, so a gather returns a handle that completes when its hops do.
-* The stage-3 optimizer subclass sets DeepSpeed's hpZ group global to our secondary group while it
-  is constructed (DeepSpeed reads the secondary group's size and rank from that global, not from the
-  group it is passed) and restores it after, so nothing leaks into a later engine; it tells the
-  gradient reducer where micro-batches start and whether one ends the step.
-* :class:`LevelMPU` hands DeepSpeed our data-parallel group object and delegates the rest.
-"""
+DeepSpeed's parameter all-gather, ``deepspeed.comm.all_gather_into_tensor`` and the stage-3
+gradient reduce-scatter are replaced by dispatchers that run a :class:`~.levels.HopSchedule` on
+our groups and DeepSpeed's own function on any other, so a stock engine in the same process is
+untouched. The stage-3 optimizer subclass and :class:`LevelMPU` hand DeepSpeed our groups. What
+each piece does: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

@@ -1,23 +1,23 @@
 """Every hierarchical plan of this process, found again by the DP group a model is partitioned over.
 
-DeepSpeed leaves a module's parameters partitioned after its engine, and a second engine on that
-module (load a checkpoint into a fresh engine, as DeepSpeed's own tests do) keeps that partition:
-``initialize`` has to find the plan whose groups hold it. Entries are small and never dropped, so
-that a destroyed plan is still told apart from a foreign partition.
+Callers pass the plan to ``initialize`` where they can. This registry stays for the two calls that
+cannot carry it: a second engine on a module DeepSpeed left partitioned by the first (a checkpoint
+loaded into a fresh engine, as DeepSpeed's own tests do), and Megatron-DeepSpeed's own
+``deepspeed.initialize`` call after its ``zero.Init`` built the model; both only hand over the model,
+whose parameters name their partition group. Entries are never dropped, so that a destroyed plan is
+still told apart from a foreign partition.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import cast
 
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.zero.engine.hierarchical_plan import HierarchicalPlan
 from mdsp_base.section import ConfigError
-
-if TYPE_CHECKING:  # api imports this module
-    from deepspeed_ext.zero.engine.api import HierarchicalPlan
 
 
 @dataclass
@@ -27,7 +27,7 @@ class KnownPlan:
     dp_group: dist.ProcessGroup
     """Held, so that its id is not reused by another group while the entry exists."""
     plan: HierarchicalPlan
-    """The :class:`~.api.HierarchicalPlan`."""
+    """The plan."""
     engines: int = 0
     """Engines built on it and not destroyed: the last one's ``destroy()`` destroys its groups."""
 
@@ -35,7 +35,7 @@ class KnownPlan:
 _known: dict[int, KnownPlan] = {}  # by the id of the plan's DP group
 
 
-def plan_of_partition(model: torch.nn.Module, plan: Any) -> KnownPlan | None:
+def plan_of_partition(model: torch.nn.Module, plan: HierarchicalPlan | None) -> KnownPlan | None:
     """The known plan over whose DP group the model's parameters are already partitioned (by an
     earlier engine on this module or by our ``Init``), None when none is partitioned. Refuses a
     partition it cannot continue, naming its cause."""
@@ -75,7 +75,7 @@ def plan_of_partition(model: torch.nn.Module, plan: Any) -> KnownPlan | None:
     return entry
 
 
-def remember(plan: Any) -> KnownPlan:
-    """The entry of ``plan`` (a :class:`~.api.HierarchicalPlan`), made on first sight."""
+def remember(plan: HierarchicalPlan) -> KnownPlan:
+    """The entry of ``plan``, made on first sight."""
     group = plan.levels.dp_group
     return _known.setdefault(id(group), KnownPlan(group, plan))

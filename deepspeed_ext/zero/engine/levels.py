@@ -1,15 +1,9 @@
 """The data-parallel group cut into levels (package, node, global) and the hop schedules built on them.
 
-A *hop schedule* runs a collective over a parent group as a chain of collectives over sub-groups whose
-sizes multiply to the parent's: reduce-scatter innermost first (package, then across the packages of
-a node, then across nodes), all-gather outermost first. A member's index in the parent group is
-then the mixed-radix number of its indices in the hop groups, which is what lets the hops hand
-every rank exactly the block a flat collective would have (see :mod:`.hops`).
-
-The level groups live here (the shape of the DP group is :class:`..cost.shape.DPShape`); the level and link-class
-enums themselves are :mod:`mdsp_base.topology`'s, because the byte counter and the node loader
-use them too and ``zero/`` builds on the topology, never the reverse.
-"""
+A *hop schedule* runs a collective over a parent group as a chain of collectives over sub-groups
+whose sizes multiply to the parent's: reduce-scatter innermost first, all-gather outermost first
+(:mod:`.hops`). The level and link-class enums are :mod:`mdsp_base.topology`'s, shared with the
+byte counter and the node loader."""
 
 from __future__ import annotations
 

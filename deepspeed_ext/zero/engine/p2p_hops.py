@@ -1,19 +1,9 @@
 """All-gather and reduce-scatter in ``ceil(log2 p)`` point-to-point steps, for any group size ``p``.
 
-The log-latency algorithms PCCL (arXiv 2504.18658, "The Big Send-off") runs across nodes in place
-of the library's rings, in the form that needs no power of two (Bruck et al., IEEE TPDS 1997):
-
-* all-gather, distance doubling: at step ``k`` (distance ``d = 2^k``, ``c = min(d, p - d)``
-  blocks) member ``r`` sends blocks ``r .. r+c-1`` to member ``r - d`` and receives blocks
-  ``r+d .. r+d+c-1`` from member ``r + d``;
-* reduce-scatter, distance halving (its dual): the same steps in reverse, member ``r`` sends its
-  partial sums of blocks ``r+d .. r+d+c-1`` to member ``r + d``, which adds them to its own; after
-  the last step member ``r``'s block ``r`` holds the sum.
-
-Indices are mod ``p``. Each member sends ``(p - 1)`` blocks in all, the bytes of a ring, in
-``ceil(log2 p)`` steps instead of ``p - 1``. Blocks keep their place in the buffer, so a sender and
-its receiver cut a range that wraps around at the same block and no rotation copy is needed.
-"""
+The log-latency algorithms PCCL (arXiv 2504.18658) runs across nodes in place of the library's
+rings, in Bruck et al.'s form that needs no power of two (distance doubling for the all-gather,
+halving for the reduce-scatter). Each member sends the bytes of a ring in ``ceil(log2 p)`` steps
+instead of ``p - 1``. The steps: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

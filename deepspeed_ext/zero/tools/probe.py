@@ -1,21 +1,11 @@
 """Measure this cluster's collectives per link class and write a profile for hierarchical ZeRO.
 
     torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.probe --out profile.json
-    srun -m block ... python -m deepspeed_ext.zero.probe --out profile.json   (scripts/slurm)
 
-Every rank takes part. The level groups are cut from the whole job as the variant cuts them from
-a data-parallel group (package, across the node's packages, across nodes), and for each link
-class every group of that class runs at once, so the node's rank-aligned groups cross nodes
-together as the job's hops do. For each message size it times the library's all-gather and
-reduce-scatter on every level, and across nodes also the point-to-point recursive algorithm the
-variant can run there; and on the whole job's group what the stock baselines run (its flat
-all-gather and reduce-scatter, and DeepSpeed's scalar all-reduce and broadcast at the smallest size
-only), for the A/B command's predictions. ``--repeats`` timed calls after one warm-up, each the
-slowest rank's time from a barrier. Sizes grow by 4x from ``--smallest`` and stop per collective once a call takes
-``--max-call-s``, and for all once ``--budget-s`` has passed (each rank agrees: the elapsed time
-is the slowest rank's). Point the job at the result with ``hierarchical_zero.profile`` or
-``--hierarchical-zero-profile``; a profile is valid for its topology and library versions only.
-"""
+Every rank takes part; each link class's groups run at once, as the job's hops do. It times the
+library's collectives per level and size (across nodes also the point-to-point algorithm) and the
+stock baselines on the whole job's group. Point a job at the result with
+``hierarchical_zero.profile``. What it times and when it stops: docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 

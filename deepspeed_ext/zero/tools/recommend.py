@@ -5,13 +5,10 @@ JSON, with the Megatron flags it changes.
   python -m deepspeed_ext.zero.plan --layers 24 --hidden 2048 --heads 16 --seq 2048 --nodes 4 --topology h100
   python -m deepspeed_ext.zero.plan --model gpt-20b-frontier --nodes 48 --profile profile.json --output-json ds.json
 
-By default it proposes exact plans (no quantization) on the default path and on those that have
-run on the topology's collective library, in the words of deepspeed_ext/zero/cost/verified.py
-(docs/hierarchical_zero.md, "Which paths have run on which backend"), keeps the global batch of
-your configuration, and leaves 10 % of the memory free. Your JSON is checked as the job checks it
-(DeepSpeed's sections, the plugin sections) and every number range-checked before any work; its
-Megatron flags are ones scripts/pretrain_gpt.py, Megatron-LM and Megatron-DeepSpeed accept. Every
-figure is computed by the cost model (deepspeed_ext/zero/cost/), not measured.
+By default it proposes exact plans on the paths that have run on the topology's collective library
+(:mod:`deepspeed_ext.zero.cost.verified`), keeps your global batch and leaves 10 % of the memory
+free. Your JSON is checked before any work (DeepSpeed's sections, this plugin's; the suite's other
+sections when its check is passed to :func:`main`). Every figure comes from the cost model.
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from importlib import resources
 from pathlib import Path
@@ -202,7 +200,17 @@ def _what_has_run(backend: Backend, allow_unverified: bool) -> str:
     return f"Path: {VerifiedPath.LIBRARY_HOPS.value}, run on {backend}: {RUN[VerifiedPath.LIBRARY_HOPS][backend]}; {rest}. "
 
 
-def main(argv: list[str] | None = None) -> list[Row]:
+def main(argv: list[str] | None = None, check_sections: Callable[[dict], object] | None = None) -> list[Row]:
+    """The planner's command: prints the candidates and writes the JSON asked for.
+
+    Args:
+        argv: the command line; None: ``sys.argv``.
+        check_sections: the suite's check of every plugin section of ``--ds-config``; None: this
+            plugin's own section only (see :func:`~.recommend_inputs.check_config`).
+
+    Returns:
+        The rows printed, best first. A refused input exits 2 with one error line.
+    """
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -214,7 +222,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     system = replace(system, memory_gb=args.memory_gb) if args.memory_gb else system
     try:
         ds = json.loads(args.ds_config.read_text())
-        check_config(ds, args.ds_config)
+        check_config(ds, args.ds_config, check_sections)
         measured = measured_costs(args.profile, system, backend, args.nodes) if args.profile else None
         if measured is not None:
             system = measured.system

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -51,22 +52,32 @@ def check_numbers(args: argparse.Namespace) -> None:
         raise PlanInputError(f"--hidden {args.hidden} is not divisible by --heads {args.heads}")
 
 
-def check_config(ds: dict, source: Path | str) -> None:
+def check_config(
+    ds: dict, source: Path | str, check_sections: Callable[[dict], object] | None = None
+) -> None:
     """``ds`` as the job validates it before its model: DeepSpeed's own sections, then the plugin
-    sections. The assembler of all plugin sections sits above this plugin: where it is installed
-    (the suite's job), it checks them all; alone, this plugin checks its own section and the stage."""
+    sections.
+
+    Args:
+        ds: the DeepSpeed config.
+        source: where it was read from, named in the errors.
+        check_sections: the suite's check of every plugin section (its configuration assembler,
+            which sits above this plugin and is therefore passed in); None: this plugin's own
+            section and the ZeRO stage it needs.
+
+    Raises:
+        ConfigError: the first section the job would refuse.
+    """
     check_deepspeed_sections(ds, str(source))
+    if check_sections is not None:
+        check_sections(ds)
+        return
     try:
-        from megatron_ext.integration.plugin_config import load_plugin_config
-    except ImportError:  # this plugin installed alone
-        try:
-            section = HierarchicalZeroConfig.model_validate(ds.get("hierarchical_zero") or {})
-        except ValidationError as e:
-            raise ConfigError(describe(e, HierarchicalZeroConfig, "hierarchical_zero")) from None
-        if section.enabled:
-            check_zero_stage((ds.get("zero_optimization") or {}).get("stage", 0))
-    else:
-        load_plugin_config(ds)
+        section = HierarchicalZeroConfig.model_validate(ds.get("hierarchical_zero") or {})
+    except ValidationError as e:
+        raise ConfigError(describe(e, HierarchicalZeroConfig, "hierarchical_zero")) from None
+    if section.enabled:
+        check_zero_stage((ds.get("zero_optimization") or {}).get("stage", 0))
 
 
 def _megatron_flag(preset: Path | None, flag: str) -> int | None:

@@ -6,8 +6,8 @@
 shapes, the planner picks the secondary level from them, and the real build partitions each
 module over the plan's groups as it is made, the secondary copy included. The group partitioned
 over is the one stock's Init gets (sequence x data parallel with Ulysses), so the model is the
-one stock builds, to the bit; :func:`~.megatron_deepspeed.deepspeed_initialize` then finds the plan
-by the partition.
+one stock builds, to the bit. Megatron-DeepSpeed's ``deepspeed.initialize`` call cannot carry the
+plan: :func:`~.megatron_deepspeed.deepspeed_initialize` finds it by the partition.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import torch.distributed as dist
 
 from mdsp_base.section import ConfigError
-from megatron_ext.integration.partitioned_build import hierarchical_init
+from megatron_ext.integration.partitioned_build import partitioned_plan
 from megatron_ext.integration.upstream.hooks import installer, megatron_args, plugin_config
 
 
@@ -38,7 +38,7 @@ def hierarchical_zero_init(kwargs: dict) -> Any:
     ``model_provider``, over the same group, with the plan made from the meta build."""
     from megatron.core import parallel_state
 
-    from deepspeed_ext.zero.engine.api import partition_group
+    from deepspeed_ext.zero import Init
 
     args = megatron_args()
     if not getattr(args, "no_pipeline_parallel", False):
@@ -51,16 +51,15 @@ def hierarchical_zero_init(kwargs: dict) -> Any:
             f"--remote-device {kwargs['remote_device']} offloads parameters, which hierarchical_zero does "
             "not support (the secondary copy would be offloaded too): drop --remote-device"
         )
-    ds = kwargs.get("config_dict_or_path") or args.deepspeed_config_dict
-    mpu = kwargs.get("mpu") or parallel_state
-    group = partition_group(mpu)
+    ds = kwargs.pop("config_dict_or_path", None) or args.deepspeed_config_dict
+    mpu = kwargs.pop("mpu", None) or parallel_state
     given = kwargs.pop("data_parallel_group", None)
-    if given is not None and dist.get_process_group_ranks(given) != dist.get_process_group_ranks(group):
+    kwargs.pop("remote_device", None)
+    plan = partitioned_plan(lambda: _gpt(args), ds, plugin_config(), mpu, installer())
+    ranks = list(plan.levels.dp_ranks)
+    if given is not None and dist.get_process_group_ranks(given) != ranks:
         raise ConfigError(
             f"model_provider partitions over ranks {dist.get_process_group_ranks(given)}, DeepSpeed's engine "
-            f"over {dist.get_process_group_ranks(group)}: pass the mpu's sequence-data-parallel group to zero.Init"
+            f"over {ranks}: pass the mpu's sequence-data-parallel group to zero.Init"
         )
-    kwargs.pop("remote_device", None)
-    kwargs.pop("config_dict_or_path", None)
-    kwargs.pop("mpu", None)
-    return hierarchical_init(lambda: _gpt(args), ds, plugin_config(), mpu, installer(), **kwargs)
+    return Init(plan.levels, config_dict_or_path=ds, mpu=mpu, **kwargs)

@@ -150,9 +150,10 @@ def zero_init(**kwargs: Any) -> Any:
 
 
 def deepspeed_initialize(**kwargs: Any) -> tuple:
-    """``deepspeed.initialize(**kwargs)``, or the hierarchical ZeRO-3 variant when it is enabled;
-    with ``--sequence-parallel``, checked and given the TP gradient sums DeepSpeed leaves out."""
-    import deepspeed
+    """``deepspeed.initialize(**kwargs)`` through ``deepspeed_ext.zero.initialize`` (the hierarchical
+    ZeRO-3 variant when it is enabled), the engine destroyed when the run's installer closes; with
+    ``--sequence-parallel``, checked and given the TP gradient sums DeepSpeed leaves out."""
+    from deepspeed_ext.zero import initialize
 
     sequence_parallel_under_deepspeed(kwargs["model"])
     args = megatron_args()
@@ -166,19 +167,13 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
     )
     if notice and dist.get_rank() == 0:
         logger.warning(notice)
-    if not config.hierarchical_zero.enabled:
-        return deepspeed.initialize(**kwargs)
-    if kwargs.get("mpu") is None:
+    if config.hierarchical_zero.enabled and kwargs.get("mpu") is None:
         raise ConfigError(
             "hierarchical_zero needs Megatron's process groups: pass --no-pipeline-parallel "
             "(ZeRO-3 runs without DeepSpeed's pipeline engine)"
         )
-    from deepspeed_ext.zero import initialize
-    from deepspeed_ext.zero.engine.inject import ENGINE_CHANGES
-
-    result = initialize(plugin_config=config, **kwargs)
-    installer().add("deepspeed_ext.zero", ENGINE_CHANGES, result[0].destroy)
-    return result
+    # The plan zero_init made is found by the model's partition: this call cannot carry it.
+    return initialize(plugin_config=config, installer=installer(), **kwargs)
 
 
 # -- Ulysses sequence parallelism (--ds-sequence-parallel-size) ------------------------------------

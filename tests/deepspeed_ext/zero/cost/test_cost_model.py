@@ -11,13 +11,25 @@ from deepspeed_ext.zero.cost.secondary_level import as_charged, choose_secondary
 from deepspeed_ext.zero.cost.shape import DPShape
 from deepspeed_ext.zero.engine.contract import largest_collectives
 from mdsp_base.section import ConfigError
-from mdsp_base.topology import Topology
+from mdsp_base.topology import LinkClass, Topology
 
 FRONTIER_384 = DPShape(nodes=48, packages_per_node=4, per_package=2)
 FRONTIER_TOPOLOGY = Topology(world_size=384, ranks_per_node=8, ranks_per_package=2)
 PSI = 384 * 1_000_000  # parameters, a multiple of the DP size: no padding
 MODEL = cm.ShardSpec(param_numels=(PSI,), weight_bytes=2, grad_bytes=2)
 M = 2 * PSI  # bytes of the 16-bit model
+
+
+def zeropp_paper(size: int, link: LinkClass = LinkClass.NODE) -> cm.Placement:
+    """ZeRO++ with hpZ, qwZ and qgZ as the paper describes them (their kernels need a GPU)."""
+    return cm.Placement(
+        f"zero++ hpZ({size})+qwZ+qgZ",
+        secondary="hpz",
+        hpz_size=size,
+        hpz_link=link,
+        weight_factor=cm.QWZ_BYTES_FACTOR,
+        grad_factor=cm.QGZ_BYTES_FACTOR,
+    )
 
 
 def inter_node(variant: cm.Placement, micro: int = 1) -> int:
@@ -28,7 +40,7 @@ def test_zeropp_paper_cross_node_volumes():
     frac = (384 - 1) / 384
     assert inter_node(cm.ZERO3) == pytest.approx(3 * M * frac)  # ZeRO++: 3M for ZeRO-3
     assert inter_node(cm.hpz(8, "node")) == pytest.approx(2 * M * frac)  # hpZ removes the backward gather
-    assert inter_node(cm.zeropp_paper(8, "node")) == pytest.approx(0.75 * M * frac)  # 0.5M qwZ + 0.25M qgZ
+    assert inter_node(zeropp_paper(8, "node")) == pytest.approx(0.75 * M * frac)  # 0.5M qwZ + 0.25M qgZ
 
 
 def test_hierarchical_hops_send_one_eighth_across_nodes():
@@ -84,7 +96,7 @@ def test_quantized_factors_apply_to_inter_node_hops_only():
     }
     assert cm.bytes_per_link(hops, "backward", "reduce")["inter_node"] == pytest.approx(0.25 * across)
     # qwZ quantizes ZeRO++'s flat primary gather wherever it runs: on one node, 7/8 of M at half the bytes.
-    one_node = cm.step_hops(MODEL, DPShape(nodes=1, packages_per_node=4, per_package=2), cm.zeropp_paper(8))
+    one_node = cm.step_hops(MODEL, DPShape(nodes=1, packages_per_node=4, per_package=2), zeropp_paper(8))
     assert cm.bytes_per_link(one_node, "forward", "gather")["node"] == pytest.approx(0.5 * 7 / 8 * M)
 
 
@@ -112,9 +124,8 @@ def test_flat_ring_and_cross_node_hop_put_the_same_bytes_through_a_nic():
     # Per node (8 ranks): the flat ring's one boundary edge per ring carries v_flat; the 8 hop groups v_hop each.
     assert 8 * ring["inter_node"] == pytest.approx(v_flat, rel=1e-9)
     assert 8 * hop["inter_node"] == pytest.approx(8 * v_hop, rel=1e-9)
-    assert v_flat / (8 * v_hop) == pytest.approx(
-        (383 / 384) / (47 / 48)
-    )  # within 2 %: the hop saves no NIC bytes
+    # Within 2 %: the hop saves no NIC bytes.
+    assert ring["inter_node"] == pytest.approx(hop["inter_node"], rel=0.02)
 
 
 def test_gloos_reduce_scatter_puts_an_all_reduces_bytes_on_the_wire():

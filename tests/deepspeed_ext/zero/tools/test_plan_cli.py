@@ -16,7 +16,8 @@ from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.cost.profile import Profile, Timing, library_versions
 from deepspeed_ext.zero.cost.projection import Candidate, Scheme
 from deepspeed_ext.zero.cost.search import Rules, build_bytes, fitting
-from deepspeed_ext.zero.cost.verified import Backend, markdown_table
+from deepspeed_ext.zero.cost.verified import RUN, Backend
+from deepspeed_ext.zero.cost.verified import Path as VerifiedPath
 from deepspeed_ext.zero.cost.workload import Model
 from deepspeed_ext.zero.tools import recommend as plan_cli
 from mdsp_base.topology import LinkClass
@@ -201,6 +202,13 @@ def test_model_names_are_the_slurm_scripts_presets_shipped_in_the_package():
         assert f"DEFAULT_MODEL={name}" in "".join(
             p.read_text() for p in (ROOT / "scripts" / "slurm").glob("*.sbatch")
         )
+
+
+def markdown_table() -> str:
+    """The docs' table of :data:`RUN`."""
+    lines = ["| path | gloo (CPU) | NCCL (CUDA) | RCCL (ROCm) |", "|---|---|---|---|"]
+    lines += [f"| {path.value} | {' | '.join(RUN[path][b] for b in Backend)} |" for path in VerifiedPath]
+    return "\n".join(lines)
 
 
 def test_the_docs_backend_table_is_the_planners_source():

@@ -16,6 +16,7 @@ import pytest
 
 from deepspeed_ext.zero.cost.workload import Model, Recompute
 from deepspeed_ext.zero.tools import recommend as plan_cli
+from megatron_ext.integration.plugin_config import load_plugin_config
 from megatron_ext.trainer.cli import parse_args
 
 DATA = Path(__file__).resolve().parents[3] / "data"
@@ -102,7 +103,10 @@ def test_an_input_json_the_job_refuses_is_refused_and_nothing_written(tmp_path, 
     path, out = tmp_path / "ds.json", tmp_path / "out.json"
     path.write_text(json.dumps(ds))
     with pytest.raises(SystemExit) as stop:
-        plan_cli.main([*H100_20B[:6], "--ds-config", str(path), "--output-json", str(out)])
+        plan_cli.main(
+            [*H100_20B[:6], "--ds-config", str(path), "--output-json", str(out)],
+            check_sections=load_plugin_config,
+        )
     err = capsys.readouterr().err
     assert stop.value.code == 2 and err.startswith("error:") and message in err and err.count("\n") == 1
     assert not out.exists()
