@@ -16,15 +16,8 @@ replacement (``token_ids``), and ranks compute the document ids from those.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
-
-
-def separates_documents(dataset: Any) -> bool:
-    """The dataset's config asks for ``reset_attention_mask``: masks keep documents apart."""
-    return bool(getattr(getattr(dataset, "config", None), "reset_attention_mask", False))
 
 
 def document_ids(tokens: np.ndarray | torch.Tensor, eod: int) -> np.ndarray | torch.Tensor:

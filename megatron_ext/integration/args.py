@@ -98,11 +98,6 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-def flag_of(field: str) -> str | None:
-    """The flag that sets ``field`` (a dotted path such as "flash_overlap.backend"), or None."""
-    return next((flag for flag, (path, _) in _FLAGS.items() if path == field), None)
-
-
 def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields set on the command line."""
     return {
