@@ -20,7 +20,7 @@ import torch.distributed as dist
 from mdsp_base.section import ConfigError
 from mdsp_base.topology import Topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
-from megatron_ext.data.config import ShmDataLoaderConfig
+from megatron_ext.data.config import MEGATRON_SAMPLERS, ShmDataLoaderConfig
 from megatron_ext.data.samplers import SamplerKind, SamplerSettings
 from megatron_ext.data.shm.node_loader import ShmBatchIterator
 from megatron_ext.data.shm.private import check_shm_dir
@@ -29,7 +29,6 @@ from megatron_ext.data.shm.segment import new_token, resolve_job_id, segment_pat
 from megatron_ext.data.stock import StockBatchIterator
 
 # Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
-MEGATRON_SAMPLERS: dict[str, SamplerKind] = {"single": "single", "cyclic": "random"}
 
 
 class RankRecord(NamedTuple):
