@@ -14,10 +14,13 @@ stage's. The dict then holds every key, None where the rank gets nothing, as Meg
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megatron_ext.data.dataset import SampleDataset
 
 # (key, dtype) in the order Megatron broadcasts them; the attention mask goes between loss_mask
 # and position_ids in that order and is built, never stored.
@@ -104,7 +107,7 @@ class BatchIterator(Protocol):
     def close(self) -> None: ...
 
 
-def sequence_length(dataset: Any) -> int:
+def sequence_length(dataset: SampleDataset) -> int:
     """Tokens per sample of a megatron-core ``GPTDataset`` (or anything with its ``config``)."""
     config = getattr(dataset, "config", None)
     if config is None or not hasattr(config, "sequence_length"):
@@ -114,7 +117,7 @@ def sequence_length(dataset: Any) -> int:
     return int(config.sequence_length)
 
 
-def sample_bytes(dataset: Any) -> int:
+def sample_bytes(dataset: SampleDataset) -> int:
     """Bytes of the ``.bin`` file one sample spans: seq_length (+1 extra label token) tokens."""
     extra = int(getattr(dataset.config, "add_extra_token_to_sequence", True))
     index = getattr(getattr(dataset, "dataset", None), "index", None)

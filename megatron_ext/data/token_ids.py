@@ -15,17 +15,19 @@ its tokens go (:func:`derive_batch`), on the GPU for a CUDA device.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
 
+from megatron_ext.data.dataset import SampleDataset, SampleQuery
 from megatron_ext.data.documents import MaskBuilder, document_ids
 
+_QUERY = "_query_document_sample_shuffle_indices"  # GPTDataset's reader of a sample's ids
 _NARROW_LIMIT = 0xFFFF  # uint16 holds ids below it; the value itself codes a pad id it cannot hold
 
 
-def _gpt_datasets(dataset: Any) -> list[Any]:
+def _gpt_datasets(dataset: SampleDataset) -> list[SampleDataset]:
     """The GPT datasets under ``dataset``: itself, or those a BlendedDataset draws from."""
     return list(getattr(dataset, "datasets", None) or [dataset])
 
@@ -48,7 +50,7 @@ class TextRules:
     """No loss on EOD tokens."""
 
     @classmethod
-    def of(cls, dataset: Any) -> TextRules:
+    def of(cls, dataset: SampleDataset) -> TextRules:
         """The rules of a megatron-core GPTDataset (or of the datasets a BlendedDataset blends,
         which share one config)."""
         config = dataset.config
@@ -92,7 +94,7 @@ class TokenCodec:
         return cls(2 if narrow else 4, pad)
 
     @classmethod
-    def of(cls, dataset: Any) -> TokenCodec:
+    def of(cls, dataset: SampleDataset) -> TokenCodec:
         tokenizer = getattr(dataset.config, "tokenizer", None)
         return cls.for_vocabulary(getattr(tokenizer, "vocab_size", None), TextRules.of(dataset).pad)
 
@@ -147,16 +149,16 @@ class TextReader:
     item (which picks the dataset and sample), keeping the ids the chosen dataset read. Runs in the
     producer, on its forked copy of the dataset."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: SampleDataset) -> None:
         self._dataset = dataset
         self._last: np.ndarray | None = None
-        self._direct = getattr(dataset, "_query_document_sample_shuffle_indices", None)
+        self._direct = getattr(dataset, _QUERY, None)
         if self._direct is not None:
             return
         for d in _gpt_datasets(dataset):
-            d._query_document_sample_shuffle_indices = self._keeping(_query(d))
+            setattr(d, _QUERY, self._keeping(_query(d)))
 
-    def _keeping(self, query: Any) -> Any:
+    def _keeping(self, query: SampleQuery) -> SampleQuery:
         def query_and_keep(idx: int) -> tuple[np.ndarray, np.ndarray]:
             text, documents = query(idx)
             self._last = np.array(text)  # __getitem__ then rewrites the padding in place
@@ -177,8 +179,8 @@ class TextReader:
         return text
 
 
-def _query(dataset: Any) -> Any:
-    query = getattr(dataset, "_query_document_sample_shuffle_indices", None)
+def _query(dataset: SampleDataset) -> SampleQuery:
+    query = getattr(dataset, _QUERY, None)
     if query is None:
         raise TypeError(
             "the node loader reads token ids through GPTDataset._query_document_sample_shuffle_indices, "
@@ -187,9 +189,9 @@ def _query(dataset: Any) -> Any:
     return query
 
 
-def check_readable(dataset: Any) -> None:
+def check_readable(dataset: SampleDataset) -> None:
     """Refuse, before any process starts, a dataset whose ids :class:`TextReader` cannot read."""
-    if not hasattr(dataset, "_query_document_sample_shuffle_indices"):
+    if not hasattr(dataset, _QUERY):
         for d in _gpt_datasets(dataset):
             _query(d)
 

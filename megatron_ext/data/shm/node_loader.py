@@ -35,13 +35,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from megatron_ext.data.batch import LoaderCounters, StageKeys, sequence_length
 from megatron_ext.data.config import ShmDataLoaderConfig
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.data.documents import MaskBuilder
 from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm.polling import wait_until
@@ -153,7 +153,7 @@ class ShmBatchIterator:
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: SampleDataset,
         settings: SamplerSettings,
         *,
         config: ShmDataLoaderConfig,
@@ -205,7 +205,9 @@ class ShmBatchIterator:
             self._handle.pinned = _PinnedRing(self._ring, self._device)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _create_and_start(self, dataset: Any, streams: list[int], settings: SamplerSettings) -> None:
+    def _create_and_start(
+        self, dataset: SampleDataset, streams: list[int], settings: SamplerSettings
+    ) -> None:
         lay = self._layout
         segment = create_segment(self.path, lay.size, lay.header(os.getpid()), peers=lay.consumers > 1)
         self._ring = self._handle.ring = ring = Ring(segment, lay)

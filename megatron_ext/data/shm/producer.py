@@ -39,11 +39,12 @@ import traceback
 import warnings
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from megatron_ext.data.batch import sample_bytes
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.data.samplers import EpochPermutations, SamplerSettings
 from megatron_ext.data.shm.polling import wait_until
 from megatron_ext.data.shm.readahead import READ_AHEAD_STEPS, ReadAhead
@@ -61,7 +62,7 @@ class ProducerProcess:
     def __init__(
         self,
         ring: Ring,
-        dataset: Any,
+        dataset: SampleDataset,
         dp_ranks: Sequence[int],
         settings: SamplerSettings,
         label: str,
@@ -129,13 +130,13 @@ class ProducerProcess:
         return self.exitcode
 
 
-def _skip_dataset_masks(dataset: Any) -> None:
+def _skip_dataset_masks(dataset: SampleDataset) -> None:
     """Stop the dataset from building attention masks in this (forked) process: the ring carries
     none, ranks build theirs on their own device, and a GPTDataset asked for masks would build a
     [1, s, s] one per sample here (s x s bytes: 64 MiB at s=8192)."""
     for d in (dataset, *getattr(dataset, "datasets", ())):
-        config: Any = getattr(d, "config", None)
-        if getattr(config, "create_attention_mask", False):
+        config = getattr(d, "config", None)
+        if config is not None and getattr(config, "create_attention_mask", False):
             config.create_attention_mask = False
 
 
@@ -144,7 +145,7 @@ class _Job:
     """What every worker of the producer needs."""
 
     ring: Ring
-    dataset: Any
+    dataset: SampleDataset
     dp_ranks: Sequence[int]
     settings: SamplerSettings
     label: str

@@ -20,9 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.data.dataset import SampleDataset
+
 READ_AHEAD_STEPS = 2  # steps ahead of the one being copied: covers a disk read while the slot fills
 
 
+# Any: it reads GPTDataset's and BlendedDataset's own index arrays, where present.
 def sample_ranges(dataset: Any, idx: int) -> list[tuple[str, int, int]]:
     """(``.bin`` path, byte offset, byte length) of every stretch of tokens sample ``idx`` reads,
     in order; [] when the dataset is not one whose files we can see or its indices are not loaded."""
@@ -54,7 +57,7 @@ def sample_ranges(dataset: Any, idx: int) -> list[tuple[str, int, int]]:
 class ReadAhead:
     """Advises the kernel to read samples soon needed; one read-only descriptor per ``.bin`` file."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: SampleDataset) -> None:
         self._dataset = dataset
         self._fds: dict[str, int] = {}
         self.advised_bytes = 0

@@ -13,13 +13,14 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mdsp_base.installer import Installer
 from mdsp_base.section import ConfigError
+from megatron_ext.data.batch import BatchIterator
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.integration.args import extra_args_provider, flag_overrides, plugin_config_from_args
 from megatron_ext.integration.plugin_config import (
     PluginConfig,
@@ -40,7 +41,9 @@ LOCAL_SPEC_ATTRIBUTE = (
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-_iterators: weakref.WeakSet = weakref.WeakSet()  # every iterator built here: get_batch recognises them
+_iterators: weakref.WeakSet[BatchIterator] = (
+    weakref.WeakSet()
+)  # every iterator built here: get_batch recognises them
 _effective: tuple[argparse.Namespace, PluginConfig] | None = None
 _installer: Installer | None = None  # the launcher's, while the upstream script runs
 
@@ -70,7 +73,7 @@ def installer() -> Installer:
     return _installer
 
 
-def own_iterators(iterators: Sequence[Any]) -> None:
+def own_iterators(iterators: Sequence[BatchIterator | None]) -> None:
     """The loaders' producer processes and shared-memory segments end with the upstream run."""
     for iterator in iterators:
         if iterator is not None:
@@ -212,10 +215,10 @@ def _consumed_train_samples(args: argparse.Namespace) -> int:
 
 
 def external_data_iterators(
-    datasets: Sequence[Any],
+    datasets: Sequence[SampleDataset | None],
     args: argparse.Namespace,
     config: PluginConfig | None = None,
-) -> tuple[Iterator[dict[str, torch.Tensor]] | None, ...]:
+) -> tuple[BatchIterator | None, ...]:
     """This rank's train, valid and test iterators over ``datasets`` (None where a dataset is None),
     built with :func:`megatron_ext.data.loader.build_batch_iterator` from Megatron's ``args``: micro
     batch, samples consumed so far (resume), ``--dataloader-type`` single or cyclic as the sampler,
@@ -234,7 +237,7 @@ def external_data_iterators(
         0,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    iterators: list[Any] = []
+    iterators: list[BatchIterator | None] = []
     for name, dataset, start in zip(("train", "valid", "test"), datasets, consumed):
         if dataset is None or (name == "train" and getattr(args, "skip_train", False)):
             iterators.append(None)
@@ -248,6 +251,6 @@ def external_data_iterators(
     return tuple(iterators)
 
 
-def is_plugin_iterator(data_iterator: Any) -> bool:
+def is_plugin_iterator(data_iterator: object) -> bool:
     """Whether ``data_iterator`` (or what Megatron-LM's RerunDataIterator wraps) was built here."""
     return getattr(data_iterator, "iterable", data_iterator) in _iterators
