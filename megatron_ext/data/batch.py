@@ -2,13 +2,9 @@
 
 Keys, dtypes and order are those of Megatron-LM's ``get_batch_on_this_tp_rank``: tokens and labels
 int64, loss_mask float32, position_ids int64, each ``[micro_batch_size, seq_length]``; the attention
-mask, when asked for, is ``[micro_batch_size, 1, s, s]`` bool with True where attention is masked.
-
-With pipeline parallelism (:class:`StageKeys`) a stage's TP group shares the keys Megatron broadcasts
-to it: the first stage tokens, attention_mask, position_ids; the last labels, loss_mask,
-attention_mask; a middle stage none (its ``get_batch`` returns before reading). TP rank 0 keeps
-every key it read, as upstream's ``get_batch_on_this_tp_rank`` leaves it; the other TP ranks get the
-stage's. The dict then holds every key, None where the rank gets nothing, as Megatron's does.
+mask, when asked for, ``[micro_batch_size, 1, s, s]`` bool, True where masked. With pipeline
+parallelism (:class:`StageKeys`) a stage's TP group gets the keys Megatron broadcasts to it and the
+dict holds every key, None where the rank gets nothing, as Megatron's does.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
 """What the ring carries (each sample's token ids, narrow) and how a rank rebuilds Megatron's batch
 from them.
 
-megatron-core's ``GPTDataset.__getitem__`` reads ``seq_length + 1`` token ids per sample (padded
-with the tokenizer's pad id past the corpus' end) and derives everything else from them: tokens and
-labels (the ids shifted by one), the loss mask (0 on EOD tokens with ``eod_mask_loss``, 0 where the
-label is padding), position ids (restarting after each EOD with ``reset_position_ids``), the
-attention mask (documents apart with ``reset_attention_mask``), and finally the padding replaced by
-0. The ring therefore stores only the ids, before that replacement (:class:`TextReader`), in
-``uint16`` where the vocabulary fits and ``int32`` otherwise (:class:`TokenCodec`): 2 bytes per
-token instead of the 32 that five int64/float32/int32 arrays took. Each rank derives the rest where
+megatron-core's ``GPTDataset`` derives tokens, labels, loss mask, position ids and attention mask
+from ``seq_length + 1`` ids per sample. The ring stores only those ids, read before the dataset
+replaces padding (:class:`TextReader`), in ``uint16`` where the vocabulary fits and ``int32``
+otherwise (:class:`TokenCodec`): 2 bytes per token instead of 32. Each rank derives the rest where
 its tokens go (:func:`derive_batch`), on the GPU for a CUDA device.
 """
 

@@ -1,30 +1,12 @@
 """The node's producer: reads every sample the node's ranks need, once, into the ring.
 
-It runs in a process that the node's first rank forks right after every rank has attached, as
-torch's DataLoader forks its workers (with ``os.fork`` itself: multiprocessing refuses children to
-daemonic processes, which launchers and test pools use for ranks): the dataset (memory maps of the
-``.bin``/``.idx`` files and megatron-core's index arrays) is shared copy-on-write instead of being
-pickled, the start costs milliseconds, and the reads (page faults on the memory-mapped ``.bin``,
-which hold the GIL) never stall the training thread of the rank that hosts it. The child touches
-neither CUDA nor torch.distributed.
-
-With ``workers`` > 1 the producer forks that many workers and only supervises them. Worker ``w``
-fills the steps ``s`` with ``s % workers == w``: each step has its own slot (``s % slots``) and its
-own sequence word, so workers publish independently and the ranks still receive every step in
-order. Every worker walks the whole sampler (index arithmetic only) and reads just its own steps'
-samples, so the order is Megatron's whatever the number of workers. For each of its steps a worker
-waits until every rank of the node has released the slot it is about to overwrite, and fills it.
-
-Each sample's token ids go into the ring as read (``token_ids.TextReader``), in the ring's narrow
-type, and each stream's ids of a step are sealed with a checksum before the step is published.
-
-The producer is alive for the ranks while it holds the ring's producer lock (``ring``): the rank
-that forks it takes that lock on a new open file description of the ring file, the child keeps it
-and closes every descriptor it inherited from the rank (whose locks say the rank lives), and its
-workers inherit the producer's. A failure is written into the header, where every rank of the node
-finds and raises it: by the producer itself, or, for a worker, by the producer from the message the
-worker sent it through a pipe (one writer per message area). A worker dies with the producer
-(``PR_SET_PDEATHSIG``).
+The node's first rank forks it (``os.fork``, as torch's DataLoader forks its workers) so that the
+dataset's memory maps are shared copy-on-write, the start costs milliseconds and the reads' page
+faults never stall a training thread; it touches neither CUDA nor torch.distributed. With
+``workers`` > 1 worker ``w`` fills the steps ``s`` with ``s % workers == w``, each in its own slot,
+so the ranks still receive every step in Megatron's order. The producer is alive while it holds the
+ring's producer lock; a failure is written into the header, where every rank finds and raises it.
+Details: docs/shm_data_loader.md, "How it works".
 """
 
 from __future__ import annotations

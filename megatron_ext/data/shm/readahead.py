@@ -1,15 +1,10 @@
 """Read-ahead for the node's producer: the kernel fetches the next steps' samples while it copies.
 
-The producer reads samples through megatron-core's memory map of the ``.bin`` file: each miss is a
-synchronous page fault, taken with the GIL held, so neither threads nor the kernel's own read-around
-(which only sees the current fault) overlap the reads of a shuffled order. ``posix_fadvise(WILLNEED)``
-on the byte ranges of the samples a few steps ahead starts those reads asynchronously, in the kernel,
-without any thread of ours; the page cache then serves the map's faults.
-
-The ranges come from the dataset's own index arrays, as ``GPTDataset`` reads them (megatron-core
-0.16): shuffle index -> sample index (first/last document and offsets) -> document index ->
-the ``.idx`` pointers and lengths; ``BlendedDataset`` picks the dataset first. Read-ahead is advice:
-a dataset it cannot see into (another storage backend) gets none, and reading stays correct.
+A miss on the memory-mapped ``.bin`` is a synchronous page fault taken with the GIL held, and the
+kernel's read-around cannot follow a shuffled order, so ``posix_fadvise(WILLNEED)`` on the byte
+ranges of the samples a few steps ahead starts those reads in the kernel. The ranges come from the
+dataset's own index arrays, as ``GPTDataset`` reads them (megatron-core 0.16). Read-ahead is advice:
+a dataset it cannot see into gets none, and reading stays correct.
 """
 
 from __future__ import annotations
