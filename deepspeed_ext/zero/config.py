@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from enum import StrEnum
 from typing import Annotated
 
@@ -114,6 +115,21 @@ class HierarchicalZeroConfig(Section):
     def grad_bits(self) -> int | None:
         """Bits of the quantized gradient hop (None: not quantized)."""
         return {"int8": 8, "int4": 4}.get(self.quantized_gradients)
+
+    def check_megatron_args(self, args: argparse.Namespace) -> None:
+        """Refuses, at start-up, a Megatron job that trains without DeepSpeed.
+
+        Args:
+            args: Megatron's parsed arguments.
+
+        Raises:
+            ConfigError: naming the flag to change.
+        """
+        if self.enabled and not getattr(args, "deepspeed", False):
+            raise ConfigError(
+                "hierarchical_zero is a DeepSpeed ZeRO-3 variant: pass --deepspeed (Megatron-DeepSpeed); "
+                "Megatron-LM trains without DeepSpeed, so disable hierarchical_zero there"
+            )
 
     @model_validator(mode="after")
     def _hops_across_nodes(self) -> HierarchicalZeroConfig:

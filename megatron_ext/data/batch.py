@@ -2,22 +2,21 @@
 
 Keys, dtypes and order are those of Megatron-LM's ``get_batch_on_this_tp_rank``: tokens and labels
 int64, loss_mask float32, position_ids int64, each ``[micro_batch_size, seq_length]``; the attention
-mask, when asked for, is ``[micro_batch_size, 1, s, s]`` bool with True where attention is masked.
-
-With pipeline parallelism (:class:`StageKeys`) a stage's TP group shares the keys Megatron broadcasts
-to it: the first stage tokens, attention_mask, position_ids; the last labels, loss_mask,
-attention_mask; a middle stage none (its ``get_batch`` returns before reading). TP rank 0 keeps
-every key it read, as upstream's ``get_batch_on_this_tp_rank`` leaves it; the other TP ranks get the
-stage's. The dict then holds every key, None where the rank gets nothing, as Megatron's does.
+mask, when asked for, ``[micro_batch_size, 1, s, s]`` bool, True where masked. With pipeline
+parallelism (:class:`StageKeys`) a stage's TP group gets the keys Megatron broadcasts to it and the
+dict holds every key, None where the rank gets nothing, as Megatron's does.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megatron_ext.data.dataset import SampleDataset
 
 # (key, dtype) in the order Megatron broadcasts them; the attention mask goes between loss_mask
 # and position_ids in that order and is built, never stored.
@@ -104,7 +103,7 @@ class BatchIterator(Protocol):
     def close(self) -> None: ...
 
 
-def sequence_length(dataset: Any) -> int:
+def sequence_length(dataset: SampleDataset) -> int:
     """Tokens per sample of a megatron-core ``GPTDataset`` (or anything with its ``config``)."""
     config = getattr(dataset, "config", None)
     if config is None or not hasattr(config, "sequence_length"):
@@ -114,7 +113,7 @@ def sequence_length(dataset: Any) -> int:
     return int(config.sequence_length)
 
 
-def sample_bytes(dataset: Any) -> int:
+def sample_bytes(dataset: SampleDataset) -> int:
     """Bytes of the ``.bin`` file one sample spans: seq_length (+1 extra label token) tokens."""
     extra = int(getattr(dataset.config, "add_extra_token_to_sequence", True))
     index = getattr(getattr(dataset, "dataset", None), "index", None)

@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
 from mdsp_base.section import ConfigError, Section
 from megatron_ext.data.shm.ring import MAX_WORKERS
+
+if TYPE_CHECKING:  # the samplers import torch; the configuration is read without it
+    from megatron_ext.data.samplers import SamplerKind
+
+MEGATRON_SAMPLERS: dict[str, SamplerKind] = {"single": "single", "cyclic": "random"}
+"""Megatron's ``--dataloader-type`` values the loader takes, and the sampler each one selects."""
+# Megatron flags the loader cannot be combined with.
+_EXCLUSIVE_FLAGS = (
+    "full_validation",
+    "sft",
+    "hybrid_context_parallel",
+    "data_efficiency_curriculum_learning",
+)
 
 
 class ShmDataLoaderConfig(Section):
@@ -25,6 +40,44 @@ class ShmDataLoaderConfig(Section):
     """Directory of the shared-memory segments (a tmpfs)."""
     pinned_ring: bool = False
     """CUDA: copy each step's ids straight from the ring, registered as pinned memory, instead of through a pinned staging buffer (not yet run on a GPU)."""
+
+    def check_megatron_args(self, args: argparse.Namespace) -> None:
+        """Refuses, at start-up, the Megatron settings the loader cannot feed (either upstream).
+
+        Args:
+            args: Megatron's parsed arguments.
+
+        Raises:
+            ConfigError: naming the flag to change.
+        """
+        if not self.enabled:
+            return
+        if getattr(args, "pipeline_model_parallel_size", 1) > 1:
+            if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
+                raise ConfigError(
+                    "shm_data_loader does not feed virtual pipeline stages (one iterator per model "
+                    "chunk): drop --num-layers-per-virtual-pipeline-stage or disable shm_data_loader"
+                )
+            if getattr(args, "mtp_num_layers", None):
+                raise ConfigError(
+                    "shm_data_loader with pipeline parallelism gives the last stage labels and loss "
+                    "mask only, multi-token prediction needs its tokens too: drop --mtp-num-layers "
+                    "or disable shm_data_loader"
+                )
+        for flag in _EXCLUSIVE_FLAGS:
+            if getattr(args, flag, False):
+                raise ConfigError(
+                    f"shm_data_loader cannot be combined with --{flag.replace('_', '-')}: drop one of them"
+                )
+        if getattr(args, "dataloader_type", "single") not in MEGATRON_SAMPLERS:
+            raise ConfigError(
+                f"--dataloader-type {args.dataloader_type} with shm_data_loader: the plugin loader "
+                "replaces the data loader; choose its order with --dataloader-type single or cyclic"
+            )
+        if getattr(args, "ds_sequence_parallel_size", 1) > 1:
+            raise ConfigError(
+                "shm_data_loader does not support --ds-sequence-parallel-size > 1: disable one of them"
+            )
 
 
 def check_shm_dir_at_start(config: ShmDataLoaderConfig) -> list[str]:

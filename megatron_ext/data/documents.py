@@ -1,30 +1,16 @@
-"""Attention masks, and the document boundaries they need, without the dataset's [s, s] mask.
+"""Attention masks built where the tokens live, from per-token document ids, instead of the
+dataset's [1, s, s] mask per sample (64 MiB at s=8192).
 
-megatron-core's GPTDataset builds a [1, s, s] bool mask per sample on the CPU (64 MiB at s=8192).
-Instead every rank builds its micro-batch's mask where its tokens live, from one int32 per token:
-the *document id*, the number of end-of-document tokens strictly before that position. With
-``reset_attention_mask`` a query and a key in different documents are masked, which is what
-upstream's ``_get_ltor_masks_and_position_ids`` does when it masks, after each EOD at ``i``, every
-later row from the columns up to ``i``.
-
-The ids must come from the tokens the dataset built its mask from. ``GPTDataset.__getitem__``
-replaces padding tokens by 0 *after* building the mask, so when the tokenizer's pad id equals its
-EOD (common for Hugging Face tokenizers) the returned tokens hold no EOD at all and a mask rebuilt
-from them keeps documents together. The ring therefore carries the ids as read, before that
-replacement (``token_ids``), and ranks compute the document ids from those.
+A token's *document id* is the number of EOD tokens strictly before it; with
+``reset_attention_mask`` a query and a key in different documents are masked, as upstream's
+``_get_ltor_masks_and_position_ids`` does. The ids come from the tokens before GPTDataset replaces
+padding (docs/shm_data_loader.md, "The attention mask's cost").
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
-
-
-def separates_documents(dataset: Any) -> bool:
-    """The dataset's config asks for ``reset_attention_mask``: masks keep documents apart."""
-    return bool(getattr(getattr(dataset, "config", None), "reset_attention_mask", False))
 
 
 def document_ids(tokens: np.ndarray | torch.Tensor, eod: int) -> np.ndarray | torch.Tensor:

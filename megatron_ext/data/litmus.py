@@ -2,23 +2,10 @@
 
     python -m megatron_ext.data.litmus [--seconds 2] [--cells 4096]
 
-The ring hands a batch over as "write the payload, then the word that announces it" and "read the
-word, then the payload" (``ring``). This runs that pattern in two processes over shared memory,
-with the ring's own word access (an int64 view) and fences (``ordering``): a writer stores round
-``r`` into a cell's data word, then into its flag word (another cache line); a reader loads the
-flag, then the data, and counts a *reordering* whenever the data is older than the flag it already
-saw. It runs once with the fences the ring uses on this machine and once with them switched off,
-after a self-check: a writer that stores the flag before the data, which any CPU shows as
-reordered, so a report of none means the test could have seen one.
-
-- x86-64 keeps stores and loads in program order (total store order): neither run can reorder,
-  and the report says so.
-- aarch64 may reorder both: with the fences off the run shows reorderings where this CPU makes
-  them; with them on it must show none. The test runs at Python's speed (a few million cell
-  visits a second), so a CPU that reorders rarely may show none even with the fences off: the
-  report then says the run was inconclusive, not that the CPU is safe.
-
-Exit status 1 when the fences are on and a reordering was seen: the loader must not run here.
+Two processes run the ring's hand-over pattern over shared memory (payload, then the word that
+announces it; ``ordering``'s fences), once with the fences on and once off, after a self-check that
+shows the test can see a reordering. Exit status 1 when a reordering is seen with the fences on: the
+loader must not run here. What each architecture shows: docs/shm_data_loader.md, "Platforms".
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,8 @@ import torch.distributed as dist
 from mdsp_base.section import ConfigError
 from mdsp_base.topology import Topology
 from megatron_ext.data.batch import BatchIterator, StageKeys
-from megatron_ext.data.config import ShmDataLoaderConfig
+from megatron_ext.data.config import MEGATRON_SAMPLERS, ShmDataLoaderConfig
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.data.samplers import SamplerKind, SamplerSettings
 from megatron_ext.data.shm.node_loader import ShmBatchIterator
 from megatron_ext.data.shm.private import check_shm_dir
@@ -29,7 +30,6 @@ from megatron_ext.data.shm.segment import new_token, resolve_job_id, segment_pat
 from megatron_ext.data.stock import StockBatchIterator
 
 # Megatron's --dataloader-type -> the sampler of megatron_ext.data.samplers
-MEGATRON_SAMPLERS: dict[str, SamplerKind] = {"single": "single", "cyclic": "random"}
 
 
 class RankRecord(NamedTuple):
@@ -45,7 +45,7 @@ class RankRecord(NamedTuple):
     """Its job label; the node's first reading rank's goes into the segment name."""
 
 
-def indexed_prefixes(dataset: Any) -> list[str]:
+def indexed_prefixes(dataset: SampleDataset) -> list[str]:
     """The ``.bin``/``.idx`` prefixes under a megatron-core GPTDataset or BlendedDataset."""
     if hasattr(dataset, "datasets"):  # BlendedDataset
         return [p for d in dataset.datasets for p in indexed_prefixes(d)]
@@ -152,7 +152,7 @@ class LoaderSettings:
         )
 
 
-def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterator:
+def build_batch_iterator(dataset: SampleDataset, settings: LoaderSettings) -> BatchIterator:
     """This rank's micro-batches in Megatron's sampler order from ``settings.consumed_samples`` on.
 
     ``dataset``: the megatron-core ``GPTDataset`` (built on every rank: each needs its length and
@@ -198,7 +198,7 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
     check_platform()  # every rank, before the collective: none is left waiting in it
     check_slots(settings.config, settings.pipeline_stages)
     rank, world = dist.get_rank(), dist.get_world_size()
-    gathered: list[Any] = [None] * world  # each a RankRecord once gathered
+    gathered: list[object] = [None] * world  # each a RankRecord's tuple once gathered
     # The one collective: which DP ranks the node holds, whatever the rank order (tp-cp-ep-dp-pp or
     # other), and a random token per rank: that of the node's first rank names the node's segment, so
     # the name appears nowhere another user can read before that rank creates it; with it goes that
@@ -206,7 +206,7 @@ def build_batch_iterator(dataset: Any, settings: LoaderSettings) -> BatchIterato
     # says whether its stage reads batches.
     mine = RankRecord(settings.dp_rank, new_token(), bool(keys.returned), resolve_job_id(settings.job_id))
     dist.all_gather_object(gathered, tuple(mine))  # a plain tuple: the receiver unpickles no class of ours
-    records = [RankRecord(*r) for r in gathered]
+    records = [RankRecord(*cast(tuple, r)) for r in gathered]
     if not keys.returned:  # a middle pipeline stage: no ring, nothing to wait for
         return StockBatchIterator(
             dataset, order, tp_group=None, dp_rank=settings.dp_rank, keys=keys, device=settings.device

@@ -1,28 +1,11 @@
 """Release/acquire ordering for the ring's words, per machine architecture.
 
-The ring hands data between processes through 8-byte words in shared memory: a writer fills a
-payload (a batch, a message, a pid's start time) and then stores the word that says it is there; a
-reader loads the word and then reads the payload. That is correct only if the payload's stores
-become visible no later than the word's store (*release*) and the reader's payload loads happen no
-earlier than its load of the word (*acquire*). Python has no memory-order primitives, so the ring
-calls :meth:`Fences.release` before each such store and :meth:`Fences.acquire` after each such load.
-
-- **x86-64** keeps stores in program order and loads in program order (total store order): both
-  fences are free, nothing is called.
-- **aarch64** (Grace, Graviton, Ampere) reorders both: the fences are C11's
-  ``atomic_thread_fence(memory_order_release / memory_order_acquire)`` from the system's libatomic
-  (GCC's runtime, present wherever GCC-built software runs: ``libatomic1`` on Debian/Ubuntu,
-  ``libatomic`` on RHEL), called through ctypes. A ctypes call is an opaque function call, so
-  neither the interpreter's C compiler nor the CPU moves the surrounding stores or loads across it.
-  libatomic's out-of-line fence does not look at its order argument: both calls issue a full
-  barrier (``dmb ish``), stronger than release or acquire need, and as correct. No compiler is
-  needed at install time, which a tiny extension module would require on every node image; a call
-  costs about a microsecond, and the ring makes two or three per step and rank. Whether this
-  machine reorders, and whether the fences stop it, is what ``python -m megatron_ext.data.litmus``
-  shows on the node itself; the suite's stress tests run on x86-64, where a missing fence cannot
-  show, so they are no evidence for aarch64.
-- Each word is written with one aligned 8-byte store, which both architectures make single-copy
-  atomic. Other architectures (POWER, RISC-V, ...) are refused: nobody has run the ring there.
+A writer fills a payload and then stores the 8-byte word that announces it; a reader loads the word
+and then the payload. Python has no memory-order primitives, so the ring calls
+:meth:`Fences.release` before each such store and :meth:`Fences.acquire` after each such load: free
+on x86-64 (total store order), libatomic's ``atomic_thread_fence`` through ctypes on aarch64 (no
+compiler needed on the nodes). Other architectures are refused. Why this is enough, and how to check
+a node (``python -m megatron_ext.data.litmus``): docs/shm_data_loader.md, "Platforms".
 """
 
 from __future__ import annotations

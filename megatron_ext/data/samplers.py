@@ -1,24 +1,12 @@
 """The order in which Megatron-LM hands samples to each data-parallel rank, as pure index generators.
 
-These reproduce ``megatron/training/datasets/data_samplers.py`` (tag core_v0.16.1), which is not on
-the package index, so that the stock path and the shared-memory producer can both compute exactly
-what every DP rank would have read:
-
-* ``single`` (``MegatronPretrainingSampler``): from ``consumed_samples`` on, the sample indices are
-  cut into chunks of ``micro_batch_size * dp_size``; DP rank ``r`` takes positions
-  ``[r * mbs, (r + 1) * mbs)`` of each chunk. An incomplete last chunk is dropped unless
-  ``drop_last`` is false. One pass, then the stream ends.
-* ``random`` (``MegatronPretrainingRandomSampler`` under Megatron's ``cyclic`` loader): each epoch
-  is a ``torch.randperm`` drawn from a generator seeded with ``seed + epoch`` (Megatron seeds with the
-  epoch alone, so ``seed=0`` is Megatron's order). With data sharding (Megatron's default) every DP
-  rank permutes its own contiguous bucket; without it, one permutation of the whole set is dealt
-  round-robin. A resume at ``consumed_samples`` starts mid-epoch where the interrupted run stopped.
-  Epochs follow one another without end, as ``cyclic_iter`` re-enters the sampler.
-
-Shuffles stay arrays: each epoch's permutation is one int32 tensor (int64 past 2**31 samples), sliced
-per micro-batch as the stream advances, never a Python list (at 100M samples a list costs seconds
-and gigabytes per stream). Every DP rank draws the same permutation (same seed, same length, with or
-without sharding), so the streams of one node share it through :class:`EpochPermutations`.
+They reproduce ``megatron/training/datasets/data_samplers.py`` (tag core_v0.16.1, not on the package
+index) so that the stock path and the shared-memory producer compute exactly what every DP rank
+would have read: ``single`` (``MegatronPretrainingSampler``, one pass) and ``random``
+(``MegatronPretrainingRandomSampler`` under Megatron's ``cyclic`` loader, an epoch's permutation
+seeded with ``seed + epoch``, endless), both resuming at ``consumed_samples``. Shuffles stay int32
+or int64 tensors sliced per micro-batch, never Python lists (seconds and gigabytes at 100M samples),
+and one node's streams share each epoch's permutation (:class:`EpochPermutations`).
 """
 
 from __future__ import annotations
@@ -50,7 +38,10 @@ def single_pass_batches(
     dp_size: int,
     drop_last: bool = True,
 ) -> Iterator[list[int]]:
-    """Micro-batches of sample indices of DP rank ``dp_rank`` in ``MegatronPretrainingSampler`` order."""
+    """Micro-batches of sample indices of DP rank ``dp_rank`` in ``MegatronPretrainingSampler`` order:
+    from ``consumed_samples`` on, the indices are cut into chunks of ``micro_batch_size * dp_size``
+    and DP rank ``r`` takes positions ``[r * mbs, (r + 1) * mbs)`` of each; an incomplete last chunk
+    is dropped unless ``drop_last`` is false. One pass, then the stream ends."""
     _check(total_samples, micro_batch_size, dp_rank, dp_size)
     if not 0 <= consumed_samples < total_samples:
         raise ValueError(
@@ -107,7 +98,11 @@ def random_batches(
     seed: int = 0,
     permutations: EpochPermutations | None = None,
 ) -> Iterator[list[int]]:
-    """Micro-batches of DP rank ``dp_rank`` in ``MegatronPretrainingRandomSampler`` order, epoch after epoch.
+    """Micro-batches of DP rank ``dp_rank`` in ``MegatronPretrainingRandomSampler`` order, epoch after epoch
+    (as ``cyclic_iter`` re-enters the sampler). Each epoch is a ``torch.randperm`` seeded with
+    ``seed + epoch`` (Megatron seeds with the epoch alone: ``seed=0`` is its order); with
+    ``data_sharding`` every DP rank permutes its own contiguous bucket, without it one permutation of
+    the whole set is dealt round-robin. A resume starts mid-epoch where the interrupted run stopped.
     ``permutations``: a cache shared with the other streams of the process (None: a private one)."""
     _check(total_samples, micro_batch_size, dp_rank, dp_size)
     chunk = micro_batch_size * dp_size

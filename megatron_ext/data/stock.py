@@ -13,11 +13,11 @@ as Megatron does, and a middle stage reads nothing: it only walks the index stre
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import cast
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from megatron_ext.data.batch import (
     STORED_KEYS,
@@ -26,6 +26,7 @@ from megatron_ext.data.batch import (
     sample_bytes,
     sequence_length,
 )
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.data.samplers import BatchSampler, SamplerSettings
 
 
@@ -34,7 +35,7 @@ class StockBatchIterator:
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: SampleDataset,
         settings: SamplerSettings,
         *,
         tp_group: dist.ProcessGroup | None,
@@ -58,7 +59,7 @@ class StockBatchIterator:
         self._loader = (
             iter(
                 DataLoader(
-                    dataset,
+                    cast(Dataset, dataset),  # megatron-core's datasets are torch Datasets
                     batch_sampler=batches,
                     num_workers=num_workers,
                     persistent_workers=num_workers > 0,

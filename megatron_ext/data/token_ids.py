@@ -1,31 +1,29 @@
 """What the ring carries (each sample's token ids, narrow) and how a rank rebuilds Megatron's batch
 from them.
 
-megatron-core's ``GPTDataset.__getitem__`` reads ``seq_length + 1`` token ids per sample (padded
-with the tokenizer's pad id past the corpus' end) and derives everything else from them: tokens and
-labels (the ids shifted by one), the loss mask (0 on EOD tokens with ``eod_mask_loss``, 0 where the
-label is padding), position ids (restarting after each EOD with ``reset_position_ids``), the
-attention mask (documents apart with ``reset_attention_mask``), and finally the padding replaced by
-0. The ring therefore stores only the ids, before that replacement (:class:`TextReader`), in
-``uint16`` where the vocabulary fits and ``int32`` otherwise (:class:`TokenCodec`): 2 bytes per
-token instead of the 32 that five int64/float32/int32 arrays took. Each rank derives the rest where
+megatron-core's ``GPTDataset`` derives tokens, labels, loss mask, position ids and attention mask
+from ``seq_length + 1`` ids per sample. The ring stores only those ids, read before the dataset
+replaces padding (:class:`TextReader`), in ``uint16`` where the vocabulary fits and ``int32``
+otherwise (:class:`TokenCodec`): 2 bytes per token instead of 32. Each rank derives the rest where
 its tokens go (:func:`derive_batch`), on the GPU for a CUDA device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import cast
 
 import numpy as np
 import torch
 
+from megatron_ext.data.dataset import SampleDataset, SampleQuery
 from megatron_ext.data.documents import MaskBuilder, document_ids
 
+_QUERY = "_query_document_sample_shuffle_indices"  # GPTDataset's reader of a sample's ids
 _NARROW_LIMIT = 0xFFFF  # uint16 holds ids below it; the value itself codes a pad id it cannot hold
 
 
-def _gpt_datasets(dataset: Any) -> list[Any]:
+def _gpt_datasets(dataset: SampleDataset) -> list[SampleDataset]:
     """The GPT datasets under ``dataset``: itself, or those a BlendedDataset draws from."""
     return list(getattr(dataset, "datasets", None) or [dataset])
 
@@ -48,7 +46,7 @@ class TextRules:
     """No loss on EOD tokens."""
 
     @classmethod
-    def of(cls, dataset: Any) -> TextRules:
+    def of(cls, dataset: SampleDataset) -> TextRules:
         """The rules of a megatron-core GPTDataset (or of the datasets a BlendedDataset blends,
         which share one config)."""
         config = dataset.config
@@ -92,7 +90,7 @@ class TokenCodec:
         return cls(2 if narrow else 4, pad)
 
     @classmethod
-    def of(cls, dataset: Any) -> TokenCodec:
+    def of(cls, dataset: SampleDataset) -> TokenCodec:
         tokenizer = getattr(dataset.config, "tokenizer", None)
         return cls.for_vocabulary(getattr(tokenizer, "vocab_size", None), TextRules.of(dataset).pad)
 
@@ -147,16 +145,16 @@ class TextReader:
     item (which picks the dataset and sample), keeping the ids the chosen dataset read. Runs in the
     producer, on its forked copy of the dataset."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: SampleDataset) -> None:
         self._dataset = dataset
         self._last: np.ndarray | None = None
-        self._direct = getattr(dataset, "_query_document_sample_shuffle_indices", None)
+        self._direct = getattr(dataset, _QUERY, None)
         if self._direct is not None:
             return
         for d in _gpt_datasets(dataset):
-            d._query_document_sample_shuffle_indices = self._keeping(_query(d))
+            setattr(d, _QUERY, self._keeping(_query(d)))
 
-    def _keeping(self, query: Any) -> Any:
+    def _keeping(self, query: SampleQuery) -> SampleQuery:
         def query_and_keep(idx: int) -> tuple[np.ndarray, np.ndarray]:
             text, documents = query(idx)
             self._last = np.array(text)  # __getitem__ then rewrites the padding in place
@@ -177,8 +175,8 @@ class TextReader:
         return text
 
 
-def _query(dataset: Any) -> Any:
-    query = getattr(dataset, "_query_document_sample_shuffle_indices", None)
+def _query(dataset: SampleDataset) -> SampleQuery:
+    query = getattr(dataset, _QUERY, None)
     if query is None:
         raise TypeError(
             "the node loader reads token ids through GPTDataset._query_document_sample_shuffle_indices, "
@@ -187,9 +185,9 @@ def _query(dataset: Any) -> Any:
     return query
 
 
-def check_readable(dataset: Any) -> None:
+def check_readable(dataset: SampleDataset) -> None:
     """Refuse, before any process starts, a dataset whose ids :class:`TextReader` cannot read."""
-    if not hasattr(dataset, "_query_document_sample_shuffle_indices"):
+    if not hasattr(dataset, _QUERY):
         for d in _gpt_datasets(dataset):
             _query(d)
 

@@ -12,7 +12,7 @@ import enum
 import json
 import types
 import typing
-from typing import Any
+from typing import TypedDict
 
 from pydantic.fields import FieldInfo
 
@@ -41,7 +41,18 @@ def _flag_name(section: str, field: str) -> str:
     return "--" + "-".join(words).replace("_", "-")
 
 
-def _options(field: FieldInfo) -> dict[str, Any] | None:
+class _FlagOptions(TypedDict, total=False):
+    """The keyword arguments of ``add_argument`` a field's flag takes."""
+
+    action: str
+    const: bool
+    choices: list[str]
+    type: type
+    nargs: str
+    help: str
+
+
+def _options(field: FieldInfo) -> _FlagOptions | None:
     """argparse options of a field: its type, its choices (an enum's values), its docstring as the
     help; None for a field no single flag can set (a mapping)."""
     kind, nargs = field.annotation, None
@@ -56,15 +67,17 @@ def _options(field: FieldInfo) -> dict[str, Any] | None:
     if kind is bool:
         return {"action": "store_const", "const": True, "help": help_text}
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        options: dict[str, Any] = {"choices": [member.value for member in kind], "help": help_text}
-    elif kind in _SCALARS:
-        options = {"type": kind, "help": help_text}
+        options = _FlagOptions(choices=[member.value for member in kind], help=help_text)
+    elif isinstance(kind, type) and kind in _SCALARS:
+        options = _FlagOptions(type=kind, help=help_text)
     else:
         return None
-    return {**options, **({"nargs": nargs} if nargs else {})}
+    if nargs:
+        options["nargs"] = nargs
+    return options
 
 
-def _generated_flags() -> dict[str, tuple[str, dict[str, Any]]]:
+def _generated_flags() -> dict[str, tuple[str, _FlagOptions]]:
     flags = {}
     for section in SECTIONS:
         model = PluginConfig.model_fields[section].annotation
@@ -98,12 +111,7 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     return parser
 
 
-def flag_of(field: str) -> str | None:
-    """The flag that sets ``field`` (a dotted path such as "flash_overlap.backend"), or None."""
-    return next((flag for flag, (path, _) in _FLAGS.items() if path == field), None)
-
-
-def flag_overrides(args: argparse.Namespace) -> dict[str, Any]:
+def flag_overrides(args: argparse.Namespace) -> dict[str, object]:
     """The config fields set on the command line."""
     return {
         field: getattr(args, _dest(flag))

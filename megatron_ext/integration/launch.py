@@ -3,29 +3,11 @@
     torchrun --nproc-per-node 4 -m megatron_ext.launch PATH/TO/pretrain_gpt.py [upstream flags...]
     srun -n 4 python -m megatron_ext.launch PATH/TO/pretrain_gpt.py [upstream flags...]
 
-Before the script runs, the launcher
-* sets ``LOCAL_SIZE`` (Megatron-DeepSpeed reads it; torchrun sets ``LOCAL_WORLD_SIZE`` only), and
-  under srun ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE`` from Slurm's variables
-  when they are unset (a variable already set is never changed);
-* puts this interpreter's directories first on ``PATH``: upstream compiles its dataset helper with
-  ``make``, which asks ``python3`` for pybind11 and the extension suffix;
-* adds stand-ins for the modules in :data:`megatron_ext.integration.upstream.standins.STANDINS` that are not installed;
-* on a machine without CUDA: for Megatron-LM :func:`megatron_ext.integration.upstream.scripts_on_cpu.enable`; for
-  Megatron-DeepSpeed (which goes through DeepSpeed's accelerator)
-  :func:`megatron_ext.integration.upstream.scripts_on_cpu.enable_megatron_deepspeed`, one gloo shape rule;
-* gives the suite's loggers (``megatron_ext``, ``deepspeed_ext``) a handler at INFO when they have
-  none, so the effective plugin configuration is printed also where the script configures no logging;
-* wraps ``torch.distributed.init_process_group``: the plugin configuration is checked before the
-  script's process group, NCCL's transport after it (:mod:`megatron_ext.integration.upstream.startup`);
-then runs the script as ``__main__`` with the script's directory first on ``sys.path``, as
-``python pretrain_gpt.py`` would, and undoes the process-wide changes afterwards. When the script
-ends normally (returns, or exits with status 0) it destroys the process groups the script created
-and left: upstream's ``pretrain`` never does, and a backend thread that drops a tensor's last
-reference while the interpreter finalizes cannot take the GIL, which can abort a rank that trained
-successfully ("terminate called without an active exception"). So does a refusal (a
-``ConfigError``: every rank refuses at the same point), which ends as one ``error:`` line from the
-first rank of each node and exit status 2 on every rank, no traceback. Another failing script keeps
-its groups: its peers may still be inside a collective, which a destroy would wait on.
+The upstream scripts assume what a plain ``torchrun`` or ``srun`` does not give them everywhere: the
+launcher sets it up (rendezvous variables, ``PATH``, stand-ins, the CPU mapping, the suite's loggers,
+the start-up checks around ``init_process_group``), runs the script as ``__main__`` and undoes every
+change afterwards. A refusal ends as one ``error:`` line and exit status 2 (docs/integration.md,
+"Launching").
 """
 
 from __future__ import annotations
@@ -225,7 +207,11 @@ def _distributed_started() -> bool:
 
 def _destroy_process_groups() -> None:
     """Destroy every process group while the interpreter is alive: their threads end now, after
-    the work they hold (a script that ends normally has matched every collective)."""
+    the work they hold (a script that ends normally, or refuses on every rank at the same point, has
+    matched every collective). Upstream's ``pretrain`` never does, and a backend thread that drops a
+    tensor's last reference while the interpreter finalizes cannot take the GIL, which can abort a
+    rank that trained ("terminate called without an active exception"). A script that fails
+    otherwise keeps its groups: its peers may still be inside a collective a destroy would wait on."""
     import torch.distributed as dist
 
     if _distributed_started():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from typing import Any, Union
+from typing import Union
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -50,7 +50,7 @@ class PluginConfig(Section):
         return self
 
 
-def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrides: Any) -> PluginConfig:
+def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrides: object) -> PluginConfig:
     """Parse our sections from the DeepSpeed config (path or dict); ``overrides`` are dotted
     field paths such as ``{"shm_data_loader.enabled": True}`` (what Megatron flags set)."""
     raw = read_ds_config(ds_config)
@@ -61,7 +61,7 @@ def load_plugin_config(ds_config: Union[str, os.PathLike, dict, None], **overrid
     for name in SECTIONS:
         if name in raw and not isinstance(raw[name], dict):
             raise ConfigError(f'{name}={raw[name]!r}: must be a JSON object like {{"enabled": true}}')
-    sections: dict[str, Any] = {name: dict(raw.get(name) or {}) for name in SECTIONS}
+    sections: dict[str, dict[str, object]] = {name: dict(raw.get(name) or {}) for name in SECTIONS}
     for path, value in overrides.items():
         section, _, field = path.partition(".")
         if section not in sections or not field:

@@ -11,7 +11,6 @@ upstream launcher make the backend start without it.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 from mdsp_base.installer import Installer
 
@@ -24,7 +23,7 @@ def without_shm_comm_op(installer: Installer) -> None:
 
     backend = sys.modules["deepspeed.comm.torch"]
 
-    def build_shm_op() -> Any:
+    def build_shm_op() -> None:
         return None
 
     installer.setattr(

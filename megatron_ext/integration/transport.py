@@ -1,22 +1,12 @@
 """Which network transport NCCL (or RCCL) picked, read from its init log, checked at start-up.
 
-On Slingshot (Frontier) RCCL and NCCL reach the NICs through libfabric only with the network plugin
-(aws-ofi-rccl / aws-ofi-nccl) on ``LD_LIBRARY_PATH``; without it they fall back to TCP sockets,
-silently and an order of magnitude slower. The same happens on InfiniBand when the IB transport
-cannot start. A job that spans nodes on sockets although a high-speed interface is present stops at
-start-up with one line, or, with ``ALLOW_SOCKET_TRANSPORT=1``, goes on under a loud warning.
-
-How: where the user has not set ``NCCL_DEBUG``, :func:`capture_init_log` asks NCCL for its INIT and
-NET messages in a file per process (``NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET
-NCCL_DEBUG_FILE=<folder>/nccl.%h.%p.log``); once an NCCL process group exists,
-:func:`check_transport` makes its communicator with a barrier and reads the log's ``Using network
-...`` line (after the ``NET/OFI`` plugin's or the ``NET/Socket`` / ``NET/IB`` lines). The main job
-calls both around its process group; the upstream launcher around the script's
-``torch.distributed.init_process_group`` (:mod:`megatron_ext.integration.upstream.startup`). A
-user's own ``NCCL_DEBUG_FILE`` is read instead; ``NCCL_DEBUG`` set without a file prints to the
-job's output, where the job cannot read it: the check is then skipped, saying so. The refusal is a
-:class:`TransportError`, which the main job and the launcher print as one ``error:`` line, exit
-status 2.
+Without the network plugin (aws-ofi-rccl / aws-ofi-nccl) RCCL and NCCL fall back to TCP sockets on
+Slingshot, silently and an order of magnitude slower; so does NCCL when InfiniBand cannot start. A
+job across nodes on sockets although a high-speed interface is present stops at start-up with one
+line (:class:`TransportError`), or goes on under a warning with ``ALLOW_SOCKET_TRANSPORT=1``.
+:func:`capture_init_log` has NCCL write its INIT and NET messages to a file and
+:func:`check_transport` reads its ``Using network ...`` line (docs/slurm.md, "The transport check
+at start-up").
 """
 
 from __future__ import annotations

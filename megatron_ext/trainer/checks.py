@@ -17,6 +17,7 @@ from typing import Any
 from mdsp_base.section import ConfigError, check_deepspeed_sections, read_ds_config
 from megatron_ext.integration.args import plugin_config_from_args
 from megatron_ext.integration.plugin_config import PluginConfig, validate_against_world
+from megatron_ext.trainer.usage_error import UsageError
 
 # Flags that count something: zero or less is never a valid setting.
 POSITIVE = (
@@ -40,10 +41,6 @@ POSITIVE_WHEN_GIVEN = (
     "ffn_hidden_size",
     "recompute_num_layers",
 )
-
-
-class UsageError(ValueError):
-    """Bad flags or environment for the main job."""
 
 
 def _flag(name: str) -> str:

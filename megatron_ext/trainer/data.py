@@ -16,8 +16,8 @@ from mdsp_base.topology import Topology
 from megatron_ext.integration.gpt import padded_vocab_size
 from megatron_ext.integration.plugin_config import PluginConfig
 from megatron_ext.trainer import tokenizer
-from megatron_ext.trainer.checks import UsageError
 from megatron_ext.trainer.tokenizer import tokenizer_digest
+from megatron_ext.trainer.usage_error import UsageError
 
 
 def build_tokenizer(args: argparse.Namespace) -> Any:

@@ -24,10 +24,11 @@ from megatron_ext.integration.core_on_cpu import cpu_support_enabled
 from megatron_ext.integration.plugin_config import log_effective_config
 from megatron_ext.trainer import components as c
 from megatron_ext.trainer import data as d
-from megatron_ext.trainer.checks import UsageError, check_job, env_int
+from megatron_ext.trainer.checks import check_job, env_int
 from megatron_ext.trainer.cli import parse_args
 from megatron_ext.trainer.loop import log, lr_at, train_loop
 from megatron_ext.trainer.notices import StartupNotices, quiet
+from megatron_ext.trainer.usage_error import UsageError
 
 
 def train(

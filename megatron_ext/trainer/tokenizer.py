@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from megatron_ext.trainer.checks import UsageError
+from megatron_ext.trainer.usage_error import UsageError
 
 TOKENIZER_TYPES = ("NullTokenizer", "GPT2BPETokenizer", "HuggingFaceTokenizer")
 EOD_TOKEN = "<|endoftext|>"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ABOVE = ["megatron_ext.integration", "megatron_ext.trainer", "megatron_ext.upstream", "megatron_ext.launch"]
+ABOVE = ["megatron_ext.integration", "megatron_ext.trainer", "megatron_ext.launch"]
 ZERO = "deepspeed_ext.zero"
 PLUGINS = {
     ZERO: ["megatron_ext", *ABOVE],

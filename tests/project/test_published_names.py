@@ -1,11 +1,12 @@
 """The names users type or patched trees import stay where the docs give them, whatever the
-package layout: the four commands run, and ``megatron_ext.upstream.megatron_lm`` /
-``.megatron_deepspeed`` are the integration's modules themselves (one set of hooks, and the
-``--spec`` attributes Megatron-LM reads by name)."""
+package layout: the four commands run, and every module the patches import from the suite
+exists (``megatron_ext.integration.upstream.megatron_lm`` / ``.megatron_deepspeed``: one set of
+hooks, and the ``--spec`` attributes Megatron-LM reads by name)."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,9 +33,12 @@ def test_each_documented_command_runs_under_its_published_name(command, usage):
     assert done.stdout.startswith(usage), done.stdout[:300]
 
 
-@pytest.mark.parametrize("name", ["megatron_lm", "megatron_deepspeed"])
-def test_the_module_names_patched_trees_import_are_the_integrations_modules(name):
-    own = importlib.import_module(f"megatron_ext.integration.upstream.{name}")
-    assert importlib.import_module(f"megatron_ext.upstream.{name}") is own
-    # the patches' form: from megatron_ext.upstream import megatron_lm
-    assert getattr(importlib.import_module("megatron_ext.upstream"), name) is own
+PATCH_IMPORT = re.compile(r"^\+\s*from (megatron_ext[\w.]*) import (\w+)", re.MULTILINE)
+
+
+@pytest.mark.parametrize("patch", sorted((ROOT / "patches").glob("*.patch")), ids=lambda p: p.name)
+def test_the_modules_the_patches_import_exist(patch):
+    imports = PATCH_IMPORT.findall(patch.read_text())
+    assert imports, f"{patch.name} imports nothing from megatron_ext"
+    for package, name in imports:
+        assert importlib.import_module(f"{package}.{name}").__name__ == f"{package}.{name}"

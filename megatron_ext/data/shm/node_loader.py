@@ -1,30 +1,13 @@
 """The per-rank side of the shared-memory node loader: attach to the node's ring, copy batches out.
 
-Set-up, without any store or collective: the node's first rank creates the segment (a private 0700
-directory with an unguessable name holding the 0600 ring, locked, header first, then renamed into
-place), removes dead jobs' segments, registers itself and waits until every rank of the node has
-registered; it then removes the names (the mappings stay valid, so neither a normal exit nor a kill
-leaves a file behind) and forks the producer. The other ranks wait for the name to appear, refuse
-anything that is not their user's own (``segment``) or whose creator is gone, and register.
-Whether a peer lives is always the kernel's answer about that peer's lock on the ring file, never a
-pid (``segment_file``): ranks in different PID namespaces (one container per rank) judge each other
-right. Every wait is bounded by ``timeout_s`` and tied to the peer's life: a rank that finds the
-creator gone (its lock dropped, or its creation abandoned half-way) removes its segment (its name
-came from this job's collective, so it is this job's) and raises at once. x86-64 and aarch64 run it
-(``ordering``).
-
-With pipeline parallelism only first- and last-stage ranks are consumers (``loader`` leaves middle
-stages out); each copies out the keys of its stage (``keys``). A loader dropped without ``close()``
-is closed by its finalizer when it is collected, so its producer never outlives it.
-
-Per step, a rank waits for its slot's sequence word and takes its stream's token ids. On the CPU it
-copies them into a fresh array (a tensor must never view the map: reading it after the map closes
-would crash), checks the checksum and releases the slot; for a CUDA device that array is a pinned
-staging buffer whose copy is queued with ``non_blocking=True``. With ``pinned_ring`` (opt-in: not
-yet run on a GPU) the ring is instead registered once as pinned host memory (``cudaHostRegister``),
-so the ids go straight from the ring to the device (no host copy, no host wait); the slot is
-released once a CUDA event recorded after that copy has completed. Either way the rank then derives Megatron's batch from the ids on its
-device (``token_ids.derive_batch``), attention mask included when asked.
+Set-up needs no store nor collective: the node's first rank creates the segment, waits until every
+rank of the node has registered, removes the names and forks the producer; the others wait for the
+name, check it is their user's own and register. Liveness is the kernel's answer about a peer's lock
+on the ring file (``segment_file``), and every wait is bounded by ``timeout_s`` and tied to the
+peer's life. Per step a rank waits for its slot, copies its stream's ids out (through a pinned
+staging buffer, or straight from the ring with ``pinned_ring``), checks the checksum, releases the
+slot and derives Megatron's batch on its device. The steps and their reasons:
+docs/shm_data_loader.md, "How it works".
 """
 
 from __future__ import annotations
@@ -35,13 +18,13 @@ import time
 import warnings
 import weakref
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 import torch
 
 from megatron_ext.data.batch import LoaderCounters, StageKeys, sequence_length
 from megatron_ext.data.config import ShmDataLoaderConfig
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.data.documents import MaskBuilder
 from megatron_ext.data.samplers import SamplerSettings
 from megatron_ext.data.shm.polling import wait_until
@@ -153,7 +136,7 @@ class ShmBatchIterator:
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: SampleDataset,
         settings: SamplerSettings,
         *,
         config: ShmDataLoaderConfig,
@@ -205,7 +188,9 @@ class ShmBatchIterator:
             self._handle.pinned = _PinnedRing(self._ring, self._device)
 
     # -- set-up ---------------------------------------------------------------------------------
-    def _create_and_start(self, dataset: Any, streams: list[int], settings: SamplerSettings) -> None:
+    def _create_and_start(
+        self, dataset: SampleDataset, streams: list[int], settings: SamplerSettings
+    ) -> None:
         lay = self._layout
         segment = create_segment(self.path, lay.size, lay.header(os.getpid()), peers=lay.consumers > 1)
         self._ring = self._handle.ring = ring = Ring(segment, lay)
@@ -363,6 +348,7 @@ class ShmBatchIterator:
         staging buffer, whose copy to the device is then queued without a host wait (the caching
         host allocator keeps the buffer until that copy has run, so the slot is released at once)."""
         if self._device.type == "cpu":
+            # never a view of the map: a tensor read after the map closes would crash the process
             return torch.from_numpy(rows.copy())
         staged = torch.empty(rows.shape, dtype=_TORCH_DTYPES[rows.dtype], pin_memory=True)
         staged.numpy()[...] = rows

@@ -1,30 +1,12 @@
 """The node's producer: reads every sample the node's ranks need, once, into the ring.
 
-It runs in a process that the node's first rank forks right after every rank has attached, as
-torch's DataLoader forks its workers (with ``os.fork`` itself: multiprocessing refuses children to
-daemonic processes, which launchers and test pools use for ranks): the dataset (memory maps of the
-``.bin``/``.idx`` files and megatron-core's index arrays) is shared copy-on-write instead of being
-pickled, the start costs milliseconds, and the reads (page faults on the memory-mapped ``.bin``,
-which hold the GIL) never stall the training thread of the rank that hosts it. The child touches
-neither CUDA nor torch.distributed.
-
-With ``workers`` > 1 the producer forks that many workers and only supervises them. Worker ``w``
-fills the steps ``s`` with ``s % workers == w``: each step has its own slot (``s % slots``) and its
-own sequence word, so workers publish independently and the ranks still receive every step in
-order. Every worker walks the whole sampler (index arithmetic only) and reads just its own steps'
-samples, so the order is Megatron's whatever the number of workers. For each of its steps a worker
-waits until every rank of the node has released the slot it is about to overwrite, and fills it.
-
-Each sample's token ids go into the ring as read (``token_ids.TextReader``), in the ring's narrow
-type, and each stream's ids of a step are sealed with a checksum before the step is published.
-
-The producer is alive for the ranks while it holds the ring's producer lock (``ring``): the rank
-that forks it takes that lock on a new open file description of the ring file, the child keeps it
-and closes every descriptor it inherited from the rank (whose locks say the rank lives), and its
-workers inherit the producer's. A failure is written into the header, where every rank of the node
-finds and raises it: by the producer itself, or, for a worker, by the producer from the message the
-worker sent it through a pipe (one writer per message area). A worker dies with the producer
-(``PR_SET_PDEATHSIG``).
+The node's first rank forks it (``os.fork``, as torch's DataLoader forks its workers) so that the
+dataset's memory maps are shared copy-on-write, the start costs milliseconds and the reads' page
+faults never stall a training thread; it touches neither CUDA nor torch.distributed. With
+``workers`` > 1 worker ``w`` fills the steps ``s`` with ``s % workers == w``, each in its own slot,
+so the ranks still receive every step in Megatron's order. The producer is alive while it holds the
+ring's producer lock; a failure is written into the header, where every rank finds and raises it.
+Details: docs/shm_data_loader.md, "How it works".
 """
 
 from __future__ import annotations
@@ -39,11 +21,12 @@ import traceback
 import warnings
 from collections import deque
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import cast
 
 import torch
 
 from megatron_ext.data.batch import sample_bytes
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.data.samplers import EpochPermutations, SamplerSettings
 from megatron_ext.data.shm.polling import wait_until
 from megatron_ext.data.shm.readahead import READ_AHEAD_STEPS, ReadAhead
@@ -61,7 +44,7 @@ class ProducerProcess:
     def __init__(
         self,
         ring: Ring,
-        dataset: Any,
+        dataset: SampleDataset,
         dp_ranks: Sequence[int],
         settings: SamplerSettings,
         label: str,
@@ -129,13 +112,13 @@ class ProducerProcess:
         return self.exitcode
 
 
-def _skip_dataset_masks(dataset: Any) -> None:
+def _skip_dataset_masks(dataset: SampleDataset) -> None:
     """Stop the dataset from building attention masks in this (forked) process: the ring carries
     none, ranks build theirs on their own device, and a GPTDataset asked for masks would build a
     [1, s, s] one per sample here (s x s bytes: 64 MiB at s=8192)."""
     for d in (dataset, *getattr(dataset, "datasets", ())):
-        config: Any = getattr(d, "config", None)
-        if getattr(config, "create_attention_mask", False):
+        config = getattr(d, "config", None)
+        if config is not None and getattr(config, "create_attention_mask", False):
             config.create_attention_mask = False
 
 
@@ -144,7 +127,7 @@ class _Job:
     """What every worker of the producer needs."""
 
     ring: Ring
-    dataset: Any
+    dataset: SampleDataset
     dp_ranks: Sequence[int]
     settings: SamplerSettings
     label: str

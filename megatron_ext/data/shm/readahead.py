@@ -1,15 +1,10 @@
 """Read-ahead for the node's producer: the kernel fetches the next steps' samples while it copies.
 
-The producer reads samples through megatron-core's memory map of the ``.bin`` file: each miss is a
-synchronous page fault, taken with the GIL held, so neither threads nor the kernel's own read-around
-(which only sees the current fault) overlap the reads of a shuffled order. ``posix_fadvise(WILLNEED)``
-on the byte ranges of the samples a few steps ahead starts those reads asynchronously, in the kernel,
-without any thread of ours; the page cache then serves the map's faults.
-
-The ranges come from the dataset's own index arrays, as ``GPTDataset`` reads them (megatron-core
-0.16): shuffle index -> sample index (first/last document and offsets) -> document index ->
-the ``.idx`` pointers and lengths; ``BlendedDataset`` picks the dataset first. Read-ahead is advice:
-a dataset it cannot see into (another storage backend) gets none, and reading stays correct.
+A miss on the memory-mapped ``.bin`` is a synchronous page fault taken with the GIL held, and the
+kernel's read-around cannot follow a shuffled order, so ``posix_fadvise(WILLNEED)`` on the byte
+ranges of the samples a few steps ahead starts those reads in the kernel. The ranges come from the
+dataset's own index arrays, as ``GPTDataset`` reads them (megatron-core 0.16). Read-ahead is advice:
+a dataset it cannot see into gets none, and reading stays correct.
 """
 
 from __future__ import annotations
@@ -20,9 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.data.dataset import SampleDataset
+
 READ_AHEAD_STEPS = 2  # steps ahead of the one being copied: covers a disk read while the slot fills
 
 
+# Any: it reads GPTDataset's and BlendedDataset's own index arrays, where present.
 def sample_ranges(dataset: Any, idx: int) -> list[tuple[str, int, int]]:
     """(``.bin`` path, byte offset, byte length) of every stretch of tokens sample ``idx`` reads,
     in order; [] when the dataset is not one whose files we can see or its indices are not loaded."""
@@ -54,7 +52,7 @@ def sample_ranges(dataset: Any, idx: int) -> list[tuple[str, int, int]]:
 class ReadAhead:
     """Advises the kernel to read samples soon needed; one read-only descriptor per ``.bin`` file."""
 
-    def __init__(self, dataset: Any) -> None:
+    def __init__(self, dataset: SampleDataset) -> None:
         self._dataset = dataset
         self._fds: dict[str, int] = {}
         self.advised_bytes = 0

@@ -1,37 +1,13 @@
 """Layout of the node's ring in shared memory, and the polling waits of both sides.
 
-One segment per node: a header, a table with one entry per rank of the node (consumer), a table
-with one entry per slot, then the slots. A slot holds one step: for each distinct DP rank on the
-node (a *stream*) the token ids of its micro-batch's samples, ``seq_length + 1`` per sample as
-GPTDataset reads them (before it replaces padding), in the narrowest type the vocabulary fits
-(:class:`TokenCodec`), after a checksum. Everything else a rank hands its model (labels, position
-ids, loss and attention masks) is derived on the rank from those ids (``derive``). Ranks that share
-a DP rank (TP and CP peers) read the same stream.
-
-Synchronisation is by counters only, no locks: the producer fills slot ``step % slots`` and then
-writes ``step`` into the slot's sequence word; a consumer waits for that word, copies its stream
-out and then stores ``step + 1`` into its own release word; the producer reuses a slot once every
-consumer's release word has passed it. Each word has a single writer and is read and written as one
-aligned 8-byte access through an int64 view of the mapping (``memoryview.cast("q")``: one load or
-store, never ``struct.pack_into``, which zeroes the word before writing it), so a reader sees the
-old value or the new one, never a mix. Every word is created holding its "not yet" value (0, or -1
-for a slot's step) and only ever moves from that to a value that means something: a reader that
-could see a half-way value would still see nothing it could act on, but it cannot.
-
-Every word that announces a payload (a slot's step, a release, a failure) is stored after a release
-fence and read before an acquire fence (``ordering``): free on x86-64, real barriers on aarch64.
-Every wait polls with a short, growing sleep and checks that the other side is alive: each process
-holds a lock on its own byte of the ring file (``segment``: the creator byte 0, the producer
-byte 1, consumer ``c`` byte ``2 + c``) and is alive exactly while the kernel says someone holds it.
-A rank waiting for data gives up after ``timeout_s``; the producer waiting for ranks to release a
-slot waits as long as they live, because a live rank may rightly stop reading for long (a
-validation loader between evaluations, a checkpoint save): it stops when one of them dies (and
-raises) or when all have closed.
-
-The ring's state is not one word that several processes overwrite but one flag per writer, never
-cleared: the producer's failure, the first rank's failure, the first rank's close, the producer's
-start. A failure therefore always wins, whoever writes last, and each writer's message has its own
-area, so the producer's first error reaches every rank even when its parent fails too.
+One segment per node: a header, one entry per consumer rank, one per slot, then the slots. A slot
+holds one step: per DP rank of the node (a *stream*) its micro-batch's token ids, narrow, after a
+checksum; ranks derive everything else from them. Synchronisation is by single-writer counters read
+and written as aligned 8-byte words (release/acquire through ``ordering``), no locks; liveness is a
+lock on one byte of the ring file per process (``segment``). A rank waiting for data gives up after
+``timeout_s``; the producer waits for slots as long as the ranks live. Every failure is a flag of its
+own writer, never cleared, so the first error reaches every rank. Why each rule holds:
+docs/shm_data_loader.md, "How it works".
 """
 
 from __future__ import annotations

@@ -1,22 +1,12 @@
 """The node's shared-memory segment: a private directory, the ring file in it, the space it needs,
 and the clean-up of killed runs' leftovers.
 
-Layout: ``{shm_dir}/mdsp-{user}-{label}-node{n}-{token}/ring``. The node's first rank makes the
-directory (mode 0700); ``token`` is 128 random bits that rank drew and shared with the node's other
-ranks through the loader's one collective, so no other user can guess the name before the
-directory exists, and once it exists nobody else can create, replace or open anything inside it
-(and, ``/dev/shm`` being sticky, nobody else can rename or remove it). Every open goes through
-``private``: no symlink followed, no blocking on a FIFO, type, owner, mode and links checked.
-
-Inside the directory the ring is created mode 0600 as ``ring.tmp{pid}``, locked at once (below),
-sized with ``posix_fallocate`` (a full tmpfs gives ENOSPC at once, not a SIGBUS at first touch) and
-renamed to ``ring`` once its header is written, so a reader never sees a half-made ring. Files are
-opened with ``os.open`` and mapped with ``mmap``: ``multiprocessing.shared_memory`` would register
-them with Python's resource tracker, which may unlink a live segment when an unrelated process that
-attached exits.
-
-Liveness is a lock, never a pid (``segment_file``): a leftover is stale when no one holds any lock
-on any of its files.
+Layout: ``{shm_dir}/mdsp-{user}-{label}-node{n}-{token}/ring``, the directory mode 0700 with a
+128-bit token no other user can guess, every open through ``private``. The ring is created as a
+temporary file, locked, sized with ``posix_fallocate`` (a full tmpfs fails at once, not with a
+SIGBUS later) and renamed once its header is written; it is mapped with ``mmap``, not
+``multiprocessing.shared_memory``, whose resource tracker may unlink a live segment. A leftover is
+stale when no one holds a lock on its files (``segment_file``). Docs: docs/shm_data_loader.md, "Security".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """A ring file as one process holds it: mapped, and locked where that process's life is announced.
 
-Every process that uses a ring holds an open-file-description lock (``fcntl`` ``F_OFD_SETLK``) on a
-byte of the ring file for its whole life, through a descriptor it keeps open (:class:`SegmentFile`);
-the kernel drops the lock when the last descriptor of that open file description closes, i.e. when
-the process (and any child that inherited the descriptor) is gone, however it ended. Anyone with a
-descriptor of the file asks the kernel whether a byte is held (``F_OFD_GETLK``). Unlike pid plus
-start time this holds across PID namespaces (containers that share ``/dev/shm``, one rank per
-container, pid 1 in each), and a reused pid can never pass for a live process.
-
-Two things keep a lock honest: the map goes through an open file description of its own, opened by
-name (:func:`map_apart`; no ``/proc`` needed), since ``mmap`` keeps a duplicate of the descriptor
-it maps and a forked child would inherit that duplicate; and a forked producer closes every lock
-descriptor it inherited (:meth:`SegmentFile.adopt`).
+Every process that uses a ring holds an open-file-description lock (``F_OFD_SETLK``) on a byte of the
+ring file for its whole life (:class:`SegmentFile`); the kernel drops it when the process and any
+child that inherited the descriptor are gone, and anyone with a descriptor asks whether a byte is
+held (``F_OFD_GETLK``). Unlike a pid this holds across PID namespaces and survives pid reuse
+(docs/shm_data_loader.md, "Containers"). The map has an open file description of its own
+(:func:`map_apart`) and a forked producer closes the lock descriptors it inherited
+(:meth:`SegmentFile.adopt`), so no lock outlives its holder.
 """
 
 from __future__ import annotations

@@ -13,14 +13,14 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from mdsp_base.installer import Installer
 from mdsp_base.section import ConfigError
-from megatron_ext.data.loader import MEGATRON_SAMPLERS
+from megatron_ext.data.batch import BatchIterator
+from megatron_ext.data.dataset import SampleDataset
 from megatron_ext.integration.args import extra_args_provider, flag_overrides, plugin_config_from_args
 from megatron_ext.integration.plugin_config import (
     PluginConfig,
@@ -41,7 +41,9 @@ LOCAL_SPEC_ATTRIBUTE = (
 
 ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
 
-_iterators: weakref.WeakSet = weakref.WeakSet()  # every iterator built here: get_batch recognises them
+_iterators: weakref.WeakSet[BatchIterator] = (
+    weakref.WeakSet()
+)  # every iterator built here: get_batch recognises them
 _effective: tuple[argparse.Namespace, PluginConfig] | None = None
 _installer: Installer | None = None  # the launcher's, while the upstream script runs
 
@@ -71,7 +73,7 @@ def installer() -> Installer:
     return _installer
 
 
-def own_iterators(iterators: Sequence[Any]) -> None:
+def own_iterators(iterators: Sequence[BatchIterator | None]) -> None:
     """The loaders' producer processes and shared-memory segments end with the upstream run."""
     for iterator in iterators:
         if iterator is not None:
@@ -153,102 +155,45 @@ def plugin_config(args: argparse.Namespace | None = None) -> PluginConfig:
 
 
 def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
-    """What the hooks cannot honour fails here, at start-up, with the flag to change."""
-    mds = is_megatron_deepspeed(args)
-    if config.shm_data_loader.enabled:
-        if getattr(args, "pipeline_model_parallel_size", 1) > 1:
-            if mds:
-                raise ConfigError(
-                    "shm_data_loader with Megatron-DeepSpeed supports --pipeline-model-parallel-size 1 "
-                    "only: disable shm_data_loader or pipeline parallelism"
-                )
-            if getattr(args, "virtual_pipeline_model_parallel_size", None) is not None:
-                raise ConfigError(
-                    "shm_data_loader does not feed virtual pipeline stages (one iterator per model "
-                    "chunk): drop --num-layers-per-virtual-pipeline-stage or disable shm_data_loader"
-                )
-            if getattr(args, "mtp_num_layers", None):
-                raise ConfigError(
-                    "shm_data_loader with pipeline parallelism gives the last stage labels and loss "
-                    "mask only, multi-token prediction needs its tokens too: drop --mtp-num-layers "
-                    "or disable shm_data_loader"
-                )
-        for flag in (
-            "full_validation",
-            "sft",
-            "hybrid_context_parallel",
-            "data_efficiency_curriculum_learning",
-        ):
-            if getattr(args, flag, False):
-                raise ConfigError(
-                    f"shm_data_loader cannot be combined with --{flag.replace('_', '-')}: drop one of them"
-                )
-        if getattr(args, "dataloader_type", "single") not in MEGATRON_SAMPLERS:
-            raise ConfigError(
-                f"--dataloader-type {args.dataloader_type} with shm_data_loader: the plugin loader "
-                "replaces the data loader; choose its order with --dataloader-type single or cyclic"
-            )
-        if getattr(args, "ds_sequence_parallel_size", 1) > 1:
-            raise ConfigError(
-                "shm_data_loader does not support --ds-sequence-parallel-size > 1: disable one of them"
-            )
-        if mds and getattr(args, "deepspeed", False) and not getattr(args, "no_pipeline_parallel", False):
-            raise ConfigError(
-                "shm_data_loader feeds get_batch, which DeepSpeed's pipeline engine bypasses: "
-                "pass --no-pipeline-parallel"
-            )
-    if config.hierarchical_zero.enabled and not getattr(args, "deepspeed", False):
+    """What the hooks cannot honour fails here, at start-up, with the flag to change: each plugin's
+    checks (beside its configuration) and those that belong to the upstream running."""
+    if is_megatron_deepspeed(args):
+        _check_megatron_deepspeed(args, config)
+    else:
+        _check_megatron_lm(args, config)
+
+
+def _check_megatron_lm(args: argparse.Namespace, config: PluginConfig) -> None:
+    config.shm_data_loader.check_megatron_args(args)
+    config.hierarchical_zero.check_megatron_args(args)
+    spec = getattr(args, "spec", None)
+    if config.flash_overlap.enabled and list(spec or []) != SPEC_FLAG:
         raise ConfigError(
-            "hierarchical_zero is a DeepSpeed ZeRO-3 variant: pass --deepspeed (Megatron-DeepSpeed); "
-            "Megatron-LM trains without DeepSpeed, so disable hierarchical_zero there"
+            f"flash_overlap is enabled but --spec is {spec}: pass "
+            f"--spec {' '.join(SPEC_FLAG)} so that Megatron-LM builds the Flash-Overlap layers"
         )
-    if config.flash_overlap.enabled and mds:
-        # Megatron-DeepSpeed's legacy model: Ulysses attention at TP=1, the TP/SP linears at TP > 1.
-        tp = getattr(args, "tensor_model_parallel_size", 1)
-        ulysses = getattr(args, "ds_sequence_parallel_size", 1) > 1
-        refused = []
-        if ulysses and tp > 1:
-            refused.append(
-                f"its Ulysses attention runs at TP=1 (this job: TP={tp} with --ds-sequence-parallel-size > 1): "
-                "use --tensor-model-parallel-size 1"
-            )
-        if not ulysses and tp == 1:
-            refused.append(
-                "at TP=1 without Ulysses there is nothing to overlap: pass --ds-sequence-parallel-size > 1, "
-                "or --tensor-model-parallel-size > 1 with --sequence-parallel"
-            )
-        if tp > 1 and not getattr(args, "sequence_parallel", False):
-            refused.append(
-                f"its TP linears overlap the sequence-parallel all-gather/reduce-scatter: pass --sequence-parallel (TP={tp})"
-            )
-        if tp > 1 and getattr(args, "enable_zbh1_pipeline", False):
-            refused.append(
-                "the zero-bubble pipeline defers the linears' weight gradients: drop --enable-zbh1-pipeline"
-            )
-        if tp > 1 and (getattr(args, "fp8_e4m3", False) or getattr(args, "fp8_hybrid", False)):
-            refused.append(
-                "fp8 GEMMs are TransformerEngine's, not these linears': drop --fp8-e4m3/--fp8-hybrid"
-            )
-        if tp > 1 and config.flash_overlap.backend == "symm_mem":
-            refused.append('backend "symm_mem" runs in megatron-core\'s linears only: use "p2p" or "auto"')
-        if refused:
-            raise ConfigError(
-                "flash_overlap on Megatron-DeepSpeed: " + "; ".join(refused) + " (or drop --flash-overlap)"
-            )
-    elif config.flash_overlap.enabled:
-        spec = getattr(args, "spec", None)
-        if list(spec or []) != SPEC_FLAG:
-            raise ConfigError(
-                f"flash_overlap is enabled but --spec is {spec}: pass "
-                f"--spec {' '.join(SPEC_FLAG)} so that Megatron-LM builds the Flash-Overlap layers"
-            )
-        # The layers refuse these too; here the message names Megatron-LM's flag.
-        if getattr(args, "tensor_model_parallel_size", 1) > 1 and not getattr(
-            args, "sequence_parallel", False
-        ):
-            raise ConfigError(
-                "flash_overlap overlaps the sequence-parallel collectives: pass --sequence-parallel"
-            )
+    config.flash_overlap.check_megatron_args(args)
+
+
+def _check_megatron_deepspeed(args: argparse.Namespace, config: PluginConfig) -> None:
+    loader = config.shm_data_loader
+    if loader.enabled and getattr(args, "pipeline_model_parallel_size", 1) > 1:
+        raise ConfigError(
+            "shm_data_loader with Megatron-DeepSpeed supports --pipeline-model-parallel-size 1 "
+            "only: disable shm_data_loader or pipeline parallelism"
+        )
+    loader.check_megatron_args(args)
+    if (
+        loader.enabled
+        and getattr(args, "deepspeed", False)
+        and not getattr(args, "no_pipeline_parallel", False)
+    ):
+        raise ConfigError(
+            "shm_data_loader feeds get_batch, which DeepSpeed's pipeline engine bypasses: "
+            "pass --no-pipeline-parallel"
+        )
+    config.hierarchical_zero.check_megatron_args(args)
+    config.flash_overlap.check_legacy_model_args(args)
 
 
 def shm_loader_enabled() -> bool:
@@ -270,10 +215,10 @@ def _consumed_train_samples(args: argparse.Namespace) -> int:
 
 
 def external_data_iterators(
-    datasets: Sequence[Any],
+    datasets: Sequence[SampleDataset | None],
     args: argparse.Namespace,
     config: PluginConfig | None = None,
-) -> tuple[Iterator[dict[str, torch.Tensor]] | None, ...]:
+) -> tuple[BatchIterator | None, ...]:
     """This rank's train, valid and test iterators over ``datasets`` (None where a dataset is None),
     built with :func:`megatron_ext.data.loader.build_batch_iterator` from Megatron's ``args``: micro
     batch, samples consumed so far (resume), ``--dataloader-type`` single or cyclic as the sampler,
@@ -292,7 +237,7 @@ def external_data_iterators(
         0,
     )
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-    iterators: list[Any] = []
+    iterators: list[BatchIterator | None] = []
     for name, dataset, start in zip(("train", "valid", "test"), datasets, consumed):
         if dataset is None or (name == "train" and getattr(args, "skip_train", False)):
             iterators.append(None)
@@ -306,6 +251,6 @@ def external_data_iterators(
     return tuple(iterators)
 
 
-def is_plugin_iterator(data_iterator: Any) -> bool:
+def is_plugin_iterator(data_iterator: object) -> bool:
     """Whether ``data_iterator`` (or what Megatron-LM's RerunDataIterator wraps) was built here."""
     return getattr(data_iterator, "iterable", data_iterator) in _iterators

@@ -7,11 +7,16 @@ import json
 import re
 from pathlib import Path
 
-from megatron_ext.integration.args import flag_of
+from megatron_ext.integration import args
 from megatron_ext.integration.plugin_config import SECTIONS, PluginConfig
 
 KEY_TABLE = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
 HEADER = "| key | default | flag | meaning |"
+
+
+def flag_of(field: str) -> str | None:
+    """The flag that sets ``field`` (a dotted path such as "flash_overlap.backend"), or None."""
+    return next((flag for flag, (path, _) in args._FLAGS.items() if path == field), None)
 
 
 def expected_rows() -> list[str]:
