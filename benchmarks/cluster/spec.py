@@ -282,3 +282,12 @@ def profile(name: str) -> ClusterSpec:
     if name not in PROFILES:
         raise ValueError(f"unknown profile '{name}', choose one of {sorted(PROFILES)}")
     return PROFILES[name]()
+
+
+FRONTIER_NIC_MBIT = 200_000.0
+"""One Slingshot-11 NIC, 25 GB/s (OLCF's Frontier user guide): the emulated NIC is it / dilation."""
+
+
+def dilation_of(spec: ClusterSpec) -> float:
+    """The time dilation that makes the emulated NIC Frontier's: device time is stretched as much."""
+    return FRONTIER_NIC_MBIT / spec.inter_node_mbit

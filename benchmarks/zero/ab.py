@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster.spec import ClusterSpec, frontier_bandwidth, frontier_latency
+from benchmarks.cluster.spec import ClusterSpec, dilation_of, frontier_bandwidth, frontier_latency
 from benchmarks.device import add_device_flags, device_flags
 from benchmarks.zero.regime import emulated
 from benchmarks.zero.run import OUT
@@ -105,15 +105,6 @@ RANK_IMPORTS = [
     "deepspeed_ext.zero.tools.ab.cli",
     "benchmarks.zero.ab",
 ]
-
-
-FRONTIER_NIC_MBIT = 200_000.0
-"""One Slingshot-11 NIC, 25 GB/s (OLCF's Frontier user guide): the emulated NIC is it / dilation."""
-
-
-def dilation_of(spec: ClusterSpec) -> float:
-    """The time dilation that makes the emulated NIC Frontier's: device time is stretched as much."""
-    return FRONTIER_NIC_MBIT / spec.inter_node_mbit
 
 
 def job_config(regime: Regime, spec: ClusterSpec, quick: bool, device: str = "host") -> dict[str, Any]:

@@ -27,6 +27,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from benchmarks.zero import calibration
+from benchmarks.zero.project_tables import PAPER_TOLERANCE, markdown
 from deepspeed_ext.zero.cost.projection import Candidate, Scheme, project
 from deepspeed_ext.zero.cost.search import BASELINES, Rules, evaluate, own_best
 from deepspeed_ext.zero.cost.uncertainty import systems
@@ -37,7 +38,7 @@ from deepspeed_ext.zero.tools.recommend_inputs import measured_costs
 from mdsp_base.shutdown import exit_without_teardown
 
 OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
-TARGET_VS_HPZ, TARGET_VS_ZEROPP, PAPER_TOLERANCE = 1.5, 1.2, 0.20
+TARGET_VS_HPZ, TARGET_VS_ZEROPP = 1.5, 1.2
 PAPER = {"zeropp_vs_zero3": 1.405, "ours_vs_zeropp": 1.71, "ours_scaling_efficiency": 0.94}
 """arXiv 2501.04266's abstract: ZeRO++ +40.5 % TFLOPS per GPU over ZeRO-3, 1.71x its 3-level scheme
 over ZeRO++ (20B, 384 GCDs), and that scheme's 0.94 scaling efficiency to 384 GCDs."""
@@ -135,7 +136,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--name", default="projection")
     parser.add_argument("--profile", type=Path, help="a probe profile: its measured costs and topology")
     args = parser.parse_args(argv)
-    from benchmarks.zero.project_tables import markdown
 
     ds = json.loads(args.ds_config.read_text())
     buckets = Buckets.from_json(ds)
