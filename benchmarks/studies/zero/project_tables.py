@@ -1,4 +1,4 @@
-"""Markdown of the Frontier projection (benchmarks/zero/project.py). Every model figure is computed;
+"""Markdown of the Frontier projection (benchmarks/studies/zero/project.py). Every model figure is computed;
 every published figure names its source."""
 
 from __future__ import annotations
