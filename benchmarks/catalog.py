@@ -1,5 +1,6 @@
-"""Every benchmark entry point under ``benchmarks/``: the steps ``benchmarks.run_all`` runs, with the
-arguments of a full and of a ``--quick`` run, and the reason for each one it never runs itself."""
+"""Every benchmark entry point under ``benchmarks/``: the steps ``benchmarks.run_all`` runs (standing
+benchmarks first, then the one-off studies under ``benchmarks/studies/``), with the arguments of a
+full and of a ``--quick`` run, and the reason for each one it never runs itself."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class Step:
     tables: tuple[str, ...]
     """The markdown files the step writes, relative to the results folder."""
     needs_gpu: bool = False
+    study: bool = False
+    """A one-off study (benchmarks/studies/), not a standing comparison; listed after those."""
     stdout: str | None = None
     """For a benchmark that only prints its figures: where run_all keeps its output (a markdown file)."""
 
@@ -35,12 +38,12 @@ class Step:
 
 # Never a step of their own: each is one rank of another benchmark, started by that benchmark.
 RANKS = {
-    "benchmarks.cluster.p2p": "one rank of the calibration; started by `benchmarks.cluster.calibrate`",
+    "benchmarks.studies.cluster.p2p": "one rank of the calibration; started by `benchmarks.studies.cluster.calibrate`",
     "benchmarks.data_loader.node_rank": "one rank of `benchmarks.data_loader.node`, started by it",
     "benchmarks.flash_overlap.rank": "one rank of `benchmarks.flash_overlap.run` and `.overlap`, started by them",
     "benchmarks.flash_overlap.ulysses_rank": "one rank of `benchmarks.flash_overlap.overlap`'s UP part, started by it",
-    "benchmarks.flash_overlap.launches_rank": "one rank of `benchmarks.flash_overlap.launches`, started by it",
-    "benchmarks.flash_overlap.mds_rank": "one rank of `benchmarks.flash_overlap.mds_layer`, started by it",
+    "benchmarks.studies.flash_overlap.launches_rank": "one rank of `benchmarks.studies.flash_overlap.launches`, started by it",
+    "benchmarks.studies.flash_overlap.mds_rank": "one rank of `benchmarks.studies.flash_overlap.mds_layer`, started by it",
     "benchmarks.run_all": "this script",
     "benchmarks.zero.rank": "one rank of `benchmarks.zero.run`, started by it",
     "benchmarks.zero.nic_bytes": "recomputes the per-NIC bytes of A/B results recorded before the A/B counted them "
@@ -51,15 +54,15 @@ RANKS = {
 def left_out(network: str) -> dict[str, str]:
     """Entry points no step of ``network`` runs, with the reason."""
     out = dict(RANKS)
-    out["benchmarks.flash_overlap.mds_layer"] = (
+    out["benchmarks.studies.flash_overlap.mds_layer"] = (
         "runs a patched Megatron-DeepSpeed checkout on a dataset of the user's (--tree, --data-path), which "
         "the suite does not ship: by hand, command in benchmarks/results/flash_overlap.md"
     )
     if network != "cluster":
-        out["benchmarks.cluster.calibrate"] = (
+        out["benchmarks.studies.cluster.calibrate"] = (
             "measures the emulated cluster's shaped links: `--network cluster` only (root, ip, tc)"
         )
-        out["benchmarks.zero.scale"] = (
+        out["benchmarks.studies.zero.scale"] = (
             "needs the emulated cluster's per-link latency (16 ranks on 8 nodes): `--network cluster` only (root)"
         )
         out["benchmarks.zero.ab"] = (
@@ -71,7 +74,7 @@ def left_out(network: str) -> dict[str, str]:
         out["benchmarks.zero.compute_only"] = (
             "the stand-in's ranks on the emulated cluster (8-32 ranks): `--network cluster` only (root)"
         )
-        out["benchmarks.zero.regime"] = (
+        out["benchmarks.studies.zero.regime"] = (
             "sets Frontier's regime against the emulated cluster's A/B runs: `--network cluster` only (root)"
         )
     return out
@@ -82,10 +85,11 @@ def _projections(quick: bool) -> list[Step]:
     return [
         Step(
             f"Frontier projection of hierarchical ZeRO (computed, 20B preset at TP={tp}, accumulation {ga})",
-            "benchmarks.zero.project",
+            "benchmarks.studies.zero.project",
             ("--tp", str(tp), "--grad-accum", str(ga), "--name", f"projection_tp{tp}_ga{ga}")
             + ("--out", f"{RESULTS_ARG}/zero"),
             (f"zero/projection_tp{tp}_ga{ga}.md",),
+            study=True,
         )
         for tp, ga in cases
     ]
@@ -101,32 +105,36 @@ def _activation_memory(quick: bool) -> list[Step]:
     return [
         Step(
             f"Flash-Overlap activation memory per backend (TP={tp}, h={h}, s={s})",
-            "benchmarks.flash_overlap.activation_memory",
+            "benchmarks.studies.flash_overlap.activation_memory",
             ("--tp", str(tp), "--hidden", str(h), "--heads", str(heads), "--seq", str(s), "--batch", str(b))
             + ("--layers", str(layers), "--out", f"{RESULTS_ARG}/flash_overlap"),
             (f"flash_overlap/activation_memory_tp{tp}_h{h}_s{s}.md",),
+            study=True,
         )
         for tp, h, heads, s, b, layers in cases
     ]
 
 
 def steps(network: str, quick: bool) -> list[Step]:
-    """Every step of a run on ``network``, in order: the computed ones first, then each plugin's."""
+    """Every step of a run on ``network``, in order: the standing benchmarks, each plugin's, then the
+    one-off studies (their order kept: the regime study reads the A/B runs' results)."""
     cluster = network == "cluster"
     fo = "cluster400" if cluster else "loopback"  # flash_overlap's file stem at its default 400 Mbit/s
     tps = ("2",) if quick else ("2", "4")
     calibration = Step(
         "Emulated cluster calibration (frontier profile)",
-        "benchmarks.cluster.calibrate",
+        "benchmarks.studies.cluster.calibrate",
         ("--profile", "frontier", "--json", f"{RESULTS_ARG}/cluster/calibration.json"),
         ("cluster/calibration.md",),
+        study=True,
         stdout="cluster/calibration.md",  # the JSON is for the plot; the printed report is the table
     )
     scale = Step(
         "ZeRO variants at scale: 8 nodes of 2 ranks with per-link latency (emulated cluster)",
-        "benchmarks.zero.scale",
+        "benchmarks.studies.zero.scale",
         ("--quick",) * quick + ("--out", f"{RESULTS_ARG}/zero"),
         (f"zero/scale_8x2{'_quick' if quick else ''}.md",),
+        study=True,
     )
     ab = [
         Step(
@@ -167,12 +175,13 @@ def steps(network: str, quick: bool) -> list[Step]:
     suffix = "_quick" if quick else ""
     regime = Step(
         "The regimes' dimensionless numbers: Frontier's (computed) against both A/B runs'",
-        "benchmarks.zero.regime",
+        "benchmarks.studies.zero.regime",
         (f"{RESULTS_ARG}/zero/ab_frontier{suffix}.json", f"{RESULTS_ARG}/zero/ab_latency{suffix}.json")
         + ("--out", f"{RESULTS_ARG}/zero/regime{suffix}.md"),
         (f"zero/regime{suffix}.md",),
+        study=True,
     )
-    return [
+    ordered = [
         *[calibration] * cluster,
         *_projections(quick),
         Step(
@@ -184,9 +193,10 @@ def steps(network: str, quick: bool) -> list[Step]:
         ),
         Step(
             "ZeRO-3 build and first-step memory per rank: ZeRO-3, hpZ, ours built partitioned and whole (4 CPU ranks)",
-            "benchmarks.zero.memory",
+            "benchmarks.studies.zero.memory",
             ("--repeats", "2" if quick else "5", "--out", f"{RESULTS_ARG}/zero"),
             ("zero/build_memory.md",),
+            study=True,
         ),
         *[scale] * cluster,
         *ab * cluster,
@@ -206,9 +216,10 @@ def steps(network: str, quick: bool) -> list[Step]:
         ),
         Step(
             "Flash-Overlap kernel launches per layer against megatron-core and DistributedAttention (counted)",
-            "benchmarks.flash_overlap.launches",
+            "benchmarks.studies.flash_overlap.launches",
             ("--out", f"{RESULTS_ARG}/flash_overlap"),
             ("flash_overlap/launches.md",),
+            study=True,
         ),
         *_activation_memory(quick),
         Step(
@@ -252,6 +263,7 @@ def steps(network: str, quick: bool) -> list[Step]:
             needs_gpu=True,
         ),
     ]
+    return [s for s in ordered if not s.study] + [s for s in ordered if s.study]
 
 
 def entry_points() -> list[str]:

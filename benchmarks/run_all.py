@@ -25,6 +25,8 @@ from benchmarks.summary_plot import ResultFormatError, plot_summary
 from mdsp_base.shutdown import exit_without_teardown
 
 RESULTS = REPO / "benchmarks" / "results"
+STANDING = "# Standing benchmarks\n\nThe comparisons the suite reruns."
+STUDIES = "# Studies\n\nOne-off studies (`benchmarks/studies/`), each answering one question; their commands reproduce their tables."
 UNCLASSIFIED = "**not classified in benchmarks/catalog.py**: add a step or a reason to leave it out"
 
 
@@ -66,7 +68,9 @@ def _tables(step: Step, results: Path) -> str:
 def write_summary(results: Path, done: list[tuple[Step, str]], skipped: dict[str, str], command: str) -> Path:
     """``summary.md``: each step's status and tables, then every entry point left out and why."""
     parts = ["# Benchmark results", "", f"Written by `{command}`.", ""]
-    for step, status in done:
+    for index, (step, status) in enumerate(done):
+        if index == 0 or step.study != done[index - 1][0].study:
+            parts += [STUDIES if step.study else STANDING, ""]
         parts += [f"## {step.title}", "", f"`{_shown(step)}`: {status}", "", _tables(step, results), ""]
     parts += ["## Entry points not run", "", "| module | why |", "|---|---|"]
     parts += [f"| `{module}` | {why} |" for module, why in sorted(skipped.items())]
@@ -104,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         help="fewer repetitions and sizes (about half an hour on 2 busy cores)",
     )
     parser.add_argument(
-        "--only", nargs="+", metavar="MODULE", help="run these entry points only (e.g. zero.project)"
+        "--only",
+        nargs="+",
+        metavar="MODULE",
+        help="run these entry points only (e.g. zero.run, studies.zero.project)",
     )
     parser.add_argument(
         "--summary-only",

@@ -1,6 +1,6 @@
 """Emulated multi-node cluster on one host: network namespaces with tc-shaped links per link class.
 
-Calibration lives in benchmarks.cluster.calibrate (not imported here so `python -m` runs it cleanly).
+Calibration lives in benchmarks.studies.cluster.calibrate (not imported here so `python -m` runs it cleanly).
 """
 
 from multirank.processes import write_result

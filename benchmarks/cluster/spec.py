@@ -256,7 +256,7 @@ def frontier_bandwidth(nodes: int = 4, packages_per_node: int = 1, shared_nic: b
     """The frontier profile's rates with no delay added: each algorithm step then costs what the
     host's processes and kernel take (a few ms with 8 ranks on 2 cores, measured by the probe), so
     a message of ~1 MB is some hundred times the inter-node latency x bandwidth product, as a 20B
-    step's ~100 MB are on Frontier (``python -m benchmarks.zero.regime``). Default layout: 4 nodes
+    step's ~100 MB are on Frontier (``python -m benchmarks.studies.zero.regime``). Default layout: 4 nodes
     of one MI250X each (2 ranks sharing one NIC)."""
     return replace(frontier(nodes, packages_per_node, shared_nic), name="frontier_bandwidth")
 
@@ -282,3 +282,12 @@ def profile(name: str) -> ClusterSpec:
     if name not in PROFILES:
         raise ValueError(f"unknown profile '{name}', choose one of {sorted(PROFILES)}")
     return PROFILES[name]()
+
+
+FRONTIER_NIC_MBIT = 200_000.0
+"""One Slingshot-11 NIC, 25 GB/s (OLCF's Frontier user guide): the emulated NIC is it / dilation."""
+
+
+def dilation_of(spec: ClusterSpec) -> float:
+    """The time dilation that makes the emulated NIC Frontier's: device time is stretched as much."""
+    return FRONTIER_NIC_MBIT / spec.inter_node_mbit

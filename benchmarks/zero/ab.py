@@ -5,7 +5,7 @@
   python -m benchmarks.zero.ab --quick               (a smoke test: small sweep, tiny model, 5 timed steps)
   python -m benchmarks.zero.ab --quick --warm        (its ranks forked after their imports: the suite's run)
 
-Two regimes (``python -m benchmarks.zero.regime`` prints their dimensionless numbers against
+Two regimes (``python -m benchmarks.studies.zero.regime`` prints their dimensionless numbers against
 Frontier's): ``frontier`` (benchmarks.cluster.spec.frontier_bandwidth: Frontier's rate ratios, no
 delay added, a micro-batch whose compute outweighs the communication as a 20B step's does on
 Frontier) and ``latency`` (frontier_latency: delays 1000x Frontier's, a small batch). Three launches
@@ -31,9 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster.spec import ClusterSpec, frontier_bandwidth, frontier_latency
+from benchmarks.cluster.spec import ClusterSpec, dilation_of, frontier_bandwidth, frontier_latency
 from benchmarks.device import add_device_flags, device_flags
-from benchmarks.zero.regime import emulated
+from benchmarks.zero.link_regime import emulated
 from benchmarks.zero.run import OUT
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
 from deepspeed_ext.zero.cost.profile import Profile, parse
@@ -76,7 +76,7 @@ class Regime:
 REGIMES = {
     # hidden 256: modules of ~1 MB, ~200x the inter-node latency x bandwidth product the probe
     # measures with no delay added (1.6 ms x 2.9 MB/s); 48 x 256 tokens per rank: compute ~1-2x the
-    # communication, as the best 20B plans' on Frontier (python -m benchmarks.zero.regime)
+    # communication, as the best 20B plans' on Frontier (python -m benchmarks.studies.zero.regime)
     "frontier": Regime(
         lambda nodes, packages: frontier_bandwidth(nodes, packages),
         model=(*MODEL, "--hidden", "256", "--seq-length", "256"),
@@ -105,15 +105,6 @@ RANK_IMPORTS = [
     "deepspeed_ext.zero.tools.ab.cli",
     "benchmarks.zero.ab",
 ]
-
-
-FRONTIER_NIC_MBIT = 200_000.0
-"""One Slingshot-11 NIC, 25 GB/s (OLCF's Frontier user guide): the emulated NIC is it / dilation."""
-
-
-def dilation_of(spec: ClusterSpec) -> float:
-    """The time dilation that makes the emulated NIC Frontier's: device time is stretched as much."""
-    return FRONTIER_NIC_MBIT / spec.inter_node_mbit
 
 
 def job_config(regime: Regime, spec: ClusterSpec, quick: bool, device: str = "host") -> dict[str, Any]:
@@ -183,7 +174,7 @@ def auto_check(first: Profile, second: Profile) -> list[dict[str, Any]]:
 
 
 def dimensionless(rows: list[dict], profile: Profile) -> dict[str, Any]:
-    """The run's regime numbers (:func:`benchmarks.zero.regime.emulated`), or why they could not be
+    """The run's regime numbers (:func:`benchmarks.zero.link_regime.emulated`), or why they could not be
     placed: the run's own figures are written either way."""
     try:
         return emulated(rows, profile, FRONTIER_RCCL)

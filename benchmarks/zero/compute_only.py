@@ -20,8 +20,9 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from benchmarks.cluster.spec import dilation_of
 from benchmarks.device import add_device_flags, device_flags
-from benchmarks.zero.ab import RANK_IMPORTS, REGIMES, dilation_of, job_config
+from benchmarks.zero.ab import RANK_IMPORTS, REGIMES, job_config
 from benchmarks.zero.run import OUT
 from mdsp_base.shutdown import exit_without_teardown
 from multirank.warm import WarmLauncher

@@ -1,6 +1,6 @@
 """One rank of the ZeRO benchmark: ZeRO-3, ZeRO++ hpZ and the hierarchical variant, side by side.
 
-Started by ``benchmarks.zero.run`` or ``benchmarks.zero.scale`` on every rank (emulated cluster or
+Started by ``benchmarks.zero.run`` or ``benchmarks.studies.zero.scale`` on every rank (emulated cluster or
 loopback). For each accumulation value in ``--micro`` (one result each, in a list) every engine is
 built once, then their steps interleave (ZeRO-3, hpZ(2), ours(package), hpZ(4), ours(node), ...)
 so that a change of host load hits all alike. Each step is timed between barriers. Per step and
@@ -37,6 +37,7 @@ from torch.profiler import record_function
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.device import StandIn, add_device_flags, stand_in
 from benchmarks.zero.variants import Question, param_count, variant_configs
+from deepspeed_ext.zero.tools.ab.model import mlp
 from mdsp_base import comm
 from mdsp_base.allocations import AllocationTrace
 from mdsp_base.paired import MIN_PAIRS
@@ -44,23 +45,16 @@ from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Topology
 
 
-def model(hidden: int, layers: int) -> torch.nn.Module:
-    torch.manual_seed(0)
-    blocks: list[torch.nn.Module] = []
-    for _ in range(layers):
-        blocks += [torch.nn.Linear(hidden, hidden), torch.nn.Tanh()]
-    return torch.nn.Sequential(*blocks)
-
-
-def build(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace) -> Any:
+def build(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> Any:
+    """The engine of ``cfg`` over the benchmark's MLP: ``--layers`` square layers of ``--hidden``."""
     import deepspeed
     from deepspeed.utils import groups
 
     from deepspeed_ext import zero
 
     groups.mpu, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None, None
-    net = model(args.hidden, args.layers)
-    if kind == "ours":
+    net = mlp([args.hidden] * (args.layers + 1), tanh_last=True)
+    if ours:
         cfg["hierarchical_zero"]["enabled"] = True
         engine, *_ = zero.initialize(
             model=net, config=cfg, topology=topology, model_parameters=net.parameters()
@@ -130,12 +124,12 @@ def one_step(
     return time.perf_counter() - start, held
 
 
-def peak_bytes(kind: str, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
+def peak_bytes(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
     """Most bytes the rank held at once during a fresh engine's second step (the other engines idle),
     read from the allocator's running total."""
     counter = comm.CommCounter(topology)
     with AllocationTrace() as trace:
-        engine = build(kind, copy.deepcopy(cfg), topology, args)
+        engine = build(ours, copy.deepcopy(cfg), topology, args)
         one_step(engine, counter, 0, args)
         with record_function("measured step"):
             one_step(engine, counter, 1, args)
@@ -219,11 +213,11 @@ def main() -> None:
 
 
 def measure(
-    configs: dict[str, tuple[str, dict]], topology: Topology, args: argparse.Namespace, on_cluster: bool
+    configs: dict[str, tuple[bool, dict]], topology: Topology, args: argparse.Namespace, on_cluster: bool
 ) -> dict[str, Any]:
     """Build every engine, interleave their steps, charge each one's last step to the physical
     links, then (unless --no-peak or on a stand-in) measure each one's peak."""
-    engines = {name: build(kind, copy.deepcopy(cfg), topology, args) for name, (kind, cfg) in configs.items()}
+    engines = {name: build(ours, copy.deepcopy(cfg), topology, args) for name, (ours, cfg) in configs.items()}
     counters = {name: comm.CommCounter(topology) for name in engines}
     devices = {name: stand_in(args) for name in engines}  # one each: its charged seconds are its own
     record: dict[str, dict[str, Any]] = {
@@ -248,10 +242,10 @@ def measure(
                     record[name]["wire"].append({k: after[k] - before[k] for k in after})
                 counts[name] = counters[name].snapshot()
     del engines  # the next accumulation value's engines replace them
-    for name, (kind, cfg) in configs.items():
+    for name, (ours, cfg) in configs.items():
         record[name]["nic"] = comm.nic_bytes_per_step(counters[name], 1)  # the last step's
         measured = not args.no_peak and devices[name] is None
-        record[name]["peak"] = peak_bytes(kind, cfg, topology, args) if measured else None
+        record[name]["peak"] = peak_bytes(ours, cfg, topology, args) if measured else None
     return {
         "record": record,
         "counts": counts,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cluster.spec import frontier
+from benchmarks.cluster.spec import dilation_of, frontier
 from benchmarks.device import add_device_flags, device_flags
 from benchmarks.zero.run_report import markdown, notes, paired
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
@@ -269,8 +269,6 @@ def main() -> None:
         check_keys(rank_args)
         check_pairs(parser, args, rank_args)
         if args.device != "host":
-            from benchmarks.zero.ab import dilation_of  # here: ab imports this module
-
             if args.dilation is None:  # the cluster's links (the loopback twin takes the same)
                 args.dilation = dilation_of(frontier(shared_nic=not args.own_nic))
             rank_args += device_flags(args)

@@ -1,7 +1,7 @@
 """The engines ``benchmarks.zero.rank`` compares and their DeepSpeed configs.
 
 The levels set (``benchmarks.zero.run``): ZeRO-3, hpZ and ours at the package and node levels. The
-scale set (``benchmarks.zero.scale``), all at the same secondary memory: every variant that keeps a secondary weight copy keeps it over the ranks of one node: hpZ with
+scale set (``benchmarks.studies.zero.scale``), all at the same secondary memory: every variant that keeps a secondary weight copy keeps it over the ranks of one node: hpZ with
 ``zero_hpz_partition_size`` = ranks per node, ours with ``secondary_level: node``, so each holds
 ``1 / ranks per node`` of the weights besides its primary partition.
 """
@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
 
+from deepspeed_ext.zero.tools.ab.variants import Variant
 from mdsp_base.topology import Level, Topology
-
-Role = Literal["flat", "hpz", "zero++", "serial", "pipelined"]
 
 
 class Question(StrEnum):
@@ -34,20 +31,6 @@ class Question(StrEnum):
     backward gathers read its secondary copy)."""
 
 
-@dataclass(frozen=True)
-class Variant:
-    """One engine: stock DeepSpeed or ours, with the keys that make it this variant."""
-
-    kind: Literal["stock", "ours"]
-    """Which initialize builds it."""
-    role: Role
-    """What it stands for in the targets."""
-    zero: dict[str, object] = field(default_factory=dict)
-    """Extra zero_optimization keys."""
-    hierarchical: dict[str, object] = field(default_factory=dict)
-    """hierarchical_zero keys (ours only)."""
-
-
 def scale_variants(
     ranks_per_node: int, chunks: int, algorithms: list[str], question: Question = Question.ALL
 ) -> dict[str, Variant]:
@@ -55,47 +38,52 @@ def scale_variants(
     (hpZ with our quantized hops), ours with serial hops and ours pipelined with each algorithm
     across nodes."""
     serial = {"inter_node_algorithm": "ring", "pipeline_chunks": 1}
+    zero3 = Variant("zero3", ours=False, role="flat")
+    hpz = Variant(
+        f"hpZ({ranks_per_node})", ours=False, zero={"zero_hpz_partition_size": ranks_per_node}, role="hpz"
+    )
+    ours_serial = Variant("ours serial (ring, 1 chunk)", ours=True, hierarchical=serial, role="serial")
     if question == Question.ALGORITHM:
-        return {
-            f"ours ({algorithm}, 1 chunk)": Variant(
-                "ours", "serial", hierarchical={"inter_node_algorithm": algorithm, "pipeline_chunks": 1}
+        out = [
+            Variant(
+                f"ours ({algorithm}, 1 chunk)",
+                ours=True,
+                hierarchical={"inter_node_algorithm": algorithm, "pipeline_chunks": 1},
+                role="serial",
             )
             for algorithm in ("ring", "recursive")
-        }
-    if question == Question.PIPELINING:
-        return {
-            f"ours ({algorithms[0]}, {c} chunk{'s' if c > 1 else ''})": Variant(
-                "ours",
-                "pipelined",
+        ]
+    elif question == Question.PIPELINING:
+        out = [
+            Variant(
+                f"ours ({algorithms[0]}, {c} chunk{'s' if c > 1 else ''})",
+                ours=True,
                 hierarchical={"inter_node_algorithm": algorithms[0], "pipeline_chunks": c},
+                role="pipelined",
             )
             for c in (1, chunks)
-        }
-    if question == Question.BASELINES:
-        return {
-            "zero3": Variant("stock", "flat"),
-            f"hpZ({ranks_per_node})": Variant("stock", "hpz", {"zero_hpz_partition_size": ranks_per_node}),
-            "ours serial (ring, 1 chunk)": Variant("ours", "serial", hierarchical=serial),
-        }
-    out = {
-        "zero3": Variant("stock", "flat"),
-        f"hpZ({ranks_per_node})": Variant("stock", "hpz", {"zero_hpz_partition_size": ranks_per_node}),
+        ]
+    elif question == Question.BASELINES:
+        out = [zero3, hpz, ours_serial]
+    else:
         # DeepSpeed's qwZ / qgZ are CUDA kernels: on CPU, ZeRO++ is our engine with hpZ's node-level
         # secondary copy, serial hops, and our int8 weight / int4 gradient hops across nodes.
-        f"zero++ (hpZ({ranks_per_node}) + our int8/int4 hops)": Variant(
-            "ours",
-            "zero++",
+        zeropp = Variant(
+            f"zero++ (hpZ({ranks_per_node}) + our int8/int4 hops)",
+            ours=True,
             hierarchical={**serial, "quantized_weights": True, "quantized_gradients": "int4"},
-        ),
-        "ours serial (ring, 1 chunk)": Variant("ours", "serial", hierarchical=serial),
-    }
-    for algorithm in algorithms:
-        out[f"ours pipelined ({algorithm}, {chunks} chunks)"] = Variant(
-            "ours",
-            "pipelined",
-            hierarchical={"inter_node_algorithm": algorithm, "pipeline_chunks": chunks},
+            role="zero++",
         )
-    return out
+        out = [zero3, hpz, zeropp, ours_serial] + [
+            Variant(
+                f"ours pipelined ({algorithm}, {chunks} chunks)",
+                ours=True,
+                hierarchical={"inter_node_algorithm": algorithm, "pipeline_chunks": chunks},
+                role="pipelined",
+            )
+            for algorithm in algorithms
+        ]
+    return {v.name: v for v in out}
 
 
 def param_count(args: argparse.Namespace) -> int:
@@ -137,27 +125,27 @@ def ds_config(
     }
 
 
-def variant_configs(args: argparse.Namespace, topology: Topology) -> dict[str, tuple[str, dict]]:
-    """The engines to compare, by name: (stock or ours, DeepSpeed config)."""
+def variant_configs(args: argparse.Namespace, topology: Topology) -> dict[str, tuple[bool, dict]]:
+    """The engines to compare, by name: (ours or stock DeepSpeed, DeepSpeed config)."""
     node, package = topology.ranks_per_node, topology.ranks_per_package
     if args.variant_set == "scale":
-        configs: dict[str, tuple[str, dict]] = {}
+        configs: dict[str, tuple[bool, dict]] = {}
         for name, variant in scale_variants(node, args.chunks, args.algorithms, args.question).items():
             cfg = ds_config(args, topology, Level.NODE, **variant.zero)
             cfg["hierarchical_zero"].update(variant.hierarchical)
-            configs[name] = (variant.kind, cfg)
+            configs[name] = (variant.ours, cfg)
         return configs
     # ZeRO++ hpZ next to ours at the same secondary memory: hpZ(package size) and hpZ(node size).
-    configs: dict[str, tuple[str, dict]] = {
-        "zero3": ("stock", ds_config(args, topology)),
-        f"zero++ hpZ({package})": ("stock", ds_config(args, topology, zero_hpz_partition_size=package)),
-        "ours (package)": ("ours", ds_config(args, topology, Level.PACKAGE)),
-        f"zero++ hpZ({node})": ("stock", ds_config(args, topology, zero_hpz_partition_size=node)),
-        "ours (node)": ("ours", ds_config(args, topology, Level.NODE)),
+    configs: dict[str, tuple[bool, dict]] = {
+        "zero3": (False, ds_config(args, topology)),
+        f"zero++ hpZ({package})": (False, ds_config(args, topology, zero_hpz_partition_size=package)),
+        "ours (package)": (True, ds_config(args, topology, Level.PACKAGE)),
+        f"zero++ hpZ({node})": (False, ds_config(args, topology, zero_hpz_partition_size=node)),
+        "ours (node)": (True, ds_config(args, topology, Level.NODE)),
     }
     for item in args.ours_variant:
         name, _, keys = item.partition("=")
         cfg = ds_config(args, topology, Level.PACKAGE)
         cfg["hierarchical_zero"].update(json.loads(keys))
-        configs[f"ours ({name})"] = ("ours", cfg)
+        configs[f"ours ({name})"] = (True, cfg)
     return configs

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from deepspeed_ext.zero.cost.workload import Model, Recompute
+from mdsp_base.gpt_flops import gpt_flops
 from megatron_ext.integration.gpt import gpt_loss
 from megatron_ext.trainer.components import plugin_figures
 from megatron_ext.trainer.iteration_log import Interval, iteration_line, loss_scale
@@ -136,8 +136,7 @@ def iteration_flops(args: argparse.Namespace, engine: Any, global_batch: int) ->
     arXiv 2104.04473, eq. 3, without recomputation), over the padded vocabulary the model holds."""
     weight = engine.module.embedding.word_embeddings.weight
     vocab = getattr(weight, "ds_shape", weight.shape)[0] * ps.get_tensor_model_parallel_world_size()
-    model = Model(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length, vocab)
-    return model.flops(global_batch, Recompute.NONE)
+    return gpt_flops(global_batch, args.seq_length, args.num_layers, args.hidden_size, vocab)
 
 
 def peak_memory_gb(device: torch.device) -> float:

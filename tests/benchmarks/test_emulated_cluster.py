@@ -11,9 +11,9 @@ from collections.abc import Iterator
 import pytest
 
 from benchmarks.cluster import ClusterSpec, ClusterUnavailable, EmulatedCluster, RankFailure, netns
-from benchmarks.cluster.calibrate import calibrate, main, shared_nic_flows
 from benchmarks.cluster.spec import frontier, frontier_latency, generic
-from benchmarks.zero.scale import answers, targets
+from benchmarks.studies.cluster.calibrate import calibrate, main, shared_nic_flows
+from benchmarks.studies.zero.scale import answers, targets
 from benchmarks.zero.variants import Question, scale_variants
 from deepspeed_ext.zero.config import HierarchicalZeroConfig
 from multirank.warm import WarmLauncher
@@ -73,7 +73,7 @@ def test_latency_spec_and_the_scale_benchmark_variants() -> None:
     ]
     assert variants["hpZ(2)"].zero == {"zero_hpz_partition_size": 2}  # = ours' node-level secondary
     for v in variants.values():
-        if v.kind == "ours":  # every key is one the engine's config has
+        if v.ours:  # every key is one the engine's config has
             HierarchicalZeroConfig(enabled=True, secondary_level="node", **v.hierarchical)
     rows = {
         "hpZ(2)": {"role": "hpz", "median": 3.0},
@@ -99,10 +99,10 @@ def test_each_question_runs_variants_that_differ_in_that_alone() -> None:
         {"inter_node_algorithm": "ring", "pipeline_chunks": 4},
     ]
     baselines = scale_variants(2, 4, ["ring"], Question.BASELINES)
-    assert [(v.kind, v.zero) for v in baselines.values()] == [
-        ("stock", {}),
-        ("stock", {"zero_hpz_partition_size": 2}),
-        ("ours", {}),
+    assert [(v.ours, v.zero) for v in baselines.values()] == [
+        (False, {}),
+        (False, {"zero_hpz_partition_size": 2}),
+        (True, {}),
     ]
     # a ratio is claimed only where the min-max ranges do not overlap
     rows = {
@@ -151,7 +151,9 @@ def shaped(measured_mbit: float, rate_mbit: float) -> bool:
 def warm() -> Iterator[WarmLauncher]:
     """Ranks forked after importing torch.distributed (the link tests' ranks: what they measure is the
     links, and test_a_warm_launch_puts_each_rank_in_its_namespace_as_a_cold_one_does checks the ranks)."""
-    with WarmLauncher(dict(os.environ), preload=["torch.distributed", "benchmarks.cluster.p2p"]) as launcher:
+    with WarmLauncher(
+        dict(os.environ), preload=["torch.distributed", "benchmarks.studies.cluster.p2p"]
+    ) as launcher:
         yield launcher
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.flash_overlap.launches_rank import ulysses_launches
+from benchmarks.studies.flash_overlap.launches_rank import ulysses_launches
 
 
 def _count(method: str) -> dict:

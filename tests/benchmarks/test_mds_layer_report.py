@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.flash_overlap.mds_layer import launch_step_ms, report
+from benchmarks.studies.flash_overlap.mds_layer import launch_step_ms, report
 
 ARGS = {"hidden": 768, "heads": 12, "ffn": 3072, "seq": 384, "batch": 1, "mbit": 400.0, "repeats": 3}
 ARGS |= {"iters": 8, "warmup": 2}

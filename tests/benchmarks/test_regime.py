@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.zero.regime import Message, frontier_messages, link_regimes, weighted_median
+from benchmarks.studies.zero.regime import frontier_messages
+from benchmarks.zero.link_regime import Message, link_regimes, weighted_median
 from deepspeed_ext.zero.cost.collectives import Algorithm as A
 from deepspeed_ext.zero.cost.collectives import AlgorithmFit, CollectiveCosts
 from deepspeed_ext.zero.cost.collectives import Operation as Op

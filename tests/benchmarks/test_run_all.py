@@ -24,7 +24,7 @@ from benchmarks.summary_plot import ResultFormatError, plot_summary
 
 # A hang guard, not a speed target: the run takes about 45 s on 2 idle cores.
 RUN_GUARD_S = 480
-CHEAPEST = ["zero.project", "flash_overlap.activation_memory", "data_loader.sampler_setup"]
+CHEAPEST = ["studies.zero.project", "studies.flash_overlap.activation_memory", "data_loader.sampler_setup"]
 
 
 @pytest.mark.parametrize("network", ["cluster", "loopback"])
@@ -77,7 +77,7 @@ def test_quick_loopback_run_of_the_cheapest_steps(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The plan names every entry point it does not run, with the reason.
-    assert "benchmarks.cluster.calibrate: measures the emulated cluster's shaped links" in proc.stdout
+    assert "benchmarks.studies.cluster.calibrate: measures the emulated cluster's shaped links" in proc.stdout
     assert "benchmarks.zero.run: not in `--only`" in proc.stdout
     text = (tmp_path / "summary.md").read_text()
     assert text.count(": ran in ") == len(CHEAPEST)

@@ -1,10 +1,11 @@
-"""The small hierarchical ZeRO-3 runs the engine tests share: an MLP, its DeepSpeed config, an
+"""The small hierarchical ZeRO-3 runs the engine tests share: an MLP (the ZeRO runs' model), its DeepSpeed config, an
 engine of each kind (stock, hpZ, ours) and a training loop that returns losses and parameters."""
 
 from __future__ import annotations
 
 import torch
 
+from deepspeed_ext.zero.tools.ab import model
 from mdsp_base import comm
 from mdsp_base.topology import Topology
 
@@ -41,14 +42,7 @@ def ds_config(hierarchical: dict | None = None, micro: int = MICRO, **zero) -> d
 
 def mlp() -> torch.nn.Module:
     """Odd sizes, so that every parameter is padded to the DP size."""
-    torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(13, 29),
-        torch.nn.Tanh(),
-        torch.nn.Linear(29, 31),
-        torch.nn.Tanh(),
-        torch.nn.Linear(31, 7),
-    )
+    return model.mlp((13, 29, 31, 7))
 
 
 def mlp_numels() -> tuple[int, ...]:

@@ -8,6 +8,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from deepspeed_ext.zero.cost.collectives import CollectiveCosts
+from mdsp_base.gpt_flops import gpt_flops
 
 
 class Recompute(StrEnum):
@@ -101,8 +102,8 @@ class Model:
     def flops(self, micro_batch: int, recompute: Recompute) -> float:
         """Forward + backward FLOPs of one micro-batch (Narayanan et al., arXiv 2104.04473, eq. 3
         without recomputation; full recomputation adds a forward, selective its attention scores)."""
-        h, s, n, v = self.hidden, self.seq, self.layers, self.vocab
-        base = 72 * micro_batch * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
+        h, s, n = self.hidden, self.seq, self.layers
+        base = gpt_flops(micro_batch, s, n, h, self.vocab)
         extra = {Recompute.NONE: 0.0, Recompute.SELECTIVE: 4 * micro_batch * s * s * h * n}
         return base * 4 / 3 if recompute == Recompute.FULL else base + extra[recompute]
 

@@ -3,7 +3,7 @@ autograd saves for backward in one forward of a GPT at TP=2 and 4, per linear. T
 saves what megatron-core saves, everywhere; the symm_mem backend (its autograd functions over
 torch's reference implementations of the fused ops, which return the tensors the fused ops return)
 saves TP times megatron-core's bytes for qkv and fc1, whose gathered input it keeps, and the same
-elsewhere. ``python -m benchmarks.flash_overlap.activation_memory`` prints the same figures."""
+elsewhere. ``python -m benchmarks.studies.flash_overlap.activation_memory`` prints the same figures."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import argparse
 
 import pytest
 
-from benchmarks.flash_overlap.activation_memory import BACKENDS, SLOTS, measure
+from benchmarks.studies.flash_overlap.activation_memory import BACKENDS, SLOTS, measure
 from tests.helpers.flash_overlap import setup_tp
 
 GPT = argparse.Namespace(layers=2, hidden=24, heads=4, seq=12, batch=2, vocab=100)

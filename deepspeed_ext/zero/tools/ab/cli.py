@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None, emulated: Any = None) -> list[dict]:
     require_launcher("deepspeed_ext.zero.bench", "--deepspeed-config ds.json")
     from deepspeed_ext.zero.tools.ab.run import run  # torch, DeepSpeed: after the flags are read
 
-    return run(args, emulated)
+    return run(args, model_shape(args), emulated)
 
 
 if __name__ == "__main__":

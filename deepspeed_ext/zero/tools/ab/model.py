@@ -1,6 +1,9 @@
-"""The A/B command's model: a GPT-shaped stack of a Megatron preset's size, and its FLOPs."""
+"""The ZeRO-3 runs' models: the A/B command's GPT of a Megatron preset's size and its FLOPs, and the
+MLP the engine tests and the ZeRO benchmark train."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +47,23 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def mlp(widths: Sequence[int], tanh_last: bool = False) -> nn.Sequential:
+    """Linear layers from each width to the next, a tanh after each, initialised alike on every rank.
+
+    Args:
+        widths: input width, then each layer's output width.
+        tanh_last: a tanh after the last layer too.
+
+    Returns:
+        The MLP, on the CPU.
+    """
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for width_in, width_out in zip(widths, widths[1:], strict=False):
+        layers += [nn.Linear(width_in, width_out), nn.Tanh()]
+    return nn.Sequential(*(layers if tanh_last else layers[:-1]))
 
 
 def build_model(shape: Model, device: str | torch.device = "cpu") -> nn.Module:

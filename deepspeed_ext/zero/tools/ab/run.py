@@ -20,7 +20,6 @@ import torch.distributed as dist
 from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.profile import load as load_profile
 from deepspeed_ext.zero.cost.workload import Model
-from deepspeed_ext.zero.tools.ab.cli import model_shape
 from deepspeed_ext.zero.tools.ab.gather_wait import GatherWait
 from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
 from deepspeed_ext.zero.tools.ab.prediction import compute_steps, predicted, slowest
@@ -220,13 +219,20 @@ def variant_row(
     return row
 
 
-def run(args: argparse.Namespace, emulated: EmulatedDevice | None = None) -> list[dict]:
-    """Run every variant of the parsed flags; rank 0 prints the table and writes the JSON and plot.
-    With ``emulated``, the steps' tensor work runs on that emulated device. Returns the rows."""
+def run(args: argparse.Namespace, shape: Model, emulated: EmulatedDevice | None = None) -> list[dict]:
+    """Run every variant; rank 0 prints the table and writes the JSON and plot.
+
+    Args:
+        args: the command's parsed flags.
+        shape: the model the variants train (the command's flags and preset).
+        emulated: an emulated device the steps' tensor work runs on; None: this rank's own device.
+
+    Returns:
+        One row per variant, those not run with the reason.
+    """
     from deepspeed_ext.zero.tools.ab.report import comparison, paired, plot, predictions, table, write_json
 
     user = json.loads(Path(args.deepspeed_config).read_text()) if args.deepspeed_config else {}
-    shape = model_shape(args)
 
     gpu = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if gpu else torch.device("cpu")

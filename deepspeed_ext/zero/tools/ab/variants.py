@@ -13,7 +13,7 @@ from mdsp_base.topology import Topology
 
 @dataclass
 class Variant:
-    """One engine of the A/B run."""
+    """One engine of an A/B run: the command's, or a ZeRO benchmark's."""
 
     name: str
     """Display name."""
@@ -21,8 +21,12 @@ class Variant:
     """Built by the hierarchical variant's initialize, else by deepspeed.initialize."""
     zero: dict[str, Any] = field(default_factory=dict)
     """zero_optimization keys on top of the user's."""
+    hierarchical: dict[str, Any] = field(default_factory=dict)
+    """hierarchical_zero keys on top of the user's (ours only)."""
     skipped: str | None = None
     """Why it is not run here (None: it runs)."""
+    role: str | None = None
+    """What it stands for in a benchmark's targets (flat, hpz, zero++, serial, pipelined)."""
 
 
 def quantizer_unavailable(device: torch.device) -> str | None:
@@ -72,7 +76,7 @@ def ds_config(user: dict, variant: Variant, profile: str | None) -> dict:
     cfg.setdefault("optimizer", {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True}})
     cfg.setdefault("steps_per_print", 10**9)
     cfg["zero_optimization"] = {**cfg.get("zero_optimization", {}), "stage": 3, **variant.zero}
-    section = dict(cfg.get("hierarchical_zero") or {})
+    section = {**(cfg.get("hierarchical_zero") or {}), **variant.hierarchical}
     section["enabled"] = variant.ours
     if variant.ours and profile is not None:
         section["profile"] = profile

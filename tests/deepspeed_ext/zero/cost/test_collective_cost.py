@@ -1,7 +1,7 @@
 """The collective cost model against hand-derived arithmetic, and Frontier's constants against the
 hardware figures they are documented from (typed in here from OLCF's Frontier user guide, never
 taken from the code). How the model compares with published measurements is reported, not tested:
-``python -m benchmarks.zero.project`` (held out: nothing is fitted to them)."""
+``python -m benchmarks.studies.zero.project`` (held out: nothing is fitted to them)."""
 
 from __future__ import annotations
 

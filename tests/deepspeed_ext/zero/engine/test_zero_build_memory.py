@@ -1,4 +1,4 @@
-"""Memory of a ZeRO-3 engine's build on 4 ranks (2 nodes x 2), measured as ``benchmarks.zero.memory``
+"""Memory of a ZeRO-3 engine's build on 4 ranks (2 nodes x 2), measured as ``benchmarks.studies.zero.memory``
 measures it: the peak resident set of each rank above the one before the phase.
 
 A model built under stock ``deepspeed.zero.Init`` or under ours never holds the whole model (ours
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.zero.memory import computed, measure_rank, rises
+from benchmarks.studies.zero.memory import computed, measure_rank, rises
 
 HIDDEN, LAYERS = 1024, 8  # 8.4 M fp32 parameters: 33.6 MB whole, 8.4 MB a rank's share
 VARIANTS = ("zero3", "ours", "ours_whole")

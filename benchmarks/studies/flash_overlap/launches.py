@@ -2,7 +2,7 @@
 megatron-core's, and its Ulysses block (on Megatron-DeepSpeed's [q | k | v] weight and group-major)
 against DeepSpeed's ``DistributedAttention``, at TP = SP = 2 and 4 (``launches_rank.py`` counts).
 
-  python -m benchmarks.flash_overlap.launches [--out benchmarks/results/flash_overlap]
+  python -m benchmarks.studies.flash_overlap.launches [--out benchmarks/results/flash_overlap]
 
 Writes launches.json and launches.md. Counts are exact (the same every run), not timings.
 """
@@ -34,7 +34,7 @@ def markdown(results: dict[int, dict[str, Any]]) -> str:
     lines = [
         "# Kernel launches per layer (GEMMs / all kernels; counted, exact)",
         "",
-        "`python -m benchmarks.flash_overlap.launches`. Every ATen operator that runs a kernel, on rank 0,",
+        "`python -m benchmarks.studies.flash_overlap.launches`. Every ATen operator that runs a kernel, on rank 0,",
         "views and allocations excluded; communication not included. Layer: megatron-core's TransformerLayer,",
         "sequence parallelism on; Ulysses: QKV linear, all-to-all, causal attention, all-to-all, output linear.",
         "",
@@ -65,7 +65,9 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args()
     results = {
-        n: launch_ranks(["-m", "benchmarks.flash_overlap.launches_rank"], world_size=n, timeout=600)[0]
+        n: launch_ranks(["-m", "benchmarks.studies.flash_overlap.launches_rank"], world_size=n, timeout=600)[
+            0
+        ]
         for n in args.sizes
     }
     args.out.mkdir(parents=True, exist_ok=True)

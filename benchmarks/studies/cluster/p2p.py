@@ -1,6 +1,6 @@
 """Rank side of the calibration: timed gloo send/recv between chosen pairs of ranks.
 
-Run by EmulatedCluster.launch(["-m", "benchmarks.cluster.p2p", ...]); every rank takes part in
+Run by EmulatedCluster.launch(["-m", "benchmarks.studies.cluster.p2p", ...]); every rank takes part in
 the barriers, only the two ranks of the current pair move data. Each rank returns the transfers
 it sent as {"link", "src", "dst", "seconds", "bytes"} records.
 """

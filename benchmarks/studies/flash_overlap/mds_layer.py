@@ -2,7 +2,7 @@
 run it: the patched tree's ``pretrain_gpt.py`` (one layer, ``--sequence-parallel``, DeepSpeed ZeRO-1)
 on two ranks of one emulated package whose links are shaped to ``--mbit``.
 
-    python -m benchmarks.flash_overlap.mds_layer --tree PATH/TO/Megatron-DeepSpeed --data-path PREFIX
+    python -m benchmarks.studies.flash_overlap.mds_layer --tree PATH/TO/Megatron-DeepSpeed --data-path PREFIX
 
 Each repetition launches, in this order, the stock job (its collectives on gloo, as users run it on
 CPU), the stock job with its all-gathers and reduce-scatters on the P2P exchange Flash-Overlap uses
@@ -27,8 +27,8 @@ from pathlib import Path
 from mdsp_base.shutdown import exit_without_teardown
 from multirank import launch_ranks
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RANK = ["-m", "benchmarks.flash_overlap.mds_rank"]
+REPO_ROOT = Path(__file__).resolve().parents[3]
+RANK = ["-m", "benchmarks.studies.flash_overlap.mds_rank"]
 # method: (the rank's options, the upstream flags it adds)
 METHODS = {
     "stock": ([], []),

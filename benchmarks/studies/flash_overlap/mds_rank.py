@@ -1,13 +1,13 @@
 """One rank of the Megatron-DeepSpeed layer benchmark: the patched tree's ``pretrain_gpt.py`` through
 ``python -m megatron_ext.launch``, its printed per-iteration times returned as this rank's result.
 
-    python -m benchmarks.flash_overlap.mds_rank [--on-p2p] PATH/TO/pretrain_gpt.py [upstream flags...]
+    python -m benchmarks.studies.flash_overlap.mds_rank [--on-p2p] PATH/TO/pretrain_gpt.py [upstream flags...]
 
 ``--on-p2p`` runs the job with torch.distributed's all-gather and reduce-scatter on the project's P2P
 exchange (:func:`benchmarks.flash_overlap.same_transport.torch_on_p2p`): the stock linears on the
 transport Flash-Overlap's schedules use.
 
-Started by :mod:`benchmarks.flash_overlap.mds_layer` on the emulated cluster (RANK, WORLD_SIZE,
+Started by :mod:`benchmarks.studies.flash_overlap.mds_layer` on the emulated cluster (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT set). Megatron-DeepSpeed prints ``elapsed time per iteration (ms)`` on the
 last rank; the other ranks return an empty list.
 """

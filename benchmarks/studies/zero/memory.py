@@ -1,6 +1,6 @@
 """Peak memory of each rank while a ZeRO-3 engine is built and through its first training step.
 
-    python -m benchmarks.zero.memory [--out DIR] [--repeats N] [--hidden H] [--layers L]
+    python -m benchmarks.studies.zero.memory [--out DIR] [--repeats N] [--hidden H] [--layers L]
 
 4 CPU ranks over gloo as 2 nodes x 2 ranks, an fp32 MLP with Adam. Variants (:data:`VARIANTS`):
 stock ZeRO-3 and stock ZeRO++ hpZ over the node's 2 ranks, each model built under
@@ -37,7 +37,7 @@ from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Topology
 from multirank import launch_ranks, write_result
 
-OUT = Path(__file__).resolve().parents[1] / "results" / "zero"
+OUT = Path(__file__).resolve().parents[2] / "results" / "zero"
 TOPOLOGY = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)
 HPZ = 2  # stock hpZ's secondary group: the node's ranks, the size of our node level
 VARIANTS = {
@@ -330,7 +330,11 @@ def launch(variant: str, hidden: int, layers: int, timeout: float) -> dict[str, 
     """One fresh 4-rank launch of ``variant``; every rank's :func:`measure_rank`, and the load."""
     before = os.getloadavg()
     ranks = launch_ranks(
-        ["-m", "benchmarks.zero.memory", *f"--rank-of {variant} --hidden {hidden} --layers {layers}".split()],
+        [
+            "-m",
+            "benchmarks.studies.zero.memory",
+            *f"--rank-of {variant} --hidden {hidden} --layers {layers}".split(),
+        ],
         world_size=TOPOLOGY.world_size,
         timeout=timeout,
         ranks_per_node=TOPOLOGY.ranks_per_node,
@@ -377,7 +381,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "build_memory.json").write_text(json.dumps(result, indent=1))
-    command = f"python -m benchmarks.zero.memory --repeats {args.repeats} --hidden {args.hidden} --layers {args.layers}"
+    command = f"python -m benchmarks.studies.zero.memory --repeats {args.repeats} --hidden {args.hidden} --layers {args.layers}"
     text = markdown(result, command)
     (args.out / "build_memory.md").write_text(text)
     print(text)

@@ -16,14 +16,13 @@ cost model charges it. All figures here are computed.
 from __future__ import annotations
 
 import json
-import statistics
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from benchmarks.zero import calibration
-from deepspeed_ext.zero.cost.collectives import Algorithm, CollectiveCosts, Operation, algorithm_steps
-from deepspeed_ext.zero.cost.profile import Profile
+from benchmarks.studies.zero import calibration
+from benchmarks.zero.link_regime import Message, link_regimes
+from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.cost.projection import (
     Candidate,
     Projection,
@@ -41,105 +40,10 @@ from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import LinkClass
 
 FRONTIER_NODES = 48
-PRESET = Path(__file__).resolve().parents[2] / "scripts" / "presets" / "ds_frontier_20b.json"
+PRESET = Path(__file__).resolve().parents[3] / "scripts" / "presets" / "ds_frontier_20b.json"
 PLANNER_RULES = Rules(Backend.RCCL, build_bytes_per_param=2)
 """The planner CLI's defaults with the batch free: exact plans that have run on RCCL, 10 % headroom,
 the bf16 build counted."""
-
-
-@dataclass(frozen=True)
-class Message:
-    """Launches per step of one collective shape."""
-
-    operation: Operation
-    algorithm: Algorithm
-    link: LinkClass
-    members: int
-    nbytes: float
-    """Gathered output (all-gather), input (reduce-scatter, all-to-all) or tensor (all-reduce)."""
-    count: float
-
-
-@dataclass(frozen=True)
-class LinkRegime:
-    """One link class's dimensionless numbers over a step's collectives (count-weighted medians)."""
-
-    messages: float
-    """Launches per step on this link."""
-    message_over_product: float
-    """Message bytes / (step latency x bus bandwidth)."""
-    step_over_product: float
-    """Bytes one algorithm step moves / (step latency x bus bandwidth)."""
-    median_bytes: float
-    """The median message."""
-
-
-def weighted_median(pairs: Iterable[tuple[float, float]]) -> float:
-    """Median of values weighted by counts: ``pairs`` of (value, count)."""
-    ordered = sorted(pairs)
-    total, seen = sum(c for _, c in ordered), 0.0
-    for value, count in ordered:
-        seen += count
-        if seen >= total / 2:
-            return value
-    raise ValueError("no messages: a link class with no launches has no regime")
-
-
-def _latency_us(costs: CollectiveCosts, m: Message, profile: Profile | None) -> float:
-    """One algorithm step's latency for ``m``: its own fit's, else, where the probe did not resolve
-    an intercept (clipped to 0), the same link's all-gather, then its ring (latency belongs to the
-    link more than to the operation); else, with a ``profile``, its smallest message's measured time
-    per algorithm step on that link (an upper bound: it includes that message's transfer)."""
-    for operation, algorithm in (
-        (m.operation, m.algorithm),
-        (Operation.ALL_GATHER, m.algorithm),
-        (m.operation, Algorithm.RING),
-        (Operation.ALL_GATHER, Algorithm.RING),
-    ):
-        try:
-            step_us = costs.fit(operation, algorithm, m.link).step_us
-        except KeyError:
-            continue
-        if step_us > 0:
-            return step_us
-    smallest = [
-        t.median / max(1, algorithm_steps(t.algorithm, t.members)) * 1e6
-        for t in (profile.timings if profile is not None else [])
-        if t.link == m.link and t.nbytes == min(u.nbytes for u in profile.timings if u.link == m.link)
-    ]
-    if smallest:
-        return min(smallest)
-    raise ValueError(
-        f"no latency fitted or measured on {m.link}: the profile cannot place {m.operation} {m.algorithm}"
-    )
-
-
-def link_regimes(
-    messages: Iterable[Message], costs: CollectiveCosts, profile: Profile | None = None
-) -> dict[str, LinkRegime]:
-    """Per link class, the dimensionless numbers of ``messages`` under ``costs``' fits (and, for a
-    latency no fit resolves, ``profile``'s smallest measured messages)."""
-    by_link: dict[LinkClass, list[Message]] = {}
-    for m in messages:
-        if m.members > 1 and m.nbytes > 64:  # a scalar all-reduce (loss, norm) carries no weight
-            by_link.setdefault(m.link, []).append(m)
-    out = {}
-    for link, group in sorted(by_link.items()):
-        ratios, per_step = [], []
-        for m in group:
-            fit = costs.fit(m.operation, m.algorithm, m.link)
-            product = _latency_us(costs, m, profile) * 1e-6 * fit.bus_gbps * 1e9
-            steps = algorithm_steps(m.algorithm, m.members)
-            ratios.append((m.nbytes / product, m.count))
-            per_step.append((m.nbytes / max(steps, 1) / product if m.algorithm == Algorithm.RECURSIVE
-                             else m.nbytes / m.members / product, m.count))  # fmt: skip
-        out[str(link)] = LinkRegime(
-            messages=sum(m.count for m in group),
-            message_over_product=weighted_median(ratios),
-            step_over_product=weighted_median(per_step),
-            median_bytes=weighted_median((m.nbytes, m.count) for m in group),
-        )
-    return out
 
 
 def _flat(op: Operation, s: DPShape, nbytes: float, count: float) -> list[Message]:
@@ -221,36 +125,6 @@ def frontier(nodes: int = FRONTIER_NODES) -> dict[str, dict]:
             "links": {k: vars(v) for k, v in link_regimes(messages, system.costs).items()},
             "comm_over_compute": projection.comm_s / projection.compute_s,
             "tflops_per_gcd": projection.tflops_per_gcd,
-        }
-    return out
-
-
-def measured_messages(calls: Iterable[Mapping]) -> list[Message]:
-    """An A/B row's ``calls_per_step`` as messages."""
-    return [
-        Message(Operation(c["collective"]), Algorithm(c["algorithm"]), LinkClass(c["link"]), c["members"],
-                float(c["nbytes"]), float(c["count"]))
-        for c in calls
-    ]  # fmt: skip
-
-
-def emulated(rows: Iterable[Mapping], profile: Profile, fallback: CollectiveCosts) -> dict[str, dict]:
-    """The emulated cluster's numbers from an A/B run's rows (each with ``calls_per_step`` and
-    ``predicted``) under the probe ``profile``'s fits (``fallback`` where it measured nothing)."""
-    costs = profile.costs(fallback)
-    out = {}
-    for row in rows:
-        if not row.get("ran") or "predicted" not in row:
-            continue
-        predicted = row["predicted"]
-        out[row["variant"]] = {
-            "links": {
-                k: vars(v)
-                for k, v in link_regimes(measured_messages(row["calls_per_step"]), costs, profile).items()
-            },
-            "comm_over_compute": predicted["comm_s"] / predicted["compute_s"],
-            "measured_comm_over_compute": (statistics.median(row["step_s"]) - predicted["compute_s"])
-            / predicted["compute_s"],
         }
     return out
 

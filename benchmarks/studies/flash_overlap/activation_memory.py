@@ -2,8 +2,8 @@
 after one forward of the main job's GPT at TP=N, by linear slot, for megatron-core's local layers,
 the p2p backend and the symm_mem backend.
 
-  python -m benchmarks.flash_overlap.activation_memory                 # tiny-cpu preset, TP=2
-  python -m benchmarks.flash_overlap.activation_memory --hidden 2048 --heads 16 --seq 2048 --batch 1 --layers 1
+  python -m benchmarks.studies.flash_overlap.activation_memory                 # tiny-cpu preset, TP=2
+  python -m benchmarks.studies.flash_overlap.activation_memory --hidden 2048 --heads 16 --seq 2048 --batch 1 --layers 1
 
 What autograd saves between forward and backward is the activation memory a backend adds to the
 step's peak. It is counted with ``torch.autograd.graph.saved_tensors_hooks``: distinct storages,
@@ -31,8 +31,8 @@ import torch
 
 from mdsp_base.shutdown import exit_without_teardown
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-RANK_MODULE = ["-m", "benchmarks.flash_overlap.activation_memory"]
+REPO_ROOT = Path(__file__).resolve().parents[3]
+RANK_MODULE = ["-m", "benchmarks.studies.flash_overlap.activation_memory"]
 SLOTS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 BACKENDS = ("megatron_core", "p2p", "symm_mem")
 

@@ -1,10 +1,10 @@
 """ZeRO variants side by side on an emulated cluster of many small nodes with per-link latency.
 
-  python -m benchmarks.zero.scale --quick                 (root; 1 launch, 2 timed steps: a smoke test)
-  python -m benchmarks.zero.scale                         (root; the benchmark: 3 launches x 3 steps)
-  python -m benchmarks.zero.scale --nodes 6               (12 ranks)
-  python -m benchmarks.zero.scale --from-json benchmarks/results/zero/scale_8x2.json   (tables again, after a run)
-  python -m benchmarks.zero.scale --nodes 4 --question algorithm   (one question: see Question)
+  python -m benchmarks.studies.zero.scale --quick                 (root; 1 launch, 2 timed steps: a smoke test)
+  python -m benchmarks.studies.zero.scale                         (root; the benchmark: 3 launches x 3 steps)
+  python -m benchmarks.studies.zero.scale --nodes 6               (12 ranks)
+  python -m benchmarks.studies.zero.scale --from-json benchmarks/results/zero/scale_8x2.json   (tables again, after a run)
+  python -m benchmarks.studies.zero.scale --nodes 4 --question algorithm   (one question: see Question)
 
 The cluster (benchmarks.cluster.spec.frontier_latency): ``--nodes`` nodes of one MI250X each, i.e.
 2 ranks sharing one NIC, links 400 Mbit/s between the two and 50 Mbit/s per NIC, and one-way
@@ -159,9 +159,9 @@ def optimal_wire(first: dict[str, Any], question: Question) -> dict[str, float]:
     a, per_package = first["args"], shape.per_package
     out = {}
     for name, v in scale_variants(shape.per_node, a["chunks"], a["algorithms"], question).items():
-        if v.kind == "stock" and not v.zero:
+        if not v.ours and not v.zero:
             variant = cm.ZERO3
-        elif v.kind == "stock":
+        elif not v.ours:
             size = v.zero["zero_hpz_partition_size"]
             variant = cm.hpz(size, LinkClass.PACKAGE if size <= per_package else LinkClass.NODE)
         else:
@@ -276,7 +276,7 @@ def shown_command(argv: list[str]) -> str:
             skip = not skip
             continue
         shown.append(word)
-    return " ".join(["python -m benchmarks.zero.scale", *shown])
+    return " ".join(["python -m benchmarks.studies.zero.scale", *shown])
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The cost model against published figures: collectives and training speed-ups.
 
-  printed by python -m benchmarks.zero.project
+  printed by python -m benchmarks.studies.zero.project
 
 Each row: the published figure (its source), the model's value (computed) and the error. Frontier's
 constants are its documented hardware, so every Frontier, RCCL and PCCL figure here is held out: the

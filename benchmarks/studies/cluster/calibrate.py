@@ -1,7 +1,7 @@
 """Measure point-to-point bandwidth of each link class of an emulated cluster against its configured rate.
 
-python -m benchmarks.cluster.calibrate --profile frontier
-python -m benchmarks.cluster.calibrate --profile generic --nodes 3 --inter-node-mbit 80
+python -m benchmarks.studies.cluster.calibrate --profile frontier
+python -m benchmarks.studies.cluster.calibrate --profile generic --nodes 3 --inter-node-mbit 80
 """
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+from benchmarks.cluster.launch import EmulatedCluster
+from benchmarks.cluster.netns import DEFAULT_PREFIX, ClusterUnavailable
+from benchmarks.cluster.spec import PROFILES, ClusterSpec, profile
 from mdsp_base.shutdown import exit_without_teardown
 from multirank.warm import WarmLauncher
-
-from .launch import EmulatedCluster
-from .netns import DEFAULT_PREFIX, ClusterUnavailable
-from .spec import PROFILES, ClusterSpec, profile
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def calibrate(
     if not pairs:
         raise ValueError(f"spec '{spec.name}' has a single rank: there is no link to measure")
     shared = shared_nic_flows(spec)
-    argv = ["-m", "benchmarks.cluster.p2p", "--pairs", json.dumps(pairs), "--concurrent", json.dumps(shared),
+    argv = ["-m", "benchmarks.studies.cluster.p2p", "--pairs", json.dumps(pairs), "--concurrent", json.dumps(shared),
             "--mbytes", str(mbytes), "--repeats", str(repeats), "--timeout", str(timeout)]  # fmt: skip
     with EmulatedCluster(spec, prefix=prefix, warm=warm) as cluster:
         if echo:
@@ -160,7 +159,7 @@ def spec_from_args(args: argparse.Namespace) -> ClusterSpec:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m benchmarks.cluster.calibrate",
+        prog="python -m benchmarks.studies.cluster.calibrate",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
