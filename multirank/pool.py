@@ -16,7 +16,6 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -34,12 +33,6 @@ PRELOAD = [
 ]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
-
-
-def start_fork_server() -> None:
-    """Start the workers' fork server now, ahead of the first pool: it imports PRELOAD in the
-    background, and the first pool's workers wait for it."""
-    forkserver.ensure_running()
 
 
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection) -> None:
