@@ -17,7 +17,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,7 @@ from megatron_ext.layers.symm_mem import torch_fused_ops
 logger = logging.getLogger(__name__)
 
 Backend = Literal["p2p", "symm_mem"]
+T = TypeVar("T")
 # torch's own test suite runs its symmetric-memory ops on these ROCm architectures only.
 ROCM_ARCHS = ("gfx942", "gfx950")
 
@@ -111,11 +112,11 @@ def _attempt(step: Callable[[], str | None], what: str) -> str | None:
         return f"{what} failed ({type(e).__name__}: {e})"
 
 
-def _gather(group: dist.ProcessGroup, value: Any) -> list[Any]:
+def _gather(group: dist.ProcessGroup, value: T) -> list[T]:
     """Every rank's ``value``, in group rank order."""
-    values: list[Any] = [None] * group.size()
+    values: list[T | None] = [None] * group.size()
     dist.all_gather_object(values, value, group=group)
-    return values
+    return cast(list[T], values)  # every slot filled by its rank
 
 
 def _joined(problems: Sequence[str | None]) -> str | None:

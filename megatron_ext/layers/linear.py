@@ -26,10 +26,11 @@ symmetric-memory fused ops, :mod:`megatron_ext.layers.symm_mem`.
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from mdsp_base.topology import Topology
@@ -42,18 +43,22 @@ from megatron_ext.layers.symm_mem import FusedGroup, SymmMemAllGatherLinear, Sym
 from megatron_ext.layers.wgrad import require_main_grad
 
 
+class _GroupContext(Protocol):
+    group: dist.ProcessGroup
+
+
 class _GatherLastDim(torch.autograd.Function):
     """Fwd: all-gather of the TP-split last dimension (gather_output, megatron-core's, not overlapped); bwd: keep own part."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: _GroupContext, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(group.size())]
         dist.all_gather(parts, x.contiguous(), group=group)
         ctx.group = group
         return torch.cat(parts, dim=-1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
+    def backward(ctx: _GroupContext, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         return grad.chunk(ctx.group.size(), dim=-1)[ctx.group.rank()].contiguous(), None
 
 
@@ -73,7 +78,7 @@ class _FlashOverlapMixin:
     on Apex's fused wgrad kernel for it; these layers accumulate into main_grad with torch ops), and
     honour the option after."""
     # Set by the megatron-core layer this mixes into.
-    config: Any
+    config: ModelParallelConfig
     tp_group: dist.ProcessGroup | None
     is_expert: bool
     sequence_parallel: bool

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -80,7 +80,7 @@ def local_layer_spec() -> ModuleSpec:
     return spec
 
 
-def _describe(obj: Any) -> str:
+def _describe(obj: object) -> str:
     """The qualified name of a class (or of a ModuleSpec's module), for matching and for messages."""
     if isinstance(obj, ModuleSpec):
         return f"ModuleSpec({_describe(obj.module)})"
@@ -104,10 +104,10 @@ def _configured(cls: type, config: FlashOverlapConfig, topology: Topology | None
     return type(name, (cls,), {**defaults, "__module__": __name__, "__qualname__": name})
 
 
-def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
+def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> object:
     """The submodules holding ``slot``'s linear; refused unless the container is the dense module."""
-    container: Any = getattr(spec.submodules, slot.container, None)
-    if getattr(container, "module", None) is not slot.container_module:
+    container = getattr(spec.submodules, slot.container, None)
+    if not isinstance(container, ModuleSpec) or container.module is not slot.container_module:
         raise ValueError(
             f"flash_overlap.layers has '{layer}', but the base layer spec's {slot.container} is "
             f"{_describe(container)}, not {_describe(slot.container_module)}, whose "
@@ -116,7 +116,7 @@ def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
     return container.submodules
 
 
-def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: Any) -> None:
+def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: object) -> None:
     """Put the norm that ``fused`` applies into the layer's norm slot, as megatron-core's local spec
     has it (the norm and the key map that keeps checkpoints in the fused layer's layout)."""
     assert slot.norm is not None  # called for slots with a norm only

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 
-from megatron_ext.layers.wgrad import GemmPrecision, save_linear, saved_linear, weight_gradient
+from megatron_ext.layers.wgrad import GemmPrecision, LinearContext, save_linear, saved_linear, weight_gradient
 
 AllGatherMatmul = Callable[..., tuple[torch.Tensor | None, list[torch.Tensor]]]
 """(A_shard, [B, ...], gather_dim, group_name, *, return_A) -> (gathered A or None, [A @ B, ...])."""
@@ -77,7 +77,11 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool
+        ctx: LinearContext[FusedGroup],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        fg: FusedGroup,
+        fuse_wgrad: bool,
     ) -> torch.Tensor:
         precision = GemmPrecision.of(x)
         keep = weight.requires_grad  # frozen weights need no wgrad, hence no gathered input
@@ -92,7 +96,7 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
-        ctx: Any, grad_out: torch.Tensor
+        ctx: LinearContext[FusedGroup], grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         saved = saved_linear(ctx)
         fg, precision = saved.group, saved.precision
@@ -116,7 +120,11 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool
+        ctx: LinearContext[FusedGroup],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        fg: FusedGroup,
+        fuse_wgrad: bool,
     ) -> torch.Tensor:
         precision = GemmPrecision.of(x)
         xc = precision.cast(x).contiguous()
@@ -127,7 +135,7 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
-        ctx: Any, grad_out: torch.Tensor
+        ctx: LinearContext[FusedGroup], grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         saved = saved_linear(ctx)
         fg, precision = saved.group, saved.precision
@@ -141,7 +149,7 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
             )
             grad_w = (
                 weight_gradient(gathered, saved.kept(), saved.weight, saved.fuse_wgrad)
-                if saved.want_w
+                if gathered is not None  # returned where the weight wants a gradient
                 else None
             )
         return (grad_x if saved.want_x else None), grad_w, None, None

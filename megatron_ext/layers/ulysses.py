@@ -27,11 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.layers.autograd_ctx import SavingContext
 from megatron_ext.layers.p2p.all_to_all import all_to_all_compute, compute_all_to_all
 from megatron_ext.layers.p2p.link import OverlapGroup
 
@@ -133,6 +134,14 @@ def _sums_in_fp32(t: torch.Tensor) -> bool:
     return t.dtype in (torch.bfloat16, torch.float16)
 
 
+class _HeadsContext(SavingContext):
+    """What the two Ulysses functions keep on their autograd context."""
+
+    split: HeadSplit
+    og: OverlapGroup
+    has_bias: bool
+
+
 class _QKVAllToAll(torch.autograd.Function):
     """Fwd: QKV projection per destination head group, remote groups first, each sent when ready
     (UP, sec. decomposed all-to-all); bwd: gradient blocks consumed as they arrive (dgrad and wgrad
@@ -142,7 +151,7 @@ class _QKVAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _HeadsContext,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -162,7 +171,7 @@ class _QKVAllToAll(torch.autograd.Function):
         return torch.cat(compute_all_to_all(project, og), dim=0)  # block i: rank i's tokens
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
+    def backward(ctx: _HeadsContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         x, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
         wide = _sums_in_fp32(x)  # n (or 3n) dgrad products add up to grad_x: in fp32, rounded once
@@ -195,7 +204,7 @@ class _AllToAllOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, context: torch.Tensor, weight: torch.Tensor, split: HeadSplit, og: OverlapGroup
+        ctx: _HeadsContext, context: torch.Tensor, weight: torch.Tensor, split: HeadSplit, og: OverlapGroup
     ) -> torch.Tensor:
         received: list[torch.Tensor | None] = [None] * og.size
         out: list[torch.Tensor] = []
@@ -217,7 +226,7 @@ class _AllToAllOutput(torch.autograd.Function):
         return out[0].to(context.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
+    def backward(ctx: _HeadsContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         gathered, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
         grad = grad.contiguous()
@@ -247,7 +256,7 @@ def ulysses_attention(
     local_attention: LocalAttention,
     split: HeadSplit,
     og: OverlapGroup,
-    *args: Any,
+    *args: object,
 ) -> torch.Tensor:
     """Self-attention of ``hidden`` [s/n, b, h] (this rank's tokens) over the whole sequence:
     QKV projection, local attention of this rank's heads (``local_attention(q, k, v, *args)``),

@@ -5,7 +5,6 @@ checkpoints read and written in Megatron-DeepSpeed's [q | k | v] layout."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -61,7 +60,7 @@ class UlyssesSelfAttention(torch.nn.Module):
         for t in tensors.values():
             t.copy_(t.index_select(0, order.to(t.device)))
 
-    def forward(self, hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
         out = ulysses_attention(
             hidden,
             self.query_key_value.weight,
@@ -75,19 +74,23 @@ class UlyssesSelfAttention(torch.nn.Module):
         return out, self.dense.bias
 
 
-def _qkv_entries(state: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+def _qkv_entries(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     names = (f"{prefix}query_key_value.weight", f"{prefix}query_key_value.bias")
     return {k: state[k] for k in names if k in state}
 
 
-def _save_standard_layout(module: UlyssesSelfAttention, state: dict[str, Any], prefix: str, *_: Any) -> None:
+def _save_standard_layout(
+    module: UlyssesSelfAttention, state: dict[str, torch.Tensor], prefix: str, *_: object
+) -> None:
     """State-dict hook: the QKV rows written in Megatron-DeepSpeed's [q | k | v] layout."""
     inverse = module._qkv_order.argsort()
     for key, t in _qkv_entries(state, prefix).items():
         state[key] = t.index_select(0, inverse.to(t.device))
 
 
-def _load_standard_layout(module: UlyssesSelfAttention, state: dict[str, Any], prefix: str, *_: Any) -> None:
+def _load_standard_layout(
+    module: UlyssesSelfAttention, state: dict[str, torch.Tensor], prefix: str, *_: object
+) -> None:
     """Load hook: [q | k | v] QKV rows regrouped by destination before they are copied in."""
     for key, t in _qkv_entries(state, prefix).items():
         state[key] = t.index_select(0, module._qkv_order.to(t.device))
