@@ -17,9 +17,11 @@ import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TypeVar, cast
 
 from .processes import RankError, rank_env
+
+T = TypeVar("T")
 
 ERROR_GRACE_S = 3.0
 # Workers are forked from one server process that has imported these once: a spawned worker spent
@@ -99,15 +101,29 @@ class WorkerPool:
             self._procs.append(proc)
         self._collect(start_timeout_s, what="start")
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order."""
+    def run(self, fn: Callable[..., T], *args: object, timeout: float = 120.0, **kwargs: object) -> list[T]:
+        """Run ``fn(*args, **kwargs)`` on every rank.
+
+        Args:
+            fn: a module-level function (pickled by reference to each worker).
+            *args: its positional arguments, pickled to every rank.
+            timeout: seconds all ranks have to answer; past it the pool is killed.
+            **kwargs: its keyword arguments, pickled to every rank.
+
+        Returns:
+            Every rank's result, in rank order.
+
+        Raises:
+            RankError: a rank raised (with that rank's traceback) or died.
+            TimeoutError: a rank gave no answer within ``timeout``.
+        """
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        return self._collect(timeout, what=getattr(fn, "__name__", repr(fn)))
+        return cast(list[T], self._collect(timeout, what=getattr(fn, "__name__", repr(fn))))
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
+    def _collect(self, timeout: float, what: str) -> list[object]:
         deadline = time.monotonic() + timeout
-        results: dict[int, tuple[str, Any]] = {}
+        results: dict[int, tuple[str, object]] = {}
         error_deadline: float | None = None
         while len(results) < self.world_size:
             now = time.monotonic()

@@ -58,7 +58,7 @@ def die_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def write_result(result: Any) -> None:
+def write_result(result: object) -> None:
     """From inside a rank: store this rank's JSON-serialisable result for the launcher to return."""
     path = Path(os.environ[RESULT_ENV])
     tmp = path.with_suffix(".tmp")

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from .processes import REPO_ROOT, die_with_parent
 
@@ -73,7 +73,39 @@ class Rank:
     would run it (root only); None: the launcher's."""
 
 
-def installed_modules(modules: Mapping[str, Any]) -> list[str]:
+class RankRequest(TypedDict):
+    """One rank of a launch, as the server reads it (:class:`Rank`, serialised)."""
+
+    env: dict[str, str]
+    log: str
+    netns: str | None
+
+
+class Command(TypedDict):
+    """What a rank runs: ``python *argv`` in ``cwd``."""
+
+    argv: list[str]
+    cwd: str
+
+
+class LaunchRequest(Command):
+    """A launch, as the server reads it: the command, its bound and its ranks."""
+
+    timeout: float
+    ranks: list[RankRequest]
+
+
+class _Reply(TypedDict, total=False):
+    """The server's answer: to its start (``discovered``), to a launch (``codes``, ``timed_out``),
+    or ``error``."""
+
+    discovered: list[str]
+    codes: list[int]
+    timed_out: bool
+    error: str
+
+
+def installed_modules(modules: Mapping[str, object]) -> list[str]:
     """Of ``modules`` (name -> module, in import order), those loaded from this interpreter's
     installation whose top-level package has no module loaded from anywhere else."""
     prefixes = tuple(os.path.join(os.path.realpath(p), "") for p in {sys.prefix, sys.base_prefix})
@@ -145,21 +177,24 @@ class WarmLauncher:
         killed) in rank order. A rank that fails takes the others down after ``ERROR_GRACE_S``; past
         ``timeout`` all are killed and this raises TimeoutError."""
         self._started()
-        request: dict[str, Any] = {"argv": list(argv), "cwd": str(cwd), "timeout": timeout}
-        request["ranks"] = [{"env": dict(r.env), "log": str(r.log), "netns": r.netns} for r in ranks]
+        request: LaunchRequest = {
+            "argv": list(argv),
+            "cwd": str(cwd),
+            "timeout": timeout,
+            "ranks": [{"env": dict(r.env), "log": str(r.log), "netns": r.netns} for r in ranks],
+        }
         self._request(request)
         reply = self._reply(timeout + 2 * ERROR_GRACE_S + 30, "launch")
         if reply["timed_out"]:
             raise TimeoutError(f"{' '.join(argv)}: ranks still running after {timeout:g} s, killed")
-        codes: list[int] = reply["codes"]
-        return codes
+        return reply["codes"]
 
-    def _request(self, request: dict[str, Any]) -> None:
+    def _request(self, request: Mapping[str, object]) -> None:
         assert self._server.stdin is not None
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
 
-    def _reply(self, timeout: float, what: str) -> dict[str, Any]:
+    def _reply(self, timeout: float, what: str) -> _Reply:
         assert self._server.stdout is not None
         with selectors.DefaultSelector() as sel:
             sel.register(self._server.stdout, selectors.EVENT_READ)
@@ -170,7 +205,7 @@ class WarmLauncher:
         if not line:
             code = self._server.wait(timeout=10)
             raise RuntimeError(f"warm launcher exited with {code} during {what}: see its stderr above")
-        reply: dict[str, Any] = json.loads(line)
+        reply: _Reply = json.loads(line)
         if "error" in reply:
             self.close()
             raise RuntimeError(f"warm launcher: {reply['error']}")
