@@ -1,15 +1,10 @@
 """Which backend the Flash-Overlap linears use, decided on evidence when the layers are built.
 
-``p2p`` (the default) is our P2P schedule: it runs everywhere and keeps what megatron-core keeps for
-backward. ``symm_mem`` is torch's fused symmetric-memory ops (:mod:`megatron_ext.layers.symm_mem`),
-whose column layers keep their gathered input: TP times the activation memory of qkv's and fc1's
-inputs. ``auto`` takes symm_mem only where every check passes on every rank of the TP group: the
-group is NCCL's, the platform is one torch supports (CUDA, ROCm gfx942/gfx950), the group sits in
-one node of the job's topology (passed in, not read from the environment here), its GPUs reach each
-other peer to peer, and symmetric memory is set up; whatever fails, and however (any exception),
-it keeps p2p and logs why, once per process. ``symm_mem`` forced raises
-:class:`BackendUnavailableError` with that reason instead.
-"""
+``p2p`` (the default) runs everywhere and keeps what megatron-core keeps for backward; ``symm_mem``
+(:mod:`megatron_ext.layers.symm_mem`) keeps the column layers' gathered input. ``auto`` takes
+symm_mem only where every check passes on every rank of the TP group (NCCL, a supported platform,
+one node of the job's topology, peer access, symmetric memory set up); else it keeps p2p and logs
+why, once per process. ``symm_mem`` forced raises :class:`BackendUnavailableError` with that reason."""
 
 from __future__ import annotations
 

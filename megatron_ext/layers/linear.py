@@ -1,27 +1,12 @@
 """Drop-in replacements for megatron-core's ColumnParallelLinear / RowParallelLinear whose
 sequence-parallel all-gather and reduce-scatter run as overlapped P2P schedules (Flash-Overlap).
 
-The classes subclass megatron-core's layers and call their constructors, so the
-constructor arguments, the weight initialisation (same RNG consumption: same seed, bitwise equal
-weights), the parameter attributes (tensor_model_parallel, partition_dim, partition_stride,
-allreduce, sequence_parallel on the row bias), checkpoint sharding and extra state are megatron-core's.
-Only ``forward`` differs, and the options it cannot honour are rejected at construction.
-``gradient_accumulation_fusion`` is honoured (``megatron_ext.layers.wgrad``) without Apex, whose
-kernel megatron-core's column constructor otherwise insists on; autocast is treated as
-megatron-core's ``custom_fwd`` linears treat it, in both layers alike.
-
-Activations are [s, b, h] with the sequence split over the TP group (sequence parallelism):
-column forward gathers the sequence fused with its GEMM, own slice first; column backward keeps
-megatron-core's overlap (the input re-gathered under the dgrad GEMM, the dgrad reduce-scattered
-under the wgrad GEMM), with P2P transfers and unsliced GEMMs; row forward is GEMM + reduce-scatter,
-own slice last; row backward gathers the output gradient fused with the dgrad GEMM (megatron-core
-gathers it before computing anything), then computes wgrad as one GEMM: slicing the wgrad GEMM's
-reduction costs up to half its speed on Hopper at TP=8 (docs/gpu.md).
-
-The autograd functions behind ``forward`` are the backends': :mod:`megatron_ext.layers.p2p.linear`
-(the default) and, where ``flash_overlap.backend`` (auto or symm_mem) picks torch's
-symmetric-memory fused ops, :mod:`megatron_ext.layers.symm_mem`.
-"""
+They subclass megatron-core's layers and call their constructors, so arguments, weight
+initialisation, parameter attributes, checkpoint sharding and extra state are megatron-core's; only
+``forward`` differs, and the options it cannot honour are refused at construction. The autograd
+functions behind ``forward`` are the backends' (:mod:`megatron_ext.layers.p2p.linear`, the default,
+and :mod:`megatron_ext.layers.symm_mem`). Forward and backward of each layer, and why the wgrad GEMM
+is not sliced: docs/flash_overlap.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """The GPT layer spec that plugs the Flash-Overlap linears into megatron-core's transformer layer.
 
 The builder looks at what it replaces, so that the model it returns computes what the base spec's
-model computes. A slot named in ``flash_overlap.layers`` must hold megatron-core's
-``ColumnParallelLinear`` / ``RowParallelLinear``, TransformerEngine's plain ``TEColumnParallelLinear``
-/ ``TERowParallelLinear`` or our own layers, inside megatron-core's dense ``SelfAttention`` / ``MLP``.
-TransformerEngine's ``TELayerNormColumnParallelLinear`` also carries the norm before it (TE's layer
-spec leaves the norm slot ``IdentityOp``): it is composed, our linear plus the sequence-parallel
-norm of :func:`megatron_ext.layers.spec.local_layer_spec` in the norm slot, which is megatron-core's local
-layer, checkpoint key map included. Anything else (mixture of experts, multi-latent attention, TE's
-fused MLP, other subclasses, a fused norm next to a norm of its own) is refused by name. TE classes
-are recognised by module and name, so a TE spec can be checked where TE is not installed.
-"""
+model computes: megatron-core's and TransformerEngine's plain linears inside the dense attention and
+MLP are replaced, TE's norm-fused linear is composed with the sequence-parallel norm of
+:func:`local_layer_spec`, anything else is refused by name. TE classes are recognised by module and
+name, so a TE spec can be checked where TE is not installed. The full table: docs/flash_overlap.md."""
 
 from __future__ import annotations
 

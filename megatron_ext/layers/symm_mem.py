@@ -1,14 +1,10 @@
 """The ``symm_mem`` backend of the Flash-Overlap linears: torch's symmetric-memory fused
 all-gather + GEMM and GEMM + reduce-scatter, paired into autograd functions.
 
-torch ships ``torch.ops.symm_mem.fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter``:
-each splits its GEMM per rank and copies the slices between GPUs through symmetric memory (CUDA
-peer access) while the next slice's GEMM runs. They are forward-only ops, so the autograd
-functions here pair them: the backward of the gather is a GEMM + reduce-scatter and the other way
-round. The price is memory: no op gathers without a GEMM to hide it under, so the column layers
-keep the gathered input for backward (TP times the input shard that p2p and megatron-core keep).
-That is why p2p is the default and this backend an opt-in (:mod:`megatron_ext.layers.backend`).
-"""
+torch's ``fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter`` are forward-only, so each
+is the other's backward here. No op gathers without a GEMM to hide it under, so the column layers
+keep the gathered input for backward (TP times the shard that p2p and megatron-core keep): hence
+p2p is the default and this backend an opt-in (:mod:`megatron_ext.layers.backend`)."""
 
 from __future__ import annotations
 

@@ -1,27 +1,12 @@
 """Ulysses sequence parallelism with its all-to-alls decomposed and overlapped with the projections
 around attention (Flash-Overlap's UP case, arXiv 2604.24013).
 
-DeepSpeed-Ulysses (``deepspeed.sequence.layer.DistributedAttention``) runs, on n ranks that each
-hold s/n tokens of every sequence: QKV projection, an all-to-all that trades sequence for heads
-(each rank then holds the whole sequence for 1/n of the heads), local attention, the reverse
-all-to-all, the output projection; every all-to-all waits for the GEMM before it, and the GEMM after
-it waits for the all-to-all. Here the block owns both projections:
-
-* QKV (:class:`_QKVAllToAll`): the projection is computed per destination head group, the remote
-  groups first, each sent as soon as it is ready, this rank's own group last;
-* output (:class:`_AllToAllOutput`): the context slices are posted at once and each feeds the output
-  projection as it arrives (this rank's own first): the projection is summed over head groups.
-
-Backward mirrors both (the output's dgrad computed per destination, remote first, with the wgrad
-GEMM under the transfers; QKV's gradient slices consumed as they arrive). Numerics are those of
-``DistributedAttention`` wrapped around the same projections, up to the order of floating-point
-sums in the output projection. Layout: Megatron's [s, b, ...]; the QKV weight is either laid out
-as Megatron-DeepSpeed's Ulysses path reads it, [q heads | k heads | v heads] x hidden (three GEMMs
-per destination), or group-major, [q k v of group 0 | of group 1 | ...] (one GEMM per destination,
-no concatenation); ``UlyssesSelfAttention`` (``ulysses_module.py``) holds it group-major and reads and writes
-checkpoints in the [q | k | v] layout. Grouped-query attention keeps each rank's query heads with
-their key/value heads (contiguous head groups, as ``DistributedAttention`` splits them).
-"""
+DeepSpeed-Ulysses' ``DistributedAttention`` waits for each all-to-all before the GEMM after it. Here
+the block owns both projections: QKV (:class:`_QKVAllToAll`) is computed per destination head group
+and each group sent when ready; the output projection (:class:`_AllToAllOutput`) consumes each
+context block as it arrives. Numerics are ``DistributedAttention``'s up to the order of the output
+projection's sums. Layout: Megatron's [s, b, ...]; the QKV weight is [q | k | v] or group-major
+(:class:`HeadSplit`). Schedules, weight layouts and launch counts: docs/flash_overlap.md."""
 
 from __future__ import annotations
 

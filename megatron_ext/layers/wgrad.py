@@ -1,14 +1,11 @@
 """The Flash-Overlap layers' GEMM precision and weight gradient, as megatron-core computes them.
 
-* :class:`GemmPrecision`: megatron-core's linears are autocast-aware (``custom_fwd``): under
-  autocast their GEMMs run in autocast's dtype, else in the input's. Both Flash-Overlap layers
-  capture that once per forward, cast explicitly, and run every GEMM of forward and backward in it.
-* :func:`weight_gradient`: one wgrad GEMM over the whole (gathered) sequence; with megatron-core's
-  ``gradient_accumulation_fusion`` it accumulates into ``weight.main_grad`` in that buffer's dtype
-  (fp32 for Megatron's DDP) and returns what megatron-core returns in place of the gradient.
+* :class:`GemmPrecision`: the dtype every GEMM of a forward and its backward runs in (autocast's
+  under autocast, else the input's: megatron-core's ``custom_fwd``).
+* :func:`weight_gradient`: one wgrad GEMM over the whole sequence, or with
+  ``gradient_accumulation_fusion`` accumulated into ``weight.main_grad`` in that buffer's dtype.
 * :func:`save_linear` / :func:`saved_linear`: what every Flash-Overlap autograd function keeps from
-  forward for backward, saved and read back alike.
-"""
+  forward for backward."""
 
 from __future__ import annotations
 
