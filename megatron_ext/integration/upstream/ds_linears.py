@@ -1,20 +1,12 @@
 """Flash-Overlap's TP/SP linears inside Megatron-DeepSpeed's legacy GPT (commit 4efb479).
 
-The tree's transformer layer builds its own ``ColumnParallelLinear`` / ``RowParallelLinear``
-(``megatron.core.tensor_parallel.layers``, no layer specs). The patch gives each of them a
-``flash_overlap`` attribute (None: the tree's forward) and calls :func:`overlap_linears` at the end
-of ``ParallelTransformerLayer.__init__``. With ``--flash-overlap`` and
-``--sequence-parallel`` at TP > 1 it sets that attribute on the attention's QKV and output linears
-and the MLP's fc1 and fc2: their forward then runs Flash-Overlap's AG+GEMM (column) and GEMM+RS (row)
-schedules on the module's own weight and bias. Nothing else changes: constructor, parameter names,
-initialisation and checkpoint layout are the tree's, and a checkpoint loads with or without the flag.
-
-What these schedules do not cover is refused at start-up by name (no ``--sequence-parallel``, the
-zero-bubble pipeline, ``backend: symm_mem``, Ulysses at TP > 1: ``hooks._check_supported``) or left
-stock and logged (expert MLPs, cross-attention, FPDT's chunked attention, and the LM head, which is
-outside the layers). Weight gradients are returned, not accumulated into ``main_grad``: the tree
-computes them so under DeepSpeed (its fused accumulation is commented out upstream).
-"""
+The tree's transformer layer builds its own ``ColumnParallelLinear`` / ``RowParallelLinear``. The
+patch gives each a ``flash_overlap`` attribute (None: the tree's forward) and calls
+:func:`overlap_linears` at the end of ``ParallelTransformerLayer.__init__``; with ``--flash-overlap``
+and ``--sequence-parallel`` at TP > 1 it sets that attribute on the attention's QKV and output
+linears and the MLP's fc1 and fc2, whose forward then runs Flash-Overlap's schedules on the module's
+own weight and bias. Constructor, parameters and checkpoint layout stay the tree's. What is refused
+or left stock: docs/integration.md."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """The transformer blocks behind Megatron-LM's ``--spec megatron_ext.integration.upstream.megatron_lm <name>``.
 
-Megatron-LM's ``gpt_builder`` reads the named attribute of ``megatron_ext.integration.upstream.megatron_lm`` once the
-flags are parsed (that module computes it on access, PEP 562) and hands it to ``GPTModel``
-unchanged. Two names:
-
-* ``local_layer_spec``: megatron-core's local GPT layer with torch norms that work under sequence
-  parallelism, in the layers and as the block's final norm. Upstream's own local spec refuses
-  ``--sequence-parallel`` where neither Apex nor Transformer Engine is installed; this one is its
-  sequence-parallel twin (the plugin-off baseline of a Flash-Overlap run);
-* ``flash_overlap_layer_spec``: the same block with the Flash-Overlap linears of the effective
-  ``flash_overlap`` configuration.
-
-Both are whole-block specs (``TransformerBlockSubmodules``), so that the final norm is ours too.
-Upstream's spec builder honours more layer options than a fixed block can; :func:`check_layer_options`
-refuses each one this block would silently ignore, with the flag to change.
-"""
+Megatron-LM's ``gpt_builder`` reads the named attribute of that module once the flags are parsed
+(computed on access, PEP 562) and hands it to ``GPTModel``: ``local_layer_spec``, megatron-core's
+local GPT layer with torch norms that work under sequence parallelism (upstream's own refuses
+``--sequence-parallel`` without Apex or Transformer Engine), or ``flash_overlap_layer_spec``, the
+same with the Flash-Overlap linears. Both are whole-block specs, so the final norm is ours too;
+:func:`check_layer_options` refuses each layer option a fixed block would silently ignore."""
 
 from __future__ import annotations
 
