@@ -1,22 +1,12 @@
 """Ranks forked from one interpreter that has already imported torch and DeepSpeed.
 
-A launch through torchrun starts a fresh interpreter per rank, and on a small host the ranks' imports
-and exits dominate a short run: 4 ranks importing torch, DeepSpeed and Megatron side by side, and
-(for an upstream script, which exits normally) tearing those modules down again at exit.
-:class:`WarmLauncher` starts ``python -m multirank.warm_server`` once; it imports the modules it
-is given, then forks every rank of each launch from itself. A rank sees what a torchrun worker sees
-(the variables of torchrun's local agent, in the launcher's own environment), runs its command as
-``python`` would (``-m MODULE``, ``-c CODE`` or a script, as ``__main__``) and ends as ``python``
-ends, but for the modules' teardown (``warm_server._Rank.run``).
-
-What a warm rank cannot show is a cold start and a full exit: the preloaded modules were imported
-before anything the command does, so a command that changes the process before it imports them (and
-whose imports would see that) needs a cold launch. The tests that use this compare one launch of each
-kind with torchrun's or srun's.
-
-Lifetimes are tied: the server dies with its parent, each rank with the server (``PR_SET_PDEATHSIG``),
-and a launch's ranks are killed together when one fails or the launch outlives its timeout.
-"""
+On a small host a torchrun launch spends most of a short run importing torch, DeepSpeed and Megatron
+once per rank and tearing them down at exit. :class:`WarmLauncher` starts ``python -m
+multirank.warm_server`` once; it imports the modules it is given, then forks every rank of each
+launch from itself. A rank sees torchrun's variables, runs its command as ``python`` would and ends
+without the modules' teardown. It cannot show a cold start or a full exit (docs/architecture.md,
+"How the tests start ranks"). Lifetimes are tied: the server dies with its parent, each rank with
+the server (``PR_SET_PDEATHSIG``), and a launch's ranks die together when one fails or times out."""
 
 from __future__ import annotations
 
