@@ -86,6 +86,16 @@ class WorkerPool:
     """``world_size`` processes joined in one gloo group, running functions on request."""
 
     def __init__(self, world_size: int, start_timeout_s: float = 120.0) -> None:
+        """Fork the workers and join them in one gloo group.
+
+        Args:
+            world_size (int): ranks of the group.
+            start_timeout_s (float): seconds every rank has to join.
+
+        Raises:
+            RankError: a rank failed to start.
+            TimeoutError: a rank did not join within ``start_timeout_s``.
+        """
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="multirank-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
@@ -163,7 +173,11 @@ class WorkerPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the workers: ask them to leave, or kill them (a rank stuck in a collective never reads)."""
+        """Stop the workers: ask them to leave, or kill them (a rank stuck in a collective never reads).
+
+        Args:
+            graceful (bool): ask first and wait briefly; False kills at once.
+        """
         for conn, proc in zip(self._conns, self._procs):
             if graceful and proc.is_alive():
                 try:

@@ -156,16 +156,42 @@ class WarmLauncher:
     def launch(
         self, argv: Sequence[str], cwd: Path, log: Path, nodes: int, per_node: int, port: int, timeout: float
     ) -> list[int]:
-        """Run ``python *argv`` as ``nodes`` x ``per_node`` ranks in ``cwd`` with torchrun's variables,
-        their stdout and stderr appended to ``log`` in time order; every rank's exit code (-9: killed)
-        in rank order."""
+        """Run ``python *argv`` as ``nodes`` x ``per_node`` ranks with torchrun's variables.
+
+        Args:
+            argv (Sequence[str]): the command after ``python``.
+            cwd (Path): where the ranks run.
+            log (Path): the file every rank's stdout and stderr are appended to, in time order.
+            nodes (int): emulated nodes.
+            per_node (int): ranks per node.
+            port (int): the rendezvous port (``MASTER_PORT``).
+            timeout (float): seconds the run may take.
+
+        Returns:
+            list[int]: every rank's exit code (-9: killed), in rank order.
+
+        Raises:
+            TimeoutError: ranks were still running after ``timeout``.
+        """
         ranks = [Rank(log, torchrun_env(r, nodes, per_node, port)) for r in range(nodes * per_node)]
         return self.run(argv, cwd, ranks, timeout)
 
     def run(self, argv: Sequence[str], cwd: Path, ranks: Sequence[Rank], timeout: float) -> list[int]:
-        """Run ``python *argv`` in ``cwd`` once per rank of ``ranks``; every rank's exit code (-9:
-        killed) in rank order. A rank that fails takes the others down after ``ERROR_GRACE_S``; past
-        ``timeout`` all are killed and this raises TimeoutError."""
+        """Run ``python *argv`` in ``cwd`` once per rank of ``ranks``. A rank that fails takes the
+        others down after ``ERROR_GRACE_S``.
+
+        Args:
+            argv (Sequence[str]): the command after ``python``.
+            cwd (Path): where the ranks run.
+            ranks (Sequence[Rank]): each rank's variables, log and network namespace.
+            timeout (float): seconds the run may take; past it all ranks are killed.
+
+        Returns:
+            list[int]: every rank's exit code (-9: killed), in rank order.
+
+        Raises:
+            TimeoutError: ranks were still running after ``timeout``.
+        """
         self._started()
         request: LaunchRequest = {
             "argv": list(argv),

@@ -79,6 +79,23 @@ class _FlashOverlapMixin:
         topology: Topology | None = None,
         **megatron_kwargs: Any,
     ) -> None:
+        """Build megatron-core's layer, then the overlap's group and backend.
+
+        Args:
+            input_size (int): first dimension of the weight matrix, as megatron-core's.
+            output_size (int): second dimension of the weight matrix, as megatron-core's.
+            p2p_mode (Mode, optional): P2P pattern, ``direct`` or ``ring``; None: the class default.
+            timeout_s (float, optional): bound of every gloo wait; None: the class default.
+            backend (Requested, optional): ``p2p``, ``auto`` or ``symm_mem``; None: the class default.
+            topology (Topology, optional): where the ranks sit, for ``auto``; None: the class default.
+            **megatron_kwargs: megatron-core's constructor arguments (``config``, ``init_method``,
+                ``tp_comm_buffer_name``, which names the layer in errors, ...).
+
+        Raises:
+            ValueError: an option the overlapped forward cannot honour, or no sequence parallelism
+                at TP > 1.
+            BackendUnavailableError: ``symm_mem`` forced where it cannot run.
+        """
         config = megatron_kwargs["config"]
         if self.fusion_off_while_built and config.gradient_accumulation_fusion:
             without = copy.copy(config)
@@ -177,6 +194,19 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
         weight: torch.Tensor | None = None,
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All-gather of the sequence fused with the GEMM.
+
+        Args:
+            input_ (torch.Tensor): [s/tp, b, h], this rank's part of the sequence.
+            weight (torch.Tensor, optional): the weight to use, compulsory when the layer was built
+                with ``skip_weight_param_allocation``.
+            runtime_gather_output (bool, optional): gather the output's last dimension over TP;
+                None: the layer's ``gather_output``.
+
+        Returns:
+            - output: [s, b, o/tp] (or [s, b, o] when gathered)
+            - bias: the bias where ``skip_bias_add``, else None
+        """
         if weight is None:
             if self.weight is None:
                 raise RuntimeError(
@@ -207,6 +237,15 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
     sequence reduce-scatter is fused with the GEMM. Extra keyword arguments as for the column layer."""
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The GEMM fused with the reduce-scatter of the sequence.
+
+        Args:
+            input_ (torch.Tensor): [s, b, i/tp], the whole sequence, TP-split features.
+
+        Returns:
+            - output: [s/tp, b, o], this rank's part of the sequence
+            - bias: the bias where ``skip_bias_add``, else None
+        """
         self._check_input(input_, self.weight, self.input_size_per_partition)
         n = self.overlap.size
         if input_.shape[0] % n:

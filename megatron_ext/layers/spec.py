@@ -133,13 +133,24 @@ def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: object) -> Non
 def get_flash_overlap_layer_spec(
     config: FlashOverlapConfig, base: ModuleSpec | None = None, topology: Topology | None = None
 ) -> ModuleSpec:
-    """A copy of ``base`` (default: megatron-core's local GPT layer spec with sequence-parallel-capable
-    norms, :func:`megatron_ext.layers.spec.local_layer_spec`) whose linear_qkv / linear_proj / linear_fc1 /
-    linear_fc2 named in ``config.layers`` are the Flash-Overlap layers, a fused norm composed (see
-    the module's docstring) and anything unknown refused with a ValueError naming it; ``base``
-    unchanged when ``config.enabled`` is false. ``topology`` (where the ranks sit) lets
-    ``backend: auto`` check that the TP group is in one node. The model's TransformerConfig needs
-    sequence_parallel=True at TP > 1."""
+    """A GPT layer spec whose linears named in ``config.layers`` are the Flash-Overlap layers. The
+    model's TransformerConfig needs sequence_parallel=True at TP > 1.
+
+    Args:
+        config (FlashOverlapConfig): the plugin's section: layers, P2P mode, timeout, backend.
+        base (ModuleSpec, optional): the spec to start from (copied, never changed); None:
+            :func:`local_layer_spec`.
+        topology (Topology, optional): where the ranks sit, for ``backend: auto`` to check that the
+            TP group is in one node.
+
+    Returns:
+        ModuleSpec: the copy, with linear_qkv / linear_proj / linear_fc1 / linear_fc2 replaced as
+        ``config.layers`` says and a fused norm composed; the unchanged copy when ``config.enabled``
+        is false.
+
+    Raises:
+        ValueError: a named slot holds something the builder does not know, named in the message.
+    """
     spec = copy.deepcopy(base) if base is not None else local_layer_spec()
     if not config.enabled:
         return spec

@@ -243,9 +243,25 @@ def ulysses_attention(
     og: OverlapGroup,
     *args: object,
 ) -> torch.Tensor:
-    """Self-attention of ``hidden`` [s/n, b, h] (this rank's tokens) over the whole sequence:
-    QKV projection, local attention of this rank's heads (``local_attention(q, k, v, *args)``),
-    output projection without its bias (Megatron's ``skip_bias_add``). Returns [s/n, b, h]."""
+    """Self-attention of this rank's tokens over the whole sequence: QKV projection, local attention
+    of this rank's heads, output projection without its bias (Megatron's ``skip_bias_add``).
+
+    Args:
+        hidden (torch.Tensor): [s/n, b, h], this rank's tokens.
+        qkv_weight (torch.Tensor): [(heads + 2 kv_heads) * head_dim, h], laid out as ``split`` says.
+        qkv_bias (torch.Tensor, optional): the QKV bias, in the weight's row layout.
+        output_weight (torch.Tensor): [h, heads * head_dim].
+        local_attention (LocalAttention): called as ``local_attention(q, k, v, *args)``.
+        split (HeadSplit): the heads and their split over the sequence-parallel group.
+        og (OverlapGroup): the sequence-parallel group.
+        *args: passed on to ``local_attention`` (e.g. the attention mask).
+
+    Returns:
+        torch.Tensor: [s/n, b, h].
+
+    Raises:
+        ValueError: ``split`` is for another number of ranks than the group's.
+    """
     if split.ranks != og.size:
         raise ValueError(f"the head split is for {split.ranks} ranks but the sequence group has {og.size}")
     full = _QKVAllToAll.apply(hidden, qkv_weight, qkv_bias, split, og)

@@ -36,6 +36,21 @@ class UlyssesSelfAttention(torch.nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        """
+        Args:
+            hidden_size (int): the model's hidden size.
+            split (HeadSplit): the heads and their split over ``sequence_group`` (held group-major
+                whatever its ``group_major`` says).
+            local_attention (LocalAttention): attention over the whole sequence for this rank's heads.
+            sequence_group (dist.ProcessGroup, optional): the sequence-parallel group; None: one rank.
+            bias (bool): both projections have a bias.
+            timeout_s (float): bound of every gloo wait.
+            device (torch.device | str, optional): where the parameters are made.
+            dtype (torch.dtype, optional): the parameters' dtype.
+
+        Raises:
+            ValueError: ``split`` is for another number of ranks than the group's.
+        """
         super().__init__()
         size = 1 if sequence_group is None else sequence_group.size()
         if split.ranks != size:
@@ -61,6 +76,15 @@ class UlyssesSelfAttention(torch.nn.Module):
             t.copy_(t.index_select(0, order.to(t.device)))
 
     def forward(self, hidden: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """
+        Args:
+            hidden (torch.Tensor): [s/n, b, h], this rank's tokens.
+            *args: passed on to the local attention (e.g. the attention mask).
+
+        Returns:
+            - output: [s/n, b, h], without the output projection's bias
+            - bias: the output projection's bias, or None
+        """
         out = ulysses_attention(
             hidden,
             self.query_key_value.weight,
