@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -34,10 +34,20 @@ LINEARS: dict[str, tuple[tuple[str, LayerName, bool], ...]] = {
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def _column(linear: Any, og: OverlapGroup) -> Forward:
+class _TreeLinear(Protocol):
+    """What the overlapped forward reads of the tree's Column/RowParallelLinear."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    skip_bias_add: bool
+
+
+def _column(linear: _TreeLinear, og: OverlapGroup) -> Forward:
     """The tree's ColumnParallelLinear.forward at SP: sequence all-gather fused with Y = X W^T."""
 
-    def forward(input_: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    def forward(
+        input_: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = linear.weight if weight is None else weight
         output = P2PAllGatherLinear.apply(input_, weight, og, False)  # False: no main_grad fusion
         if linear.skip_bias_add:
@@ -47,10 +57,10 @@ def _column(linear: Any, og: OverlapGroup) -> Forward:
     return forward
 
 
-def _row(linear: Any, og: OverlapGroup) -> Forward:
+def _row(linear: _TreeLinear, og: OverlapGroup) -> Forward:
     """The tree's RowParallelLinear.forward at SP: Y = X W^T fused with the sequence reduce-scatter."""
 
-    def forward(input_: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def forward(input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if input_.shape[0] % og.size:
             raise ValueError(
                 f"layer {og.name!r}: sequence length {input_.shape[0]} is not divisible by the "
@@ -64,7 +74,7 @@ def _row(linear: Any, og: OverlapGroup) -> Forward:
     return forward
 
 
-def overlap_linears(layer: Any) -> None:
+def overlap_linears(layer: torch.nn.Module) -> None:
     """Give a ``ParallelTransformerLayer``'s TP linears (its self-attention's and dense MLP's) Flash-
     Overlap's forward where ``flash_overlap`` is on and TP > 1; leave and log the rest (expert MLPs,
     cross-attention, FPDT's chunked attention)."""

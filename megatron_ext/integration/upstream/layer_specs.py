@@ -10,7 +10,7 @@ same with the Flash-Overlap linears. Both are whole-block specs, so the final no
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -18,6 +18,11 @@ from mdsp_base.section import ConfigError
 from mdsp_base.topology import Topology, detect_topology
 from megatron_ext.integration.upstream.hooks import SPEC_MODULE, plugin_config
 from megatron_ext.layers.config import FlashOverlapConfig
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 # (args attribute, is it set?, why the block cannot honour it, what to do)
 _REFUSED = (
@@ -88,8 +93,8 @@ def check_layer_options(args: argparse.Namespace, spec_name: str) -> None:
 
 
 def flash_overlap_submodules(
-    submodules: Any, overlap: FlashOverlapConfig, topology: Topology | None = None
-) -> Any:
+    submodules: TransformerLayerSubmodules, overlap: FlashOverlapConfig, topology: Topology | None = None
+) -> TransformerLayerSubmodules:
     """A copy of transformer-layer ``submodules`` whose linears named in ``overlap.layers`` are the
     Flash-Overlap ones (``overlap.mode``, ``timeout_s``, ``backend`` and ``topology`` applied)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -102,7 +107,7 @@ def flash_overlap_submodules(
     ).submodules
 
 
-def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | None = None) -> Any:
+def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | None = None) -> ModuleSpec:
     """The layer ModuleSpec: megatron-core's local GPT layer with sequence-parallel norms, with the
     Flash-Overlap linears of ``overlap`` when given (``topology`` for ``backend`` auto)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -118,7 +123,9 @@ def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | N
     )
 
 
-def block_spec(args: argparse.Namespace, spec_name: str, overlap: FlashOverlapConfig | None) -> Any:
+def block_spec(
+    args: argparse.Namespace, spec_name: str, overlap: FlashOverlapConfig | None
+) -> TransformerBlockSubmodules:
     """The block for this pipeline stage: :func:`layer_spec` repeated as many times as upstream
     builds layers on this rank, then the sequence-parallel final norm. Where the Flash-Overlap
     backend may be torch's symmetric-memory ops, the layers get the job's topology (the node check)."""
