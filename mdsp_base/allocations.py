@@ -1,19 +1,10 @@
 """Bytes held, read from torch's CPU allocator while a trace is open.
 
-Two readings of one trace:
-
-* :meth:`AllocationTrace.peak`: the calling thread's own bytes. The profiler records allocations and
-  frees on the thread that opened it; the live total at a moment is what that thread allocated
-  minus the frees of those addresses, and allocations made inside a collective are the backend's
-  (gloo copies its inputs; NCCL allocates nothing of torch's) and left out. A tensor whose last
-  reference a backend thread drops is freed unseen, so this reading can only run high; repeat it
-  and take the least.
-* :meth:`AllocationTrace.process_peak`: every thread's bytes. While the trace is open, c10's CPU
-  memory reporter keeps the process's running total of what was allocated since it opened (its
-  ``caffe2_report_cpu_memory_usage`` flag), frees on any thread included, and each recorded
-  allocation carries that total. Backend buffers count here. A block allocated before the trace
-  and freed inside it lowers the total, so the traced code should free nothing older than itself.
-"""
+Two readings of one trace: :meth:`AllocationTrace.peak`, the calling thread's own bytes (a
+collective's backend buffers left out; it can only run high, so repeat it and take the least), and
+:meth:`AllocationTrace.process_peak`, every thread's bytes from c10's running total (the traced code
+should free nothing older than itself). How each is read, and why: docs/hierarchical_zero.md,
+"Memory, measured"."""
 
 from __future__ import annotations
 

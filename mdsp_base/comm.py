@@ -1,24 +1,12 @@
 """Collective wrappers that count the bytes each rank sends, per link class and training phase.
 
-Accounting (the same as the ZeRO++ paper's "cross-node volume"): a collective on a group of ``p``
-ranks moves the volume of the bandwidth-optimal algorithm per rank, ``(p-1)/p`` of the gathered or
-reduce-scattered buffer (twice that for an all-reduce; a point-to-point algorithm what its sends
-carry, the same total), and the whole volume is charged to the slowest link class the group spans: ``package`` when every member sits in one package, ``node`` when
-they share a node, ``inter_node`` otherwise. Counts are per rank; :mod:`deepspeed_ext.zero.cost.volume`
-predicts exactly these numbers.
-
-Two ways in: our own hops call :func:`all_gather_into_tensor` / :func:`reduce_scatter_tensor` /
-:func:`all_reduce` here, and :func:`patch_deepspeed_comm` wraps the methods of DeepSpeed's
-communication backend object, through which stock ZeRO-3 and ZeRO++ hpZ send everything, so all
-three variants are counted the same way. Counting is on while a :class:`CommCounter` is active
-(:func:`counting`).
-
-Alongside, each rank books the bytes it sends on each physical link (:mod:`mdsp_base.links`: each
-NIC's egress and ingress, each package link, each intra-node link between packages) from the
-geometry of the algorithm that sends them. A rank books only the transfers it sends, both the
-sender's egress and the receiver's ingress, so summing the records over the ranks counts each
-transfer once: :func:`nic_bytes_per_step` does that sum and reports the most loaded NIC.
-"""
+Each collective is charged the bandwidth-optimal volume per rank (the ZeRO++ paper's "cross-node
+volume"), all of it on the slowest link class its group spans (``package``, ``node`` or
+``inter_node``); :mod:`deepspeed_ext.zero.cost.volume` predicts the same numbers. Two ways in: our own
+hops call the wrappers here, and :func:`patch_deepspeed_comm` wraps DeepSpeed's communication
+backend, so stock ZeRO-3, ZeRO++ and ours are counted alike while a :class:`CommCounter` is active
+(:func:`counting`). Alongside, each rank books the bytes it sends on each physical link
+(:mod:`mdsp_base.links`); :func:`nic_bytes_per_step` sums them and reports the most loaded NIC."""
 
 from __future__ import annotations
 

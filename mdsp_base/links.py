@@ -2,41 +2,10 @@
 
 :mod:`mdsp_base.volume` charges a collective's whole volume to the slowest link class its group
 spans, so a flat ring over nodes counts its edges inside a node as inter-node bytes. Here every
-transfer of the algorithm is placed on the links it crosses (placement: :class:`Topology`).
-
-**Physical links.** One NIC per package: the two GCDs of an MI250X share one NIC on Frontier (four
-NICs per node); on NVIDIA ``ranks_per_package`` is 1, so one NIC per GPU. A NIC's id is its
-package's id. A transfer between nodes leaves through the sender's NIC (egress) and enters through
-the receiver's (ingress); the network between NICs is taken as non-blocking. A transfer inside a
-package crosses that package's link (one per direction, per ordered pair of its ranks); one between
-two packages of a node crosses the intra-node link between them (one per direction). Every link is
-full duplex, so the two directions are counted apart.
-
-**Algorithms** (``p`` members in group-rank order, ``N`` the call's ``nbytes`` as
-:class:`mdsp_base.volume.CallKey` records it):
-
-* ``ring``, the library's collective. all-gather and reduce-scatter: member ``i`` sends
-  ``(p-1)/p N`` to member ``i+1``; all-reduce: a reduce-scatter plus an all-gather on the same ring,
-  twice that; broadcast: a pipelined chain from the root, ``N`` on each edge ``root, root+1, ...``
-  (the member before the root sends nothing); all-to-all: direct, member ``i`` sends ``N/p`` to every
-  other member. This is what NCCL/RCCL do on one channel. What gloo does, read in torch 2.13's
-  ``ProcessGroupGloo`` and gloo's sources: ``gloo::allgather`` is this ring (each member sends to
-  member ``+1``, ``p-1`` blocks of ``N/p``, each in two halves); ``gloo::allreduce`` (ring by default)
-  runs reduce-scatter and all-gather on the same ring towards member ``-1`` (the same edges
-  reversed, so which NIC of a node sends changes, not how much crosses each node boundary);
-  ``reduce_scatter_tensor`` clones its input, all-reduces all of it and keeps its block, so on gloo a
-  reduce-scatter puts an all-reduce's ``2(p-1)/p N`` on the wire, twice the ring's; ``gloo::alltoall``
-  is direct, member ``r`` sending block ``r+i`` to member ``r+i``; ``gloo::broadcast`` is a binomial
-  tree (the root sends ``N`` ``ceil(log2 p)`` times), not a chain. The geometry here is the ring's,
-  the bandwidth-optimal cost the target libraries pay.
-* ``recursive``, the engine's point-to-point all-gather (distance doubling) and reduce-scatter
-  (distance halving): at a step of distance ``d`` and ``c`` blocks, member ``r`` sends ``c`` blocks of
-  ``N/p`` to member ``r-d`` (all-gather) or ``r+d`` (reduce-scatter). The steps are passed in
-  (``deepspeed_ext.zero.cost.collectives.recursive_schedule``): the floor imports no plugin.
-* ``p2p``, one send: a :class:`Transfer` itself, its bytes on the links between sender and receiver.
-
-Imports no torch, as :mod:`mdsp_base.volume`.
-"""
+transfer of the algorithm (``ring``, ``recursive`` or ``p2p``) is placed on the links it crosses:
+each NIC's egress and ingress, each package link, each intra-node link between packages, per
+direction (placement: :class:`Topology`). The links and each algorithm's geometry, gloo's included:
+docs/hierarchical_zero.md, "Link geometry". Imports no torch, as :mod:`mdsp_base.volume`."""
 
 from __future__ import annotations
 

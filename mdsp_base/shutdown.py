@@ -1,19 +1,12 @@
 """How the suite's own programs end: as ``python`` ends, but without tearing its modules down.
 
-At exit CPython joins the program's threads, runs its ``atexit`` handlers, flushes its output, and
-then tears its modules down, collecting every object still alive on the way. With torch, DeepSpeed
-and megatron-core imported, that teardown is most of the time a process takes to exit, all of it
-after the program's work is done: a job's ranks hold their launcher (torchrun, srun) that long, and
-ranks that share a host take that CPU from each other. Freezing the heap instead (``gc.freeze``)
-saves the time but leaves triton's extension objects alive, which nanobind then reports as leaks on
-every rank's stderr.
-
-Skipping the teardown is safe only for a program that releases what it holds before it returns:
-files closed, process groups destroyed, threads stopped, child processes ended (what ``atexit``
-handlers do, such as logging's flush and multiprocessing's join, still runs). The suite's programs
-do; a foreign script that may leave a file open, such as the upstream ``pretrain_gpt.py`` that
-``python -m megatron_ext.launch`` runs, ends with a normal exit.
-"""
+With torch, DeepSpeed and megatron-core imported, the modules' teardown at exit is most of the time a
+process takes to end, all of it after the work is done: a job's ranks hold their launcher that long
+and take CPU from each other on a shared host. Skipping it is safe only for a program that releases
+what it holds before it returns (files closed, process groups destroyed, threads stopped, children
+ended); ``atexit`` handlers still run. The suite's programs do; a foreign script, such as the
+upstream ``pretrain_gpt.py`` that ``python -m megatron_ext.launch`` runs, ends with a normal exit
+(docs/architecture.md, "Process-wide changes")."""
 
 from __future__ import annotations
 

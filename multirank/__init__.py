@@ -1,17 +1,13 @@
 """Run code on several local ranks, for the tests and the benchmarks alike.
 
 * :class:`WorkerPool` (``pool``): a persistent gloo group of forked workers that runs a Python
-  function on every rank per call; the tests' ``run_ranks`` fixture keeps one per world size.
-* :func:`launch_ranks` (``processes``): one fresh ``python`` process per rank of a command, with
-  torch.distributed's variables set over 127.0.0.1; each rank hands its result back with
-  :func:`write_result`. The benchmarks' loopback runs use it; their emulated-cluster runs use the same
-  result protocol (``benchmarks.cluster.EmulatedCluster``).
-* :class:`~multirank.warm.WarmLauncher` (``warm``, its server ``warm_server``): a command's ranks
-  forked from one interpreter that has imported torch and DeepSpeed, with torchrun's variables; the
-  tests' upstream and main-job trainings use it.
+  function on every rank per call (the tests' ``run_ranks`` fixture keeps one per world size).
+* :func:`launch_ranks` (``processes``): one fresh ``python`` process per rank of a command, each
+  handing its result back with :func:`write_result` (the benchmarks' loopback runs).
+* :class:`~multirank.warm.WarmLauncher` (``warm``): a command's ranks forked from one interpreter
+  that has imported torch and DeepSpeed (the tests' upstream and main-job trainings).
 
-The first two raise :class:`RankError` when a rank fails and :class:`TimeoutError` when one never finishes.
-"""
+The first two raise :class:`RankError` when a rank fails and :class:`TimeoutError` when one never finishes."""
 
 from .pool import WorkerPool
 from .processes import RankError, free_port, launch_ranks, rank_env, write_result

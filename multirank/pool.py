@@ -16,11 +16,12 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing import forkserver
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TypeVar, cast
 
 from .processes import RankError, rank_env
+
+T = TypeVar("T")
 
 ERROR_GRACE_S = 3.0
 # Workers are forked from one server process that has imported these once: a spawned worker spent
@@ -34,12 +35,6 @@ PRELOAD = [
 ]
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
-
-
-def start_fork_server() -> None:
-    """Start the workers' fork server now, ahead of the first pool: it imports PRELOAD in the
-    background, and the first pool's workers wait for it."""
-    forkserver.ensure_running()
 
 
 def _worker_main(rank: int, world_size: int, init_file: str, conn: Connection) -> None:
@@ -91,6 +86,16 @@ class WorkerPool:
     """``world_size`` processes joined in one gloo group, running functions on request."""
 
     def __init__(self, world_size: int, start_timeout_s: float = 120.0) -> None:
+        """Fork the workers and join them in one gloo group.
+
+        Args:
+            world_size (int): ranks of the group.
+            start_timeout_s (float): seconds every rank has to join.
+
+        Raises:
+            RankError: a rank failed to start.
+            TimeoutError: a rank did not join within ``start_timeout_s``.
+        """
         self.world_size = world_size
         self._tmp = tempfile.TemporaryDirectory(prefix="multirank-")
         init_file = os.path.join(self._tmp.name, "rendezvous")
@@ -106,15 +111,29 @@ class WorkerPool:
             self._procs.append(proc)
         self._collect(start_timeout_s, what="start")
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; returns the per-rank results in rank order."""
+    def run(self, fn: Callable[..., T], *args: object, timeout: float = 120.0, **kwargs: object) -> list[T]:
+        """Run ``fn(*args, **kwargs)`` on every rank.
+
+        Args:
+            fn: a module-level function (pickled by reference to each worker).
+            *args: its positional arguments, pickled to every rank.
+            timeout: seconds all ranks have to answer; past it the pool is killed.
+            **kwargs: its keyword arguments, pickled to every rank.
+
+        Returns:
+            Every rank's result, in rank order.
+
+        Raises:
+            RankError: a rank raised (with that rank's traceback) or died.
+            TimeoutError: a rank gave no answer within ``timeout``.
+        """
         for conn in self._conns:
             conn.send((fn, args, kwargs))
-        return self._collect(timeout, what=getattr(fn, "__name__", repr(fn)))
+        return cast(list[T], self._collect(timeout, what=getattr(fn, "__name__", repr(fn))))
 
-    def _collect(self, timeout: float, what: str) -> list[Any]:
+    def _collect(self, timeout: float, what: str) -> list[object]:
         deadline = time.monotonic() + timeout
-        results: dict[int, tuple[str, Any]] = {}
+        results: dict[int, tuple[str, object]] = {}
         error_deadline: float | None = None
         while len(results) < self.world_size:
             now = time.monotonic()
@@ -154,7 +173,11 @@ class WorkerPool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
     def close(self, graceful: bool = True) -> None:
-        """Stop the workers: ask them to leave, or kill them (a rank stuck in a collective never reads)."""
+        """Stop the workers: ask them to leave, or kill them (a rank stuck in a collective never reads).
+
+        Args:
+            graceful (bool): ask first and wait briefly; False kills at once.
+        """
         for conn, proc in zip(self._conns, self._procs):
             if graceful and proc.is_alive():
                 try:

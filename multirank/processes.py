@@ -35,7 +35,17 @@ class RankError(RuntimeError):
 
 def rank_env(rank: int, world_size: int, ranks_per_node: int | None = None, **extra: str) -> dict[str, str]:
     """The whole environment of local rank ``rank``: this process's, without Slurm's task variables,
-    with torch.distributed's set (master on 127.0.0.1), one OpenMP thread, and ``extra`` on top."""
+    with torch.distributed's set (master on 127.0.0.1), one OpenMP thread, and ``extra`` on top.
+
+    Args:
+        rank (int): the rank.
+        world_size (int): ranks in all.
+        ranks_per_node (int, optional): ranks per emulated node (for ``LOCAL_RANK``); None: all.
+        **extra: further variables, set last.
+
+    Returns:
+        dict[str, str]: the environment.
+    """
     per_node = ranks_per_node or world_size
     env = {k: v for k, v in os.environ.items() if k not in SLURM_TASK_VARS}
     env.update(
@@ -58,8 +68,12 @@ def die_with_parent() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def write_result(result: Any) -> None:
-    """From inside a rank: store this rank's JSON-serialisable result for the launcher to return."""
+def write_result(result: object) -> None:
+    """From inside a rank: store this rank's result for the launcher to return.
+
+    Args:
+        result: anything ``json.dumps`` takes.
+    """
     path = Path(os.environ[RESULT_ENV])
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
@@ -82,12 +96,23 @@ def launch_ranks(
     ranks_per_node: int | None = None,
     cpus: set[int] | None = None,
 ) -> list[Any]:
-    """Run ``python *argv`` once per rank from the repository root, each with :func:`rank_env` plus
-    ``env``, pinned to ``cpus`` when given; return every rank's :func:`write_result` value by rank.
+    """Run ``python *argv`` once per rank from the repository root.
 
-    A rank that exits non-zero raises :class:`RankError` and the others are killed at once (a peer
-    blocked in a collective would otherwise wait for its own timeout); so does a run that outlives
-    ``timeout`` seconds, with :class:`TimeoutError`.
+    Args:
+        argv (Sequence[str]): the command after ``python``.
+        world_size (int): ranks to start.
+        timeout (float): seconds the run may take.
+        env (Mapping[str, str], optional): variables on top of each rank's :func:`rank_env`.
+        ranks_per_node (int, optional): ranks per emulated node; None: all on one.
+        cpus (set[int], optional): the CPUs every rank is pinned to.
+
+    Returns:
+        list: every rank's :func:`write_result` value, in rank order.
+
+    Raises:
+        RankError: a rank exited non-zero (the others are killed at once: a peer blocked in a
+            collective would otherwise wait for its own timeout) or without a result.
+        TimeoutError: the run outlived ``timeout``.
     """
     with tempfile.TemporaryDirectory(prefix="ranks-") as tmp:
         common = {

@@ -1,22 +1,12 @@
 """Ranks forked from one interpreter that has already imported torch and DeepSpeed.
 
-A launch through torchrun starts a fresh interpreter per rank, and on a small host the ranks' imports
-and exits dominate a short run: 4 ranks importing torch, DeepSpeed and Megatron side by side, and
-(for an upstream script, which exits normally) tearing those modules down again at exit.
-:class:`WarmLauncher` starts ``python -m multirank.warm_server`` once; it imports the modules it
-is given, then forks every rank of each launch from itself. A rank sees what a torchrun worker sees
-(the variables of torchrun's local agent, in the launcher's own environment), runs its command as
-``python`` would (``-m MODULE``, ``-c CODE`` or a script, as ``__main__``) and ends as ``python``
-ends, but for the modules' teardown (``warm_server._Rank.run``).
-
-What a warm rank cannot show is a cold start and a full exit: the preloaded modules were imported
-before anything the command does, so a command that changes the process before it imports them (and
-whose imports would see that) needs a cold launch. The tests that use this compare one launch of each
-kind with torchrun's or srun's.
-
-Lifetimes are tied: the server dies with its parent, each rank with the server (``PR_SET_PDEATHSIG``),
-and a launch's ranks are killed together when one fails or the launch outlives its timeout.
-"""
+On a small host a torchrun launch spends most of a short run importing torch, DeepSpeed and Megatron
+once per rank and tearing them down at exit. :class:`WarmLauncher` starts ``python -m
+multirank.warm_server`` once; it imports the modules it is given, then forks every rank of each
+launch from itself. A rank sees torchrun's variables, runs its command as ``python`` would and ends
+without the modules' teardown. It cannot show a cold start or a full exit (docs/architecture.md,
+"How the tests start ranks"). Lifetimes are tied: the server dies with its parent, each rank with
+the server (``PR_SET_PDEATHSIG``), and a launch's ranks die together when one fails or times out."""
 
 from __future__ import annotations
 
@@ -28,7 +18,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from .processes import REPO_ROOT, die_with_parent
 
@@ -73,7 +63,39 @@ class Rank:
     would run it (root only); None: the launcher's."""
 
 
-def installed_modules(modules: Mapping[str, Any]) -> list[str]:
+class RankRequest(TypedDict):
+    """One rank of a launch, as the server reads it (:class:`Rank`, serialised)."""
+
+    env: dict[str, str]
+    log: str
+    netns: str | None
+
+
+class Command(TypedDict):
+    """What a rank runs: ``python *argv`` in ``cwd``."""
+
+    argv: list[str]
+    cwd: str
+
+
+class LaunchRequest(Command):
+    """A launch, as the server reads it: the command, its bound and its ranks."""
+
+    timeout: float
+    ranks: list[RankRequest]
+
+
+class _Reply(TypedDict, total=False):
+    """The server's answer: to its start (``discovered``), to a launch (``codes``, ``timed_out``),
+    or ``error``."""
+
+    discovered: list[str]
+    codes: list[int]
+    timed_out: bool
+    error: str
+
+
+def installed_modules(modules: Mapping[str, object]) -> list[str]:
     """Of ``modules`` (name -> module, in import order), those loaded from this interpreter's
     installation whose top-level package has no module loaded from anywhere else."""
     prefixes = tuple(os.path.join(os.path.realpath(p), "") for p in {sys.prefix, sys.base_prefix})
@@ -134,32 +156,61 @@ class WarmLauncher:
     def launch(
         self, argv: Sequence[str], cwd: Path, log: Path, nodes: int, per_node: int, port: int, timeout: float
     ) -> list[int]:
-        """Run ``python *argv`` as ``nodes`` x ``per_node`` ranks in ``cwd`` with torchrun's variables,
-        their stdout and stderr appended to ``log`` in time order; every rank's exit code (-9: killed)
-        in rank order."""
+        """Run ``python *argv`` as ``nodes`` x ``per_node`` ranks with torchrun's variables.
+
+        Args:
+            argv (Sequence[str]): the command after ``python``.
+            cwd (Path): where the ranks run.
+            log (Path): the file every rank's stdout and stderr are appended to, in time order.
+            nodes (int): emulated nodes.
+            per_node (int): ranks per node.
+            port (int): the rendezvous port (``MASTER_PORT``).
+            timeout (float): seconds the run may take.
+
+        Returns:
+            list[int]: every rank's exit code (-9: killed), in rank order.
+
+        Raises:
+            TimeoutError: ranks were still running after ``timeout``.
+        """
         ranks = [Rank(log, torchrun_env(r, nodes, per_node, port)) for r in range(nodes * per_node)]
         return self.run(argv, cwd, ranks, timeout)
 
     def run(self, argv: Sequence[str], cwd: Path, ranks: Sequence[Rank], timeout: float) -> list[int]:
-        """Run ``python *argv`` in ``cwd`` once per rank of ``ranks``; every rank's exit code (-9:
-        killed) in rank order. A rank that fails takes the others down after ``ERROR_GRACE_S``; past
-        ``timeout`` all are killed and this raises TimeoutError."""
+        """Run ``python *argv`` in ``cwd`` once per rank of ``ranks``. A rank that fails takes the
+        others down after ``ERROR_GRACE_S``.
+
+        Args:
+            argv (Sequence[str]): the command after ``python``.
+            cwd (Path): where the ranks run.
+            ranks (Sequence[Rank]): each rank's variables, log and network namespace.
+            timeout (float): seconds the run may take; past it all ranks are killed.
+
+        Returns:
+            list[int]: every rank's exit code (-9: killed), in rank order.
+
+        Raises:
+            TimeoutError: ranks were still running after ``timeout``.
+        """
         self._started()
-        request: dict[str, Any] = {"argv": list(argv), "cwd": str(cwd), "timeout": timeout}
-        request["ranks"] = [{"env": dict(r.env), "log": str(r.log), "netns": r.netns} for r in ranks]
+        request: LaunchRequest = {
+            "argv": list(argv),
+            "cwd": str(cwd),
+            "timeout": timeout,
+            "ranks": [{"env": dict(r.env), "log": str(r.log), "netns": r.netns} for r in ranks],
+        }
         self._request(request)
         reply = self._reply(timeout + 2 * ERROR_GRACE_S + 30, "launch")
         if reply["timed_out"]:
             raise TimeoutError(f"{' '.join(argv)}: ranks still running after {timeout:g} s, killed")
-        codes: list[int] = reply["codes"]
-        return codes
+        return reply["codes"]
 
-    def _request(self, request: dict[str, Any]) -> None:
+    def _request(self, request: Mapping[str, object]) -> None:
         assert self._server.stdin is not None
         self._server.stdin.write(json.dumps(request) + "\n")
         self._server.stdin.flush()
 
-    def _reply(self, timeout: float, what: str) -> dict[str, Any]:
+    def _reply(self, timeout: float, what: str) -> _Reply:
         assert self._server.stdout is not None
         with selectors.DefaultSelector() as sel:
             sel.register(self._server.stdout, selectors.EVENT_READ)
@@ -170,7 +221,7 @@ class WarmLauncher:
         if not line:
             code = self._server.wait(timeout=10)
             raise RuntimeError(f"warm launcher exited with {code} during {what}: see its stderr above")
-        reply: dict[str, Any] = json.loads(line)
+        reply: _Reply = json.loads(line)
         if "error" in reply:
             self.close()
             raise RuntimeError(f"warm launcher: {reply['error']}")

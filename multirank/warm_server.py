@@ -17,12 +17,12 @@ import selectors
 import signal
 import sys
 import time
-from typing import IO, Any
+from typing import IO
 
 from mdsp_base.shutdown import exit_without_teardown
 
 from .processes import die_with_parent
-from .warm import ERROR_GRACE_S, installed_modules
+from .warm import ERROR_GRACE_S, Command, LaunchRequest, RankRequest, installed_modules
 
 CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000  # <sched.h>
 MS_REC, MS_SLAVE, MNT_DETACH = 0x4000, 1 << 19, 2  # <sys/mount.h>
@@ -32,7 +32,7 @@ NETNS_DIR = "/var/run/netns"  # where ``ip netns add`` keeps a namespace's handl
 class _Rank:
     """In a forked child: what to run, and how, once the server's frames are unwound."""
 
-    def __init__(self, request: dict[str, Any], rank: dict[str, Any]) -> None:
+    def __init__(self, request: Command, rank: RankRequest) -> None:
         self.argv, self.cwd = request["argv"], request["cwd"]
         self.log, self.env, self.netns = rank["log"], rank["env"], rank["netns"]
 
@@ -232,7 +232,7 @@ def _serve(requests: IO[str], replies: IO[str]) -> _Rank | None:
     replies.write(json.dumps({"modules": len(sys.modules), "discovered": discovered}) + "\n")
     replies.flush()
     for line in requests:
-        request = json.loads(line)
+        request: LaunchRequest = json.loads(line)
         pids = []
         for rank in request["ranks"]:
             pid = os.fork()

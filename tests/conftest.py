@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from multirank import WorkerPool  # noqa: E402
-from multirank.pool import start_fork_server  # noqa: E402
 from tests.helpers.early import starts_early  # noqa: E402
+from tests.helpers.fork_server import start_fork_server  # noqa: E402
 
 # Fixtures that live with their helpers: ``slurm`` (skips without a responding cluster),
 # ``main_job_warm`` and ``upstream_warm`` (ranks forked warm; their servers start as the session

@@ -1,15 +1,10 @@
 """Which backend the Flash-Overlap linears use, decided on evidence when the layers are built.
 
-``p2p`` (the default) is our P2P schedule: it runs everywhere and keeps what megatron-core keeps for
-backward. ``symm_mem`` is torch's fused symmetric-memory ops (:mod:`megatron_ext.layers.symm_mem`),
-whose column layers keep their gathered input: TP times the activation memory of qkv's and fc1's
-inputs. ``auto`` takes symm_mem only where every check passes on every rank of the TP group: the
-group is NCCL's, the platform is one torch supports (CUDA, ROCm gfx942/gfx950), the group sits in
-one node of the job's topology (passed in, not read from the environment here), its GPUs reach each
-other peer to peer, and symmetric memory is set up; whatever fails, and however (any exception),
-it keeps p2p and logs why, once per process. ``symm_mem`` forced raises
-:class:`BackendUnavailableError` with that reason instead.
-"""
+``p2p`` (the default) runs everywhere and keeps what megatron-core keeps for backward; ``symm_mem``
+(:mod:`megatron_ext.layers.symm_mem`) keeps the column layers' gathered input. ``auto`` takes
+symm_mem only where every check passes on every rank of the TP group (NCCL, a supported platform,
+one node of the job's topology, peer access, symmetric memory set up); else it keeps p2p and logs
+why, once per process. ``symm_mem`` forced raises :class:`BackendUnavailableError` with that reason."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Literal, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -30,6 +25,7 @@ from megatron_ext.layers.symm_mem import torch_fused_ops
 logger = logging.getLogger(__name__)
 
 Backend = Literal["p2p", "symm_mem"]
+T = TypeVar("T")
 # torch's own test suite runs its symmetric-memory ops on these ROCm architectures only.
 ROCM_ARCHS = ("gfx942", "gfx950")
 
@@ -111,11 +107,11 @@ def _attempt(step: Callable[[], str | None], what: str) -> str | None:
         return f"{what} failed ({type(e).__name__}: {e})"
 
 
-def _gather(group: dist.ProcessGroup, value: Any) -> list[Any]:
+def _gather(group: dist.ProcessGroup, value: T) -> list[T]:
     """Every rank's ``value``, in group rank order."""
-    values: list[Any] = [None] * group.size()
+    values: list[T | None] = [None] * group.size()
     dist.all_gather_object(values, value, group=group)
-    return values
+    return cast(list[T], values)  # every slot filled by its rank
 
 
 def _joined(problems: Sequence[str | None]) -> str | None:

@@ -1,35 +1,21 @@
 """Drop-in replacements for megatron-core's ColumnParallelLinear / RowParallelLinear whose
 sequence-parallel all-gather and reduce-scatter run as overlapped P2P schedules (Flash-Overlap).
 
-The classes subclass megatron-core's layers and call their constructors, so the
-constructor arguments, the weight initialisation (same RNG consumption: same seed, bitwise equal
-weights), the parameter attributes (tensor_model_parallel, partition_dim, partition_stride,
-allreduce, sequence_parallel on the row bias), checkpoint sharding and extra state are megatron-core's.
-Only ``forward`` differs, and the options it cannot honour are rejected at construction.
-``gradient_accumulation_fusion`` is honoured (``megatron_ext.layers.wgrad``) without Apex, whose
-kernel megatron-core's column constructor otherwise insists on; autocast is treated as
-megatron-core's ``custom_fwd`` linears treat it, in both layers alike.
-
-Activations are [s, b, h] with the sequence split over the TP group (sequence parallelism):
-column forward gathers the sequence fused with its GEMM, own slice first; column backward keeps
-megatron-core's overlap (the input re-gathered under the dgrad GEMM, the dgrad reduce-scattered
-under the wgrad GEMM), with P2P transfers and unsliced GEMMs; row forward is GEMM + reduce-scatter,
-own slice last; row backward gathers the output gradient fused with the dgrad GEMM (megatron-core
-gathers it before computing anything), then computes wgrad as one GEMM: slicing the wgrad GEMM's
-reduction costs up to half its speed on Hopper at TP=8 (docs/gpu.md).
-
-The autograd functions behind ``forward`` are the backends': :mod:`megatron_ext.layers.p2p.linear`
-(the default) and, where ``flash_overlap.backend`` (auto or symm_mem) picks torch's
-symmetric-memory fused ops, :mod:`megatron_ext.layers.symm_mem`.
-"""
+They subclass megatron-core's layers and call their constructors, so arguments, weight
+initialisation, parameter attributes, checkpoint sharding and extra state are megatron-core's; only
+``forward`` differs, and the options it cannot honour are refused at construction. The autograd
+functions behind ``forward`` are the backends' (:mod:`megatron_ext.layers.p2p.linear`, the default,
+and :mod:`megatron_ext.layers.symm_mem`). Forward and backward of each layer, and why the wgrad GEMM
+is not sliced: docs/flash_overlap.md."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
+from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from mdsp_base.topology import Topology
@@ -42,18 +28,22 @@ from megatron_ext.layers.symm_mem import FusedGroup, SymmMemAllGatherLinear, Sym
 from megatron_ext.layers.wgrad import require_main_grad
 
 
+class _GroupContext(Protocol):
+    group: dist.ProcessGroup
+
+
 class _GatherLastDim(torch.autograd.Function):
     """Fwd: all-gather of the TP-split last dimension (gather_output, megatron-core's, not overlapped); bwd: keep own part."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx: _GroupContext, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         parts = [torch.empty_like(x) for _ in range(group.size())]
         dist.all_gather(parts, x.contiguous(), group=group)
         ctx.group = group
         return torch.cat(parts, dim=-1)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
+    def backward(ctx: _GroupContext, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         return grad.chunk(ctx.group.size(), dim=-1)[ctx.group.rank()].contiguous(), None
 
 
@@ -73,7 +63,7 @@ class _FlashOverlapMixin:
     on Apex's fused wgrad kernel for it; these layers accumulate into main_grad with torch ops), and
     honour the option after."""
     # Set by the megatron-core layer this mixes into.
-    config: Any
+    config: ModelParallelConfig
     tp_group: dist.ProcessGroup | None
     is_expert: bool
     sequence_parallel: bool
@@ -89,6 +79,23 @@ class _FlashOverlapMixin:
         topology: Topology | None = None,
         **megatron_kwargs: Any,
     ) -> None:
+        """Build megatron-core's layer, then the overlap's group and backend.
+
+        Args:
+            input_size (int): first dimension of the weight matrix, as megatron-core's.
+            output_size (int): second dimension of the weight matrix, as megatron-core's.
+            p2p_mode (Mode, optional): P2P pattern, ``direct`` or ``ring``; None: the class default.
+            timeout_s (float, optional): bound of every gloo wait; None: the class default.
+            backend (Requested, optional): ``p2p``, ``auto`` or ``symm_mem``; None: the class default.
+            topology (Topology, optional): where the ranks sit, for ``auto``; None: the class default.
+            **megatron_kwargs: megatron-core's constructor arguments (``config``, ``init_method``,
+                ``tp_comm_buffer_name``, which names the layer in errors, ...).
+
+        Raises:
+            ValueError: an option the overlapped forward cannot honour, or no sequence parallelism
+                at TP > 1.
+            BackendUnavailableError: ``symm_mem`` forced where it cannot run.
+        """
         config = megatron_kwargs["config"]
         if self.fusion_off_while_built and config.gradient_accumulation_fusion:
             without = copy.copy(config)
@@ -187,6 +194,19 @@ class FlashOverlapColumnParallelLinear(_FlashOverlapMixin, ColumnParallelLinear)
         weight: torch.Tensor | None = None,
         runtime_gather_output: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """All-gather of the sequence fused with the GEMM.
+
+        Args:
+            input_ (torch.Tensor): [s/tp, b, h], this rank's part of the sequence.
+            weight (torch.Tensor, optional): the weight to use, compulsory when the layer was built
+                with ``skip_weight_param_allocation``.
+            runtime_gather_output (bool, optional): gather the output's last dimension over TP;
+                None: the layer's ``gather_output``.
+
+        Returns:
+            - output: [s, b, o/tp] (or [s, b, o] when gathered)
+            - bias: the bias where ``skip_bias_add``, else None
+        """
         if weight is None:
             if self.weight is None:
                 raise RuntimeError(
@@ -217,6 +237,15 @@ class FlashOverlapRowParallelLinear(_FlashOverlapMixin, RowParallelLinear):
     sequence reduce-scatter is fused with the GEMM. Extra keyword arguments as for the column layer."""
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The GEMM fused with the reduce-scatter of the sequence.
+
+        Args:
+            input_ (torch.Tensor): [s, b, i/tp], the whole sequence, TP-split features.
+
+        Returns:
+            - output: [s/tp, b, o], this rank's part of the sequence
+            - bias: the bias where ``skip_bias_add``, else None
+        """
         self._check_input(input_, self.weight, self.input_size_per_partition)
         n = self.overlap.size
         if input_.shape[0] % n:

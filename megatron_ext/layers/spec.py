@@ -1,22 +1,16 @@
 """The GPT layer spec that plugs the Flash-Overlap linears into megatron-core's transformer layer.
 
 The builder looks at what it replaces, so that the model it returns computes what the base spec's
-model computes. A slot named in ``flash_overlap.layers`` must hold megatron-core's
-``ColumnParallelLinear`` / ``RowParallelLinear``, TransformerEngine's plain ``TEColumnParallelLinear``
-/ ``TERowParallelLinear`` or our own layers, inside megatron-core's dense ``SelfAttention`` / ``MLP``.
-TransformerEngine's ``TELayerNormColumnParallelLinear`` also carries the norm before it (TE's layer
-spec leaves the norm slot ``IdentityOp``): it is composed, our linear plus the sequence-parallel
-norm of :func:`megatron_ext.layers.spec.local_layer_spec` in the norm slot, which is megatron-core's local
-layer, checkpoint key map included. Anything else (mixture of experts, multi-latent attention, TE's
-fused MLP, other subclasses, a fused norm next to a norm of its own) is refused by name. TE classes
-are recognised by module and name, so a TE spec can be checked where TE is not installed.
-"""
+model computes: megatron-core's and TransformerEngine's plain linears inside the dense attention and
+MLP are replaced, TE's norm-fused linear is composed with the sequence-parallel norm of
+:func:`local_layer_spec`, anything else is refused by name. TE classes are recognised by module and
+name, so a TE spec can be checked where TE is not installed. The full table: docs/flash_overlap.md."""
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -80,7 +74,7 @@ def local_layer_spec() -> ModuleSpec:
     return spec
 
 
-def _describe(obj: Any) -> str:
+def _describe(obj: object) -> str:
     """The qualified name of a class (or of a ModuleSpec's module), for matching and for messages."""
     if isinstance(obj, ModuleSpec):
         return f"ModuleSpec({_describe(obj.module)})"
@@ -104,10 +98,10 @@ def _configured(cls: type, config: FlashOverlapConfig, topology: Topology | None
     return type(name, (cls,), {**defaults, "__module__": __name__, "__qualname__": name})
 
 
-def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
+def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> object:
     """The submodules holding ``slot``'s linear; refused unless the container is the dense module."""
-    container: Any = getattr(spec.submodules, slot.container, None)
-    if getattr(container, "module", None) is not slot.container_module:
+    container = getattr(spec.submodules, slot.container, None)
+    if not isinstance(container, ModuleSpec) or container.module is not slot.container_module:
         raise ValueError(
             f"flash_overlap.layers has '{layer}', but the base layer spec's {slot.container} is "
             f"{_describe(container)}, not {_describe(slot.container_module)}, whose "
@@ -116,7 +110,7 @@ def _container_submodules(spec: ModuleSpec, layer: str, slot: Slot) -> Any:
     return container.submodules
 
 
-def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: Any) -> None:
+def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: object) -> None:
     """Put the norm that ``fused`` applies into the layer's norm slot, as megatron-core's local spec
     has it (the norm and the key map that keeps checkpoints in the fused layer's layout)."""
     assert slot.norm is not None  # called for slots with a norm only
@@ -139,13 +133,24 @@ def _unfuse_norm(spec: ModuleSpec, layer: str, slot: Slot, fused: Any) -> None:
 def get_flash_overlap_layer_spec(
     config: FlashOverlapConfig, base: ModuleSpec | None = None, topology: Topology | None = None
 ) -> ModuleSpec:
-    """A copy of ``base`` (default: megatron-core's local GPT layer spec with sequence-parallel-capable
-    norms, :func:`megatron_ext.layers.spec.local_layer_spec`) whose linear_qkv / linear_proj / linear_fc1 /
-    linear_fc2 named in ``config.layers`` are the Flash-Overlap layers, a fused norm composed (see
-    the module's docstring) and anything unknown refused with a ValueError naming it; ``base``
-    unchanged when ``config.enabled`` is false. ``topology`` (where the ranks sit) lets
-    ``backend: auto`` check that the TP group is in one node. The model's TransformerConfig needs
-    sequence_parallel=True at TP > 1."""
+    """A GPT layer spec whose linears named in ``config.layers`` are the Flash-Overlap layers. The
+    model's TransformerConfig needs sequence_parallel=True at TP > 1.
+
+    Args:
+        config (FlashOverlapConfig): the plugin's section: layers, P2P mode, timeout, backend.
+        base (ModuleSpec, optional): the spec to start from (copied, never changed); None:
+            :func:`local_layer_spec`.
+        topology (Topology, optional): where the ranks sit, for ``backend: auto`` to check that the
+            TP group is in one node.
+
+    Returns:
+        ModuleSpec: the copy, with linear_qkv / linear_proj / linear_fc1 / linear_fc2 replaced as
+        ``config.layers`` says and a fused norm composed; the unchanged copy when ``config.enabled``
+        is false.
+
+    Raises:
+        ValueError: a named slot holds something the builder does not know, named in the message.
+    """
     spec = copy.deepcopy(base) if base is not None else local_layer_spec()
     if not config.enabled:
         return spec

@@ -1,24 +1,20 @@
 """The ``symm_mem`` backend of the Flash-Overlap linears: torch's symmetric-memory fused
 all-gather + GEMM and GEMM + reduce-scatter, paired into autograd functions.
 
-torch ships ``torch.ops.symm_mem.fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter``:
-each splits its GEMM per rank and copies the slices between GPUs through symmetric memory (CUDA
-peer access) while the next slice's GEMM runs. They are forward-only ops, so the autograd
-functions here pair them: the backward of the gather is a GEMM + reduce-scatter and the other way
-round. The price is memory: no op gathers without a GEMM to hide it under, so the column layers
-keep the gathered input for backward (TP times the input shard that p2p and megatron-core keep).
-That is why p2p is the default and this backend an opt-in (:mod:`megatron_ext.layers.backend`).
-"""
+torch's ``fused_all_gather_matmul`` and ``fused_matmul_reduce_scatter`` are forward-only, so each
+is the other's backward here. No op gathers without a GEMM to hide it under, so the column layers
+keep the gathered input for backward (TP times the shard that p2p and megatron-core keep): hence
+p2p is the default and this backend an opt-in (:mod:`megatron_ext.layers.backend`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 
-from megatron_ext.layers.wgrad import GemmPrecision, save_linear, saved_linear, weight_gradient
+from megatron_ext.layers.wgrad import GemmPrecision, LinearContext, save_linear, saved_linear, weight_gradient
 
 AllGatherMatmul = Callable[..., tuple[torch.Tensor | None, list[torch.Tensor]]]
 """(A_shard, [B, ...], gather_dim, group_name, *, return_A) -> (gathered A or None, [A @ B, ...])."""
@@ -77,7 +73,11 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool
+        ctx: LinearContext[FusedGroup],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        fg: FusedGroup,
+        fuse_wgrad: bool,
     ) -> torch.Tensor:
         precision = GemmPrecision.of(x)
         keep = weight.requires_grad  # frozen weights need no wgrad, hence no gathered input
@@ -92,7 +92,7 @@ class SymmMemAllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
-        ctx: Any, grad_out: torch.Tensor
+        ctx: LinearContext[FusedGroup], grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         saved = saved_linear(ctx)
         fg, precision = saved.group, saved.precision
@@ -116,7 +116,11 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, fg: FusedGroup, fuse_wgrad: bool
+        ctx: LinearContext[FusedGroup],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        fg: FusedGroup,
+        fuse_wgrad: bool,
     ) -> torch.Tensor:
         precision = GemmPrecision.of(x)
         xc = precision.cast(x).contiguous()
@@ -127,7 +131,7 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
-        ctx: Any, grad_out: torch.Tensor
+        ctx: LinearContext[FusedGroup], grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         saved = saved_linear(ctx)
         fg, precision = saved.group, saved.precision
@@ -141,7 +145,7 @@ class SymmMemLinearReduceScatter(torch.autograd.Function):
             )
             grad_w = (
                 weight_gradient(gathered, saved.kept(), saved.weight, saved.fuse_wgrad)
-                if saved.want_w
+                if gathered is not None  # returned where the weight wants a gradient
                 else None
             )
         return (grad_x if saved.want_x else None), grad_w, None, None

@@ -1,37 +1,23 @@
 """Ulysses sequence parallelism with its all-to-alls decomposed and overlapped with the projections
 around attention (Flash-Overlap's UP case, arXiv 2604.24013).
 
-DeepSpeed-Ulysses (``deepspeed.sequence.layer.DistributedAttention``) runs, on n ranks that each
-hold s/n tokens of every sequence: QKV projection, an all-to-all that trades sequence for heads
-(each rank then holds the whole sequence for 1/n of the heads), local attention, the reverse
-all-to-all, the output projection; every all-to-all waits for the GEMM before it, and the GEMM after
-it waits for the all-to-all. Here the block owns both projections:
-
-* QKV (:class:`_QKVAllToAll`): the projection is computed per destination head group, the remote
-  groups first, each sent as soon as it is ready, this rank's own group last;
-* output (:class:`_AllToAllOutput`): the context slices are posted at once and each feeds the output
-  projection as it arrives (this rank's own first): the projection is summed over head groups.
-
-Backward mirrors both (the output's dgrad computed per destination, remote first, with the wgrad
-GEMM under the transfers; QKV's gradient slices consumed as they arrive). Numerics are those of
-``DistributedAttention`` wrapped around the same projections, up to the order of floating-point
-sums in the output projection. Layout: Megatron's [s, b, ...]; the QKV weight is either laid out
-as Megatron-DeepSpeed's Ulysses path reads it, [q heads | k heads | v heads] x hidden (three GEMMs
-per destination), or group-major, [q k v of group 0 | of group 1 | ...] (one GEMM per destination,
-no concatenation); ``UlyssesSelfAttention`` (``ulysses_module.py``) holds it group-major and reads and writes
-checkpoints in the [q | k | v] layout. Grouped-query attention keeps each rank's query heads with
-their key/value heads (contiguous head groups, as ``DistributedAttention`` splits them).
-"""
+DeepSpeed-Ulysses' ``DistributedAttention`` waits for each all-to-all before the GEMM after it. Here
+the block owns both projections: QKV (:class:`_QKVAllToAll`) is computed per destination head group
+and each group sent when ready; the output projection (:class:`_AllToAllOutput`) consumes each
+context block as it arrives. Numerics are ``DistributedAttention``'s up to the order of the output
+projection's sums. Layout: Megatron's [s, b, ...]; the QKV weight is [q | k | v] or group-major
+(:class:`HeadSplit`). Schedules, weight layouts and launch counts: docs/flash_overlap.md."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.layers.autograd_ctx import SavingContext
 from megatron_ext.layers.p2p.all_to_all import all_to_all_compute, compute_all_to_all
 from megatron_ext.layers.p2p.link import OverlapGroup
 
@@ -133,6 +119,14 @@ def _sums_in_fp32(t: torch.Tensor) -> bool:
     return t.dtype in (torch.bfloat16, torch.float16)
 
 
+class _HeadsContext(SavingContext):
+    """What the two Ulysses functions keep on their autograd context."""
+
+    split: HeadSplit
+    og: OverlapGroup
+    has_bias: bool
+
+
 class _QKVAllToAll(torch.autograd.Function):
     """Fwd: QKV projection per destination head group, remote groups first, each sent when ready
     (UP, sec. decomposed all-to-all); bwd: gradient blocks consumed as they arrive (dgrad and wgrad
@@ -142,7 +136,7 @@ class _QKVAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
+        ctx: _HeadsContext,
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -162,7 +156,7 @@ class _QKVAllToAll(torch.autograd.Function):
         return torch.cat(compute_all_to_all(project, og), dim=0)  # block i: rank i's tokens
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
+    def backward(ctx: _HeadsContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         x, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
         wide = _sums_in_fp32(x)  # n (or 3n) dgrad products add up to grad_x: in fp32, rounded once
@@ -195,7 +189,7 @@ class _AllToAllOutput(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, context: torch.Tensor, weight: torch.Tensor, split: HeadSplit, og: OverlapGroup
+        ctx: _HeadsContext, context: torch.Tensor, weight: torch.Tensor, split: HeadSplit, og: OverlapGroup
     ) -> torch.Tensor:
         received: list[torch.Tensor | None] = [None] * og.size
         out: list[torch.Tensor] = []
@@ -217,7 +211,7 @@ class _AllToAllOutput(torch.autograd.Function):
         return out[0].to(context.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
+    def backward(ctx: _HeadsContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
         gathered, weight = ctx.saved_tensors
         split, og = ctx.split, ctx.og
         grad = grad.contiguous()
@@ -247,11 +241,27 @@ def ulysses_attention(
     local_attention: LocalAttention,
     split: HeadSplit,
     og: OverlapGroup,
-    *args: Any,
+    *args: object,
 ) -> torch.Tensor:
-    """Self-attention of ``hidden`` [s/n, b, h] (this rank's tokens) over the whole sequence:
-    QKV projection, local attention of this rank's heads (``local_attention(q, k, v, *args)``),
-    output projection without its bias (Megatron's ``skip_bias_add``). Returns [s/n, b, h]."""
+    """Self-attention of this rank's tokens over the whole sequence: QKV projection, local attention
+    of this rank's heads, output projection without its bias (Megatron's ``skip_bias_add``).
+
+    Args:
+        hidden (torch.Tensor): [s/n, b, h], this rank's tokens.
+        qkv_weight (torch.Tensor): [(heads + 2 kv_heads) * head_dim, h], laid out as ``split`` says.
+        qkv_bias (torch.Tensor, optional): the QKV bias, in the weight's row layout.
+        output_weight (torch.Tensor): [h, heads * head_dim].
+        local_attention (LocalAttention): called as ``local_attention(q, k, v, *args)``.
+        split (HeadSplit): the heads and their split over the sequence-parallel group.
+        og (OverlapGroup): the sequence-parallel group.
+        *args: passed on to ``local_attention`` (e.g. the attention mask).
+
+    Returns:
+        torch.Tensor: [s/n, b, h].
+
+    Raises:
+        ValueError: ``split`` is for another number of ranks than the group's.
+    """
     if split.ranks != og.size:
         raise ValueError(f"the head split is for {split.ranks} ranks but the sequence group has {og.size}")
     full = _QKVAllToAll.apply(hidden, qkv_weight, qkv_bias, split, og)

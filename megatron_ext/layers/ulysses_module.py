@@ -5,7 +5,6 @@ checkpoints read and written in Megatron-DeepSpeed's [q | k | v] layout."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +36,21 @@ class UlyssesSelfAttention(torch.nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
+        """
+        Args:
+            hidden_size (int): the model's hidden size.
+            split (HeadSplit): the heads and their split over ``sequence_group`` (held group-major
+                whatever its ``group_major`` says).
+            local_attention (LocalAttention): attention over the whole sequence for this rank's heads.
+            sequence_group (dist.ProcessGroup, optional): the sequence-parallel group; None: one rank.
+            bias (bool): both projections have a bias.
+            timeout_s (float): bound of every gloo wait.
+            device (torch.device | str, optional): where the parameters are made.
+            dtype (torch.dtype, optional): the parameters' dtype.
+
+        Raises:
+            ValueError: ``split`` is for another number of ranks than the group's.
+        """
         super().__init__()
         size = 1 if sequence_group is None else sequence_group.size()
         if split.ranks != size:
@@ -61,7 +75,16 @@ class UlyssesSelfAttention(torch.nn.Module):
         for t in tensors.values():
             t.copy_(t.index_select(0, order.to(t.device)))
 
-    def forward(self, hidden: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, hidden: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """
+        Args:
+            hidden (torch.Tensor): [s/n, b, h], this rank's tokens.
+            *args: passed on to the local attention (e.g. the attention mask).
+
+        Returns:
+            - output: [s/n, b, h], without the output projection's bias
+            - bias: the output projection's bias, or None
+        """
         out = ulysses_attention(
             hidden,
             self.query_key_value.weight,
@@ -75,19 +98,23 @@ class UlyssesSelfAttention(torch.nn.Module):
         return out, self.dense.bias
 
 
-def _qkv_entries(state: dict[str, Any], prefix: str) -> dict[str, torch.Tensor]:
+def _qkv_entries(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
     names = (f"{prefix}query_key_value.weight", f"{prefix}query_key_value.bias")
     return {k: state[k] for k in names if k in state}
 
 
-def _save_standard_layout(module: UlyssesSelfAttention, state: dict[str, Any], prefix: str, *_: Any) -> None:
+def _save_standard_layout(
+    module: UlyssesSelfAttention, state: dict[str, torch.Tensor], prefix: str, *_: object
+) -> None:
     """State-dict hook: the QKV rows written in Megatron-DeepSpeed's [q | k | v] layout."""
     inverse = module._qkv_order.argsort()
     for key, t in _qkv_entries(state, prefix).items():
         state[key] = t.index_select(0, inverse.to(t.device))
 
 
-def _load_standard_layout(module: UlyssesSelfAttention, state: dict[str, Any], prefix: str, *_: Any) -> None:
+def _load_standard_layout(
+    module: UlyssesSelfAttention, state: dict[str, torch.Tensor], prefix: str, *_: object
+) -> None:
     """Load hook: [q | k | v] QKV rows regrouped by destination before they are copied in."""
     for key, t in _qkv_entries(state, prefix).items():
         state[key] = t.index_select(0, module._qkv_order.to(t.device))

@@ -1,22 +1,24 @@
 """The Flash-Overlap layers' GEMM precision and weight gradient, as megatron-core computes them.
 
-* :class:`GemmPrecision`: megatron-core's linears are autocast-aware (``custom_fwd``): under
-  autocast their GEMMs run in autocast's dtype, else in the input's. Both Flash-Overlap layers
-  capture that once per forward, cast explicitly, and run every GEMM of forward and backward in it.
-* :func:`weight_gradient`: one wgrad GEMM over the whole (gathered) sequence; with megatron-core's
-  ``gradient_accumulation_fusion`` it accumulates into ``weight.main_grad`` in that buffer's dtype
-  (fp32 for Megatron's DDP) and returns what megatron-core returns in place of the gradient.
+* :class:`GemmPrecision`: the dtype every GEMM of a forward and its backward runs in (autocast's
+  under autocast, else the input's: megatron-core's ``custom_fwd``).
+* :func:`weight_gradient`: one wgrad GEMM over the whole sequence, or with
+  ``gradient_accumulation_fusion`` accumulated into ``weight.main_grad`` in that buffer's dtype.
 * :func:`save_linear` / :func:`saved_linear`: what every Flash-Overlap autograd function keeps from
-  forward for backward, saved and read back alike.
-"""
+  forward for backward."""
 
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, Protocol, TypeVar
 
 import torch
+
+from megatron_ext.layers.autograd_ctx import SavingContext
+
+G = TypeVar("G")
+"""The layer's communication group: an OverlapGroup (P2P backend) or a FusedGroup (symm_mem)."""
 
 
 @dataclass(frozen=True)
@@ -81,15 +83,23 @@ def weight_gradient(
     return make(main_grad.shape, dtype=g.dtype, device=g.device)
 
 
+class LinearContext(SavingContext, Protocol[G]):
+    """The attributes :func:`save_linear` sets on a Flash-Overlap autograd function's context."""
+
+    group: G
+    precision: GemmPrecision
+    fuse_wgrad: bool
+
+
 @dataclass(frozen=True)
-class SavedLinear:
+class SavedLinear(Generic[G]):
     """What a Flash-Overlap linear's backward reads, as its forward saved it."""
 
     activation: torch.Tensor | None
     """The tensor the wgrad GEMM needs (None for a frozen weight)."""
     weight: torch.Tensor
-    group: Any
-    """The layer's communication group (an OverlapGroup or a FusedGroup)."""
+    group: G
+    """The layer's communication group."""
     precision: GemmPrecision
     fuse_wgrad: bool
     want_x: bool
@@ -105,10 +115,10 @@ class SavedLinear:
 
 
 def save_linear(
-    ctx: Any,
+    ctx: LinearContext[G],
     activation: torch.Tensor | None,
     weight: torch.Tensor,
-    group: Any,
+    group: G,
     precision: GemmPrecision,
     fuse_wgrad: bool,
 ) -> None:
@@ -118,7 +128,7 @@ def save_linear(
     ctx.group, ctx.precision, ctx.fuse_wgrad = group, precision, fuse_wgrad
 
 
-def saved_linear(ctx: Any) -> SavedLinear:
+def saved_linear(ctx: LinearContext[G]) -> SavedLinear[G]:
     """Backward's half: what :func:`save_linear` kept, and which gradients are wanted."""
     activation, weight = ctx.saved_tensors
     return SavedLinear(

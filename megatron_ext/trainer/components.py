@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,13 @@ from mdsp_base.topology import Topology
 from megatron_ext.integration import transport
 from megatron_ext.integration.plugin_config import PluginConfig
 from megatron_ext.trainer.checks import UsageError, env_int
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.utils.tensorboard import SummaryWriter
+
+    from megatron_ext.data.batch import BatchIterator
+    from megatron_ext.trainer.corpus import Tokenizer
 
 
 def init_distributed(world: int, installer: Installer) -> int:
@@ -79,9 +86,9 @@ def _set_env(installer: Installer, name: str, value: str) -> None:
 def build_model(
     args: argparse.Namespace,
     plugins: PluginConfig,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     topology: Topology,
-    ds_config: dict[str, Any],
+    ds_config: dict[str, object],
     installer: Installer,
 ) -> tuple[torch.nn.Module, HierarchicalPlan | None]:
     """GPTModel with megatron-core's local layers, or the Flash-Overlap ones when enabled (the
@@ -156,12 +163,12 @@ def build_engine(
     args: argparse.Namespace,
     model: torch.nn.Module,
     plan: HierarchicalPlan | None,
-    ds_config: dict[str, Any],
+    ds_config: dict[str, object],
     plugins: PluginConfig,
     topology: Topology,
     lr_factor: Callable[[int], float],
     installer: Installer,
-) -> Any:
+) -> DeepSpeedEngine:
     """The DeepSpeed engine (the hierarchical ZeRO-3 variant when enabled, on ``plan``: the plan
     the model was built partitioned on), destroyed when ``installer`` closes."""
     from deepspeed_ext.zero import initialize
@@ -195,7 +202,7 @@ def comm_counter(topology: Topology, installer: Installer) -> CommCounter:
     return CommCounter(topology)
 
 
-def plugin_figures(data: Any, counter: Any) -> dict[str, Any]:
+def plugin_figures(data: BatchIterator, counter: CommCounter) -> dict[str, float]:
     """Figures of the plugins for the log line, this rank's view: time blocked on the loader and bytes
     the node's reader took from storage (both since the start), DeepSpeed's bytes sent per link
     class (this iteration)."""
@@ -207,7 +214,7 @@ def plugin_figures(data: Any, counter: Any) -> dict[str, Any]:
     return figures
 
 
-def tensorboard_writer(args: argparse.Namespace, rank: int, installer: Installer) -> Any:
+def tensorboard_writer(args: argparse.Namespace, rank: int, installer: Installer) -> SummaryWriter | None:
     """Megatron's ``--tensorboard-dir``: on rank 0 a writer of each iteration's figures as scalars
     (closed, with its flush thread, by the installer); None without the flag or on other ranks."""
     if not args.tensorboard_dir or rank != 0:

@@ -8,7 +8,7 @@ import os
 import random
 import struct
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -17,6 +17,13 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
 from megatron_ext.data.indexed import IDX_MAGIC, check_indexed_dataset
+
+
+class Tokenizer(Protocol):
+    """What the job reads of a tokenizer: megatron-core's, or :class:`ByteTokenizer`."""
+
+    @property
+    def vocab_size(self) -> int: ...
 
 
 class ByteTokenizer:
@@ -80,7 +87,7 @@ def gpt_dataset_config(
     seed: int,
     cache_dir: str,
     create_attention_mask: bool = False,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> GPTDatasetConfig:
     return GPTDatasetConfig(
         blend=([prefix], None),
@@ -103,7 +110,7 @@ def build_train_dataset(
     seed: int,
     cache_dir: str,
     is_built_on_rank: bool = True,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> GPTDataset:
     """The training split of a ``GPTDataset`` with at least ``num_samples`` samples. Index caches
     go to ``cache_dir``; build on one rank first when several share it."""

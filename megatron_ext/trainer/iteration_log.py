@@ -6,9 +6,13 @@ the same ``name: value |`` form."""
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 @dataclass
@@ -38,7 +42,7 @@ class Interval:
             self.loss_sum += loss
 
 
-def loss_scale(engine: Any) -> float | None:
+def loss_scale(engine: DeepSpeedEngine) -> float | None:
     """The fp16 loss scale the DeepSpeed engine applies, None where none is used (fp32, bf16)."""
     if not engine.fp16_enabled():
         return None
@@ -58,7 +62,7 @@ def iteration_line(
     scale: float | None,
     grad_norm: float | None,
     throughput: float | None,
-    extras: dict[str, Any],
+    extras: Mapping[str, object],
 ) -> str:
     """One line as Megatron's ``training_log`` prints it (the timestamp, then ``iteration``,
     ``consumed samples``, ``elapsed time per iteration (ms)``, ``throughput per GPU (TFLOP/s/GPU)``

@@ -10,7 +10,7 @@ import resource
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import IO, TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -20,6 +20,13 @@ from mdsp_base.gpt_flops import gpt_flops
 from megatron_ext.integration.gpt import gpt_loss
 from megatron_ext.trainer.components import plugin_figures
 from megatron_ext.trainer.iteration_log import Interval, iteration_line, loss_scale
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
+    from torch.utils.tensorboard import SummaryWriter
+
+    from mdsp_base.comm import CommCounter
+    from megatron_ext.data.batch import BatchIterator
 
 
 def lr_at(args: argparse.Namespace, iteration: int) -> float:
@@ -33,14 +40,14 @@ def lr_at(args: argparse.Namespace, iteration: int) -> float:
 
 def train_loop(
     args: argparse.Namespace,
-    engine: Any,
-    data: Any,
-    counter: Any,
+    engine: DeepSpeedEngine,
+    data: BatchIterator,
+    counter: CommCounter,
     start_iteration: int,
     consumed: int,
     global_batch: int,
-    log_file: Any,
-    tensorboard: Any = None,
+    log_file: IO[str] | None,
+    tensorboard: SummaryWriter | None = None,
     iteration_context: Callable[[], AbstractContextManager[object]] = nullcontext,
 ) -> None:
     """Train from ``start_iteration`` to ``--train-iters`` (or ``--exit-interval``), saving where
@@ -64,7 +71,8 @@ def train_loop(
         losses = []
         with iteration_context():
             for _ in range(engine.gradient_accumulation_steps()):
-                batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items()}
+                # None marks a key another pipeline stage gets: the job has one stage, so none is
+                batch = {k: v.to(device, non_blocking=True) for k, v in next(data).items() if v is not None}
                 loss = gpt_loss(engine, batch)
                 engine.backward(loss)
                 engine.step()
@@ -131,7 +139,7 @@ def train_loop(
             break
 
 
-def iteration_flops(args: argparse.Namespace, engine: Any, global_batch: int) -> float:
+def iteration_flops(args: argparse.Namespace, engine: DeepSpeedEngine, global_batch: int) -> float:
     """Model FLOPs of one iteration, as Megatron counts them for its TFLOP/s (Narayanan et al.,
     arXiv 2104.04473, eq. 3, without recomputation), over the padded vocabulary the model holds."""
     weight = engine.module.embedding.word_embeddings.weight

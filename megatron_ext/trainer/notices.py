@@ -1,18 +1,12 @@
 """What the main job prints besides its own lines: each notice once per job, from rank 0, and of
 the third-party warnings only those a user can act on.
 
-megatron-core, torch and DeepSpeed warn on every rank, most of it at import: optional fused
-kernels (Transformer Engine, Apex) that a CPU run cannot use, DeepSpeed's choice of its CPU
-accelerator, deprecations inside the libraries. :func:`quiet` collects those warnings from the first
-import on; :meth:`StartupNotices.report` prints, on rank 0 once start-up is done, each warning a
-user can act on once and the count of the rest. With ``-W`` or ``PYTHONWARNINGS`` set, Python's own
-warnings are left alone: the user asked to see them.
-
-Every change goes through the job's installer: the warnings filters and the collector, the
-loggers' levels and filters, a root log handler that prints INFO on rank 0 only (other ranks
-print warnings and errors), and DeepSpeed's shared-memory communication op left unbuilt
-(:mod:`megatron_ext.integration.shm_comm_op`).
-"""
+megatron-core, torch and DeepSpeed warn on every rank, mostly at import. :func:`quiet` collects
+those warnings from the first import on; :meth:`StartupNotices.report` prints on rank 0, once
+start-up is done, each actionable warning once and the count of the rest (``-W`` or
+``PYTHONWARNINGS`` leaves Python's own warnings alone). Every change goes through the job's
+installer: warnings filters, loggers' levels, a root handler printing INFO on rank 0 only, and
+DeepSpeed's shared-memory op left unbuilt (:mod:`megatron_ext.integration.shm_comm_op`)."""
 
 from __future__ import annotations
 

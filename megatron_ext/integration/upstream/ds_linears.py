@@ -1,26 +1,18 @@
 """Flash-Overlap's TP/SP linears inside Megatron-DeepSpeed's legacy GPT (commit 4efb479).
 
-The tree's transformer layer builds its own ``ColumnParallelLinear`` / ``RowParallelLinear``
-(``megatron.core.tensor_parallel.layers``, no layer specs). The patch gives each of them a
-``flash_overlap`` attribute (None: the tree's forward) and calls :func:`overlap_linears` at the end
-of ``ParallelTransformerLayer.__init__``. With ``--flash-overlap`` and
-``--sequence-parallel`` at TP > 1 it sets that attribute on the attention's QKV and output linears
-and the MLP's fc1 and fc2: their forward then runs Flash-Overlap's AG+GEMM (column) and GEMM+RS (row)
-schedules on the module's own weight and bias. Nothing else changes: constructor, parameter names,
-initialisation and checkpoint layout are the tree's, and a checkpoint loads with or without the flag.
-
-What these schedules do not cover is refused at start-up by name (no ``--sequence-parallel``, the
-zero-bubble pipeline, ``backend: symm_mem``, Ulysses at TP > 1: ``hooks._check_supported``) or left
-stock and logged (expert MLPs, cross-attention, FPDT's chunked attention, and the LM head, which is
-outside the layers). Weight gradients are returned, not accumulated into ``main_grad``: the tree
-computes them so under DeepSpeed (its fused accumulation is commented out upstream).
-"""
+The tree's transformer layer builds its own ``ColumnParallelLinear`` / ``RowParallelLinear``. The
+patch gives each a ``flash_overlap`` attribute (None: the tree's forward) and calls
+:func:`overlap_linears` at the end of ``ParallelTransformerLayer.__init__``; with ``--flash-overlap``
+and ``--sequence-parallel`` at TP > 1 it sets that attribute on the attention's QKV and output
+linears and the MLP's fc1 and fc2, whose forward then runs Flash-Overlap's schedules on the module's
+own weight and bias. Constructor, parameters and checkpoint layout stay the tree's. What is refused
+or left stock: docs/integration.md."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import torch
 
@@ -42,10 +34,20 @@ LINEARS: dict[str, tuple[tuple[str, LayerName, bool], ...]] = {
 Forward = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def _column(linear: Any, og: OverlapGroup) -> Forward:
+class _TreeLinear(Protocol):
+    """What the overlapped forward reads of the tree's Column/RowParallelLinear."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    skip_bias_add: bool
+
+
+def _column(linear: _TreeLinear, og: OverlapGroup) -> Forward:
     """The tree's ColumnParallelLinear.forward at SP: sequence all-gather fused with Y = X W^T."""
 
-    def forward(input_: torch.Tensor, weight: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+    def forward(
+        input_: torch.Tensor, weight: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = linear.weight if weight is None else weight
         output = P2PAllGatherLinear.apply(input_, weight, og, False)  # False: no main_grad fusion
         if linear.skip_bias_add:
@@ -55,10 +57,10 @@ def _column(linear: Any, og: OverlapGroup) -> Forward:
     return forward
 
 
-def _row(linear: Any, og: OverlapGroup) -> Forward:
+def _row(linear: _TreeLinear, og: OverlapGroup) -> Forward:
     """The tree's RowParallelLinear.forward at SP: Y = X W^T fused with the sequence reduce-scatter."""
 
-    def forward(input_: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def forward(input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if input_.shape[0] % og.size:
             raise ValueError(
                 f"layer {og.name!r}: sequence length {input_.shape[0]} is not divisible by the "
@@ -72,7 +74,7 @@ def _row(linear: Any, og: OverlapGroup) -> Forward:
     return forward
 
 
-def overlap_linears(layer: Any) -> None:
+def overlap_linears(layer: torch.nn.Module) -> None:
     """Give a ``ParallelTransformerLayer``'s TP linears (its self-attention's and dense MLP's) Flash-
     Overlap's forward where ``flash_overlap`` is on and TP > 1; leave and log the rest (expert MLPs,
     cross-attention, FPDT's chunked attention)."""

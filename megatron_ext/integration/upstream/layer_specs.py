@@ -1,25 +1,16 @@
 """The transformer blocks behind Megatron-LM's ``--spec megatron_ext.integration.upstream.megatron_lm <name>``.
 
-Megatron-LM's ``gpt_builder`` reads the named attribute of ``megatron_ext.integration.upstream.megatron_lm`` once the
-flags are parsed (that module computes it on access, PEP 562) and hands it to ``GPTModel``
-unchanged. Two names:
-
-* ``local_layer_spec``: megatron-core's local GPT layer with torch norms that work under sequence
-  parallelism, in the layers and as the block's final norm. Upstream's own local spec refuses
-  ``--sequence-parallel`` where neither Apex nor Transformer Engine is installed; this one is its
-  sequence-parallel twin (the plugin-off baseline of a Flash-Overlap run);
-* ``flash_overlap_layer_spec``: the same block with the Flash-Overlap linears of the effective
-  ``flash_overlap`` configuration.
-
-Both are whole-block specs (``TransformerBlockSubmodules``), so that the final norm is ours too.
-Upstream's spec builder honours more layer options than a fixed block can; :func:`check_layer_options`
-refuses each one this block would silently ignore, with the flag to change.
-"""
+Megatron-LM's ``gpt_builder`` reads the named attribute of that module once the flags are parsed
+(computed on access, PEP 562) and hands it to ``GPTModel``: ``local_layer_spec``, megatron-core's
+local GPT layer with torch norms that work under sequence parallelism (upstream's own refuses
+``--sequence-parallel`` without Apex or Transformer Engine), or ``flash_overlap_layer_spec``, the
+same with the Flash-Overlap linears. Both are whole-block specs, so the final norm is ours too;
+:func:`check_layer_options` refuses each layer option a fixed block would silently ignore."""
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
@@ -27,6 +18,11 @@ from mdsp_base.section import ConfigError
 from mdsp_base.topology import Topology, detect_topology
 from megatron_ext.integration.upstream.hooks import SPEC_MODULE, plugin_config
 from megatron_ext.layers.config import FlashOverlapConfig
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
 # (args attribute, is it set?, why the block cannot honour it, what to do)
 _REFUSED = (
@@ -97,8 +93,8 @@ def check_layer_options(args: argparse.Namespace, spec_name: str) -> None:
 
 
 def flash_overlap_submodules(
-    submodules: Any, overlap: FlashOverlapConfig, topology: Topology | None = None
-) -> Any:
+    submodules: TransformerLayerSubmodules, overlap: FlashOverlapConfig, topology: Topology | None = None
+) -> TransformerLayerSubmodules:
     """A copy of transformer-layer ``submodules`` whose linears named in ``overlap.layers`` are the
     Flash-Overlap ones (``overlap.mode``, ``timeout_s``, ``backend`` and ``topology`` applied)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -111,7 +107,7 @@ def flash_overlap_submodules(
     ).submodules
 
 
-def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | None = None) -> Any:
+def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | None = None) -> ModuleSpec:
     """The layer ModuleSpec: megatron-core's local GPT layer with sequence-parallel norms, with the
     Flash-Overlap linears of ``overlap`` when given (``topology`` for ``backend`` auto)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -127,7 +123,9 @@ def layer_spec(overlap: FlashOverlapConfig | None = None, topology: Topology | N
     )
 
 
-def block_spec(args: argparse.Namespace, spec_name: str, overlap: FlashOverlapConfig | None) -> Any:
+def block_spec(
+    args: argparse.Namespace, spec_name: str, overlap: FlashOverlapConfig | None
+) -> TransformerBlockSubmodules:
     """The block for this pipeline stage: :func:`layer_spec` repeated as many times as upstream
     builds layers on this rank, then the sequence-parallel final norm. Where the Flash-Overlap
     backend may be torch's symmetric-memory ops, the layers get the job's topology (the node check)."""

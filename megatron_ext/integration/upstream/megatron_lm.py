@@ -3,12 +3,10 @@
 
 * Flags: :func:`with_plugin_args` is the ``extra_args_provider`` given to ``pretrain()``.
 * Data: :class:`DatasetsProvider` wraps ``train_valid_test_datasets_provider``; with the
-  shared-memory loader on it returns this rank's batch iterators instead of datasets, and
-  :func:`get_batch_on_this_tp_rank` then takes every rank's batch from its own iterator (no TP
-  broadcast). With the loader off both hand over to Megatron-LM unchanged.
+  shared-memory loader on it returns this rank's batch iterators, and
+  :func:`get_batch_on_this_tp_rank` takes every rank's batch from its own (no TP broadcast).
 * Model: ``--spec megatron_ext.integration.upstream.megatron_lm flash_overlap_layer_spec`` (or
-  ``local_layer_spec``, the same block without the plugin), built by :mod:`megatron_ext.integration.upstream.layer_specs`.
-"""
+  ``local_layer_spec``), built by :mod:`megatron_ext.integration.upstream.layer_specs`."""
 
 from __future__ import annotations
 

@@ -2,29 +2,11 @@
 without CUDA (gloo, CPU).
 
 ``python -m megatron_ext.launch`` calls :func:`enable` before it runs an upstream Megatron-LM
-``pretrain_gpt.py`` and :func:`disable` after it. Where CUDA exists :func:`enable` changes nothing.
-Upstream assumes CUDA in places that have no switch; on CPU each is mapped to its CPU twin, in this
-one module, and every change is recorded so that :func:`disable` restores the original object:
-
-* ``torch.cuda.device_count``, ``set_device``, ``synchronize``, ``Stream``, ``Event``,
-  ``current_stream`` and ``stream`` become ``torch.cpu``'s (one device, streams that order nothing):
-  upstream skips model-parallel set-up and seeding when the CUDA device count is 0, and wraps DDP
-  construction in a side stream;
-* ``torch.cuda.get_rng_state`` / ``set_rng_state`` read and write the CPU generator (upstream's
-  rerun state machine saves both generators); the model-parallel RNG tracker is backed by the CPU
-  generator too (:func:`megatron_ext.integration.core_on_cpu.enable_cpu_support`, which also makes
-  ``torch.cuda.current_device()`` return ``"cpu"``);
-* a ``TorchFunctionMode`` (:class:`CudaToCpu`) maps ``device="cuda"`` arguments, ``.cuda()`` and
-  ``.to("cuda")`` to the CPU, and reports a CPU tensor's ``.type()`` under its CUDA name (upstream's
-  gradient clipping asserts ``torch.cuda.FloatTensor``);
-* ``initialize_megatron`` runs with ``allow_no_cuda=True``; ``fused_kernels.load`` (it compiles CUDA
-  kernels with nvcc) loads nothing; ``get_device_arch_version`` answers 0 (no GPU: the
-  pre-Blackwell rules apply, so TP > 1 needs ``CUDA_DEVICE_MAX_CONNECTIONS=1``, set here if unset);
-* ``TORCH_COMPILE_DISABLE=1`` (upstream's jitted fusions would otherwise compile for the CPU).
-
-For Megatron-DeepSpeed :func:`enable_megatron_deepspeed` changes one thing: ``all_gather_into_tensor``
-takes an output shaped by element count (its Ulysses loss needs it on gloo).
-"""
+``pretrain_gpt.py`` and :func:`disable` after it; where CUDA exists :func:`enable` changes nothing.
+Upstream assumes CUDA in places that have no switch: on CPU each is mapped to its CPU twin, here in
+one module, and every change is recorded so that :func:`disable` restores the original object. For
+Megatron-DeepSpeed :func:`enable_megatron_deepspeed` changes one thing. Each change and why:
+docs/integration.md, "Without CUDA"."""
 
 from __future__ import annotations
 

@@ -1,20 +1,11 @@
 """Point-to-point all-to-alls fused with the GEMM that produces or consumes them (Flash-Overlap's UP
 case, arXiv 2604.24013: Ulysses sequence parallelism).
 
-An all-to-all over n ranks moves block j of every rank to rank j. Decomposed into n-1 P2P steps
-(step k: send to rank r+k, receive from rank r-k, the ``direct`` pattern), it overlaps its GEMM
-in the two ways of the Flash-Overlap schedules:
-
-* GEMM + all-to-all (:func:`compute_all_to_all`): the blocks other ranks receive are computed
-  first, each sent as soon as it is ready; this rank's own block is computed last, while the last
-  transfers complete;
-* all-to-all + GEMM (:func:`all_to_all_compute`): every block is posted at once; this rank's own
-  block is consumed first (no wait), then each received block as it arrives.
-
-Every rank sends n-1 blocks, the bytes of one all-to-all. The transfers and their bounded waits
-are :mod:`megatron_ext.layers.p2p.link`'s; the block order is the ``direct`` pattern whatever
-``flash_overlap.mode`` says (a ring would forward every block n/2 hops on average).
-"""
+An all-to-all over n ranks, as n-1 P2P steps (step k: send to rank r+k, receive from rank r-k):
+:func:`compute_all_to_all` computes the blocks other ranks receive first, each sent when ready, and
+its own last; :func:`all_to_all_compute` posts every block at once and consumes its own first, then
+each as it arrives. Every rank sends the bytes of one all-to-all; the pattern is ``direct`` whatever
+``flash_overlap.mode`` says (a ring would forward each block n/2 hops on average)."""
 
 from __future__ import annotations
 

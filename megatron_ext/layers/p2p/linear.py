@@ -10,7 +10,6 @@ fused symmetric-memory ops.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -22,7 +21,7 @@ from megatron_ext.layers.p2p.overlap import (
     start_all_gather,
     start_reduce_scatter,
 )
-from megatron_ext.layers.wgrad import GemmPrecision, save_linear, saved_linear, weight_gradient
+from megatron_ext.layers.wgrad import GemmPrecision, LinearContext, save_linear, saved_linear, weight_gradient
 
 
 class P2PAllGatherLinear(torch.autograd.Function):
@@ -33,7 +32,11 @@ class P2PAllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool
+        ctx: LinearContext[OverlapGroup],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        og: OverlapGroup,
+        fuse_wgrad: bool,
     ) -> torch.Tensor:
         n, precision = og.size, GemmPrecision.of(x)
         xc, wc = precision.cast(x), precision.cast(weight)
@@ -45,7 +48,7 @@ class P2PAllGatherLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
-        ctx: Any, grad_out: torch.Tensor
+        ctx: LinearContext[OverlapGroup], grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         saved = saved_linear(ctx)
         og, precision = saved.group, saved.precision
@@ -81,7 +84,11 @@ class P2PLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup, fuse_wgrad: bool
+        ctx: LinearContext[OverlapGroup],
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        og: OverlapGroup,
+        fuse_wgrad: bool,
     ) -> torch.Tensor:
         n, precision = og.size, GemmPrecision.of(x)
         xc, wc = precision.cast(x), precision.cast(weight)
@@ -92,7 +99,7 @@ class P2PLinearReduceScatter(torch.autograd.Function):
 
     @staticmethod
     def backward(  # type: ignore[override]  # torch declares backward(ctx, *grad_outputs)
-        ctx: Any, grad_out: torch.Tensor
+        ctx: LinearContext[OverlapGroup], grad_out: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
         saved = saved_linear(ctx)
         og, precision, weight = saved.group, saved.precision, saved.weight

@@ -1,17 +1,11 @@
 """The transfer layer under the Flash-Overlap schedules: the TP group, the P2P link, and its waits.
 
 Each step posts its receive before its send (gloo writes only once the peer's receive is posted).
-On CUDA the transfers are issued from the compute stream and run on the process group's own
-stream; a wait only orders the compute stream after the transfer (a timed ``work.wait`` would
-block the host until the transfer ends, so the host could not run ahead and CUDA graphs could not
-capture the layer), and a dead peer is reported by the process group's watchdog within the timeout
-the group was created with: ``timeout_s`` does not apply there, and ``TORCH_NCCL_BLOCKING_WAIT=1``,
-which turns every wait into a host wait, is warned about when the layers are built
-(:func:`check_nccl_waits`). On gloo the transfers are asynchronous work items posted from one
-background thread, so that the compute thread never writes to a socket, and every wait is bounded
-by ``timeout_s``: a silent peer raises :class:`PeerTimeoutError` naming the peer and the layer;
-after such an error the process group is unusable (gloo closes the pair).
-"""
+On CUDA a wait only orders the compute stream after the transfer, so the host runs ahead and CUDA
+graphs can capture the layer; a dead peer is the process group's watchdog's to report. On gloo the
+transfers are posted from one background thread and every wait is bounded by ``timeout_s``: a
+silent peer raises :class:`PeerTimeoutError` naming the peer and the layer. Details:
+docs/flash_overlap.md."""
 
 from __future__ import annotations
 

@@ -1,24 +1,12 @@
 """Point-to-point schedules that overlap a sequence all-gather or reduce-scatter with its GEMM.
 
 Flash-Overlap (CommFuse, arXiv 2604.24013) replaces the ring collectives of tensor/sequence
-parallelism by P2P transfers ordered by rank so that the last computation never waits:
-
-* all-gather + GEMM (:func:`all_gather_compute`): compute on the locally held sequence slice first,
-  then on each other rank's slice as its transfer arrives;
-* GEMM + reduce-scatter (:func:`compute_reduce_scatter`): compute the slices that other ranks own
-  first and send each as soon as it is ready, compute this rank's own slice last, then add the
-  partials received meanwhile.
-
-With N ranks, per-slice compute c and per-slice transfer p a schedule takes c + (N-1)*max(c, p):
-communication is fully hidden when p <= c. Every rank sends N-1 slices, as many bytes as a ring
-collective. Two patterns: ``direct`` (step k talks to the ranks k away) and ``ring`` (always the
-neighbours; all-gather forwards what arrived, reduce-scatter passes a running sum along).
-
-The fused schedules keep one step in flight ahead of the compute. :func:`start_all_gather` and
-:func:`start_reduce_scatter` post a whole collective at once and return a function that waits for
-it: megatron-core's asynchronous collectives, as P2P, for a GEMM to run under. Transfers and their
-waits are :mod:`megatron_ext.layers.p2p.link`'s.
-"""
+parallelism by P2P transfers ordered so that the last computation never waits:
+:func:`all_gather_compute` computes on the local slice first, then on each other rank's as it
+arrives; :func:`compute_reduce_scatter` computes the slices other ranks own first, sending each when
+ready, and its own last. :func:`start_all_gather` and :func:`start_reduce_scatter` post a whole
+collective and return its wait, for a GEMM to run under (megatron-core's asynchronous collectives,
+as P2P). Patterns (``direct``, ``ring``) and their cost: docs/flash_overlap.md."""
 
 from __future__ import annotations
 
