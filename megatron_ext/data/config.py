@@ -81,10 +81,18 @@ class ShmDataLoaderConfig(Section):
 
 
 def check_shm_dir_at_start(config: ShmDataLoaderConfig) -> list[str]:
-    """What needs no model about ``shm_dir``, checked when the job starts (before any model,
-    engine or collective): it exists, is a directory no other user can slip files into (raises
-    :class:`~mdsp_base.section.ConfigError` naming the key); returns a warning when it is not a
-    tmpfs (the ring then lives on a disk's page cache, and a full disk fails late)."""
+    """Checks ``shm_dir`` when the job starts, before any model, engine or collective.
+
+    Args:
+        config: the ``shm_data_loader`` section (nothing is checked when it is disabled).
+
+    Returns:
+        Warnings: one when ``shm_dir`` is not a tmpfs (the ring then lives in a disk's page cache,
+        and a full disk fails late).
+
+    Raises:
+        ConfigError: ``shm_dir`` is missing, not a directory, or one another user can slip files into.
+    """
     from megatron_ext.data.shm.private import ShmSecurityError, check_shm_dir
 
     if not config.enabled:
@@ -127,9 +135,20 @@ def check_shm_space_at_start(
     seq_length: int,
     vocab_size: int,
 ) -> None:
-    """The node's ring (``slots`` steps of every DP rank of the node's micro-batch) against the free
-    space of ``shm_dir``, when the job starts: a ring that cannot fit fails here, before any model,
-    with the numbers and what to change, not when the first rank creates it."""
+    """Checks the node's ring against the free space of ``shm_dir`` when the job starts, so that a
+    ring that cannot fit fails before any model, not when the first rank creates it.
+
+    Args:
+        config: the ``shm_data_loader`` section (nothing is checked when it is disabled).
+        ranks_per_node: ranks of one node.
+        tp: tensor-parallel size (TP peers share a stream).
+        micro_batch: samples per micro-batch of one DP rank.
+        seq_length: tokens per sample.
+        vocab_size: the tokenizer's vocabulary (ids are stored in 2 bytes where it fits).
+
+    Raises:
+        ConfigError: with the sizes and what to change.
+    """
     from megatron_ext.data.shm.ring import RingLayout
     from megatron_ext.data.shm.segment import free_bytes, space_message
 

@@ -46,7 +46,14 @@ class RankRecord(NamedTuple):
 
 
 def indexed_prefixes(dataset: SampleDataset) -> list[str]:
-    """The ``.bin``/``.idx`` prefixes under a megatron-core GPTDataset or BlendedDataset."""
+    """The indexed files a dataset reads.
+
+    Args:
+        dataset: a megatron-core GPTDataset or BlendedDataset.
+
+    Returns:
+        The ``.bin``/``.idx`` path prefixes under it (none for other storage).
+    """
     if hasattr(dataset, "datasets"):  # BlendedDataset
         return [p for d in dataset.datasets for p in indexed_prefixes(d)]
     prefix = getattr(getattr(dataset, "dataset", None), "path_prefix", None)
@@ -54,10 +61,17 @@ def indexed_prefixes(dataset: SampleDataset) -> list[str]:
 
 
 def check_slots(config: ShmDataLoaderConfig, pipeline_stages: int) -> None:
-    """Refuse a ring shallower than the pipeline: in 1F1B's warm-up the first stage reads
+    """Refuses a ring shallower than the pipeline: in 1F1B's warm-up the first stage reads
     ``pipeline_stages - 1`` micro-batches before the last stage reads its first, and a slot is
-    refilled only once both stages released it; with fewer slots the first stage waits for the last
-    every step and the warm-up runs serialised."""
+    refilled only once both stages released it, so fewer slots serialise the warm-up.
+
+    Args:
+        config: the ``shm_data_loader`` section (nothing is checked when it is disabled).
+        pipeline_stages: Megatron's pipeline-parallel size.
+
+    Raises:
+        ConfigError: naming the key and the least number of slots.
+    """
     if config.enabled and config.slots < pipeline_stages:
         raise ConfigError(
             f"shm_data_loader.slots={config.slots} is below the pipeline's {pipeline_stages} stages "
@@ -120,10 +134,25 @@ class LoaderSettings:
         name: str = "train",
         device: torch.device | str | None = None,
     ) -> LoaderSettings:
-        """The settings Megatron's flags give (``--micro-batch-size``, ``--dataloader-type`` single or
-        cyclic, ``--no-data-sharding``, ``--create-attention-mask-in-dataloader``, ``--num-workers``),
-        this rank's groups from megatron-core's parallel state: the one mapping, for the main job
-        and the upstream hooks alike."""
+        """The settings Megatron's flags give, with this rank's groups from megatron-core's parallel
+        state: the one mapping, for the main job and the upstream hooks alike.
+
+        Args:
+            args: Megatron's arguments (``--micro-batch-size``, ``--dataloader-type`` single or
+                cyclic, ``--no-data-sharding``, ``--create-attention-mask-in-dataloader``,
+                ``--num-workers``).
+            config: the ``shm_data_loader`` section.
+            topology: the job's rank placement; None only with the loader off.
+            consumed_samples: where the order resumes.
+            name: the loader's name (train, valid, test).
+            device: where the tensors go; None: the CPU.
+
+        Returns:
+            The settings for :func:`build_batch_iterator`.
+
+        Raises:
+            ConfigError: a ``--dataloader-type`` the loader does not take.
+        """
         from megatron.core import parallel_state as mpu
 
         sampler = MEGATRON_SAMPLERS.get(args.dataloader_type)
@@ -154,13 +183,17 @@ class LoaderSettings:
 
 def build_batch_iterator(dataset: SampleDataset, settings: LoaderSettings) -> BatchIterator:
     """This rank's micro-batches in Megatron's sampler order from ``settings.consumed_samples`` on.
+    Collective: every rank of the job calls it with the same settings.
 
-    ``dataset``: the megatron-core ``GPTDataset`` (built on every rank: each needs its length and
-    config; only one process per node reads from it when the loader is enabled). The shared-memory
-    segment's name carries the job id, the loader's name and a random token no other user can
-    guess. With PP > 1 the dict holds every key, None for those the rank does not get (TP rank 0
-    gets every key, as upstream's ``get_batch_on_this_tp_rank`` leaves it); a middle stage gets
-    None for all.
+    Args:
+        dataset: the megatron-core ``GPTDataset`` or ``BlendedDataset``, built on every rank (each
+            needs its length and config; with the loader enabled one process per node reads it).
+        settings: the sampler, the loader's section and this rank's groups and pipeline stage.
+
+    Returns:
+        The iterator: the node loader's when ``settings.config.enabled``, else Megatron's stock
+        path. With PP > 1 each batch holds every key, None for those the rank does not get (TP
+        rank 0 gets every key, as upstream's ``get_batch_on_this_tp_rank`` leaves it).
     """
     for prefix in indexed_prefixes(dataset):
         # Imported here: where Megatron-DeepSpeed's own megatron package comes first on the path,

@@ -53,8 +53,15 @@ _installer: Installer | None = None  # the launcher's, while the upstream script
 
 @contextlib.contextmanager
 def owning(installer: Installer) -> Iterator[Installer]:
-    """While the block runs, the hooks make their process-wide changes through ``installer``
-    (``megatron_ext.launch`` holds one around the upstream script)."""
+    """Makes the hooks' process-wide changes go through ``installer`` while the block runs
+    (``megatron_ext.launch`` holds one around the upstream script).
+
+    Args:
+        installer: the launcher's installer.
+
+    Returns:
+        A context manager yielding ``installer``.
+    """
     global _installer
     previous, _installer = _installer, installer
     try:
@@ -74,7 +81,11 @@ def installer() -> Installer:
 
 
 def own_iterators(iterators: Sequence[BatchIterator | None]) -> None:
-    """The loaders' producer processes and shared-memory segments end with the upstream run."""
+    """Ends the loaders' producer processes and shared-memory segments with the upstream run.
+
+    Args:
+        iterators: the iterators :func:`external_data_iterators` returned (None ones are skipped).
+    """
     for iterator in iterators:
         if iterator is not None:
             installer().add(
@@ -95,9 +106,15 @@ def own_posters() -> None:
 
 
 def with_plugin_args(base: ArgsProvider | None = None) -> ArgsProvider:
-    """An ``extra_args_provider`` for ``pretrain()``: ``base``'s flags (Megatron-LM passes its
-    ModelOpt flags there), the suite's flags, and ``--deepspeed-config PATH`` (the JSON with the
-    plugin sections) unless the parser already has that flag."""
+    """An ``extra_args_provider`` for ``pretrain()``.
+
+    Args:
+        base: the script's own provider (Megatron-LM passes its ModelOpt flags there), or None.
+
+    Returns:
+        A provider adding ``base``'s flags, the suite's flags, and ``--deepspeed-config PATH`` (the
+        JSON with the plugin sections) unless the parser already has that flag.
+    """
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if base is not None:
@@ -136,8 +153,18 @@ def is_megatron_deepspeed(args: argparse.Namespace) -> bool:
 
 
 def plugin_config(args: argparse.Namespace | None = None) -> PluginConfig:
-    """The effective plugin configuration of the job (default: Megatron's global ``args``), checked
-    against what the script supports and logged the first time it is asked for."""
+    """The effective plugin configuration of the job, checked against the world and what the
+    running upstream supports and logged the first time it is asked for.
+
+    Args:
+        args: Megatron's arguments; None: its global ``args``.
+
+    Returns:
+        The configuration: the DeepSpeed JSON's sections with the command line's flags on top.
+
+    Raises:
+        ConfigError: a setting the job cannot honour, naming the flag or key to change.
+    """
     global _effective
     args = args if args is not None else megatron_args()
     if _effective is None or _effective[0] is not args:
@@ -219,12 +246,19 @@ def external_data_iterators(
     args: argparse.Namespace,
     config: PluginConfig | None = None,
 ) -> tuple[BatchIterator | None, ...]:
-    """This rank's train, valid and test iterators over ``datasets`` (None where a dataset is None),
-    built with :func:`megatron_ext.data.loader.build_batch_iterator` from Megatron's ``args``: micro
-    batch, samples consumed so far (resume), ``--dataloader-type`` single or cyclic as the sampler,
-    ``--no-data-sharding``, ``--no-create-attention-mask-in-dataloader``, ``--num-workers`` (stock path);
-    with pipeline parallelism each stage gets Megatron's keys for it. Collective: every rank calls
-    it (middle pipeline stages too: they take part in the set-up and then follow the sampler only)."""
+    """This rank's train, valid and test iterators, built with
+    :func:`megatron_ext.data.loader.build_batch_iterator`. Collective: every rank calls it (middle
+    pipeline stages too: they take part in the set-up and then follow the sampler only).
+
+    Args:
+        datasets: the train, valid and test datasets (None where there is none).
+        args: Megatron's arguments: micro batch, samples consumed so far (resume),
+            ``--dataloader-type``, ``--no-data-sharding``, ``--num-workers`` and the like.
+        config: the plugin configuration; None: :func:`plugin_config`'s.
+
+    Returns:
+        One iterator per dataset, None where the dataset is None (or training is skipped).
+    """
     from mdsp_base.topology import detect_topology
     from megatron_ext.data.loader import LoaderSettings, build_batch_iterator
 
@@ -252,5 +286,12 @@ def external_data_iterators(
 
 
 def is_plugin_iterator(data_iterator: object) -> bool:
-    """Whether ``data_iterator`` (or what Megatron-LM's RerunDataIterator wraps) was built here."""
+    """Whether an iterator was built by :func:`external_data_iterators`.
+
+    Args:
+        data_iterator: what Megatron passes ``get_batch`` (a RerunDataIterator is looked through).
+
+    Returns:
+        True for the plugin's iterators.
+    """
     return getattr(data_iterator, "iterable", data_iterator) in _iterators
