@@ -169,8 +169,8 @@ def _discover(commands: list[list[str]], cwd: str, timeout: float) -> list[str]:
                 _Rank({"argv": argv, "cwd": cwd}, {"log": os.devnull, "env": {}, "netns": None}).execute()
             except BaseException:  # the command's own outcome does not matter, its imports do
                 pass
-            with os.fdopen(write, "w") as out:
-                out.write(json.dumps(installed_modules(dict(sys.modules))))
+            with os.fdopen(write, "w") as sink:
+                sink.write(json.dumps(installed_modules(dict(sys.modules))))
             os._exit(0)  # the command may have left threads or groups that a normal exit would wait on
         os.close(write)
         children.append((pid, os.fdopen(read, "rb"), argv))
