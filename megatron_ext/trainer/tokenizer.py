@@ -1,15 +1,10 @@
 """The main job's tokenizers: the ``--tokenizer-type`` values of Megatron that work from local files.
 
-- ``NullTokenizer`` (``--vocab-size N``): ids 0..N-1, EOD = N, megatron-core's own.
-- ``GPT2BPETokenizer`` (``--vocab-file vocab.json --merge-file merges.txt``): GPT-2's byte-level BPE
-  as Megatron-LM's training builds it (``_GPT2BPETokenizer``: the vocabulary's size, EOD the id of
-  ``<|endoftext|>``). megatron-core 0.16.1's ``build_tokenizer`` cannot build it from the two files
-  alone: it asks the Hugging Face hub for ``gpt2``'s configuration (no network on most compute nodes)
-  and passes the vocabulary file as the merges file. The BPE runs in Hugging Face's ``tokenizers``.
-- ``HuggingFaceTokenizer`` (``--tokenizer-model DIR``): a tokenizer saved with ``save_pretrained``
-  in a local directory, through megatron-core's ``build_tokenizer``; nothing is downloaded.
-
-The last two need ``transformers`` (the suite's ``upstream`` extra installs it).
+``NullTokenizer`` (``--vocab-size N``, megatron-core's own); ``GPT2BPETokenizer`` (``--vocab-file``,
+``--merge-file``), built here as Megatron-LM's training builds it, because megatron-core 0.16.1's
+``build_tokenizer`` asks the Hugging Face hub for ``gpt2`` (no network on most compute nodes) and
+passes the vocabulary as the merges file; ``HuggingFaceTokenizer`` (``--tokenizer-model DIR``, a
+local ``save_pretrained`` directory). The last two need ``transformers`` (the ``upstream`` extra).
 """
 
 from __future__ import annotations

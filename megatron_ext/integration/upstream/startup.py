@@ -1,18 +1,12 @@
 """The upstream run's start-up checks, made around the script's ``torch.distributed.init_process_group``.
 
-Both trees' ``initialize_megatron`` parse and validate the flags, set Megatron's global ``args``,
-and then make the process group; the dataset helper's build, the model and DeepSpeed come after.
-So the group's creation is the first point where the job's whole configuration is known and the
-last before heavy work, and both checks sit there:
-
-* before the group, the hooks' plugin configuration (:func:`~megatron_ext.integration.upstream.hooks.plugin_config`,
-  cached for the hooks that ask later), where the script's parser holds the suite's flags;
-* after it, on NCCL, the network transport (:mod:`megatron_ext.integration.transport`).
-
-A refusal raises :class:`~mdsp_base.section.ConfigError` on every rank, which ``python -m
-megatron_ext.launch`` prints as one ``error:`` line, exit status 2. The wrapper is found by both
-trees: Megatron-LM calls ``torch.distributed.init_process_group`` itself, Megatron-DeepSpeed through
-DeepSpeed's ``init_distributed``, each by attribute at call time.
+In both trees the group is made after the flags are parsed and before the dataset, model and
+DeepSpeed: the first point where the job's whole configuration is known, the last before heavy
+work. Before the group, the hooks' plugin configuration is checked (and cached for the hooks that
+ask later); after it, on NCCL, the network transport. A refusal raises ``ConfigError`` on every
+rank, which ``python -m megatron_ext.launch`` prints as one ``error:`` line, exit status 2. Both
+trees find the wrapper by attribute at call time (Megatron-DeepSpeed through DeepSpeed's
+``init_distributed``).
 """
 
 from __future__ import annotations
