@@ -16,13 +16,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from deepspeed_ext.zero.cost.volume import ShardSpec
 from deepspeed_ext.zero.engine.hierarchical_plan import HierarchicalPlan, Sections
 from mdsp_base.installer import Installer
 from mdsp_base.topology import Topology
 
 
-def megatron_model_spec(build: Callable[[], torch.nn.Module], ds: dict) -> Any:
-    """The :class:`~deepspeed_ext.zero.ShardSpec` of ``build()`` from a meta-device build; Megatron's
+def megatron_model_spec(build: Callable[[], torch.nn.Module], ds: dict) -> ShardSpec:
+    """The :class:`ShardSpec` of ``build()`` from a meta-device build; Megatron's
     model-parallel RNG states (small tensors are built for real, some under the tracker's fork) are
     as before."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker

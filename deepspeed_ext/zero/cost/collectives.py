@@ -109,8 +109,20 @@ def seconds(
     link: LinkClass,
     concurrent: int = 1,
 ) -> float:
-    """Seconds of one collective of ``nbytes`` over ``members`` ranks spanning ``link``, while
-    ``concurrent`` such communicators per node (all ranks of a node at once) share its NICs."""
+    """Seconds of one collective, with ``concurrent`` such communicators per node sharing its NICs.
+
+    Args:
+        costs: the link constants (documented, or a probe profile's fits).
+        operation: all-gather, reduce-scatter, ...
+        algorithm: ring, or the recursive point-to-point algorithm.
+        members: ranks in the group.
+        nbytes: the gathered (or reduced) message size in bytes.
+        link: the slowest link class the group spans.
+        concurrent: communicators of the node running at once (all of its ranks).
+
+    Returns:
+        Seconds, latency steps plus bus bytes over the bandwidth each communicator gets.
+    """
     if members <= 1:
         return 0.0
     fit = costs.fit(operation, algorithm, link)

@@ -49,8 +49,19 @@ NO_BUFFERS = HopBuffers(0, 0)
 def hop_buffers(
     config: HierarchicalZeroConfig, shape: DPShape, model: ShardSpec, gather_elems: int, reduce_elems: int
 ) -> HopBuffers:
-    """:class:`HopBuffers` for all-gathers of ``gather_elems`` and reduce-scatters of ``reduce_elems``
-    elements (the largest calls DeepSpeed makes: a prefetch bucket, a reduce bucket)."""
+    """The transient buffers of the hop collectives.
+
+    Args:
+        config: the ``hierarchical_zero`` section.
+        shape: the data-parallel group as nodes x packages x members.
+        model: this rank's parameters.
+        gather_elems: elements of the largest all-gather DeepSpeed makes (a prefetch bucket).
+        reduce_elems: elements of the largest reduce-scatter (a reduce bucket).
+
+    Returns:
+        Peak bytes per rank one hop all-gather and one hop reduce-scatter allocate beyond the
+        flat collectives they replace.
+    """
     sizes = [s for s in (shape.per_package, shape.packages_per_node, shape.nodes) if s > 1]
     if len(sizes) < 2:  # one hop is the flat collective itself (HopSchedule.is_trivial)
         return NO_BUFFERS

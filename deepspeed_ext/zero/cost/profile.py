@@ -284,7 +284,19 @@ def read(path: str | os.PathLike) -> Profile:
 
 
 def load(path: str | os.PathLike, topology: Topology, versions: Mapping[str, str] | None = None) -> Profile:
-    """The profile at ``path`` (:func:`read`), checked against this job's topology and library versions."""
+    """The profile at ``path``, checked against this job.
+
+    Args:
+        path: the profile's JSON.
+        topology: this job's placement, which the profile must have been measured on.
+        versions: the library versions to match; None: those installed.
+
+    Returns:
+        The profile.
+
+    Raises:
+        ProfileError: unreadable, corrupt, or measured on another topology or other versions.
+    """
     profile = read(path)
     _check_matches(profile, topology, versions or library_versions(), os.fspath(path))
     return profile

@@ -302,7 +302,17 @@ def memory(system: System, model: Model, s: DPShape, plan: Candidate) -> dict[st
 
 
 def project(system: System, model: Model, nodes: int, plan: Candidate) -> Projection:
-    """Step time, TFLOPS per GCD and memory per rank of ``plan`` on ``nodes`` nodes (computed)."""
+    """Step time, TFLOPS per GCD and memory per rank of ``plan`` (computed, not measured).
+
+    Args:
+        system: the machine.
+        model: the GPT.
+        nodes: nodes of the job.
+        plan: the candidate configuration (scheme, TP, micro-batch, buckets, recomputation).
+
+    Returns:
+        The projection.
+    """
     s = shape(system, nodes, plan.tp)
     per_gcd = plan.grad_accum * model.flops(plan.micro_batch, plan.recompute) / plan.tp
     compute = per_gcd / (system.peak_tflops * 1e12 * system.gemm_efficiency)

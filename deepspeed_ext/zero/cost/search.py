@@ -165,8 +165,21 @@ def evaluate(
     rules: Rules,
     progress: Callable[[int, int], None] | None = None,
 ) -> list[Row]:
-    """Every admitted candidate that fits, fastest first, with its baselines' ratios at the same TP,
-    micro-batch and recomputation (the baselines with the JSON's buckets)."""
+    """Every admitted candidate that fits, each with its baselines' ratios at the same TP,
+    micro-batch and recomputation (the baselines with the JSON's buckets).
+
+    Args:
+        system: the machine.
+        model: the GPT.
+        nodes: nodes of the job.
+        ds: the DeepSpeed config (its buckets).
+        grad_accum: gradient-accumulation steps.
+        rules: what the recommendation may propose (backend, lossy, unverified, batch, headroom).
+        progress: called with (done, total) as candidates are evaluated.
+
+    Returns:
+        The rows, fastest first.
+    """
     rows, cache = [], {}
     plans = candidates(system, model, nodes, grad_accum, rules)
     for i, candidate in enumerate(plans):

@@ -120,8 +120,22 @@ def choose_secondary_level(
     buckets: Buckets | None = None,
     profile: Profile | None = None,
 ) -> SecondaryChoice:
-    """Fastest level whose extra memory fits the budget (auto), or the configured level; timed
-    with DeepSpeed's ``buckets`` (its defaults when None)."""
+    """The level of the secondary copy: with ``secondary_level: auto`` the fastest whose extra
+    memory fits the budget, else the configured one.
+
+    Args:
+        config: the ``hierarchical_zero`` section (as charged: :func:`as_charged`).
+        shape: the data-parallel group as nodes x packages x members.
+        model: this rank's parameters.
+        topology: the ranks' placement, for the collectives' link classes.
+        micro_batches: gradient-accumulation steps per optimizer step.
+        buffers: the transient buffers of the hops, counted in the budget.
+        buckets: DeepSpeed's buckets the step is timed with; None: DeepSpeed's defaults.
+        profile: a probe profile whose fits replace the documented constants; None: those.
+
+    Returns:
+        The chosen level with the figures behind it (extra memory and step time per candidate).
+    """
     full = model.padded(shape.size) * model.weight_bytes
     held = held_bytes(config, shape, model) + buffers.total
     extra = {level: full // size + held for level, size in candidate_sizes(shape).items()}

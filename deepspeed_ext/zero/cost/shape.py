@@ -33,7 +33,18 @@ class DPShape:
 
 
 def dp_shape(topology: Topology, dp_ranks: Sequence[int]) -> DPShape:
-    """Nodes x packages x members of a data-parallel group; raises ConfigError when levels are uneven."""
+    """Nodes x packages x members of a data-parallel group.
+
+    Args:
+        topology: the ranks' placement on nodes and packages.
+        dp_ranks: the group's global ranks.
+
+    Returns:
+        Its shape.
+
+    Raises:
+        ConfigError: the group does not hold the same number of ranks in every package or node.
+    """
     ranks = sorted(dp_ranks)
     check_uniform(topology, ranks)
     members = level_members(topology, ranks, ranks[0])

@@ -107,12 +107,22 @@ def predict(
     persistent_nbytes: float,
     fallback: CollectiveCosts,
 ) -> StepPrediction:
-    """The step of an engine that launches ``calls`` (launches per step of each shape), fetches
-    parameters ``fetches`` times (None: not counted, so no host cost is charged) and computes for
-    ``compute_s`` in ``passes`` forward and backward passes; ``concurrency``: prefetched all-gathers
-    in flight at once (0: DeepSpeed does not prefetch, stage3_prefetch_bucket_size 0);
-    ``persistent_nbytes``: the largest gather taken for a persistent parameter's (never
-    prefetched). ``fallback``: the costs for links the profile has no fit for."""
+    """The step of an engine, from what can be known before timing it.
+
+    Args:
+        profile: the probe profile: each call at its median for that group and size.
+        calls: launches per step of each call shape (op, algorithm, group, size).
+        compute_s: a measured single-rank step's compute, in seconds.
+        fetches: parameter fetches per step; None: not counted, so no host cost is charged.
+        passes: forward and backward passes per step.
+        concurrency: prefetched all-gathers in flight at once (0: DeepSpeed does not prefetch,
+            ``stage3_prefetch_bucket_size`` 0).
+        persistent_nbytes: the largest gather taken for a persistent parameter's (never prefetched).
+        fallback: the costs for links the profile has no fit for.
+
+    Returns:
+        The step and its parts (compute, host, communication, hidden).
+    """
     costs = profile.costs(fallback)
     comm = gather = latency = gathers = unmeasured = 0.0
     for call, count in calls.items():

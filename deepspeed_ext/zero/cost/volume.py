@@ -165,7 +165,17 @@ def _reduce_hops(shape: DPShape, nbytes: int, hierarchical_hops: bool) -> list[t
 
 
 def step_hops(model: ShardSpec, shape: DPShape, variant: Placement, micro_batches: int = 1) -> list[Hop]:
-    """Every collective of one steady-state optimizer step (``micro_batches`` forward+backward)."""
+    """Every collective of one steady-state optimizer step.
+
+    Args:
+        model: this rank's parameters.
+        shape: the data-parallel group as nodes x packages x members.
+        variant: where each collective runs (ZeRO-3, hpZ, ZeRO++, hierarchical).
+        micro_batches: forward and backward passes per optimizer step.
+
+    Returns:
+        The collectives, as :class:`Hop` s in step order.
+    """
     dp = shape.size
     w = model.padded(dp) * model.weight_bytes
     g = model.padded(dp) * model.grad_bytes
@@ -235,7 +245,17 @@ def step_hops(model: ShardSpec, shape: DPShape, variant: Placement, micro_batche
 def bytes_per_link(
     hops: Sequence[Hop], phase: str | None = None, kind: str | None = None
 ) -> dict[LinkClass, int]:
-    """Computed bytes per link class in comm.py's accounting (comparable to CommCounter.per_link)."""
+    """Computed bytes per link class in :mod:`mdsp_base.comm`'s accounting (comparable to
+    ``CommCounter.per_link``).
+
+    Args:
+        hops: the collectives (:func:`step_hops`).
+        phase: only those of this phase (forward, backward); None: all.
+        kind: only those of this kind (gather, reduce); None: all.
+
+    Returns:
+        Bytes per rank by link class.
+    """
     out = dict.fromkeys(LINK_CLASSES, 0)
     for h in hops:
         if (phase is None or h.phase == phase) and (kind is None or h.kind == kind):
@@ -255,8 +275,15 @@ def ring_edges(layout: Layout) -> dict[LinkClass, int]:
 def ring_wire_bytes(hops: Sequence[Hop], reduce_scatter_wire: float = 1.0) -> dict[LinkClass, float]:
     """Computed bytes per link class a rank puts on the wire, averaged over the group, when every
     collective is a ring: each of its ``members`` edges carries what one rank sends.
-    ``reduce_scatter_wire``: wire bytes of a reduce-scatter per byte of its optimal volume (gloo's
-    runs an all-reduce: 2)."""
+
+    Args:
+        hops: the collectives (:func:`step_hops`).
+        reduce_scatter_wire: wire bytes of a reduce-scatter per byte of its optimal volume (gloo's
+            runs an all-reduce: 2).
+
+    Returns:
+        Bytes per rank by link class.
+    """
     out = dict.fromkeys(LINK_CLASSES, 0.0)
     for h in hops:
         wire = h.nbytes * (reduce_scatter_wire if h.kind == "reduce" else 1.0)

@@ -38,10 +38,18 @@ logger = logging.getLogger(__name__)
 
 
 def partition_group(mpu: Any) -> dist.ProcessGroup | None:
-    """The group stock ZeRO-3 partitions over, which the levels are cut from: the mpu's
-    sequence-data-parallel group where it has one (Ulysses, ``--ds-sequence-parallel-size`` > 1:
-    DeepSpeed's engine shards and reduces gradients over sequence x data parallel ranks, since each
-    sequence rank holds other tokens' gradients), else its data-parallel group; None: the world."""
+    """The group stock ZeRO-3 partitions over, which the levels are cut from.
+
+    With Ulysses (``--ds-sequence-parallel-size`` > 1) DeepSpeed's engine shards and reduces
+    gradients over sequence x data parallel ranks, since each sequence rank holds other tokens'
+    gradients: the mpu's sequence-data-parallel group where it has one.
+
+    Args:
+        mpu: the model-parallel unit; None: the world.
+
+    Returns:
+        Its sequence-data-parallel group, else its data-parallel group; None for the world.
+    """
     if mpu is None:
         return None
     if hasattr(mpu, "get_sequence_data_parallel_group"):
@@ -50,10 +58,17 @@ def partition_group(mpu: Any) -> dist.ProcessGroup | None:
 
 
 def measured_profile(config: HierarchicalZeroConfig, topology: Topology) -> Profile | None:
-    """The probe profile ``auto`` and the planner read, or None: without a usable profile every hop
-    runs the library's collective. A profile that does not fit this job (another topology, other
-    library versions, corrupt, unreadable) is an error line on every rank, not used. Rank 0 reads it
-    and every rank gets rank 0's answer (collective), so all ranks pick alike."""
+    """The probe profile ``auto`` and the planner read. Rank 0 reads it and every rank gets its
+    answer (a collective), so all ranks pick alike. A profile that does not fit this job is an
+    error line on every rank, not used.
+
+    Args:
+        config: the ``hierarchical_zero`` section (its ``profile``).
+        topology: this job's placement.
+
+    Returns:
+        The profile, or None: every hop then runs the library's collective.
+    """
     answer: list = [None, None]  # the profile, or the reason it is not used
     if dist.get_rank() == 0:
         if config.profile is None:

@@ -19,7 +19,14 @@ _CONFLICTS = {
 
 
 def check_deepspeed_version(version: str | None = None) -> None:
-    """DeepSpeed 0.19.x, whose internals the variant enters."""
+    """DeepSpeed 0.19.x, whose internals the variant enters.
+
+    Args:
+        version: the version to check; None: the one installed.
+
+    Raises:
+        ConfigError: another version.
+    """
     version = version or deepspeed.__version__
     if not version.startswith(SUPPORTED_DEEPSPEED):
         raise ConfigError(
@@ -29,7 +36,14 @@ def check_deepspeed_version(version: str | None = None) -> None:
 
 
 def validate_deepspeed_config(ds: dict) -> None:
-    """Reject DeepSpeed settings that cannot work with the variant (no collective runs here)."""
+    """Reject DeepSpeed settings that cannot work with the variant (no collective runs here).
+
+    Args:
+        ds: the DeepSpeed config.
+
+    Raises:
+        ConfigError: the first setting refused, with what to set instead.
+    """
     zero = ds.get("zero_optimization") or {}
     check_zero_stage(zero.get("stage", 0))
     if (zero.get("zero_hpz_partition_size") or 1) > 1:
@@ -62,7 +76,15 @@ def validate_deepspeed_config(ds: dict) -> None:
 
 
 def shard_spec(model: torch.nn.Module, ds: dict) -> ShardSpec:
-    """This rank's parameters (a TP shard under TP) and the element sizes ZeRO-3 sends them in."""
+    """This rank's parameters (a TP shard under TP) and the element sizes ZeRO-3 sends them in.
+
+    Args:
+        model: the model (whole, or partitioned by ZeRO-3).
+        ds: the DeepSpeed config (its precision).
+
+    Returns:
+        The parameters as the cost model sees them.
+    """
     params = list(model.parameters())
     if not params:
         raise ConfigError("the model has no parameters: nothing for ZeRO-3 to partition")
@@ -102,7 +124,15 @@ def _bucket_elems(zero: dict, key: str, default: float) -> int:
 
 
 def check_before_collectives(ds: dict, hz: HierarchicalZeroConfig) -> None:
-    """What :func:`~.api.prepare` checks before its first collective (also when a plan is reused)."""
+    """What :func:`~.api.prepare` checks before its first collective (also when a plan is reused).
+
+    Args:
+        ds: the DeepSpeed config.
+        hz: the ``hierarchical_zero`` section.
+
+    Raises:
+        ConfigError: a configuration the variant cannot run.
+    """
     if not hz.enabled:
         raise ConfigError("hierarchical_zero.enabled is false: call deepspeed.initialize directly")
     check_deepspeed_version()

@@ -60,9 +60,17 @@ def on_meta() -> Iterator[None]:
 
 
 def spec_on_meta(build: Callable[[], torch.nn.Module], ds: dict) -> ShardSpec:
-    """This rank's :class:`ShardSpec` from ``build()`` with its large tensors on the meta device.
-    Torch's RNG states (host, and the devices' once initialised) are restored after, so the real
-    build draws what it would draw without this one; ``build`` restores any generator of its own."""
+    """This rank's parameters from ``build()`` run with its large tensors on the meta device. Torch's
+    RNG states (host, and the devices' once initialised) are restored after, so the real build
+    draws what it would draw without this one; ``build`` restores any generator of its own.
+
+    Args:
+        build: makes the model.
+        ds: the DeepSpeed config (its precision).
+
+    Returns:
+        The :class:`ShardSpec` of the model ``build`` makes.
+    """
     host = torch.random.get_rng_state()
     devices = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     try:

@@ -32,9 +32,14 @@ class _Mpu:
 
 
 def _startup_errors() -> dict[str, str]:
+    import deepspeed
+
     from deepspeed_ext import zero
 
     uneven = dist.new_group([0, 1, 2])  # made before the guard: a DP group of 3 in a job of 4
+    # DeepSpeed's backend object keeps the torch collectives it finds when it is made: made before
+    # the guard, so that it keeps the real ones for the later tests of this process.
+    deepspeed.comm.init_distributed(dist_backend="gloo")
     cases = {
         "stage": (ds_config({}, stage=2), None, Topology(4, 2, 1)),
         "hpz": (ds_config({}, zero_hpz_partition_size=2), None, Topology(4, 2, 1)),

@@ -63,3 +63,38 @@ def _init_train_destroy_three_times() -> list[list[str]]:
 def test_init_and_destroy_three_times_restores_groups_and_deepspeeds_functions(run_ranks):
     for rank, changed in enumerate(run_ranks(4, _init_train_destroy_three_times, timeout=180)):
         assert changed == [[], [], []], f"rank {rank}: left changed after each destroy: {changed}"
+
+
+def _initialize_under_an_installer() -> dict:
+    import deepspeed
+
+    from deepspeed_ext import zero
+    from mdsp_base.installer import Installer
+
+    deepspeed.comm.init_distributed(dist_backend="gloo")
+    recorded = {}
+    for name, hierarchical in (("off", None), ("on", {"secondary_level": "node"})):
+        model = mlp()
+        start = _process_state()  # a stock engine leaves DeepSpeed's groups behind: only ours is compared
+        with Installer() as installer:
+            zero.initialize(
+                model=model,
+                config=ds_config(hierarchical),
+                topology=FOUR_RANKS,
+                model_parameters=model.parameters(),
+                installer=installer,
+            )
+            recorded[name] = [(c.owner, c.what) for c in installer.changes]
+    now = _process_state()
+    return {"recorded": recorded, "changed": [key for key in start if now[key] != start[key]]}
+
+
+def test_initialize_records_its_engine_on_the_installer_with_the_variant_on_or_off(run_ranks):
+    from deepspeed_ext.zero.engine.inject import ENGINE_CHANGES
+
+    for rank, result in enumerate(run_ranks(4, _initialize_under_an_installer, timeout=180)):
+        assert result["recorded"] == {
+            "off": [("deepspeed_ext.zero", ENGINE_CHANGES)],
+            "on": [("deepspeed_ext.zero", ENGINE_CHANGES)],
+        }, f"rank {rank}"
+        assert result["changed"] == [], f"rank {rank}: left changed after the installer closed"
