@@ -38,6 +38,7 @@ from benchmarks.cluster.netns import sent_bytes
 from benchmarks.device import StandIn, add_device_flags, stand_in
 from benchmarks.zero.variants import Question, param_count, variant_configs
 from deepspeed_ext.zero.tools.ab.model import mlp
+from deepspeed_ext.zero.tools.ab.run import initialize
 from mdsp_base import comm
 from mdsp_base.allocations import AllocationTrace
 from mdsp_base.paired import MIN_PAIRS
@@ -47,24 +48,9 @@ from mdsp_base.topology import Topology
 
 def build(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> Any:
     """The engine of ``cfg`` over the benchmark's MLP: ``--layers`` square layers of ``--hidden``."""
-    import deepspeed
-    from deepspeed.utils import groups
-
-    from deepspeed_ext import zero
-
-    groups.mpu, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None, None
-    net = mlp([args.hidden] * (args.layers + 1), tanh_last=True)
     if ours:
         cfg["hierarchical_zero"]["enabled"] = True
-        engine, *_ = zero.initialize(
-            model=net, config=cfg, topology=topology, model_parameters=net.parameters()
-        )
-    else:
-        engine, *_ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = (
-        None  # hpZ leaves its group global; the next engine must not see it
-    )
-    return engine
+    return initialize(ours, mlp([args.hidden] * (args.layers + 1), tanh_last=True), cfg, topology)
 
 
 def engine_bytes(engine: Any) -> dict[str, int]:

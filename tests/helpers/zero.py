@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from deepspeed_ext.zero.tools.ab import model
+from deepspeed_ext.zero.tools.ab.run import initialize
 from mdsp_base import comm
 from mdsp_base.topology import Topology
 
@@ -65,22 +66,8 @@ def reset_deepspeed_globals() -> None:
 
 
 def make_engine(kind: str, cfg: dict, model: torch.nn.Module, mpu=None, topology: Topology = TOPOLOGY):
-    import deepspeed
-
-    from deepspeed_ext import zero
-
-    reset_deepspeed_globals()
     comm.patch_deepspeed_comm()
-    if kind == "ours":
-        engine, *_ = zero.initialize(
-            model=model, config=cfg, mpu=mpu, topology=topology, model_parameters=model.parameters()
-        )
-    else:
-        engine, *_ = deepspeed.initialize(
-            model=model, config=cfg, mpu=mpu, model_parameters=model.parameters()
-        )
-    reset_deepspeed_globals()
-    return engine
+    return initialize(kind == "ours", model, cfg, topology, mpu)
 
 
 def train(

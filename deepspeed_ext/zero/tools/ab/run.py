@@ -36,22 +36,68 @@ class EmulatedDevice(AbstractContextManager, Protocol):
     def synchronize(self) -> None: ...
 
 
-def build(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
+def initialize(ours: bool, net: torch.nn.Module, cfg: dict, topology: Topology, mpu: Any = None) -> Any:
+    """A ZeRO-3 engine built clean of the last one's globals while others may live: DeepSpeed keeps
+    the last engine's mpu and hpZ group in module globals that each engine reads when it is built
+    (and keeps), so they are cleared before and after.
+
+    Args:
+        ours: the hierarchical variant's initialize; False: ``deepspeed.initialize``.
+        net: the model.
+        cfg: the engine's DeepSpeed JSON.
+        topology: the job's ranks (ours only).
+        mpu: Megatron's model-parallel state, or None for pure data parallelism.
+
+    Returns:
+        The engine.
+    """
     import deepspeed
+    from deepspeed.utils import groups
 
     from deepspeed_ext import zero
 
-    net = build_model(shape).to(device)
-    if variant.ours:
-        return zero.initialize(model=net, config=cfg, topology=topology, model_parameters=net.parameters())[0]
-    return deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())[0]
+    groups.mpu, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None, None
+    if ours:
+        engine = zero.initialize(
+            model=net, config=cfg, mpu=mpu, topology=topology, model_parameters=net.parameters()
+        )[0]
+    else:
+        engine = deepspeed.initialize(model=net, config=cfg, mpu=mpu, model_parameters=net.parameters())[0]
+    groups.mpu, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None, None
+    return engine
+
+
+def build(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
+    """The A/B model's engine for one variant.
+
+    Args:
+        variant: the engine to build.
+        cfg: its DeepSpeed JSON (:func:`.variants.ds_config`).
+        shape: the model.
+        topology: the job's ranks.
+        device: this rank's device.
+
+    Returns:
+        The engine.
+    """
+    return initialize(variant.ours, build_model(shape).to(device), cfg, topology)
 
 
 def one_step(
     engine: Any, shape: Model, step: int, device: torch.device, emulated: EmulatedDevice | None = None
 ) -> float:
-    """One optimizer step (all micro-batches), the slowest rank's seconds from a barrier; with an
-    ``emulated`` device the step's tensor work runs on it and the step ends when it is idle."""
+    """One optimizer step (all micro-batches), timed from a barrier.
+
+    Args:
+        engine: the variant's engine.
+        shape: the model (its vocabulary and sequence set the random tokens).
+        step: the step's index (seeds its tokens).
+        device: this rank's device.
+        emulated: an emulated device the step's tensor work runs on (the step ends when it is idle).
+
+    Returns:
+        The slowest rank's seconds.
+    """
     dist.barrier()
     start = time.perf_counter()
     with emulated if emulated is not None else nullcontext():
@@ -82,8 +128,19 @@ def _release(engine: Any) -> None:
 
 
 def peak_bytes(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> int:
-    """Most bytes a fresh engine held during its second step (CUDA: the allocator's peak since the
-    engine was built; CPU: the process's allocations during that step)."""
+    """The peak memory of a fresh engine of ``variant``, built and stepped twice, then freed.
+
+    Args:
+        variant: the engine to build.
+        cfg: its DeepSpeed JSON.
+        shape: the model.
+        topology: the job's ranks.
+        device: this rank's device.
+
+    Returns:
+        Bytes: on CUDA the allocator's peak since the engine was built; on the CPU the most the
+        process held during the second step.
+    """
     from torch.profiler import record_function
 
     from mdsp_base.allocations import AllocationTrace
@@ -104,8 +161,16 @@ def peak_bytes(variant: Variant, cfg: dict, shape: Model, topology: Topology, de
 
 
 def check_fits(shape: Model, device: torch.device) -> None:
-    """Each rank builds the model whole before ZeRO partitions it (as the suite's main job does):
-    refuse a shape whose fp32 weights do not fit this device's free memory, naming the fix."""
+    """Refuse a model whose fp32 weights do not fit this device's free memory, naming the fix: each
+    rank builds the model whole before ZeRO partitions it (as the suite's main job does).
+
+    Args:
+        shape: the model.
+        device: this rank's device (only CUDA is checked).
+
+    Raises:
+        ValueError: the weights need more than 80 % of the free memory.
+    """
     if device.type != "cuda":
         return
     need = 4 * sum(p.numel() for p in build_model(shape, device="meta").parameters())
@@ -115,15 +180,6 @@ def check_fits(shape: Model, device: torch.device) -> None:
             f"the A/B model ({vars(shape)}) needs {need / 2**30:.1f} GiB of fp32 weights on each rank before "
             f"partitioning, {free / 2**30:.1f} GiB are free: pass --layers to shrink it or a smaller preset"
         )
-
-
-def _build_fresh(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
-    """An engine built while others live: DeepSpeed keeps hpZ's group in a global that each ZeRO-3
-    engine reads when it is built (and keeps), so it is cleared first."""
-    from deepspeed.utils import groups
-
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    return build(variant, cfg, shape, topology, device)
 
 
 def run_variants(
@@ -137,10 +193,21 @@ def run_variants(
 ) -> dict[str, dict[str, Any]]:
     """Every variant's engine built, then stepped in rounds, one step of each per round, the order
     reversed every other round, so that each round's steps form a pair under the same load.
-    Returns per variant its step seconds, counter, parameter-fetch wait and engine facts."""
-    engines = {
-        v.name: _build_fresh(v, ds_config(user, v, args.profile), shape, topology, device) for v in runnable
-    }
+
+    Args:
+        runnable: the variants that run here.
+        user: the user's DeepSpeed JSON.
+        shape: the model.
+        topology: the job's ranks.
+        args: the command's flags (steps, warm-up, profile).
+        device: this rank's device.
+        emulated: an emulated device the steps' tensor work runs on.
+
+    Returns:
+        Per variant name: its timed steps' seconds, collective counter, parameter-fetch wait, micro
+        batch and accumulation.
+    """
+    engines = {v.name: build(v, ds_config(user, v, args.profile), shape, topology, device) for v in runnable}
     counters = {v.name: comm.CommCounter(topology) for v in runnable}
     seconds: dict[str, list[float]] = {v.name: [] for v in runnable}
     waits = {v.name: GatherWait() for v in runnable}
@@ -177,8 +244,23 @@ def variant_row(
     compute_s: float | None = None,
     profile: Profile | None = None,
 ) -> dict:
-    """One variant's row: steps, TFLOPS, bytes per link class and per NIC, fetch wait, peak and,
-    with a ``profile``, its predicted step (``compute_s``: the measured single-rank step)."""
+    """One variant's row of the report (a collective: every rank calls it).
+
+    Args:
+        variant: the variant.
+        measured: its entry of :func:`run_variants`.
+        user: the user's DeepSpeed JSON.
+        shape: the model.
+        topology: the job's ranks.
+        args: the command's flags.
+        device: this rank's device.
+        compute_s: the measured single-rank step (the prediction's compute).
+        profile: the probe profile; None: no prediction.
+
+    Returns:
+        Steps, TFLOPS, bytes per link class and per NIC, fetch wait, peak and, with a profile and
+        ``compute_s``, the predicted step and the collectives per step.
+    """
     cfg = ds_config(user, variant, args.profile)
     seconds, counter, waited = measured["seconds"], measured["counter"], measured["wait"]
     sent = torch.tensor(
