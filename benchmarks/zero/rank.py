@@ -1,22 +1,6 @@
 """One rank of the ZeRO benchmark: ZeRO-3, ZeRO++ hpZ and the hierarchical variant, side by side.
 
-Started by ``benchmarks.zero.run`` or ``benchmarks.studies.zero.scale`` on every rank (emulated cluster or
-loopback). For each accumulation value in ``--micro`` (one result each, in a list) every engine is
-built once, then their steps interleave (ZeRO-3, hpZ(2), ours(package), hpZ(4), ours(node), ...)
-so that a change of host load hits all alike. Each step is timed between barriers. Per step and
-engine it records the bytes the counter computes (comm.py) and, inside an emulated cluster, the
-bytes this rank's interface sent per link class, read from its tc classes (measured). Memory: the
-bytes of the engine's tensors (partitions, secondary copy, fp32 master, Adam states, gradient
-partitions) read after the last backward of a step, when the secondary copy exists; and, after the
-timed steps, the peak: a fresh copy of each engine is built and stepped twice under an allocation
-trace (mdsp_base/allocations.py), and the most bytes the rank held at once during the second step
-is read from the allocator's running total (everything allocated since the engine's model was
-made, on every thread: state, gathered parameters, activations, gradients, hop buffers, and gloo's
-own buffers, which NCCL would not have). After the timed steps each engine's last step is
-charged to the physical links from each collective's geometry (``comm.nic_bytes_per_step``: the
-busiest NIC and package link). With ``--device`` every step runs on the compute stand-in
-(benchmarks.device) in bf16, as on Frontier; memory is then not read (the stand-in's outputs share
-one zero buffer).
+Method in full: benchmarks/results/methods.md, `benchmarks.zero.rank`.
 """
 
 from __future__ import annotations
