@@ -21,8 +21,8 @@ from torch.profiler import record_function
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.device import StandIn, add_device_flags, stand_in
 from benchmarks.zero.variants import Question, param_count, variant_configs
+from deepspeed_ext.zero.tools.ab.engine import initialize
 from deepspeed_ext.zero.tools.ab.model import mlp
-from deepspeed_ext.zero.tools.ab.run import initialize
 from mdsp_base import comm
 from mdsp_base.allocations import AllocationTrace
 from mdsp_base.paired import MIN_PAIRS

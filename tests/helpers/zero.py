@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from deepspeed_ext.zero.tools.ab import model
-from deepspeed_ext.zero.tools.ab.run import initialize
+from deepspeed_ext.zero.tools.ab.engine import initialize
 from mdsp_base import comm
 from mdsp_base.topology import Topology
 

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None, emulated: Any = None) -> list[dict]:
 
     Args:
         argv: the arguments; None: the process's.
-        emulated: an emulated device the steps run on (:class:`.run.EmulatedDevice`).
+        emulated: an emulated device the steps run on (:class:`.engine.EmulatedDevice`).
 
     Returns:
         One row per variant.
