@@ -16,15 +16,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.device import StandIn, add_device_flags, stand_in
 from benchmarks.zero.variants import Question, param_count, variant_configs
-from deepspeed_ext.zero.tools.ab.engine import initialize
+from deepspeed_ext.zero.tools.ab.engine import initialize, peak_bytes
 from deepspeed_ext.zero.tools.ab.model import mlp
 from mdsp_base import comm
-from mdsp_base.allocations import AllocationTrace
 from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Topology
@@ -94,16 +92,15 @@ def one_step(
     return time.perf_counter() - start, held
 
 
-def peak_bytes(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
+def peak(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
     """Most bytes the rank held at once during a fresh engine's second step (the other engines idle),
     read from the allocator's running total."""
     counter = comm.CommCounter(topology)
-    with AllocationTrace() as trace:
-        engine = build(ours, copy.deepcopy(cfg), topology, args)
-        one_step(engine, counter, 0, args)
-        with record_function("measured step"):
-            one_step(engine, counter, 1, args)
-    return trace.process_peak("measured step")
+    return peak_bytes(
+        lambda: build(ours, copy.deepcopy(cfg), topology, args),
+        lambda engine, index: one_step(engine, counter, index, args),
+        torch.device("cpu"),
+    )
 
 
 def main() -> None:
@@ -215,7 +212,7 @@ def measure(
     for name, (ours, cfg) in configs.items():
         record[name]["nic"] = comm.nic_bytes_per_step(counters[name], 1)  # the last step's
         measured = not args.no_peak and devices[name] is None
-        record[name]["peak"] = peak_bytes(ours, cfg, topology, args) if measured else None
+        record[name]["peak"] = peak(ours, cfg, topology, args) if measured else None
     return {
         "record": record,
         "counts": counts,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any, Protocol
 
@@ -119,14 +120,12 @@ def release(engine: Any) -> None:
         torch.cuda.empty_cache()
 
 
-def peak_bytes(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> int:
-    """The peak memory of a fresh engine of ``variant``, built and stepped twice, then freed.
+def peak_bytes(build: Callable[[], Any], step: Callable[[Any, int], object], device: torch.device) -> int:
+    """The peak memory of a fresh engine, built and stepped twice, then freed.
 
     Args:
-        variant: the engine to build.
-        cfg: its DeepSpeed JSON.
-        shape: the model.
-        topology: the job's ranks.
+        build: builds the engine (while the others idle).
+        step: takes one optimizer step of the engine; its second argument is the step's index.
         device: this rank's device.
 
     Returns:
@@ -140,10 +139,10 @@ def peak_bytes(variant: Variant, cfg: dict, shape: Model, topology: Topology, de
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     with AllocationTrace() as trace:
-        engine = build(variant, cfg, shape, topology, device)
-        one_step(engine, shape, 0, device)
+        engine = build()
+        step(engine, 0)
         with record_function("measured step"):
-            one_step(engine, shape, 1, device)
+            step(engine, 1)
     release(engine)
     return (
         torch.cuda.max_memory_allocated(device)

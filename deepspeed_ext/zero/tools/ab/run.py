@@ -124,7 +124,12 @@ def variant_row(
     wait_s, forward_wait_s = (x / args.steps / topology.world_size for x in wait.tolist())  # the mean rank's
     peak = None
     if not args.no_peak:
-        peak = int(slowest(float(peak_bytes(variant, cfg, shape, topology, device)), device))
+        fresh = peak_bytes(
+            lambda: build(variant, cfg, shape, topology, device),
+            lambda engine, index: one_step(engine, shape, index, device),
+            device,
+        )
+        peak = int(slowest(float(fresh), device))
     flops = flops_per_step(
         shape, measured["micro"] * measured["accumulation"] * shape.seq * topology.world_size
     )
