@@ -1,5 +1,6 @@
-"""The small hierarchical ZeRO-3 runs the engine tests share: an MLP (the ZeRO runs' model), its DeepSpeed config, an
-engine of each kind (stock, hpZ, ours) and a training loop that returns losses and parameters."""
+"""The small hierarchical ZeRO-3 runs the engine tests share: an MLP (``tools.ab.model.mlp``, the
+ZeRO benchmark's too), its DeepSpeed config, an engine of each kind (stock, hpZ, ours) and a training
+loop that returns losses and parameters."""
 
 from __future__ import annotations
 
