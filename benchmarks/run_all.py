@@ -4,12 +4,7 @@
     .venv/bin/python -m benchmarks.run_all --network loopback --quick
     .venv/bin/python -m benchmarks.run_all --summary-only  # the summary of the result files as they are
 
-Each step is one benchmark entry point run as a subprocess (each prints its own progress); this
-script first prints which entry points under ``benchmarks/`` it runs and why it leaves out the others
-(one rank of another benchmark, a GPU, root), then each step and how long the earlier ones took,
-then writes ``summary.md`` (every step's markdown tables, in order, and the left-out table) and
-``summary.png`` (``benchmarks.summary_plot``) under ``--results``. A step that fails is reported and
-the others still run; the exit code is non-zero if any failed.
+Method in full: benchmarks/results/methods.md, `benchmarks.run_all`.
 """
 
 from __future__ import annotations

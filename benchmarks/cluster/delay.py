@@ -1,15 +1,7 @@
 """Per-link-class latency of an emulated cluster: a user-space delay line (delayline.c) in the switch
 namespace, one tap per delayed link class.
 
-Kernels without the netem qdisc (and without fq or etf, the qdiscs that hold a packet until a
-time) have no way to delay packets inside tc; this host's is one. So a rank's packets are
-redirected from its switch port's ingress (after the rank's own shaping) to the tap of their
-link class; the delay line hands each back to that tap, as received, after the class's delay; the
-tap is a bridge port (learning and flooding off, so it only ever feeds the bridge), and the bridge
-forwards the packet to the receiving rank's port, whose shaping is unchanged. A rate-limited FIFO
-gives the same departures for arrivals all shifted by one constant, so delaying before the
-shared-NIC and receiver-side shaping equals delaying after it: the delay adds to the transfer
-time instead of hiding in it.
+Method in full: benchmarks/results/methods.md, `benchmarks.cluster.delay`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """Build and tear down the namespaces, veth pairs, bridge and tc shaping of an emulated cluster.
 
-Layout: one namespace per rank with a single interface, a veth into a bridge that lives in its
-own "switch" namespace (nothing is added to the host's network). Each veth end gets an htb root
-whose classes carry one rate per link class; u32 prefix filters pick the class from the peer's
-address (destination on the rank side, source on the switch side towards the rank), so a
-transfer between two ranks is shaped on the sender's port and again on the receiver's port at
-the rate of the link class it crosses, and concurrent flows of one class share that rate.
-
-With ``spec.shared_nic`` the ranks of a package also share one inter-node link per direction, as
-Frontier's two GCDs share the NIC of their MI250X: in the switch namespace every NIC has two ifb
-devices shaped to the inter-node rate, one for what its ranks send to other nodes (redirected
-from their ports' ingress) and one for what they receive from other nodes (redirected from their
-ports' egress). ifb hands a packet back to the device it came from with classification skipped,
-so it then passes the port's own class as well.
+Method in full: benchmarks/results/methods.md, `benchmarks.cluster.netns`.
 """
 
 from __future__ import annotations

@@ -3,75 +3,7 @@ node, TP = 1, 2, 4, 8 (DP = 8 / TP), cold reads from a slowed filesystem.
 
     sudo .venv/bin/python -m benchmarks.data_loader.node [--repeats 5] [--steps 30] [--quick]
 
-Every launch is 8 fresh rank processes (``benchmarks.data_loader.node_rank``, gloo over a file
-rendezvous) reading a synthetic corpus of random byte tokens (``corpus.make_corpus``, 64M tokens,
-122 MiB) through megatron-core's GPTDataset (memory-mapped ``.bin``, Megatron's default).
-
-Paths compared, both through ``megatron_ext.data.loader.build_batch_iterator``:
-
-* **Megatron**: the loader disabled, i.e. the project's stock path (``megatron_ext.data.stock``), which
-  does what upstream's ``build_pretraining_data_loader`` + ``get_batch_on_this_tp_rank`` do: TP
-  rank 0 of each TP group iterates a torch DataLoader with ``--num-workers`` workers (default 2,
-  Megatron-LM's) over its DP rank's sampler, then broadcasts each key over the TP group. On the
-  other TP ranks upstream's GPT dataset provider builds no dataset (``is_dataset_built_on_rank``
-  holds on TP rank 0 only), so ``build_pretraining_data_loader(None)`` returns None: they start no
-  DataLoader and no worker, and neither does the stock path (the report prints how many processes
-  it found under those ranks). At TP=1 that is 8 DataLoaders with 2 workers each, 16 readers.
-* **node loader**: one producer per node (``--node-workers`` processes, the config's default) fills
-  a ring in shared memory; every rank copies its DP rank's batch out.
-
-Ranks compute nothing: each step is ``next()`` then a fixed sleep (``--step-ms``) standing in for
-work done off the host cores, so the CPU measured is the data path's. A third kind of launch runs
-ranks that only sleep (no loader): their CPU, per second of window, is taken off both paths'.
-
-Storage (``node_storage``): as root, the corpus is copied onto an ext4 filesystem on a loop device
-whose reads the ranks' processes may take at ``--throttle-mib-s`` MiB/s at most (default 16, about
-6x the payload the TP=1 layout asks for: 8 DP ranks x 4 x 4097 tokens x 2 bytes per 100 ms step is
-2.5 MiB/s), via
-the cgroup v1 blkio controller's ``blkio.throttle.read_bps_device`` (cgroup v2's ``io.max`` and
-device-mapper's delay target are not available on the machine the results come from; a FUSE
-pass-through would add CPU of its own: see ``node_storage``). The device's read-ahead is the
-kernel's default 128 KiB (``--readahead-kb``); it also sets how much a page fault on the
-memory-mapped ``.bin`` reads around the faulting page, which is how upstream's DataLoader workers
-read (megatron-core maps the ``.bin`` by default, ``--mmap-bin-files``); the node loader's producer
-first asks the kernel for each sample's exact byte ranges (``posix_fadvise(POSIX_FADV_WILLNEED)``,
-``megatron_ext/data/shm/readahead.py``). The "device MiB read" column shows what each path took from the
-device. Before each launch the launcher drops the corpus from the page cache
-(``posix_fadvise(POSIX_FADV_DONTNEED)`` on the ``.bin`` and ``.idx``), and rank 0 drops it again
-once the ranks have built their datasets, right before the loader is built (``--warm-cache``
-keeps it). Without root, or with ``--no-throttle``, the corpus stays where it was written and is
-read unslowed (still dropped from the page cache); the results say "unthrottled" with the reason.
-
-Measured per launch, per rank: the time in ``next()`` (data wait) and the step time over the
-``--steps`` steps after ``--warmup``; over the same window the CPU time of the rank's process tree
-(the rank, its DataLoader workers, on rank 0 the producer and its workers), from the first field of
-``/proc/<pid>/task/<tid>/schedstat`` (ns on CPU) of every thread, read at both ends of the window
-(``node_proc``); the tree's Rss and Pss (``/proc/<pid>/smaps_rollup``) at the end of the window
-and just before the loader was built; the number of processes. Per launch: bytes read from the
-slowed device by the launch's processes (the cgroup's blkio counters), the 1, 5 and 15 minute load
-average before and after. Per path and layout, over ``--repeats`` launches: min / median / max of
-the node totals (CPU, memory, processes, device bytes) and of the mean per rank (data wait, step
-time). Ours / Megatron is stated as a ratio only where the two min-max ranges do not overlap, else
-"not separated". Targets (TP=1, cold reads): data wait <= 0.5x and data-path CPU <= 0.5x
-Megatron's, ranges separated: reported as met or missed with the figures.
-
-Launch order: each repetition runs every (TP, path) and one ranks-only launch; the layouts' order
-rotates with the repetition, the path that goes first alternates, and the baseline moves through
-the positions.
-
-A second part (``--parts mask``), one rank, measures the rise of VmHWM in ``next()`` with
-create_attention_mask + reset_attention_mask against the mask's own size (target <= 1.1x; see
-``node_rank``).
-
-Caveats: 8 ranks and their loaders share 2 cores, so a path that spends more CPU also slows the
-other processes; the wait is measured while the rank sleeps between steps, as a GPU job would.
-Every rank builds the dataset (the loader's entry point needs its length on every rank; upstream
-builds it on TP rank 0 only): that is before the window and in both paths' "before" memory.
-Megatron's path here has the train loader only (upstream also builds valid and test loaders) and no
-attention mask (``--no-create-attention-mask-in-dataloader``). PSS splits a shared library's pages
-between all processes mapping it, unrelated ones included, so PSS totals move with what else runs.
-Rank logs: ``benchmarks/results/raw/data_loader/node-*.log``; results:
-``benchmarks/results/data_loader/node.{json,md}``.
+Method in full: benchmarks/results/methods.md, `benchmarks.data_loader.node`.
 """
 
 from __future__ import annotations

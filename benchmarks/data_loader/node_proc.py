@@ -1,22 +1,6 @@
 """CPU time and memory of a process tree, read from ``/proc`` (Linux), for the node benchmark.
 
-* :func:`descendants`: a process and every live process below it (the ranks' DataLoader workers,
-  the node loader's producer and its workers).
-* :func:`cpu_ns`: nanoseconds on CPU of every thread of the given processes, from the first field of
-  ``/proc/<pid>/task/<tid>/schedstat`` (the scheduler's ``sum_exec_runtime``, in ns; not the
-  clock-tick ``utime``/``stime`` of ``/proc/<pid>/stat``), keyed by (pid, tid).
-  :func:`window_cpu` turns two readings into the CPU spent between them: threads present at both
-  ends count their difference, threads born inside the window (or in a process born inside it)
-  their whole time; a thread that ended inside the window loses its time since the first reading,
-  and is counted in ``lost_threads`` so the caller can say so. The kernel needs schedstats for the
-  field (``/proc/<pid>/schedstat`` exists whenever ``CONFIG_SCHED_INFO`` is set; it is on every
-  distribution kernel).
-* :func:`tree_memory`: Rss and Pss of ``/proc/<pid>/smaps_rollup`` of the same processes, summed.
-  RSS counts a page once per process mapping it (forked workers, the shared-memory ring); PSS
-  splits each page between the processes sharing it, so its sum is the tree's share of physical
-  memory.
-* :func:`reset_peak_rss` / :func:`status_kib`: ``/proc/self/clear_refs`` ("5") sets VmHWM to the
-  current VmRSS; VmHWM then holds the highest RSS reached since (the mask part).
+Method in full: benchmarks/results/methods.md, `benchmarks.data_loader.node_proc`.
 """
 
 from __future__ import annotations

@@ -2,21 +2,7 @@
 
 Modes:
 
-* ``layout``: one loader at TP=``--tp`` (DP = world / TP), each step ``next()`` then
-  ``time.sleep(--step-ms)``, no compute. ``--scheme megatron``: ``build_batch_iterator`` with the
-  node loader disabled, i.e. the project's stock path (``megatron_ext.data.stock``), which is
-  upstream's: TP rank 0 of each TP group iterates a DataLoader with ``--num-workers`` workers and
-  broadcasts each key over the TP group; the other TP ranks start no DataLoader and no worker.
-  ``shm``: the node loader (one producer of ``--node-workers`` processes per node). ``none``: no
-  loader, the ranks' own baseline. Records per step the data wait (the time in ``next()``) and the
-  step time; over the steady window (the ``--steps`` steps after ``--warmup``) the CPU ns of this
-  rank's process tree (``node_proc``: schedstat of every thread of the rank, its DataLoader workers,
-  and on the node's first rank the producer and its workers); the tree's Rss and Pss just before the
-  loader is built and at the end of the window; and how many processes the tree holds.
-* ``mask``: one rank, the node loader with ``create_attention_mask`` and ``reset_attention_mask``;
-  after warm-up, per ``next()``: the rise of VmHWM above the VmRSS just before the call (VmHWM reset
-  through ``/proc/self/clear_refs``), then, on separate calls, the peak of torch's CPU allocator
-  (``mdsp_base.allocations``: torch tensors only).
+Method in full: benchmarks/results/methods.md, `benchmarks.data_loader.node_rank`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,6 @@
 """Where the node benchmark's corpus lives: a slowed filesystem (root), or the plain disk (fallback).
 
-:func:`throttled` (root only) puts a copy of the corpus on an ext4 filesystem of its own, on a loop
-device (``losetup --direct-io=on``, so the backing file is not cached a second time in the page
-cache), and slows reads from that device with the cgroup v1 blkio controller's
-``blkio.throttle.read_bps_device`` in a cgroup of its own, into which every rank process is moved
-before it executes (:meth:`Storage.enter`; its DataLoader workers, the producer and its workers are
-forked from it and stay there). The throttle delays each read bio a task of the cgroup submits to
-the device (page faults on the memory-mapped ``.bin``, their read-around, ``posix_fadvise``
-read-ahead alike) so that the cgroup never reads faster than the rate; page-cache hits are not
-slowed. It costs no CPU. The device's read-ahead window (``read_ahead_kb``, which also sizes the
-read-around of a page fault on a memory map) is set to the kernel's default of 128 KiB: a loop
-device starts with a larger one here. :meth:`Storage.device_read` reads the cgroup's
-``blkio.throttle.io_service_bytes`` / ``io_serviced``: bytes and requests the ranks read from the
-device.
-
-Why this mechanism (each tried on the 2-core machine the results come from): cgroup v2's
-``io.max`` needs the io controller on the unified hierarchy, which that kernel keeps bound to the v1
-blkio hierarchy (``/sys/fs/cgroup/unified/cgroup.controllers`` lists no ``io``); device-mapper's
-``delay`` target needs the dm driver, absent from its kernel (no ``device-mapper`` in
-``/proc/devices``, no ``modprobe``); a FUSE pass-through would spend CPU of its own in a user-space
-process on the same 2 cores, mixing into the figures measured. ``losetup`` and the v1 blkio
-throttle were both there.
-
-:func:`plain` is the fallback (no root, or ``--no-throttle``): the corpus where it was written, not
-slowed; the label says so.
+Method in full: benchmarks/results/methods.md, `benchmarks.data_loader.node_storage`.
 """
 
 from __future__ import annotations

@@ -2,14 +2,7 @@
 
     .venv/bin/python -m benchmarks.data_loader.sampler_setup --samples 100000000 --streams 8
 
-For each configuration a process of its own builds the streams of ``--streams`` DP ranks on one
-node (``random`` order, as the producer does: one shared :class:`EpochPermutations`) and draws each
-stream's first micro-batch, which is when the epoch's shuffle is made; it reports the seconds that
-took and how much the process's peak RSS grew. Each process is forked from one that has imported
-torch, so no case pays for that import; its peak is the kernel's high-water mark, reset when the
-case starts, so what the parent held never counts. ``lists`` builds what a list-based producer
-would (each stream its own ``torch.randperm(...).tolist()``, one after another) for
-``--list-streams`` streams, for comparison.
+Method in full: benchmarks/results/methods.md, `benchmarks.data_loader.sampler_setup`.
 """
 
 from __future__ import annotations

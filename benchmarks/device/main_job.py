@@ -2,16 +2,7 @@
 
     python -m benchmarks.device.main_job [--configs "no plugins" ...] [--out benchmarks/results/gpu]
 
-Runs the main job (:mod:`megatron_ext.trainer`) in this process as one rank, with the model flags,
-DeepSpeed JSON and plugin sections of ``benchmarks.gpu.main_job`` (the record's launch), and every
-training iteration's tensor work on ``StandIn(H100)`` at dilation 1, contention 0, entered through the
-loop's ``iteration_context`` hook. The model build and the DeepSpeed set-up run for real before it.
-Tokens/s come from the job's own per-iteration log, over the same iterations as the record's; beside
-them, what the virtual device was charged per kind and how much of each iteration it sat idle (the
-host's share). Nothing in the loop that reads values changes which work runs: in bf16 ZeRO-3 has no
-loss scaler and checks no overflow, and a zero gradient norm is finite, so clipping multiplies by
-its (value-independent) factor as on the GPU; the report counts skipped steps.
-Results: ``standin_main_job.json`` / ``standin_main_job.md``.
+Method in full: benchmarks/results/methods.md, `benchmarks.device.main_job`.
 """
 
 from __future__ import annotations

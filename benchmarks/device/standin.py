@@ -2,20 +2,7 @@
 
 Under :class:`StandIn` every aten op of the rank is one of:
 
-* **device** (the default): not computed. Its output has the right shape, stride and dtype and
-  reads as zeros (it aliases one shared zero buffer, so activations take no host memory); its
-  duration goes on the issuing thread's stream: FLOPs over the table's peak x efficiency for
-  matmuls and attention (torch's own FLOP formulas), bytes read and written over the memory
-  bandwidth x efficiency for the rest. In-place device ops change nothing and mark their target.
-* **view**: run (metadata only); the view is ready when its base is.
-* **host scalar**: ops whose tensors hold at most one element run for real (an optimizer's step
-  counter lives on the host on a GPU too; DeepSpeed's flags are one-element tensors).
-* **sync point**: a collective waits until every tensor it touches is ready, then runs over the
-  real links; ``.item()`` and ops whose output shape depends on values wait, then run.
-
-So a parameter gather, whose input no device op wrote, starts at once, and a gradient
-reduce-scatter waits for the backward op that wrote its bucket. Values are never computed, so
-nothing that reads them (clipping, loss scaling, NaN checks) may steer a stand-in run.
+Method in full: benchmarks/results/methods.md, `benchmarks.device.standin`.
 """
 
 from __future__ import annotations

@@ -3,16 +3,7 @@ plugin figure is quoted from a device-faithful run.
 
   python -m benchmarks.device.validation [--results benchmarks/results]
 
-1. Scale invariance: the compute-only step within 5 % at 8, 16 and 32 ranks
-   (``python -m benchmarks.zero.compute_only --device mi250x --nodes 2 4 8``).
-2. The one GPU record: the H100 stand-in's main job against the measured tokens/s, within 25 %
-   (``python -m benchmarks.device.main_job``).
-3. The cost model against every stand-in A/B variant, both regimes, within 15 %
-   (``python -m benchmarks.zero.ab --device mi250x [--regime latency]``).
-4. The cost model's host term against 4 loopback ranks' ``bench --quick``, within 25 %
-   (a recorded ``deepspeed_ext.zero.bench --json`` run, ``zero/bench_quick_loopback.json``).
-
-A check whose result file is missing is listed as not run. Writes ``emulated_validation.md``.
+Method in full: benchmarks/results/methods.md, `benchmarks.device.validation`.
 """
 
 from __future__ import annotations

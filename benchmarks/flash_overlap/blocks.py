@@ -1,17 +1,7 @@
 """The blocks the benchmark times, built from megatron-core's GPT layer spec with one linear class pair
 swapped per method, and a compute-only twin of the same per-rank GEMM shapes.
 
-Blocks: ``mlp`` (fc1, gelu, fc2: megatron-core's MLP) and ``layer`` (a whole TransformerLayer:
-norms, qkv, core attention, proj, fc1, gelu, fc2). Methods:
-  megatron_core      megatron-core's own linears (what users run today, with their backward
-                     overlap), on gloo's collectives;
-  chunked_4          the same with every forward collective cut in 4, on gloo's collectives
-                     (``chunked.py``; not TransformerEngine's split);
-  flash_overlap      the Flash-Overlap linears (P2P backend);
-  megatron_core_p2p  megatron_core with its collectives on the P2P exchange (``same_transport.py``);
-  te_split_p2p       TransformerEngine's published split on the P2P exchange (``te_split.py``);
-  compute_only   the block at TP=1 with this rank's shard shapes (heads/N, ffn/N) on the whole
-                 sequence: the GEMMs, attention and elementwise work of one rank, no communication.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.blocks`.
 """
 
 from __future__ import annotations

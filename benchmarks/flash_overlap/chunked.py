@@ -5,12 +5,7 @@ all_gather_into_tensor / reduce_scatter_tensor). The first gather and the last r
 GEMM stay exposed. Backward keeps megatron-core's overlap for the column layer and pipelines the
 row layer's gather of dY the same way as the forward.
 
-This is *not* TransformerEngine's published split: TE pipelines only proj/fc2 fprop and uses ring
-exchange for qkv/fc1 fprop and the row layers' dgrads; that split, on the P2P transport, is
-:mod:`benchmarks.flash_overlap.te_split`.
-
-Chunk i of every rank's sequence slice is gathered (or scattered) together: with N ranks, slice
-length s/N and chunk length q = s/(N*CHUNKS), it is the rows r*s/N + i*q ... of the full sequence.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.chunked`.
 """
 
 from __future__ import annotations

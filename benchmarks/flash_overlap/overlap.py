@@ -3,21 +3,7 @@ TransformerEngine's published split (TP/SP blocks), and Flash-Overlap's UP atten
 DistributedAttention (Ulysses), every method's bytes moved by the same P2P exchange. The gloo-collective
 figures of megatron-core and DistributedAttention run beside them, labelled as such.
 
-  python -m benchmarks.flash_overlap.overlap --network cluster --quick      (root: namespaces + tc)
-  python -m benchmarks.flash_overlap.overlap --network cluster --tp 2 4 --sp 2 --launches 5
-  python -m benchmarks.flash_overlap.overlap --network cluster --device h100      (compute on a stand-in H100)
-  python -m benchmarks.flash_overlap.overlap --network loopback --quick
-
-Each size runs ``--launches`` times, each a fresh set of processes, every method interleaved with the
-others repeat by repeat; each comparison is paired, pooled over the launches (``targets.py``: ratio
-ours / baseline with its 95 % interval, "not separated" where it holds 1), and the first launch's
-tables follow. ``--device h100`` / ``mi250x`` runs the ranks on the compute stand-in; its dilation
-defaults, per launch, to the GPU-GPU link's rate over that launch's emulated one
-(``run.derived_dilation``). TP runs the balanced regime
-(T_comm ~ T_comp on P2P, ffn tuned by the first launch and kept for the others) at ``--mbit``; UP runs
-a real model's shapes (32 heads x 128, 8 key/value heads) at ``--up-mbit``. Writes
-overlap_<network>[_<device>][_quick].json / .md under --out and prints the tables. What is swapped for the same
-transport: ``benchmarks/flash_overlap/same_transport.py``; TE's split: ``te_split.py``.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.overlap`.
 """
 
 from __future__ import annotations

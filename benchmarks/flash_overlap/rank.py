@@ -4,14 +4,7 @@ layer under each method, side by side, with the compute-only and transfer-only r
 Started by ``benchmarks.flash_overlap.run`` (loopback) or by the emulated cluster's launcher, with
 RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set; the rank's result goes through ``write_result``.
 
-With ``--device h100`` or ``mi250x`` every step runs on the compute stand-in
-(``benchmarks.device``): weights and activations in bf16, compute charged to a virtual device, the
-transfers real; the numeric check against megatron-core and the profiled step are skipped there
-(values are not computed, and the host runs no compute ops to profile).
-
-Regimes set the MLP width f from a probe made here (c: one sequence slice of fc1's forward GEMM,
-p: one slice's P2P transfer): ``hideable`` c = 2p (the transfers can hide entirely), ``balanced``
-N c = (N-1) p (T_comp = T_comm per GEMM). The layer's attention GEMMs follow from the hidden size.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.rank`.
 """
 
 from __future__ import annotations

@@ -1,26 +1,7 @@
 """Figures from the ranks' records: per block and regime, every method's step, exposed communication,
 bound and timeline.
 
-Per step the slowest rank stands for the step; a figure is the median over steps (min-max beside it).
-Exposed communication = a method's step - T_comp, the compute-only run of the same shapes (separate
-steps, same run). Comparisons with megatron-core are paired (``paired.py``): step by step, ratio
-and 95 % interval. The in-step figure = the step minus the compute ops recorded inside it, from one
-extra step under torch.profiler (host compute only: none on a stand-in device); it is named so
-because it hides whatever slows compute down.
-
-Bounds (computed, not measured), with N ranks, per linear its GEMMs alone (fwd, dgrad, wgrad over the
-whole sequence) and P a whole sequence-parallel transfer on the method's transport (T_comm / number of
-transfers), p = P/(N-1); what each part of a schedule leaves exposed:
-  sliced      (N-1) max(0, p - gemm/N)           slice GEMMs under slice transfers (Flash-Overlap, ring exchange)
-  pipelined   P/4 + 3 max(0, (P - gemm)/4)       4 chunks, the last chunk's transfer exposed
-  whole       P                                  a blocking collective
-  bulk        max(0, P - dgrad) + max(0, P - wgrad)   megatron-core's column backward
-  method             column fwd   column bwd   row fwd     row bwd (dgrad)
-  flash_overlap      sliced       bulk         sliced      sliced
-  te_split_p2p       sliced       bulk         pipelined   sliced
-  megatron_core(_p2p) whole       bulk         whole       whole
-  chunked_4          pipelined    bulk         pipelined   pipelined
-each added to T_comp: the time no schedule of that shape can hide.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.report`.
 """
 
 from __future__ import annotations

@@ -3,16 +3,7 @@ megatron-core's linears (on gloo's collectives and on the P2P exchange), their 4
 TransformerEngine's split (P2P) and the Flash-Overlap linears side by side (``--methods`` picks some).
 The same-transport comparison with its targets and the UP benchmark: ``benchmarks.flash_overlap.overlap``.
 
-  python -m benchmarks.flash_overlap.run --network loopback --tp 2 4
-  python -m benchmarks.flash_overlap.run --network cluster --mbit 400 --tp 2 4     (root: namespaces + tc)
-  python -m benchmarks.flash_overlap.run --network cluster --tp 2 --device h100   (compute on a stand-in H100)
-
-``--device h100`` / ``mi250x`` runs the ranks on the compute stand-in (``benchmarks.device``); its
-dilation defaults to the GPU-GPU link's rate over the emulated link's (``derived_dilation``). Every
-comparison with megatron-core is paired, step by step (``paired.py``). Writes
-<network>_tp<N>[_<device>].json / .md and, on the host's compute, one timeline PNG per block, regime
-and method under --out, and prints the tables. Remaining arguments go to
-``benchmarks.flash_overlap.rank``.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.run`.
 """
 
 from __future__ import annotations

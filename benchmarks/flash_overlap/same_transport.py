@@ -4,27 +4,7 @@ about 1.5x slower than the P2P exchange).
 
 Two context managers, used by the benchmark only, each restoring what it swapped on exit:
 
-* :func:`megatron_core_on_p2p` swaps the four module-level bindings through which megatron-core's
-  sequence-parallel linears reach torch.distributed (bound once, at import):
-  ``megatron.core.tensor_parallel.layers.dist_all_gather_func`` / ``dist_reduce_scatter_func`` (the
-  column layer's forward gather and its backward overlap: asynchronous re-gather of x under the dgrad
-  GEMM, asynchronous reduce-scatter of dgrad under the wgrad GEMM) and
-  ``megatron.core.tensor_parallel.mappings.dist_all_gather_func`` / ``dist_reduce_scatter_func`` (the
-  row layer's forward reduce-scatter and its backward gather of dY). Each becomes a whole collective
-  posted as P2P (:func:`megatron_ext.layers.p2p.overlap.start_all_gather` /
-  :func:`~megatron_ext.layers.p2p.overlap.start_reduce_scatter`, direct pattern); ``async_op=True``
-  returns a handle whose ``wait()`` waits for it, so megatron-core's own overlap is unchanged.
-* :func:`torch_on_p2p` swaps torch.distributed's own ``all_gather_into_tensor`` / ``_all_gather_base``
-  and ``reduce_scatter_tensor`` / ``_reduce_scatter_base``, through which Megatron-DeepSpeed's
-  tree (its own copy of the tensor-parallel layers) reaches them at call time: for a whole upstream
-  job in a benchmark rank (``mds_rank.py``), its only collectives of those kinds being the TP ones.
-* :func:`deepspeed_on_p2p` swaps ``deepspeed.comm.all_to_all_single`` (what
-  ``DistributedAttention``'s ``single_all_to_all`` calls) for an all-to-all of n-1 P2P steps posted at
-  once (:func:`megatron_ext.layers.p2p.all_to_all.start_all_to_all`), synchronously or, for its
-  ``sp_stream`` overlap, asynchronously.
-
-Both move the bytes a ring collective moves, over the same :class:`~megatron_ext.layers.p2p.link.Link`
-as the Flash-Overlap schedules.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.same_transport`.
 """
 
 from __future__ import annotations

@@ -4,20 +4,7 @@ that it shares Flash-Overlap's transport.
 TE's userbuffers configurations (the defaults of ``transformer_engine.pytorch.module.base.initialize_ub``
 and the published per-model YAMLs) use:
 
-* ``ring_exchange`` for qkv_fprop, fc1_fprop (column layers: all-gather of x + GEMM) and proj_dgrad,
-  fc2_dgrad (row layers' backward: all-gather of dY + dgrad GEMM): slices passed around the ring
-  while the GEMM of the slice already held runs. Here: ``all_gather_compute`` in ``ring`` mode,
-  which is exactly that (at TP=2 ring and direct coincide);
-* ``pipeline`` for proj_fprop, fc2_fprop (row layers: GEMM + reduce-scatter): the GEMM cut into
-  ``CHUNKS`` (TE's default num_splits 4) pieces along the sequence, each piece reduce-scattered as
-  soon as it is computed while the next is computed;
-* ``bulk`` for qkv/fc1 dgrad and wgrad (column layers' backward): the re-gather of x under the dgrad
-  GEMM and the reduce-scatter of dgrad under the wgrad GEMM, megatron-core's own backward overlap.
-  Here: ``start_all_gather`` / ``start_reduce_scatter``, whole P2P collectives posted asynchronously.
-
-Pipeline chunk i holds rows i*q .. (i+1)*q of every rank's slice (q = s/(N*CHUNKS)), as in
-:mod:`benchmarks.flash_overlap.chunked` (whose forward cuts the all-gathers too and runs on gloo's
-collectives: a 4-chunk slicing, not TE's split).
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.te_split`.
 """
 
 from __future__ import annotations

@@ -1,29 +1,7 @@
 """One rank of the UP (Ulysses) benchmark: self-attention with its QKV and output projections, forward +
 backward, under each method, interleaved step by step with a compute-only twin and the transfers alone.
 
-Methods (same projections, same local attention: causal SDPA over the whole sequence for heads/n,
-key/value heads repeated for their query heads after the all-to-all):
-  ulysses_flash_overlap      ``megatron_ext.layers.ulysses.ulysses_attention`` on Megatron-DeepSpeed's
-                             [q | k | v] weight (the hook's): both all-to-alls cut into P2P steps
-                             overlapped with the projections;
-  ulysses_group_major        the same on the group-major weight (``UlyssesSelfAttention``'s);
-  distributed_attention_p2p  DeepSpeed's ``DistributedAttention`` between the projections (as
-                             Megatron-DeepSpeed's Ulysses path), its all-to-alls on the P2P exchange
-                             (``same_transport.deepspeed_on_p2p``): the same transport as ours;
-  distributed_attention_sp_stream_p2p  the same with DeepSpeed's own overlap (``sp_stream``: the q and
-                             k all-to-alls, and in backward dq and dk, posted asynchronously and
-                             waited where their results are used); on the host a stream is the
-                             calling thread, so the overlap is the asynchronous all-to-alls';
-  distributed_attention_gloo DistributedAttention on gloo's all_to_all_single (labelled, for reference);
-  compute_only               one rank's GEMMs and attention with each all-to-all replaced by a view
-                             of the same elements as the shape it would produce: no communication.
-
-With ``--device h100`` or ``mi250x`` the steps run on the compute stand-in (``benchmarks.device``)
-in bf16 and the agreement check is skipped (values are not computed).
-
-Shapes are a real model's: hidden = heads x head_dim (default 32 x 128, 8 key/value heads); the
-regime (T_comm / T_comp) is set by the emulated link's rate, reported as measured.
-Started by ``benchmarks.flash_overlap.overlap`` with torch.distributed's variables set.
+Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.ulysses_rank`.
 """
 
 from __future__ import annotations

@@ -5,19 +5,7 @@ synchronising CUDA calls it makes, at micro batch 4 x sequence 8192.
 
 Schemes, each over the same samples of one random-token corpus, TP=1 (no broadcast on either path):
 
-* ``megatron, N workers``: Megatron's path as ``get_batch`` runs it on TP rank 0: a DataLoader with
-  ``pin_memory=True`` and N workers, then ``.cuda(non_blocking=True)`` of every key; the attention
-  mask, when asked for, comes from the dataset (built per sample on the CPU, copied to the GPU);
-* ``shm loader``: our producer fills the node's ring with token ids; ``next()`` copies them straight
-  from the ring (registered as pinned host memory) to the GPU without a host copy, releases the slot
-  once that copy's event completes, and derives every key and the mask on the GPU.
-
-Per scheme and mask setting (none; Megatron's default causal mask; with ``reset_attention_mask``):
-host milliseconds per ``next()`` (min / median / max over ``--steps`` back-to-back calls after a
-warm-up, no compute in between, so the loader alone sets the pace), batches per second including a
-final device synchronisation, and, over ``--profile-steps`` more calls, the synchronising CUDA calls
-``torch.cuda.set_sync_debug_mode("warn")`` reports and the ``cuda*Synchronize`` runtime calls the
-profiler records beyond those of an empty profiled window. Results: ``loader_cuda.json`` / ``loader_cuda.md`` under ``--out``.
+Method in full: benchmarks/results/methods.md, `benchmarks.gpu.loader_cuda`.
 """
 
 from __future__ import annotations

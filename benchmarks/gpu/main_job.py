@@ -2,12 +2,7 @@
 
     python -m benchmarks.gpu.main_job [--out benchmarks/results/gpu]
 
-Runs ``scripts/pretrain_gpt.py`` at TP=1 in bf16 on NCCL (no CPU support), ZeRO-3 with DeepSpeed's
-torch Adam: without plugins, with each plugin that applies to one rank alone (node loader,
-hierarchical ZeRO-3, Flash-Overlap layers) and with all three, one launch of each in turn,
-``--launches`` rounds. Reports each launch's losses and tokens/s (min / median / max over the
-iterations after ``--warmup``), read from the job's own per-iteration log. Results:
-``main_job.json`` / ``main_job.md``.
+Method in full: benchmarks/results/methods.md, `benchmarks.gpu.main_job`.
 """
 
 from __future__ import annotations

@@ -2,22 +2,7 @@
 
     python -m benchmarks.gpu.sliced_gemm [--out benchmarks/results/gpu]
 
-The overlap schedules (megatron_ext/layers/p2p/overlap.py) run a tensor-parallel layer's GEMM as N
-smaller GEMMs, one per sequence slice, so that each can start when its slice arrives. This measures,
-on one GPU in bf16, one GEMM against the same work cut into 2, 4 and 8 slices, for the per-rank
-GEMMs of a GPT layer (qkv, proj, fc1, fc2) of the 1.3B and 20B presets at TP = 2, 4, 8:
-
-* ``fwd`` / ``dgrad``: the token dimension M is sliced, each slice writes its rows of one output
-  (what the all-gather + GEMM and GEMM + reduce-scatter schedules do);
-* ``wgrad``: the reduction dimension (tokens) is sliced and the slices accumulate into one fp32
-  or bf16 weight gradient with ``addmm_`` (what the backward all-gather + wgrad schedule does).
-
-Timing: CUDA events around ``--inner`` back-to-back calls, ``--reps`` repetitions after warm-up;
-min / median / max of the per-call time. Each case runs twice: ``eager`` (Python issues every
-GEMM, so small slices can be bound by the host's launch rate) and ``graph`` (the same calls
-captured in a CUDA graph and replayed: the GPU's own time). Efficiency = time of one GEMM / time of
-the sliced GEMMs (1.0 = slicing is free). Results: ``sliced_gemm.json`` and ``sliced_gemm.md``
-under ``--out``.
+Method in full: benchmarks/results/methods.md, `benchmarks.gpu.sliced_gemm`.
 """
 
 from __future__ import annotations

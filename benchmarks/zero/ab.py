@@ -5,16 +5,7 @@
   python -m benchmarks.zero.ab --quick               (a smoke test: small sweep, tiny model, 5 timed steps)
   python -m benchmarks.zero.ab --quick --warm        (its ranks forked after their imports: the suite's run)
 
-Two regimes (``python -m benchmarks.studies.zero.regime`` prints their dimensionless numbers against
-Frontier's): ``frontier`` (benchmarks.cluster.spec.frontier_bandwidth: Frontier's rate ratios, no
-delay added, a micro-batch whose compute outweighs the communication as a 20B step's does on
-Frontier) and ``latency`` (frontier_latency: delays 1000x Frontier's, a small batch). Three launches
-on one cluster: the probe (its wall time from launch to exit, against the 2-minute target), the
-probe again (a held-out measurement), and ``deepspeed_ext.zero.bench`` with the first profile. The
-check of ``auto``: at every size both probes measured across nodes, the algorithm the first
-profile picks is timed in the second, and its median is compared with the faster of ring and
-recursive there (target: at most 5% slower). Writes benchmarks/results/zero/ab_<regime>{,_quick}
-.{json,md,png} and the first profile beside them.
+Method in full: benchmarks/results/methods.md, `benchmarks.zero.ab`.
 """
 
 from __future__ import annotations

@@ -2,12 +2,7 @@
 
   python -m benchmarks.zero.compute_only --device mi250x [--quick] [--nodes 2 4 8]
 
-On the A/B's emulated cluster (``benchmarks.zero.ab``'s regime, MI250Xs of 2 ranks sharing a
-NIC), every rank steps the A/B's model alone (no ZeRO, no communication inside:
-``deepspeed_ext.zero.tools.ab.prediction.compute_steps``) at once, each step the slowest rank's.
-With compute charged to a virtual device the ranks no longer share the host's cores, so the step
-must not grow with the ranks: the check is the spread of the medians over the sizes (target
-within 5 %). Writes benchmarks/results/zero/compute_only_<device>{,_quick}.{json,md}.
+Method in full: benchmarks/results/methods.md, `benchmarks.zero.compute_only`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Bytes per NIC per step of each variant of a recorded A/B run, recomputed from the calls per step
 it recorded and each algorithm's geometry (:mod:`mdsp_base.links`).
 
-A recorded call names its collective, algorithm, link class, group size and bytes, not the group's
-ranks; these follow from the variant. Stock ZeRO-3's groups are the whole job in rank order, and so
-are hpZ's, except its secondary groups: consecutive ranks of their size, as DeepSpeed cuts them.
-Ours are the level groups of :mod:`mdsp_base.topology` (package, node, cross-package, cross-node,
-global), the one whose groups have the call's size and link class. Each call runs on every group of
-its kind at once (every rank records the same calls). The calls were recorded on rank 0, in a job
-whose ranks all run the same schedule.
-
-``python -m benchmarks.zero.nic_bytes benchmarks/results/zero/ab_frontier.json`` prints, per variant,
-the edge-class inter-node bytes the run recorded (the most loaded rank's) and the MiB per step
-through the most loaded NIC (egress) and package link.
+Method in full: benchmarks/results/methods.md, `benchmarks.zero.nic_bytes`.
 """
 
 from __future__ import annotations

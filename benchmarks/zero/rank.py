@@ -1,22 +1,6 @@
 """One rank of the ZeRO benchmark: ZeRO-3, ZeRO++ hpZ and the hierarchical variant, side by side.
 
-Started by ``benchmarks.zero.run`` or ``benchmarks.studies.zero.scale`` on every rank (emulated cluster or
-loopback). For each accumulation value in ``--micro`` (one result each, in a list) every engine is
-built once, then their steps interleave (ZeRO-3, hpZ(2), ours(package), hpZ(4), ours(node), ...)
-so that a change of host load hits all alike. Each step is timed between barriers. Per step and
-engine it records the bytes the counter computes (comm.py) and, inside an emulated cluster, the
-bytes this rank's interface sent per link class, read from its tc classes (measured). Memory: the
-bytes of the engine's tensors (partitions, secondary copy, fp32 master, Adam states, gradient
-partitions) read after the last backward of a step, when the secondary copy exists; and, after the
-timed steps, the peak: a fresh copy of each engine is built and stepped twice under an allocation
-trace (mdsp_base/allocations.py), and the most bytes the rank held at once during the second step
-is read from the allocator's running total (everything allocated since the engine's model was
-made, on every thread: state, gathered parameters, activations, gradients, hop buffers, and gloo's
-own buffers, which NCCL would not have). After the timed steps each engine's last step is
-charged to the physical links from each collective's geometry (``comm.nic_bytes_per_step``: the
-busiest NIC and package link). With ``--device`` every step runs on the compute stand-in
-(benchmarks.device) in bf16, as on Frontier; memory is then not read (the stand-in's outputs share
-one zero buffer).
+Method in full: benchmarks/results/methods.md, `benchmarks.zero.rank`.
 """
 
 from __future__ import annotations
@@ -32,14 +16,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from benchmarks.cluster.netns import sent_bytes
 from benchmarks.device import StandIn, add_device_flags, stand_in
 from benchmarks.zero.variants import Question, param_count, variant_configs
+from deepspeed_ext.zero.tools.ab.engine import initialize, peak_bytes
 from deepspeed_ext.zero.tools.ab.model import mlp
 from mdsp_base import comm
-from mdsp_base.allocations import AllocationTrace
 from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import Topology
@@ -47,24 +30,9 @@ from mdsp_base.topology import Topology
 
 def build(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> Any:
     """The engine of ``cfg`` over the benchmark's MLP: ``--layers`` square layers of ``--hidden``."""
-    import deepspeed
-    from deepspeed.utils import groups
-
-    from deepspeed_ext import zero
-
-    groups.mpu, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None, None
-    net = mlp([args.hidden] * (args.layers + 1), tanh_last=True)
     if ours:
         cfg["hierarchical_zero"]["enabled"] = True
-        engine, *_ = zero.initialize(
-            model=net, config=cfg, topology=topology, model_parameters=net.parameters()
-        )
-    else:
-        engine, *_ = deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = (
-        None  # hpZ leaves its group global; the next engine must not see it
-    )
-    return engine
+    return initialize(ours, mlp([args.hidden] * (args.layers + 1), tanh_last=True), cfg, topology)
 
 
 def engine_bytes(engine: Any) -> dict[str, int]:
@@ -124,16 +92,15 @@ def one_step(
     return time.perf_counter() - start, held
 
 
-def peak_bytes(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
+def peak(ours: bool, cfg: dict, topology: Topology, args: argparse.Namespace) -> int:
     """Most bytes the rank held at once during a fresh engine's second step (the other engines idle),
     read from the allocator's running total."""
     counter = comm.CommCounter(topology)
-    with AllocationTrace() as trace:
-        engine = build(ours, copy.deepcopy(cfg), topology, args)
-        one_step(engine, counter, 0, args)
-        with record_function("measured step"):
-            one_step(engine, counter, 1, args)
-    return trace.process_peak("measured step")
+    return peak_bytes(
+        lambda: build(ours, copy.deepcopy(cfg), topology, args),
+        lambda engine, index: one_step(engine, counter, index, args),
+        torch.device("cpu"),
+    )
 
 
 def main() -> None:
@@ -245,7 +212,7 @@ def measure(
     for name, (ours, cfg) in configs.items():
         record[name]["nic"] = comm.nic_bytes_per_step(counters[name], 1)  # the last step's
         measured = not args.no_peak and devices[name] is None
-        record[name]["peak"] = peak_bytes(ours, cfg, topology, args) if measured else None
+        record[name]["peak"] = peak(ours, cfg, topology, args) if measured else None
     return {
         "record": record,
         "counts": counts,

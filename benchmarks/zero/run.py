@@ -4,21 +4,7 @@
   python -m benchmarks.zero.run --network loopback                          (unshaped 127.0.0.1 only)
   python -m benchmarks.zero.run --device mi250x --micro 1 4                  (root: compute on a stand-in)
 
-The cluster is 2 nodes x 2 packages x 2 ranks, links 400 / 200 Mbit/s per rank inside a package /
-node and one 50 Mbit/s inter-node link per package shared by its two ranks (Frontier's ratios and
-NIC sharing; docs/emulated_cluster.md). Each round launches every accumulation value on the cluster
-and then the same launch over unshaped loopback (the time of the same work without the shaped
-network). Measured: step time (each step the slowest rank's; min / median / max pooled over
-launches), each variant's step over ZeRO-3's and ours over the hpZ at the same memory as paired
-ratios with 95 % intervals (benchmarks.zero.run_report), wire bytes per link class per rank and
-step from the interfaces' tc classes, bytes held by each engine's tensors, each engine's peak
-bytes per rank (the most of any rank, from the allocator; benchmarks.zero.rank), load average
-before each launch. Computed beside them (ring-aware cost model with the emulator's links, one
-channel as gloo): ring wire bytes, communication time, and the busiest NIC's and package link's
-bytes per step from each collective's geometry. ``--device h100|mi250x`` runs every rank's
-compute on the stand-in of benchmarks.device (bf16; memory not measured), dilated by default so
-that the emulated NIC is Frontier's 25 GB/s one. Writes benchmarks/results/zero/<network>.{json,md}
-(``_<device>`` appended with a stand-in). Remaining arguments go to ``benchmarks.zero.rank``.
+Method in full: benchmarks/results/methods.md, `benchmarks.zero.run`.
 """
 
 from __future__ import annotations

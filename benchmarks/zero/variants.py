@@ -1,8 +1,9 @@
 """The engines ``benchmarks.zero.rank`` compares and their DeepSpeed configs.
 
 The levels set (``benchmarks.zero.run``): ZeRO-3, hpZ and ours at the package and node levels. The
-scale set (``benchmarks.studies.zero.scale``), all at the same secondary memory: every variant that keeps a secondary weight copy keeps it over the ranks of one node: hpZ with
-``zero_hpz_partition_size`` = ranks per node, ours with ``secondary_level: node``, so each holds
+scale set (the study ``benchmarks.studies.zero.scale``), all at the same secondary memory: every
+variant that keeps a secondary weight copy keeps it over the ranks of one node (hpZ with
+``zero_hpz_partition_size`` = ranks per node, ours with ``secondary_level: node``), so each holds
 ``1 / ranks per node`` of the weights besides its primary partition.
 """
 

@@ -1,11 +1,13 @@
-"""The small hierarchical ZeRO-3 runs the engine tests share: an MLP (the ZeRO runs' model), its DeepSpeed config, an
-engine of each kind (stock, hpZ, ours) and a training loop that returns losses and parameters."""
+"""The small hierarchical ZeRO-3 runs the engine tests share: an MLP (``tools.ab.model.mlp``, the
+ZeRO benchmark's too), its DeepSpeed config, an engine of each kind (stock, hpZ, ours) and a training
+loop that returns losses and parameters."""
 
 from __future__ import annotations
 
 import torch
 
 from deepspeed_ext.zero.tools.ab import model
+from deepspeed_ext.zero.tools.ab.engine import initialize
 from mdsp_base import comm
 from mdsp_base.topology import Topology
 
@@ -65,22 +67,8 @@ def reset_deepspeed_globals() -> None:
 
 
 def make_engine(kind: str, cfg: dict, model: torch.nn.Module, mpu=None, topology: Topology = TOPOLOGY):
-    import deepspeed
-
-    from deepspeed_ext import zero
-
-    reset_deepspeed_globals()
     comm.patch_deepspeed_comm()
-    if kind == "ours":
-        engine, *_ = zero.initialize(
-            model=model, config=cfg, mpu=mpu, topology=topology, model_parameters=model.parameters()
-        )
-    else:
-        engine, *_ = deepspeed.initialize(
-            model=model, config=cfg, mpu=mpu, model_parameters=model.parameters()
-        )
-    reset_deepspeed_globals()
-    return engine
+    return initialize(kind == "ours", model, cfg, topology, mpu)
 
 
 def train(

@@ -5,14 +5,7 @@ the p2p backend and the symm_mem backend.
   python -m benchmarks.studies.flash_overlap.activation_memory                 # tiny-cpu preset, TP=2
   python -m benchmarks.studies.flash_overlap.activation_memory --hidden 2048 --heads 16 --seq 2048 --batch 1 --layers 1
 
-What autograd saves between forward and backward is the activation memory a backend adds to the
-step's peak. It is counted with ``torch.autograd.graph.saved_tensors_hooks``: distinct storages,
-parameters excluded, booked to the linear whose forward saved them (``other``: norms, attention,
-embedding, loss). symm_mem cannot run on CPU: its rows run the symm_mem autograd functions over
-torch's reference implementations of the fused ops, which return the same gathered input the
-fused ops return, so they are computed from what its autograd functions save, not measured on a GPU.
-
-Writes ``activation_memory_tp<N>.json`` / ``.md`` under --out and prints the table.
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.flash_overlap.activation_memory`.
 """
 
 from __future__ import annotations

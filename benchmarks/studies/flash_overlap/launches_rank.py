@@ -5,12 +5,7 @@ Counted with torch's dispatch mode on the calling thread: every ATen operator th
 (copies, concatenations, elementwise), and communication (the c10d operators: one per P2P send or
 receive, one per collective).
 
-Methods: TP/SP layer (megatron-core's TransformerLayer at TP=N with sequence parallelism):
-``megatron_core`` (its own linears), ``flash_overlap`` (ours); Ulysses attention block (QKV linear,
-all-to-all, causal attention, all-to-all, output linear) at SP=N: ``distributed_attention``
-(DeepSpeed's, between the projections, as Megatron-DeepSpeed runs it), ``ulysses_qkv_layout`` (ours
-on Megatron-DeepSpeed's [q | k | v] weight: the hook's) and ``ulysses_group_major`` (ours on the
-group-major weight: ``UlyssesSelfAttention``'s).
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.flash_overlap.launches_rank`.
 """
 
 from __future__ import annotations

@@ -4,14 +4,7 @@ on two ranks of one emulated package whose links are shaped to ``--mbit``.
 
     python -m benchmarks.studies.flash_overlap.mds_layer --tree PATH/TO/Megatron-DeepSpeed --data-path PREFIX
 
-Each repetition launches, in this order, the stock job (its collectives on gloo, as users run it on
-CPU), the stock job with its all-gathers and reduce-scatters on the P2P exchange Flash-Overlap uses
-(the same transport), the job with ``--flash-overlap``, and the compute-only twin: the job at TP=1 on one rank with one TP rank's shard shapes (heads / 2,
-ffn / 2, the same head size, the whole sequence), so the same GEMMs without communication. A
-launch's step is the median of its iterations after ``--warmup``; exposed = step - the twin's step
-of the same repetition (the whole job's exposed TP communication: the layer's linears, and the
-embedding's, loss's and norms' collectives, which both methods run alike). Writes
-``mds_layer_tp2.json`` / ``.md`` under ``--out`` (root: namespaces and tc).
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.flash_overlap.mds_layer`.
 """
 
 from __future__ import annotations

@@ -3,13 +3,7 @@
 
     python -m benchmarks.studies.flash_overlap.mds_rank [--on-p2p] PATH/TO/pretrain_gpt.py [upstream flags...]
 
-``--on-p2p`` runs the job with torch.distributed's all-gather and reduce-scatter on the project's P2P
-exchange (:func:`benchmarks.flash_overlap.same_transport.torch_on_p2p`): the stock linears on the
-transport Flash-Overlap's schedules use.
-
-Started by :mod:`benchmarks.studies.flash_overlap.mds_layer` on the emulated cluster (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT set). Megatron-DeepSpeed prints ``elapsed time per iteration (ms)`` on the
-last rank; the other ranks return an empty list.
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.flash_overlap.mds_rank`.
 """
 
 from __future__ import annotations

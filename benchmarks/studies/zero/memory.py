@@ -2,14 +2,7 @@
 
     python -m benchmarks.studies.zero.memory [--out DIR] [--repeats N] [--hidden H] [--layers L]
 
-4 CPU ranks over gloo as 2 nodes x 2 ranks, an fp32 MLP with Adam. Variants (:data:`VARIANTS`):
-stock ZeRO-3 and stock ZeRO++ hpZ over the node's 2 ranks, each model built under
-``deepspeed.zero.Init``; the hierarchical variant at the node level built partitioned under
-``deepspeed_ext.zero.Init`` with its plan, and built whole. Each variant runs as its own 4-rank
-launch (fresh processes: no allocator cache of one serves another's peak), the variants taking
-turns for ``--repeats`` rounds. Measured per rank and phase: the peak resident set (``VmHWM``,
-reset through ``/proc/self/clear_refs``) minus the resident set just before the phase. Writes
-``build_memory.{json,md}`` under ``--out``.
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.zero.memory`.
 """
 
 from __future__ import annotations

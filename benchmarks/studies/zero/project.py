@@ -1,21 +1,7 @@
 """Projection to Frontier: the 20B GPT preset on 1..48 nodes (8..384 GCDs), every collective charged
 through the cost model (deepspeed_ext/zero/cost/).
 
-  python -m benchmarks.studies.zero.project                       # writes benchmarks/results/zero/projection.{json,md}
-  python -m benchmarks.studies.zero.project --profile profile.json --name projection_measured
-  python -m benchmarks.studies.zero.project --tp 4 --grad-accum 4 --name projection_tp4_ga4
-  options: [--tp 4] [--grad-accum N (default: the JSON's)] [--nodes 1 2 6 12 24 48]
-           [--ds-config scripts/presets/ds_frontier_20b.json] [--profile P] [--name projection]
-
-Without ``--profile`` the collective costs are Frontier's documented hardware; with one, what the
-probe measured on the user's nodes (its ranks per node and package, its fitted step latencies and
-bandwidths; the rest documented). Prints (all computed): the model against published figures, all
-held out (nothing is fitted to them), the papers' relations, TFLOPS per GCD of ZeRO-3, hpZ as
-DeepSpeed runs it and idealized, ZeRO++ (hpZ + qwZ + qgZ as DeepSpeed runs them) and ours at the
-preset's layout (TP=4, micro-batch 1, the JSON's buckets), and the planner's best plan that fits
-64 GB at the largest size against the targets (1.5x hpZ, 1.2x ZeRO++), each headline ratio with its
-range over the uncertain inputs (ring step 1-10 us, ring bandwidth 5.84-22.5 GB/s, overlap 0 / 50 /
-90 %, GEMM efficiency 0.3-0.6; with a profile only the last two).
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.zero.project`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """The regime a step runs in, as dimensionless numbers: Frontier's (computed) against the emulated
 cluster's (from an A/B run's counted collectives and its probe profile).
 
-- per link class, the step's collectives' message (gathered output, reduce-scatter input) over
-  the link's latency x bandwidth product (one algorithm step's latency, its bus bandwidth): a
-  message many times the product is bandwidth-bound;
-- the same per algorithm step (a ring of m ranks moves message / m per step): where it is near 1
-  latency and bandwidth weigh alike;
-- communication over compute, each variant's.
-
-Frontier's side: the 20B GPT on 48 nodes (384 GCDs) at the planner's best exact plan, and ZeRO-3 and
-hpZ at their own best (TP, micro-batch and recomputation that fit 64 GB), every collective as the
-cost model charges it. All figures here are computed.
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.zero.regime`.
 """
 
 from __future__ import annotations

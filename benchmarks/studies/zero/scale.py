@@ -6,21 +6,7 @@
   python -m benchmarks.studies.zero.scale --from-json benchmarks/results/zero/scale_8x2.json   (tables again, after a run)
   python -m benchmarks.studies.zero.scale --nodes 4 --question algorithm   (one question: see Question)
 
-The cluster (benchmarks.cluster.spec.frontier_latency): ``--nodes`` nodes of one MI250X each, i.e.
-2 ranks sharing one NIC, links 400 Mbit/s between the two and 50 Mbit/s per NIC, and one-way
-delays in Frontier's latency ratio times ``--latency-scale`` (2 ms inside a package, 10 ms across
-nodes at the default 1000; 0 turns latency off). Every engine of ``benchmarks.zero.variants`` is
-built in one launch and their steps interleave; each launch runs one accumulation value; the
-rounds of launches are pooled. Measured per variant: step time (each step the slowest rank's,
-min / median / max over all launches, and each launch's median), bytes each rank's interface
-sent per link class and step (tc counters), the engine's secondary copy, and the host's
-/proc/loadavg before and after every launch. Targets (benchmark targets, reported met / missed):
-ours pipelined, best algorithm, >= 1.5x hpZ's step throughput and >= 1.2x ours serial, at every
-accumulation value. ``--question`` runs only the variants that differ in one thing
-(``benchmarks.zero.variants.Question``) and reports their ratio where the ranges are separated.
-Every run also sets each variant's inter-node wire bytes beside the bandwidth-optimal volume of
-the collectives it launched. Writes benchmarks/results/zero/<name>.{json,md}; remaining
-arguments go to ``benchmarks.zero.rank``.
+Method in full: benchmarks/results/methods.md, `benchmarks.studies.zero.scale`.
 """
 
 from __future__ import annotations

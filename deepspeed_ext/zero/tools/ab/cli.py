@@ -1,30 +1,12 @@
 """A/B of ZeRO-3 variants on this cluster, in one job: what a user runs before switching.
 
-    torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.bench \\
-        --deepspeed-config ds.json --megatron-args scripts/presets/gpt-1.3b.args \\
-        [--profile profile.json] [--json ab.json] [--plot ab.png]
-    (Slurm: JOB=zero-ab sbatch -N 2 scripts/slurm/frontier.sbatch, or scripts/slurm/nvidia.sbatch)
+    torchrun --nnodes N --nproc-per-node G -m deepspeed_ext.zero.bench --deepspeed-config ds.json \\
+        --megatron-args scripts/presets/gpt-1.3b.args [--profile profile.json] [--json ab.json]
 
-On the model shape of a Megatron preset (layers, hidden size, heads, sequence length, vocabulary)
-and the buckets, micro batch, accumulation and dtype of the user's DeepSpeed JSON, each rank
-builds, one after another: stock ZeRO-3; DeepSpeed's hpZ at each valid ``zero_hpz_partition_size``
-(the package and the node, the ranks DeepSpeed groups consecutively); ZeRO++ (hpZ of the node +
-qwZ + qgZ) where DeepSpeed's quantizer kernels build, else listed as not run with the reason; and
-the hierarchical variant with the JSON's ``hierarchical_zero`` section (``--profile`` sets its
-profile, so ``auto`` and the planner use what the probe measured). Each variant runs ``--warmup``
-untimed and ``--steps`` timed optimizer steps, each step the slowest rank's time from a barrier; the
-variants take turns step by step, so each round is a pair and each ratio has a 95 % interval.
-
-Reported per variant: step time and TFLOPS per rank (min / median / max over the steps), the bytes
-per link class the most loaded rank sent per step (counted from the collectives DeepSpeed and the
-hops issue, not read from the wire), and the peak memory of a rank (CUDA: the allocator's peak
-since the engine was built; CPU: the process's allocations during a fresh engine's second step).
-TFLOPS counts 6 x matmul parameters x tokens + 12 x layers x hidden x sequence x tokens per step.
-
-With ``--profile`` each variant's step is also predicted before its timing is read
-(``predicted_step_s``, :mod:`.prediction`): the model's single-rank step measured first on
-every rank at once, plus every collective the engine launched per step at the profile's median for
-its group and size, less what DeepSpeed's prefetching hides (:mod:`deepspeed_ext.zero.cost.step`).
+On the preset's model and the JSON's buckets, batch and dtype, each rank builds stock ZeRO-3, hpZ at
+each valid partition size, ZeRO++ where its kernels build, and ours; their timed steps alternate, so
+each ratio has a paired 95 % interval. Per variant: step time, TFLOPS, bytes per link class, peak
+memory and, with --profile, the predicted step (docs/hierarchical_zero.md).
 """
 
 from __future__ import annotations
@@ -50,6 +32,14 @@ MODEL_FLAGS = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command's flags.
+
+    Args:
+        argv: the arguments; None: the process's.
+
+    Returns:
+        The flags, ``steps`` and ``warmup`` settled (``--quick``: 5 and 1).
+    """
     parser = argparse.ArgumentParser(
         prog="python -m deepspeed_ext.zero.bench",
         description=__doc__,
@@ -98,8 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def model_shape(args: argparse.Namespace) -> Model:
-    """The preset's model (the quick one with --quick or without a preset), the flags on top; a
-    preset without a vocabulary gets Megatron's padded GPT-2 one (50304)."""
+    """The model the variants train.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        The preset's model (the quick one with --quick or without a preset) with the flags on top; a
+        preset without a vocabulary gets Megatron's padded GPT-2 one (50304).
+    """
     base = (
         Model.from_megatron_args(args.megatron_args, **{**asdict(QUICK), "vocab": 50304})
         if args.megatron_args and not args.quick
@@ -111,8 +108,15 @@ def model_shape(args: argparse.Namespace) -> Model:
 
 
 def main(argv: list[str] | None = None, emulated: Any = None) -> list[dict]:
-    """Run every variant; rank 0 prints the table and writes the JSON and plot. Returns the rows.
-    ``emulated``: an emulated device the steps run on (:class:`.run.EmulatedDevice`)."""
+    """Run every variant; rank 0 prints the table and writes the JSON and plot.
+
+    Args:
+        argv: the arguments; None: the process's.
+        emulated: an emulated device the steps run on (:class:`.engine.EmulatedDevice`).
+
+    Returns:
+        One row per variant.
+    """
     args = parse_args(argv)
     require_launcher("deepspeed_ext.zero.bench", "--deepspeed-config ds.json")
     from deepspeed_ext.zero.tools.ab.run import run  # torch, DeepSpeed: after the flags are read

@@ -1,14 +1,11 @@
 """How long a step waits for its parameters: the time spent in ZeRO-3's parameter fetch.
 
 DeepSpeed's ``PartitionedParameterCoordinator.fetch_sub_module`` runs before every module's forward
-and backward: it launches the module's all-gather unless a prefetch already did, then blocks until
-the module's parameters are whole, then launches the next prefetches. Its wall time is what
-computation waited on parameter gathers (the part no prefetch hid) plus the launches. The A/B
-command times it around its timed steps, for stock ZeRO-3, hpZ and ours alike (ours runs under the
-same coordinator, its hops below the all-gather it launches).
-
-Process-wide change: while a :class:`GatherWait` is entered, the coordinator's method is wrapped;
-the original is put back on exit.
+and backward: it launches the module's all-gather unless a prefetch did, blocks until the parameters
+are whole, then launches the next prefetches. Its wall time is what computation waited on gathers
+(the part no prefetch hid) plus the launches, for stock ZeRO-3, hpZ and ours alike (ours runs under
+the same coordinator). Process-wide: while a :class:`GatherWait` is entered, the coordinator's method
+is wrapped; the original is put back on exit.
 """
 
 from __future__ import annotations

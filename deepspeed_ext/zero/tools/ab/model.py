@@ -67,14 +67,28 @@ def mlp(widths: Sequence[int], tanh_last: bool = False) -> nn.Sequential:
 
 
 def build_model(shape: Model, device: str | torch.device = "cpu") -> nn.Module:
-    """The model, initialised alike on every rank (on ``device``; "meta" allocates nothing)."""
+    """The A/B command's GPT, initialised alike on every rank.
+
+    Args:
+        shape: the model's size.
+        device: where its weights live ("meta" allocates nothing).
+
+    Returns:
+        The model.
+    """
     torch.manual_seed(0)
     with torch.device(device):
         return GPT(shape)
 
 
 def flops_per_step(shape: Model, tokens: int) -> float:
-    """Forward and backward FLOPs of ``tokens`` tokens: the cost model's count per sequence
-    (Narayanan et al.'s, :meth:`.cost.workload.Model.flops`: 6 x matmul parameters x tokens + 12 x
-    layers x hidden x sequence x tokens) times the sequences."""
+    """Forward and backward FLOPs of ``tokens`` tokens (:func:`mdsp_base.gpt_flops.gpt_flops`).
+
+    Args:
+        shape: the model.
+        tokens: tokens per step, over every rank.
+
+    Returns:
+        6 x matmul parameters x tokens + 12 x layers x hidden x sequence x tokens.
+    """
     return shape.flops(1, Recompute.NONE) * tokens / shape.seq

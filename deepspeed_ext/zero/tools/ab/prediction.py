@@ -28,10 +28,21 @@ def compute_steps(
     device: torch.device,
     emulated: AbstractContextManager | None = None,
 ) -> list[float]:
-    """The single-rank step the prediction takes as its compute: the same model in the job's dtype,
-    micro-batches and Adam step with no ZeRO and no communication inside, every rank at once (they share the host
-    as the job's ranks do); each step the slowest rank's seconds. With ``emulated`` (an emulated
-    device, entered around each step, idle when it exits) the steps run on it."""
+    """The single-rank step the prediction takes as its compute: the model in the job's dtype,
+    micro-batches and Adam step with no ZeRO and no communication, on every rank at once (they share
+    the host as the job's ranks do).
+
+    Args:
+        shape: the model.
+        cfg: the job's DeepSpeed JSON (micro batch, accumulation, dtype).
+        steps: timed steps.
+        warmup: untimed steps first.
+        device: this rank's device.
+        emulated: an emulated device entered around each step (idle when it exits); None: ``device``.
+
+    Returns:
+        Each timed step's seconds, the slowest rank's.
+    """
     micro = int(cfg.get("train_micro_batch_size_per_gpu", 1))
     accumulation = int(cfg.get("gradient_accumulation_steps", 1))
     net = build_model(shape).to(device, job_dtype(cfg))
@@ -55,8 +66,14 @@ def compute_steps(
 
 
 def job_dtype(cfg: dict) -> torch.dtype:
-    """The dtype the job's DeepSpeed JSON trains in (its bf16 or fp16 section, else fp32): the
-    compute-only step runs its matmuls in it, as the engines do."""
+    """The dtype the job trains in, in which the compute-only step runs its matmuls as the engines do.
+
+    Args:
+        cfg: the job's DeepSpeed JSON.
+
+    Returns:
+        bf16 or fp16 where that section is enabled, else fp32.
+    """
     for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         if (cfg.get(key) or {}).get("enabled"):
             return dtype
@@ -64,16 +81,31 @@ def job_dtype(cfg: dict) -> torch.dtype:
 
 
 def slowest(value: float, device: torch.device) -> float:
-    """The largest ``value`` over the ranks."""
+    """The largest ``value`` over the ranks (a collective: every rank calls it).
+
+    Args:
+        value: this rank's value.
+        device: the device of the process group's backend.
+
+    Returns:
+        The maximum over the ranks.
+    """
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
 def prefetch_concurrency(cfg: dict, variant: Variant) -> int:
-    """All-gathers DeepSpeed's prefetching keeps in flight at once (0: it does not prefetch): for a
-    stock engine its backend's (gloo runs 2 per process group, on its 2 worker threads; NCCL/RCCL
-    one per stream); for ours 1 (one hop worker, or one stream, runs whole hop operations in order)."""
+    """All-gathers DeepSpeed's prefetching keeps in flight at once.
+
+    Args:
+        cfg: the variant's DeepSpeed JSON.
+        variant: the engine.
+
+    Returns:
+        0 without prefetch; stock on gloo 2 (its 2 worker threads per group), on NCCL/RCCL 1 (one per
+        stream); ours 1 (one hop worker, or one stream, runs whole hop operations in order).
+    """
     if Buckets.from_json(cfg).prefetch <= 0:
         return 0
     return 2 if dist.get_backend() == "gloo" and not variant.ours else 1
@@ -89,10 +121,22 @@ def predicted(
     compute_s: float,
     fetches: float | None = None,
 ) -> StepPrediction:
-    """The step the model predicts from the profile, the collectives this rank launched per step,
-    the measured single-rank step and the parameter fetches per step (DeepSpeed's
-    ``fetch_sub_module`` calls, as :class:`.gather_wait.GatherWait` counts them; None: not counted,
-    so the engine's host cost is left out)."""
+    """The step the cost model predicts for one variant.
+
+    Args:
+        calls: the collectives this rank launched per step.
+        cfg: the variant's DeepSpeed JSON.
+        profile: the probe profile.
+        topology: the job's ranks.
+        variant: the engine.
+        accumulation: micro-batches per step.
+        compute_s: the measured single-rank step.
+        fetches: DeepSpeed's ``fetch_sub_module`` calls per step (:class:`.gather_wait.GatherWait`);
+            None: not counted, and the engine's host cost is left out.
+
+    Returns:
+        The predicted step and its parts.
+    """
     fallback = collectives.for_topology(topology.ranks_per_package)
     half = (cfg.get("bf16") or {}).get("enabled") or (cfg.get("fp16") or {}).get("enabled")
     return predict(

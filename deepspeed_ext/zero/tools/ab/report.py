@@ -24,10 +24,17 @@ def _size(nbytes: float | None) -> str:
 
 
 def table(rows: Sequence[dict], header: str) -> str:
-    """One line per variant: step time and TFLOPS as median (min-max), the MiB per step through the
-    busiest NIC and the busiest package link (from each collective's geometry, :mod:`mdsp_base.links`),
-    peak memory, the share of the step the mean rank waited in parameter fetches (in brackets: before
-    forward passes); variants not run with their reason."""
+    """The run's table, one line per variant.
+
+    Args:
+        rows: the variants' rows (:func:`.run.variant_row`, or not run with a reason).
+        header: the line above the table.
+
+    Returns:
+        Step time and TFLOPS as median (min-max), MiB per step through the busiest NIC and package
+        link (each collective's geometry, :mod:`mdsp_base.links`), peak memory, and the share of the
+        step waited in parameter fetches (in brackets: the forward passes'); a variant not run says why.
+    """
     lines = [
         header,
         f"{'variant':28} {'step ms, median (min-max)':30} {'TFLOPS/rank':22} {'NIC MiB/step':>13} "
@@ -52,13 +59,28 @@ def _wait(row: dict) -> str:
 
 
 def separated(a: Sequence[float], b: Sequence[float]) -> bool:
-    """Whether two sets of repeats do not overlap (min-max): the studies' criterion for runs that
-    were not paired."""
+    """The criterion for runs that were not paired.
+
+    Args:
+        a: one variant's repeats.
+        b: the other's.
+
+    Returns:
+        Whether their min-max ranges do not overlap.
+    """
     return max(a) < min(b) or max(b) < min(a)
 
 
 def paired(rows: Sequence[dict]) -> list[dict[str, Any]]:
-    """Each variant's step over stock ZeRO-3's, and ours over every other, from the paired rounds."""
+    """The paired ratios of the run's steps.
+
+    Args:
+        rows: the variants' rows.
+
+    Returns:
+        Each variant's step over stock ZeRO-3's, and ours over every other's, each with its 95 %
+        interval and pairs (:meth:`mdsp_base.paired.PairedRatio.record`).
+    """
     ran = {row["variant"]: row["step_s"] for row in rows if row["ran"]}
     pairs = [(name, "zero3") for name in ran if name != "zero3" and "zero3" in ran]
     pairs += [("ours", name) for name in ran if name not in ("ours", "zero3") and "ours" in ran]
@@ -66,8 +88,14 @@ def paired(rows: Sequence[dict]) -> list[dict[str, Any]]:
 
 
 def comparison(rows: Sequence[dict]) -> list[str]:
-    """Each paired ratio of the run (:func:`paired`): steps timed in alternating rounds, with its
-    95 % interval; "not separated" where the interval holds 1."""
+    """The paired ratios (:func:`paired`) in words.
+
+    Args:
+        rows: the variants' rows.
+
+    Returns:
+        One line per ratio with its 95 % interval; "not separated" where the interval holds 1.
+    """
     lines = []
     for p in paired(rows):
         r = PairedRatio(p["ratio"], tuple(p["ci95"]), p["pairs"])
@@ -76,7 +104,14 @@ def comparison(rows: Sequence[dict]) -> list[str]:
 
 
 def prediction_error(row: dict) -> float | None:
-    """(predicted - measured median) / measured median of a variant, or None without a prediction."""
+    """A variant's prediction error.
+
+    Args:
+        row: the variant's row.
+
+    Returns:
+        (predicted - measured median) / measured median; None where it was not predicted.
+    """
     if not row.get("ran") or row.get("predicted_step_s") is None:
         return None
     measured = statistics.median(row["step_s"])
@@ -84,7 +119,15 @@ def prediction_error(row: dict) -> float | None:
 
 
 def predictions(rows: Sequence[dict], tolerance: float = 0.25) -> list[str]:
-    """Each predicted variant: its prediction and parts against the measured median."""
+    """The predictions in words.
+
+    Args:
+        rows: the variants' rows.
+        tolerance: the relative error a prediction is judged within.
+
+    Returns:
+        One line per predicted variant: the prediction and its parts against the measured median.
+    """
     lines = []
     for row in rows:
         error = prediction_error(row)
@@ -108,7 +151,13 @@ def predictions(rows: Sequence[dict], tolerance: float = 0.25) -> list[str]:
 
 
 def plot(rows: Sequence[dict], path: str | Path, title: str) -> None:
-    """Median step time per variant with min-max bars (needs matplotlib)."""
+    """A bar plot of the median step time per variant, with min-max bars (needs matplotlib).
+
+    Args:
+        rows: the variants' rows; those not run are left out.
+        path: the PNG to write.
+        title: the plot's title.
+    """
     try:
         import matplotlib
 
@@ -131,5 +180,11 @@ def plot(rows: Sequence[dict], path: str | Path, title: str) -> None:
 
 
 def write_json(rows: Sequence[dict], path: str | Path, run: dict) -> None:
-    """One object per variant, each with the run's facts (topology, device, load) under "run"."""
+    """The run's JSON: one object per variant.
+
+    Args:
+        rows: the variants' rows.
+        path: the file to write.
+        run: the run's facts (topology, device, load), put under "run" in each object.
+    """
     Path(path).write_text(json.dumps([{**row, "run": run} for row in rows], indent=1) + "\n")

@@ -4,15 +4,12 @@ counted on every rank. Apart from the command line, so that ``--help`` loads no 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
-import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,110 +17,21 @@ import torch.distributed as dist
 from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.profile import load as load_profile
 from deepspeed_ext.zero.cost.workload import Model
+from deepspeed_ext.zero.tools.ab.engine import (
+    EmulatedDevice,
+    build,
+    check_fits,
+    one_step,
+    peak_bytes,
+    release,
+)
 from deepspeed_ext.zero.tools.ab.gather_wait import GatherWait
-from deepspeed_ext.zero.tools.ab.model import build_model, flops_per_step
+from deepspeed_ext.zero.tools.ab.model import flops_per_step
 from deepspeed_ext.zero.tools.ab.prediction import compute_steps, predicted, slowest
 from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
 from mdsp_base import comm
 from mdsp_base.topology import Topology, TopologyConfig, detect_topology
 from mdsp_base.volume import LINK_CLASSES
-
-
-class EmulatedDevice(AbstractContextManager, Protocol):
-    """A device the steps' tensor work runs on instead of this process's (an emulated cluster's
-    stand-in): entered around each step, which ends when it is idle."""
-
-    def synchronize(self) -> None: ...
-
-
-def build(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
-    import deepspeed
-
-    from deepspeed_ext import zero
-
-    net = build_model(shape).to(device)
-    if variant.ours:
-        return zero.initialize(model=net, config=cfg, topology=topology, model_parameters=net.parameters())[0]
-    return deepspeed.initialize(model=net, config=cfg, model_parameters=net.parameters())[0]
-
-
-def one_step(
-    engine: Any, shape: Model, step: int, device: torch.device, emulated: EmulatedDevice | None = None
-) -> float:
-    """One optimizer step (all micro-batches), the slowest rank's seconds from a barrier; with an
-    ``emulated`` device the step's tensor work runs on it and the step ends when it is idle."""
-    dist.barrier()
-    start = time.perf_counter()
-    with emulated if emulated is not None else nullcontext():
-        for micro in range(engine.gradient_accumulation_steps()):
-            g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
-            tokens = torch.randint(
-                shape.vocab, (engine.train_micro_batch_size_per_gpu(), shape.seq + 1), generator=g
-            )
-            tokens = tokens.to(device)
-            logits = engine(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            engine.backward(loss)
-            engine.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return slowest(time.perf_counter() - start, device)
-
-
-def _release(engine: Any) -> None:
-    """Free an engine and what DeepSpeed left in its globals (hpZ's group, the mpu)."""
-    from deepspeed.utils import groups
-
-    engine.destroy()
-    groups.mpu, groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None, None
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def peak_bytes(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> int:
-    """Most bytes a fresh engine held during its second step (CUDA: the allocator's peak since the
-    engine was built; CPU: the process's allocations during that step)."""
-    from torch.profiler import record_function
-
-    from mdsp_base.allocations import AllocationTrace
-
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    with AllocationTrace() as trace:
-        engine = build(variant, cfg, shape, topology, device)
-        one_step(engine, shape, 0, device)
-        with record_function("measured step"):
-            one_step(engine, shape, 1, device)
-    _release(engine)
-    return (
-        torch.cuda.max_memory_allocated(device)
-        if device.type == "cuda"
-        else trace.process_peak("measured step")
-    )
-
-
-def check_fits(shape: Model, device: torch.device) -> None:
-    """Each rank builds the model whole before ZeRO partitions it (as the suite's main job does):
-    refuse a shape whose fp32 weights do not fit this device's free memory, naming the fix."""
-    if device.type != "cuda":
-        return
-    need = 4 * sum(p.numel() for p in build_model(shape, device="meta").parameters())
-    free, _ = torch.cuda.mem_get_info(device)
-    if need > 0.8 * free:
-        raise ValueError(
-            f"the A/B model ({vars(shape)}) needs {need / 2**30:.1f} GiB of fp32 weights on each rank before "
-            f"partitioning, {free / 2**30:.1f} GiB are free: pass --layers to shrink it or a smaller preset"
-        )
-
-
-def _build_fresh(variant: Variant, cfg: dict, shape: Model, topology: Topology, device: torch.device) -> Any:
-    """An engine built while others live: DeepSpeed keeps hpZ's group in a global that each ZeRO-3
-    engine reads when it is built (and keeps), so it is cleared first."""
-    from deepspeed.utils import groups
-
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-    return build(variant, cfg, shape, topology, device)
 
 
 def run_variants(
@@ -137,10 +45,21 @@ def run_variants(
 ) -> dict[str, dict[str, Any]]:
     """Every variant's engine built, then stepped in rounds, one step of each per round, the order
     reversed every other round, so that each round's steps form a pair under the same load.
-    Returns per variant its step seconds, counter, parameter-fetch wait and engine facts."""
-    engines = {
-        v.name: _build_fresh(v, ds_config(user, v, args.profile), shape, topology, device) for v in runnable
-    }
+
+    Args:
+        runnable: the variants that run here.
+        user: the user's DeepSpeed JSON.
+        shape: the model.
+        topology: the job's ranks.
+        args: the command's flags (steps, warm-up, profile).
+        device: this rank's device.
+        emulated: an emulated device the steps' tensor work runs on.
+
+    Returns:
+        Per variant name: its timed steps' seconds, collective counter, parameter-fetch wait, micro
+        batch and accumulation.
+    """
+    engines = {v.name: build(v, ds_config(user, v, args.profile), shape, topology, device) for v in runnable}
     counters = {v.name: comm.CommCounter(topology) for v in runnable}
     seconds: dict[str, list[float]] = {v.name: [] for v in runnable}
     waits = {v.name: GatherWait() for v in runnable}
@@ -162,7 +81,7 @@ def run_variants(
             "micro": engine.train_micro_batch_size_per_gpu(),
             "accumulation": engine.gradient_accumulation_steps(),
         }
-        _release(engine)
+        release(engine)
     return out
 
 
@@ -177,8 +96,23 @@ def variant_row(
     compute_s: float | None = None,
     profile: Profile | None = None,
 ) -> dict:
-    """One variant's row: steps, TFLOPS, bytes per link class and per NIC, fetch wait, peak and,
-    with a ``profile``, its predicted step (``compute_s``: the measured single-rank step)."""
+    """One variant's row of the report (a collective: every rank calls it).
+
+    Args:
+        variant: the variant.
+        measured: its entry of :func:`run_variants`.
+        user: the user's DeepSpeed JSON.
+        shape: the model.
+        topology: the job's ranks.
+        args: the command's flags.
+        device: this rank's device.
+        compute_s: the measured single-rank step (the prediction's compute).
+        profile: the probe profile; None: no prediction.
+
+    Returns:
+        Steps, TFLOPS, bytes per link class and per NIC, fetch wait, peak and, with a profile and
+        ``compute_s``, the predicted step and the collectives per step.
+    """
     cfg = ds_config(user, variant, args.profile)
     seconds, counter, waited = measured["seconds"], measured["counter"], measured["wait"]
     sent = torch.tensor(
@@ -190,7 +124,12 @@ def variant_row(
     wait_s, forward_wait_s = (x / args.steps / topology.world_size for x in wait.tolist())  # the mean rank's
     peak = None
     if not args.no_peak:
-        peak = int(slowest(float(peak_bytes(variant, cfg, shape, topology, device)), device))
+        fresh = peak_bytes(
+            lambda: build(variant, cfg, shape, topology, device),
+            lambda engine, index: one_step(engine, shape, index, device),
+            device,
+        )
+        peak = int(slowest(float(fresh), device))
     flops = flops_per_step(
         shape, measured["micro"] * measured["accumulation"] * shape.seq * topology.world_size
     )

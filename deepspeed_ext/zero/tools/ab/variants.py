@@ -30,7 +30,14 @@ class Variant:
 
 
 def quantizer_unavailable(device: torch.device) -> str | None:
-    """Why DeepSpeed's qwZ / qgZ kernels cannot run here, or None when they build."""
+    """Whether DeepSpeed's qwZ / qgZ kernels run here (it builds them to find out).
+
+    Args:
+        device: this rank's device.
+
+    Returns:
+        Why they cannot run, or None when they build.
+    """
     if device.type != "cuda":
         return f"DeepSpeed's qwZ/qgZ are CUDA kernels (QuantizerBuilder); this run's device is {device.type}"
     try:
@@ -46,7 +53,15 @@ def quantizer_unavailable(device: torch.device) -> str | None:
 
 
 def variants(topology: Topology, device: torch.device) -> list[Variant]:
-    """Stock ZeRO-3, hpZ at each valid secondary size, ZeRO++ (or why not), ours."""
+    """The A/B command's variants.
+
+    Args:
+        topology: the job's ranks.
+        device: this rank's device (ZeRO++'s kernels are CUDA's).
+
+    Returns:
+        Stock ZeRO-3, hpZ at each valid secondary size, ZeRO++ (or why not), ours.
+    """
     world = topology.world_size
     sizes = sorted({s for s in (topology.ranks_per_package, topology.ranks_per_node) if 1 < s < world})
     out = [Variant("zero3", ours=False)]
@@ -68,8 +83,17 @@ def variants(topology: Topology, device: torch.device) -> list[Variant]:
 
 
 def ds_config(user: dict, variant: Variant, profile: str | None) -> dict:
-    """The user's DeepSpeed JSON as this variant runs it: ZeRO stage 3, the variant's keys, the
-    batch given by micro batch and accumulation; hierarchical_zero on for ours only."""
+    """The user's DeepSpeed JSON as this variant runs it.
+
+    Args:
+        user: the user's DeepSpeed JSON (not changed).
+        variant: the variant.
+        profile: the probe profile ours reads (hierarchical_zero.profile); None: the JSON's.
+
+    Returns:
+        ZeRO stage 3 with the variant's keys, the batch given by micro batch and accumulation, and
+        hierarchical_zero (with the variant's keys) enabled for ours only.
+    """
     cfg = copy.deepcopy(user)
     cfg.pop("train_batch_size", None)
     cfg.setdefault("train_micro_batch_size_per_gpu", 1)
