@@ -24,7 +24,8 @@ from mdsp_base.installer import Installer
 from mdsp_base.topology import Topology
 from megatron_ext.integration import transport
 from megatron_ext.integration.plugin_config import PluginConfig
-from megatron_ext.trainer.checks import UsageError, env_int
+from megatron_ext.trainer.checks import env_int
+from megatron_ext.trainer.usage_error import UsageError
 
 if TYPE_CHECKING:
     from deepspeed import DeepSpeedEngine

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from deepspeed_ext import zero
 from deepspeed_ext.zero.cost.volume import ShardSpec
-from deepspeed_ext.zero.engine import inject
+from deepspeed_ext.zero.engine import construction
 from mdsp_base.section import ConfigError, read_ds_config
 from mdsp_base.topology import Topology
 
@@ -158,14 +158,14 @@ def stock_hpz_initialize(*args: Any, **kwargs: Any) -> Any:
     return _original_initialize(**given)
 
 
-# inject.Init subclasses deepspeed.zero.Init: imported above, before install() replaces it
+# construction.Init subclasses deepspeed.zero.Init: imported above, before install() replaces it
 _original_init = deepspeed.zero.Init
 # Arguments that choose the groups themselves: the variant's Init sets them from its plan
 _OWN_GROUPS = ("data_parallel_group", "zero_param_parallel_group", "sequence_data_parallel_group", "mpu")
 
 
 def init(*args: Any, **kwargs: Any) -> Any:
-    """``deepspeed.zero.Init`` as the variant's :class:`~deepspeed_ext.zero.engine.inject.Init`, on a plan
+    """``deepspeed.zero.Init`` as the variant's :class:`~deepspeed_ext.zero.engine.construction.Init`, on a plan
     made for it; ``deepspeed.initialize`` then finds that plan from the parameters and reuses it.
     Stock where the test picks the groups itself, disables it, or configures a stage other than 3.
     The plan is made from a one-element model: its secondary level is what ``auto`` picks there."""
@@ -189,7 +189,7 @@ def init(*args: Any, **kwargs: Any) -> Any:
         _log("refused", str(exc))
         raise
     _log("init", plan.levels.secondary_level.value)
-    return inject.Init(plan.levels, **kwargs)
+    return construction.Init(plan.levels, **kwargs)
 
 
 def install() -> None:

@@ -185,10 +185,10 @@ def frontier_costs(
 
 
 FRONTIER_RCCL = frontier_costs()
-# DGX H100 with NCCL (nccl-tests figures quoted in docs/hierarchical_zero.md, "Calibration"):
-# NVLink-4 all-reduce bus bandwidth 460-480 GB/s on 8 GPUs; 400-450 GB/s across NDR 400 Gb/s
-# nodes, one communicator's rings spread over the node's 8 x 50 GB/s NICs; point-to-point hops on
-# one GPU's own NIC. Step latencies assumed (no published per-step figure found).
+# DGX H100 with NCCL (nccl-tests figures quoted in benchmarks/results/zero.md, "The cost model's
+# constants against the published figures"): NVLink-4 all-reduce bus bandwidth 460-480 GB/s on 8
+# GPUs; 400-450 GB/s across NDR 400 Gb/s nodes, one communicator's rings spread over the node's
+# 8 x 50 GB/s NICs; point-to-point hops on one GPU's own NIC. Step latencies assumed (no published per-step figure found).
 H100_NCCL = CollectiveCosts(
     system="DGX H100, NCCL over NVLink-4 and 8 x NDR 400 Gb/s",
     fits={

@@ -172,7 +172,8 @@ def initialize(
     **kwargs: Any,
 ) -> tuple:
     """``deepspeed.initialize`` with the hierarchical variant when ``hierarchical_zero.enabled``,
-    else exactly ``deepspeed.initialize``.
+    else ``deepspeed.initialize`` with the same arguments; either way the engine's ``destroy()`` is
+    recorded on ``installer`` when one is given.
 
     Args:
         model: the model, built whole or partitioned under :class:`~.construction.Init`.

@@ -22,7 +22,7 @@ from mdsp_base.section import ConfigError
 
 @dataclass
 class KnownPlan:
-    """A plan :func:`prepare` made in this process, found again by its DP group."""
+    """A plan :func:`~.api.prepare` made in this process, found again by its DP group."""
 
     dp_group: dist.ProcessGroup
     """Held, so that its id is not reused by another group while the entry exists."""

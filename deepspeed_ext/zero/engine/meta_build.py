@@ -1,7 +1,7 @@
 """A model's parameter shapes before it exists: the constructor run on the meta device.
 
 The hierarchical plan (which secondary level, which hop buffers) depends on the parameters, and the
-model must be built under :class:`~.inject.Init` with that plan's groups, so nothing is built whole
+model must be built under :class:`~.construction.Init` with that plan's groups, so nothing is built whole
 on any rank. :func:`spec_on_meta` runs the model's own constructor once with its large tensors on
 the meta device (no memory, no random numbers drawn for them) and reads the :class:`ShardSpec`.
 """
