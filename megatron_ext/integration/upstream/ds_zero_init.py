@@ -41,11 +41,6 @@ def hierarchical_zero_init(kwargs: dict) -> Any:
     from deepspeed_ext.zero import Init
 
     args = megatron_args()
-    if not getattr(args, "no_pipeline_parallel", False):
-        raise ConfigError(
-            "hierarchical_zero needs Megatron's process groups: pass --no-pipeline-parallel "
-            "(ZeRO-3 runs without DeepSpeed's pipeline engine)"
-        )
     if kwargs.get("remote_device") not in (None, "none"):
         raise ConfigError(
             f"--remote-device {kwargs['remote_device']} offloads parameters, which hierarchical_zero does "

@@ -181,6 +181,12 @@ def plugin_config(args: argparse.Namespace | None = None) -> PluginConfig:
     return _effective[1]
 
 
+HIERARCHICAL_ZERO_NEEDS_MEGATRON_GROUPS = (
+    "hierarchical_zero needs Megatron's process groups: pass --no-pipeline-parallel "
+    "(ZeRO-3 runs without DeepSpeed's pipeline engine)"
+)
+
+
 def _check_supported(args: argparse.Namespace, config: PluginConfig) -> None:
     """What the hooks cannot honour fails here, at start-up, with the flag to change: each plugin's
     checks (beside its configuration) and those that belong to the upstream running."""
@@ -220,6 +226,9 @@ def _check_megatron_deepspeed(args: argparse.Namespace, config: PluginConfig) ->
             "pass --no-pipeline-parallel"
         )
     config.hierarchical_zero.check_megatron_args(args)
+    if config.hierarchical_zero.enabled and not getattr(args, "no_pipeline_parallel", False):
+        # DeepSpeed's pipeline engine gets no mpu, so the variant would find out only after the build.
+        raise ConfigError(HIERARCHICAL_ZERO_NEEDS_MEGATRON_GROUPS)
     config.flash_overlap.check_legacy_model_args(args)
 
 

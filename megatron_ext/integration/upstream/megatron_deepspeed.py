@@ -25,6 +25,7 @@ from megatron_ext.integration.upstream.ds_parallelism import (
 )
 from megatron_ext.integration.upstream.ds_zero_init import hierarchical_zero_init
 from megatron_ext.integration.upstream.hooks import (
+    HIERARCHICAL_ZERO_NEEDS_MEGATRON_GROUPS,
     external_data_iterators,
     installer,
     is_plugin_iterator,
@@ -168,10 +169,7 @@ def deepspeed_initialize(**kwargs: Any) -> tuple:
     if notice and dist.get_rank() == 0:
         logger.warning(notice)
     if config.hierarchical_zero.enabled and kwargs.get("mpu") is None:
-        raise ConfigError(
-            "hierarchical_zero needs Megatron's process groups: pass --no-pipeline-parallel "
-            "(ZeRO-3 runs without DeepSpeed's pipeline engine)"
-        )
+        raise ConfigError(HIERARCHICAL_ZERO_NEEDS_MEGATRON_GROUPS)
     # The plan zero_init made is found by the model's partition: this call cannot carry it.
     return initialize(plugin_config=config, installer=installer(), **kwargs)
 

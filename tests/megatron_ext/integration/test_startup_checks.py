@@ -73,3 +73,18 @@ def test_a_transport_refusal_is_one_line_and_exit_2(
     assert [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {SOCKETS}"]
     assert "Traceback" not in err and "undoing" not in err, err
     assert not dist.is_initialized() and dist.init_process_group is original
+
+
+def test_hierarchical_zero_under_deepspeeds_pipeline_engine_is_refused_at_start_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """DeepSpeed's pipeline engine gets no Megatron process groups: the refusal names the flag
+    before the model is built, not after."""
+    args = _args(["--hierarchical-zero"])
+    args.tensor_model_parallel_size, args.data_parallel_size = 1, 2
+    args.deepspeed_config_dict = {"zero_optimization": {"stage": 3}}
+    _set_args(monkeypatch, args)
+    with pytest.raises(ConfigError, match="pass --no-pipeline-parallel"):
+        startup.check_plugins()
+    args.no_pipeline_parallel = True
+    startup.check_plugins()
