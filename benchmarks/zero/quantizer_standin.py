@@ -235,13 +235,28 @@ def quantized_reduction(
     return [_pack(out, num_bits).view(shape), out_scales]
 
 
+class GlooWeights:
+    """What qwZ's slot holds: this module's ops, ``quantize``'s scales flat, (groups,) for
+    (groups, 1), the same fp32 values in the same memory. DeepSpeed all-gathers them into a flat
+    buffer, which NCCL takes by size alone but gloo only from an input shaped as each slice of it."""
+
+    Symmetric = Symmetric
+    dequantize = staticmethod(dequantize)
+
+    @staticmethod
+    def quantize(input_vals: torch.Tensor, groups: int, num_bits: int, quant_type: int) -> list[torch.Tensor]:
+        """:func:`quantize`, its scales flat."""
+        codes, scales = quantize(input_vals, groups, num_bits, quant_type)
+        return [codes, scales.view(-1)]
+
+
 def install(installer: Installer, ranks_per_node: int) -> None:
     """Put this module where DeepSpeed's ZeRO++ looks for its loaded quantizer module, until the
     installer closes.
 
     DeepSpeed loads the module once into two slots, qwZ's (``CUDAQuantizer.quantizer_cuda_module``)
     and qgZ's (``coalesced_collectives.quantizer_module``), each loaded only while empty: filling
-    them leaves ``QuantizerBuilder`` alone. qgZ takes a node to be the accelerator's device count,
+    them leaves ``QuantizerBuilder`` alone. qwZ's gets :class:`GlooWeights`. qgZ takes a node to be the accelerator's device count,
     which DeepSpeed's CPU accelerator reads from LOCAL_SIZE (else its NUMA nodes), so LOCAL_SIZE
     is set to the ranks per node. DeepSpeed's other device calls on this path go to
     ``get_accelerator()``, the CPU here: nothing else to map.
@@ -262,9 +277,8 @@ def install(installer: Installer, ranks_per_node: int) -> None:
             f"the quantizer stand-ins replace the CUDA kernels on the CPU only; DeepSpeed's accelerator "
             f"is {get_accelerator().device_name()}"
         )
-    this = sys.modules[__name__]
-    installer.setattr(OWNER, MODULE_CHANGE, CUDAQuantizer, "quantizer_cuda_module", this)
-    installer.setattr(OWNER, MODULE_CHANGE, coalesced_collectives, "quantizer_module", this)
+    installer.setattr(OWNER, MODULE_CHANGE, CUDAQuantizer, "quantizer_cuda_module", GlooWeights)
+    installer.setattr(OWNER, MODULE_CHANGE, coalesced_collectives, "quantizer_module", sys.modules[__name__])
     before = os.environ.get("LOCAL_SIZE")
     os.environ["LOCAL_SIZE"] = str(ranks_per_node)
 

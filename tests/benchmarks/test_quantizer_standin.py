@@ -201,7 +201,13 @@ def test_installed_for_zeropp_recorded_as_documented_and_undone():
     assert "no quantizer module stands in" in quantizer_unavailable(CPU, 2)
     with Installer() as installer:
         q.install(installer, 2)
-        assert CUDAQuantizer.quantizer_cuda_module is q and coalesced_collectives.quantizer_module is q
+        assert (
+            CUDAQuantizer.quantizer_cuda_module is q.GlooWeights
+            and coalesced_collectives.quantizer_module is q
+        )
+        x = sample(2, 8, 0)
+        codes, flat = q.GlooWeights.quantize(x, 2, 8, q.Symmetric)
+        assert flat.shape == (2,) and torch.equal(flat, q.quantize(x, 2, 8, q.Symmetric)[1].view(-1))
         assert quantizer_unavailable(CPU, 2) is None
         assert "device count, 2 here" in quantizer_unavailable(CPU, 4)
         recorded = {(c.owner, c.what) for c in installer.changes}
