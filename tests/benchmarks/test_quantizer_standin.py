@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from benchmarks.zero import quantizer_standin as q
-from deepspeed_ext.zero.tools.ab.variants import quantizer_unavailable
+from deepspeed_ext.zero.tools.ab.variants import quantizer_unavailable, variants
 from mdsp_base.installer import Installer
+from mdsp_base.topology import Topology
 from tests.megatron_ext.integration.test_process_changes import documented_rows
 
 CPU = torch.device("cpu")
@@ -209,6 +210,8 @@ def test_installed_for_zeropp_recorded_as_documented_and_undone():
         codes, flat = q.GlooWeights.quantize(x, 2, 8, q.Symmetric)
         assert flat.shape == (2,) and torch.equal(flat, q.quantize(x, 2, 8, q.Symmetric)[1].view(-1))
         assert quantizer_unavailable(CPU, 2) is None
+        zeropp = variants(Topology(world_size=8, ranks_per_node=2, ranks_per_package=2), CPU)[2]
+        assert zeropp.name == "zero++ (hpZ + qwZ + qgZ)" and zeropp.skipped is None
         assert "device count, 2 here" in quantizer_unavailable(CPU, 4)
         recorded = {(c.owner, c.what) for c in installer.changes}
         assert recorded <= documented_rows() and len(recorded) == 2
