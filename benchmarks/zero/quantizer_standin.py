@@ -143,11 +143,10 @@ def dequantize(
             f"{codes.numel()} values in {groups} groups with {scales.numel()} scales: the kernel's last "
             "group would read past the scales"
         )
-    size = codes.numel() // groups
-    index = torch.arange(codes.numel()) // size
     shape = list(quantized_data.shape)
     shape[-1] *= 8 // num_bits
-    return (codes.to(torch.float32) * scales[index]).to(torch.float16).view(shape)
+    values = codes.view(groups, -1).to(torch.float32) * scales[:groups, None]
+    return values.to(torch.float16).view(shape)
 
 
 def swizzle_permutation(groups: int, pipeline_size: int, nodes: int, devices_per_node: int) -> torch.Tensor:
@@ -220,14 +219,17 @@ def quantized_reduction(
         scales (out_groups, 1).
     """
     _check(num_bits, quant_type)
-    codes = _unpack(input_vals, num_bits).view(devices_per_node, -1)
-    per_tensor = codes.shape[1]
-    in_size = _group_size(per_tensor * devices_per_node, in_groups)
-    scales = input_scales.reshape(devices_per_node, -1).to(torch.float32)
-    index = torch.arange(per_tensor) // in_size
+    codes = _unpack(input_vals, num_bits)
+    per_tensor = codes.numel() // devices_per_node
+    _group_size(codes.numel(), in_groups)
+    if in_groups % devices_per_node:
+        raise ValueError(f"{in_groups} groups do not split over {devices_per_node} tensors")
+    scales = input_scales.reshape(in_groups, 1).to(torch.float32)
+    values = (codes.view(in_groups, -1).to(torch.float32) * scales).to(torch.float16)
+    values = values.view(devices_per_node, per_tensor)
     total = torch.zeros(per_tensor, dtype=torch.float16)
     for j in range(devices_per_node):  # the kernel's fp16 adds, in the tensors' order
-        total = total + (codes[j].to(torch.float32) * scales[j, index]).to(torch.float16)
+        total = total + values[j]
     out_size = _group_size(per_tensor, out_groups)
     out, out_scales = _symmetric(total.to(torch.float32).view(out_groups, out_size), num_bits)
     shape = list(input_vals.shape)

@@ -190,6 +190,8 @@ def test_what_the_kernels_cannot_take_is_refused_by_name():
         q.quantize(torch.ones(16, 1), 2, 4, q.Symmetric)
     with pytest.raises(ValueError, match="past the scales"):
         q.dequantize(torch.ones(20, dtype=torch.int8), torch.ones(3), 3, 8, q.Symmetric)
+    with pytest.raises(ValueError, match="split over 3 tensors"):
+        q.quantized_reduction(torch.ones(64, dtype=torch.int8), torch.ones(4, 1), 4, 2, 8, q.Symmetric, 3)
     with pytest.raises(ValueError, match="partitions"):
         q.swizzle_quant(torch.ones(48), 6, 4, q.Symmetric, 1, 2, 2)
 
