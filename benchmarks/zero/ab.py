@@ -28,6 +28,7 @@ from benchmarks.zero.link_regime import emulated
 from benchmarks.zero.run import OUT
 from deepspeed_ext.zero.cost.collectives import FRONTIER_RCCL, Algorithm
 from deepspeed_ext.zero.cost.profile import Profile, parse
+from mdsp_base.installer import Installer
 from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
 from mdsp_base.topology import LinkClass
@@ -122,12 +123,18 @@ def rank_main(argv: list[str]) -> None:
         write_result(True)
     else:
         from benchmarks.device import add_device_flags, stand_in
+        from benchmarks.zero import quantizer_standin
         from deepspeed_ext.zero.tools.ab import cli as bench
 
         parser = argparse.ArgumentParser()
         add_device_flags(parser)
         device, rest = parser.parse_known_args(argv[1:])
-        write_result(bench.main(rest, stand_in(device)))
+        with Installer() as installer:
+            # ZeRO++'s quantizer kernels as pure-torch ops on the host's compute. Not on a device
+            # stand-in: it would charge each of their several passes where the kernel makes one.
+            if device.device == "host":
+                quantizer_standin.install(installer, int(os.environ["LOCAL_WORLD_SIZE"]))
+            write_result(bench.main(rest, stand_in(device)))
     # everything is written and the groups destroyed: skip the interpreter's teardown, where a
     # backend thread dropping a tensor can abort a rank that finished ("terminate called ...")
     sys.stdout.flush()

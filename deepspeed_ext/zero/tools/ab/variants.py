@@ -1,4 +1,5 @@
-"""What the A/B command runs: stock ZeRO-3, DeepSpeed's hpZ and ZeRO++ where they can run, ours."""
+"""What the A/B command runs: stock ZeRO-3, DeepSpeed's hpZ and ZeRO++ where they can run (its kernels
+build, or a quantizer module stands in for them), ours."""
 
 from __future__ import annotations
 
@@ -29,26 +30,54 @@ class Variant:
     """What it stands for in a benchmark's targets (flat, hpz, zero++, serial, pipelined)."""
 
 
-def quantizer_unavailable(device: torch.device) -> str | None:
-    """Whether DeepSpeed's qwZ / qgZ kernels run here (it builds them to find out).
+def _loaded_quantizer() -> Any:
+    """The quantizer op module DeepSpeed's ZeRO++ has loaded, or was given, in this process.
+
+    Returns:
+        The module in both of ZeRO++'s slots (qwZ's and qgZ's), or None while either is empty.
+    """
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero.partition_parameters import CUDAQuantizer
+
+    weights, gradients = CUDAQuantizer.quantizer_cuda_module, coalesced_collectives.quantizer_module
+    return weights if weights is not None and gradients is not None else None
+
+
+def quantizer_unavailable(device: torch.device, ranks_per_node: int) -> str | None:
+    """Whether DeepSpeed's qwZ / qgZ run here as ZeRO++ does on a cluster: a quantizer module is in
+    place or its CUDA kernels build, and qgZ's node is the topology's.
 
     Args:
         device: this rank's device.
+        ranks_per_node: the topology's ranks per node.
 
     Returns:
-        Why they cannot run, or None when they build.
+        Why they cannot run, or None when they can.
     """
-    if device.type != "cuda":
-        return f"DeepSpeed's qwZ/qgZ are CUDA kernels (QuantizerBuilder); this run's device is {device.type}"
-    try:
-        from deepspeed.ops.op_builder import QuantizerBuilder
+    if _loaded_quantizer() is None:
+        if device.type != "cuda":
+            return (
+                f"DeepSpeed's qwZ/qgZ are CUDA kernels (QuantizerBuilder); this run's device is {device.type} "
+                "and no quantizer module stands in for them in this process"
+            )
+        try:
+            from deepspeed.ops.op_builder import QuantizerBuilder
 
-        builder = QuantizerBuilder()
-        if not builder.is_compatible():
-            return "DeepSpeed's QuantizerBuilder is not compatible with this system"
-        builder.load()
-    except Exception as exc:  # a failed JIT build names its own cause
-        return f"DeepSpeed's QuantizerBuilder did not build: {type(exc).__name__}: {str(exc)[:200]}"
+            builder = QuantizerBuilder()
+            if not builder.is_compatible():
+                return "DeepSpeed's QuantizerBuilder is not compatible with this system"
+            builder.load()
+        except Exception as exc:  # a failed JIT build names its own cause
+            return f"DeepSpeed's QuantizerBuilder did not build: {type(exc).__name__}: {str(exc)[:200]}"
+    from deepspeed.accelerator import get_accelerator
+
+    # qgZ's intra-node all-to-all groups are runs of device_count() ranks (deepspeed.utils.groups)
+    count = get_accelerator().device_count()
+    if count != ranks_per_node:
+        return (
+            f"DeepSpeed's qgZ takes a node to be the accelerator's device count, {count} here, where the "
+            f"topology has {ranks_per_node} ranks per node"
+        )
     return None
 
 
@@ -75,7 +104,7 @@ def variants(topology: Topology, device: torch.device) -> list[Variant]:
     if node is None:
         reason: str | None = "ZeRO++'s hpZ needs more than one node"
     else:
-        reason = quantizer_unavailable(device)
+        reason = quantizer_unavailable(device, node)
         zeropp["zero_hpz_partition_size"] = node
     out.append(Variant("zero++ (hpZ + qwZ + qgZ)", ours=False, zero=zeropp, skipped=reason))
     out.append(Variant("ours", ours=True))
