@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -201,17 +201,28 @@ def pack(
     p = math.prod(plan.sizes)
     chunks = [math.ceil(t.numel() / p) for t in tensors]
     width = max(1, math.ceil(sum(chunks) / pieces))
-    rows = torch.zeros(pieces, p, width, dtype=tensors[0].dtype, device=tensors[0].device)
+    # every element is written below, the padding with zeros: no pass over the whole bucket first
+    rows = torch.empty(pieces, p, width, dtype=tensors[0].dtype, device=tensors[0].device)
     where, where_ints = hop_rows(plan, rows.device)
 
-    def put(index: torch.Tensor | int, column: int, values: torch.Tensor) -> None:
-        """``values`` ([rows, k] or [k]) into columns column .. column+k of the rows ``index``."""
-        done, k = 0, values.shape[-1]
+    def spans(column: int, k: int) -> Iterator[tuple[int, slice, slice]]:
+        """Columns column .. column+k of a row as (piece, its columns there, the same of the k)."""
+        done = 0
         while done < k:
             piece, at = divmod(column + done, width)
             take = min(k - done, width - at)
-            rows[piece][index, at : at + take] = values[..., done : done + take]
+            yield piece, slice(at, at + take), slice(done, done + take)
             done += take
+
+    def put(index: torch.Tensor | int, column: int, values: torch.Tensor) -> None:
+        """``values`` ([rows, k] or [k]) into columns column .. column+k of the rows ``index``."""
+        for piece, at, taken in spans(column, values.shape[-1]):
+            rows[piece][index, at] = values[..., taken]
+
+    def pad(index: torch.Tensor | int, column: int, k: int) -> None:
+        """Zeros into columns column .. column+k of the rows ``index``."""
+        for piece, at, _ in spans(column, k):
+            rows[piece][index, at] = 0
 
     offset = 0
     for t, c in zip(tensors, chunks):
@@ -219,9 +230,13 @@ def pack(
             continue
         flat, full = t.reshape(-1), t.numel() // c
         put(where[:full], offset, flat[: full * c].view(full, c))
-        if full * c < t.numel():  # the last, partial chunk; later rows stay zero
+        if full * c < t.numel():  # the last, partial chunk, zero-padded; later rows all padding
             put(where_ints[full], offset, flat[full * c :])
+            pad(where_ints[full], offset + t.numel() - full * c, (full + 1) * c - t.numel())
+            full += 1
+        pad(where[full:], offset, c)
         offset += c
+    pad(where, offset, pieces * width - offset)  # the columns past the last tensor's
     return rows.div_(p).view(pieces, -1), chunks
 
 
