@@ -59,15 +59,19 @@ def algorithm(plan: HopSchedule, i: int, operation: Operation, nbytes: int) -> A
     return plan.profile.fastest(LinkClass.INTER_NODE, operation, plan.sizes[i], nbytes)
 
 
-def gather_hop(plan: HopSchedule, i: int, held: torch.Tensor) -> torch.Tensor:
-    """Hop ``i`` of an all-gather: every member's ``held`` in the hop group's rank order."""
-    gathered = torch.empty(held.numel() * plan.sizes[i], dtype=held.dtype, device=held.device)
-    nbytes = gathered.numel() * gathered.element_size()
+def gather_hop(
+    plan: HopSchedule, i: int, held: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Hop ``i`` of an all-gather: every member's ``held`` in the hop group's rank order, in ``out``
+    (a fresh buffer when None)."""
+    if out is None:
+        out = torch.empty(held.numel() * plan.sizes[i], dtype=held.dtype, device=held.device)
+    nbytes = out.numel() * out.element_size()
     if algorithm(plan, i, Operation.ALL_GATHER, nbytes) == Algorithm.RECURSIVE:
-        p2p_hops.all_gather(gathered, held, plan.groups[i])
+        p2p_hops.all_gather(out, held, plan.groups[i])
     else:
-        comm.all_gather_into_tensor(gathered, held, group=plan.groups[i])
-    return gathered
+        comm.all_gather_into_tensor(out, held, group=plan.groups[i])
+    return out
 
 
 def reduce_hop(plan: HopSchedule, i: int, held: torch.Tensor) -> torch.Tensor:
@@ -100,24 +104,29 @@ def _gathered_view(plan: HopSchedule, out: torch.Tensor) -> torch.Tensor:
     return out.view(*_digits_outer_first(plan), -1).permute(_reversed_axes(plan))
 
 
-def _gather_source(plan: HopSchedule, block: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A copy of ``block`` (it may be a view into ``out``, which the last copy overwrites), once
-    ``out`` is checked to hold every member's block."""
+def _moving_hops(plan: HopSchedule, block: torch.Tensor, out: torch.Tensor) -> list[int]:
+    """The hops of a gather that move data, outermost first, once ``out`` is checked to hold every
+    member's ``block``."""
     p = math.prod(plan.sizes)
     if out.numel() != p * block.numel():
         raise ValueError(f"output of {out.numel()} elements is not {p} blocks of {block.numel()}")
-    return block.reshape(-1).clone()
+    return [i for i in reversed(range(len(plan.sizes))) if plan.sizes[i] > 1]
 
 
 def all_gather(
     plan: HopSchedule, block: torch.Tensor, out: torch.Tensor, int8_block: int | None = None
 ) -> None:
     """Fill ``out`` ([p * block] elements) with every member's ``block`` in parent order; with
-    ``int8_block``, hops across nodes send blockwise int8 with that many elements per scale."""
-    held = _gather_source(plan, block, out)
-    for i in reversed(range(len(plan.sizes))):
-        if plan.sizes[i] == 1:
-            continue
+    ``int8_block``, hops across nodes send blockwise int8 with that many elements per scale.
+
+    ``block`` may be a view into ``out`` (DeepSpeed's partitions are): the first hop reads it into
+    its own buffer before anything writes ``out``, so it needs no copy."""
+    moving, held = _moving_hops(plan, block, out), block.reshape(-1)
+    if len(moving) == 1 and (int8_block is None or plan.links[moving[0]] != LinkClass.INTER_NODE):
+        # one hop: its group's rank order is the parent's, so it gathers straight into ``out``
+        gather_hop(plan, moving[0], held, out.view(-1))
+        return
+    for i in moving:
         if int8_block is not None and plan.links[i] == LinkClass.INTER_NODE:
             gathered = torch.empty(held.numel() * plan.sizes[i], dtype=held.dtype, device=held.device)
             quantize.all_gather_int8(gathered, held, plan.groups[i], int8_block)
@@ -130,12 +139,16 @@ def all_gather(
 
 def all_gather_stages(plan: HopSchedule, block: torch.Tensor, out: torch.Tensor, pieces: int) -> list[Stage]:
     """:func:`all_gather` (unquantized) cut along the block into ``pieces`` chains of hops,
-    outermost first, each piece copied into ``out`` by its last hop."""
-    source, n = _gather_source(plan, block, out), block.numel()
-    hops = [i for i in reversed(range(len(plan.sizes))) if plan.sizes[i] > 1]
+    outermost first, each piece copied into ``out`` by its last hop (a piece's first hop reads its
+    columns of ``block`` before its last writes them, so ``block`` may be a view into ``out``)."""
+    hops, source, n = _moving_hops(plan, block, out), block.reshape(-1), block.numel()
     target, width = _gathered_view(plan, out), max(1, math.ceil(n / pieces))
     if not hops:
         return [Stage(plan.groups[0], functools.partial(out.view(-1).copy_, source))]
+    if len(hops) == 1 and width >= n:  # one hop, one piece: straight into ``out``
+        return [
+            Stage(plan.groups[hops[0]], functools.partial(gather_hop, plan, hops[0], source, out.view(-1)))
+        ]
     stages: list[Stage] = []
     for start in range(0, n, width):
         piece = slice(start, min(n, start + width))
