@@ -232,25 +232,42 @@ def pack(
         for piece, at, taken in spans(column, values.shape[-1]):
             rows[piece][index, at] = values[..., taken]
 
+    def put_all(column: int, values: torch.Tensor) -> None:
+        """Every member's ``values / p`` ([p, k], parent order) into columns column .. column+k: hop
+        order is a permutation of the digits, so a strided write does it (no index, no temporary)."""
+        for piece, at, taken in spans(column, values.shape[-1]):
+            target = rows[piece][:, at].view(*plan.sizes, -1).permute(_reversed_axes(plan))
+            torch.div(values[:, taken].view(*_digits_outer_first(plan), -1), p, out=target)
+
     def pad(index: torch.Tensor | int, column: int, k: int) -> None:
         """Zeros into columns column .. column+k of the rows ``index``."""
         for piece, at, _ in spans(column, k):
             rows[piece][index, at] = 0
+
+    def average(column: int, k: int) -> None:
+        """Columns column .. column+k of every row divided by ``p``, in place."""
+        for piece, at, _ in spans(column, k):
+            rows[piece][:, at].div_(p)
 
     offset = 0
     for t, c in zip(tensors, chunks):
         if c == 0:
             continue
         flat, full = t.reshape(-1), t.numel() // c
+        if full == p:  # no padding: one strided write that averages as it goes
+            put_all(offset, flat.view(p, c))
+            offset += c
+            continue
         put(where[:full], offset, flat[: full * c].view(full, c))
         if full * c < t.numel():  # the last, partial chunk, zero-padded; later rows all padding
             put(where_ints[full], offset, flat[full * c :])
             pad(where_ints[full], offset + t.numel() - full * c, (full + 1) * c - t.numel())
             full += 1
         pad(where[full:], offset, c)
+        average(offset, c)  # in place: a division on the way in would need a temporary of the rows
         offset += c
     pad(where, offset, pieces * width - offset)  # the columns past the last tensor's
-    return rows.div_(p).view(pieces, -1), chunks
+    return rows.view(pieces, -1), chunks
 
 
 def unpack(
