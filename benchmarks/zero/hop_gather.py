@@ -3,9 +3,11 @@ collectives on the same 4 local ranks (2 nodes x 2), per message size.
 
     python -m benchmarks.zero.hop_gather [--rounds N] [--sizes-mib 1 8 32]
 
-Each round times the flat call and the hops back to back, alternating which goes first; every
-time is the slowest rank's mean over a few calls after a barrier. Printed per size and operation:
-the medians and the paired ratio hops / flat with its 95 % interval (:mod:`mdsp_base.paired`).
+Each round times the flat call and the hops back to back, alternating which goes first; a sample
+is the slowest rank's mean wall time over a few calls after a barrier, and the ranks' mean CPU time
+over the same calls (every thread of the process: the caller's, the hop lanes', gloo's), which a
+loaded host disturbs less. Printed per size and operation: the medians and the paired ratio
+hops / flat with its 95 % interval (:mod:`mdsp_base.paired`), of each.
 The hops run as an engine runs them: the gather through its dispatcher's route and hop worker,
 the reduce-scatter through a :class:`GradientReducer` (which packs, averages and unpacks).
 """
@@ -33,7 +35,7 @@ from multirank import launch_ranks, write_result
 
 TOPOLOGY = Topology(world_size=4, ranks_per_node=2, ranks_per_package=2)
 CPU = torch.device("cpu")
-Timings = dict[str, dict[str, list[float]]]  # "<operation> <MiB>" -> variant -> seconds per round
+Timings = dict[str, dict[str, list[float]]]  # "<operation> <MiB> <wall|cpu>" -> variant -> seconds per round
 
 
 def _calls(mib: int) -> int:
@@ -41,15 +43,17 @@ def _calls(mib: int) -> int:
     return max(2, 16 // mib)
 
 
-def _timed(fn: Callable[[], object], calls: int) -> float:
-    """The slowest rank's mean seconds per call of ``fn``."""
+def _timed(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+    """Per call of ``fn``: the slowest rank's mean wall seconds, the ranks' mean CPU seconds."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
         fn()
-    took = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took.item())
+    wall = torch.tensor([(time.perf_counter() - start) / calls], dtype=torch.float64)
+    used = torch.tensor([(time.process_time() - cpu) / calls], dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(used)
+    return float(wall.item()), float(used.item()) / dist.get_world_size()
 
 
 def _variants(mib: int, levels: ZeroLevels, worker: HopWorker) -> dict[str, dict[str, Callable[[], object]]]:
@@ -85,23 +89,26 @@ def measure_rank(sizes: list[int], rounds: int) -> Timings:
             for operation, variants in _variants(mib, levels, worker).items():
                 for fn in variants.values():  # warm-up: first-call setup, page faults
                     _timed(fn, 1)
-                runs: dict[str, list[float]] = {name: [] for name in variants}
+                wall: dict[str, list[float]] = {name: [] for name in variants}
+                cpu: dict[str, list[float]] = {name: [] for name in variants}
                 for r in range(rounds):
                     for name in sorted(variants, reverse=bool(r % 2)):
-                        runs[name].append(_timed(variants[name], _calls(mib)))
-                timings[f"{operation} {mib}"] = runs
+                        seconds, used = _timed(variants[name], _calls(mib))
+                        wall[name].append(seconds)
+                        cpu[name].append(used)
+                timings[f"{operation} {mib} wall"], timings[f"{operation} {mib} cpu"] = wall, cpu
     finally:
         worker.shutdown()
     return timings
 
 
 def report(timings: Timings) -> None:
-    print(f"{'operation':<16}{'MiB':>5}{'flat ms':>10}{'hops ms':>10}  hops / flat [95 % CI]")
+    print(f"{'operation':<16}{'MiB':>5}{'time':>6}{'flat ms':>10}{'hops ms':>10}  hops / flat [95 % CI]")
     for key, runs in timings.items():
-        operation, mib = key.split()
+        operation, mib, clock = key.split()
         flat, hop = (statistics.median(runs[name]) * 1e3 for name in ("flat", "hops"))
         ratio = paired_ratio(runs["hops"], runs["flat"])
-        print(f"{operation:<16}{mib:>5}{flat:>10.2f}{hop:>10.2f}  {ratio.verdict()}")
+        print(f"{operation:<16}{mib:>5}{clock:>6}{flat:>10.2f}{hop:>10.2f}  {ratio.verdict()}")
 
 
 def main() -> None:
