@@ -54,6 +54,10 @@ RANKS = {
 def left_out(network: str) -> dict[str, str]:
     """Entry points no step of ``network`` runs, with the reason."""
     out = dict(RANKS)
+    out["benchmarks.zero.hop_gather"] = (
+        "the hop path's own host cost against gloo's flat collectives on 4 local ranks, run by hand beside "
+        "an engine change (`python -m benchmarks.zero.hop_gather`): its figures move with the host's load"
+    )
     out["benchmarks.studies.flash_overlap.mds_layer"] = (
         "runs a patched Megatron-DeepSpeed checkout on a dataset of the user's (--tree, --data-path), which "
         "the suite does not ship: by hand, command in benchmarks/results/flash_overlap.md"

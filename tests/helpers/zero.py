@@ -59,11 +59,14 @@ def batch(
 
 
 def reset_deepspeed_globals() -> None:
-    """DeepSpeed keeps the last engine's mpu and hpZ group in module globals; start each engine clean."""
+    """DeepSpeed keeps the last engine's mpu, hpZ group and clone of the world group in module
+    globals, which outlive the process groups of an earlier run in the same worker; start each
+    engine clean."""
     from deepspeed.utils import groups
 
     groups.mpu = None
     groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+    groups._WORLD_GROUP = None
 
 
 def make_engine(kind: str, cfg: dict, model: torch.nn.Module, mpu=None, topology: Topology = TOPOLOGY):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mdsp_base.topology import Topology
-from tests.helpers.zero import batch, ds_config, mlp
+from tests.helpers.zero import batch, ds_config, mlp, reset_deepspeed_globals
 
 FOUR_RANKS = Topology(world_size=4, ranks_per_node=2, ranks_per_package=1)  # 2 nodes x 2 packages: real hops
 
@@ -72,6 +72,7 @@ def _initialize_under_an_installer() -> dict:
     from mdsp_base.installer import Installer
 
     deepspeed.comm.init_distributed(dist_backend="gloo")
+    reset_deepspeed_globals()  # an earlier run in this worker may have left DeepSpeed's groups behind
     recorded = {}
     for name, hierarchical in (("off", None), ("on", {"secondary_level": "node"})):
         model = mlp()
