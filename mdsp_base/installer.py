@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -68,6 +69,20 @@ class Installer:
                 setattr(target, name, before)
 
         setattr(target, name, value)
+        self.add(owner, what, restore)
+
+    def setenv(self, owner: str, what: str, name: str, value: str) -> None:
+        """Environment variable ``name`` set to ``value`` until the installer closes (then its old
+        value, or unset)."""
+        before = os.environ.get(name)
+
+        def restore() -> None:
+            if before is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = before
+
+        os.environ[name] = value
         self.add(owner, what, restore)
 
     def close(self) -> None:

@@ -25,7 +25,6 @@ groups that do not divide the input) are refused, where the kernels would return
 from __future__ import annotations
 
 import enum
-import os
 import sys
 
 import torch
@@ -281,13 +280,4 @@ def install(installer: Installer, ranks_per_node: int) -> None:
         )
     installer.setattr(OWNER, MODULE_CHANGE, CUDAQuantizer, "quantizer_cuda_module", GlooWeights)
     installer.setattr(OWNER, MODULE_CHANGE, coalesced_collectives, "quantizer_module", sys.modules[__name__])
-    before = os.environ.get("LOCAL_SIZE")
-    os.environ["LOCAL_SIZE"] = str(ranks_per_node)
-
-    def restore() -> None:
-        if before is None:
-            os.environ.pop("LOCAL_SIZE", None)
-        else:
-            os.environ["LOCAL_SIZE"] = before
-
-    installer.add(OWNER, NODE_CHANGE, restore)
+    installer.setenv(OWNER, NODE_CHANGE, "LOCAL_SIZE", str(ranks_per_node))

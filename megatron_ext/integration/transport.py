@@ -11,7 +11,6 @@ at start-up").
 
 from __future__ import annotations
 
-import functools
 import os
 import re
 import shutil
@@ -120,11 +119,11 @@ def capture_init_log(installer: Installer) -> bool:
             ("NCCL_DEBUG_SUBSYS", "INIT,NET"),
             ("NCCL_DEBUG_FILE", os.path.join(folder, "nccl.%h.%p.log")),
         ):
-            os.environ[name] = value
-            installer.add(
+            installer.setenv(
                 OWNER,
                 "NCCL_DEBUG, NCCL_DEBUG_SUBSYS and NCCL_DEBUG_FILE: its init log to a file",
-                functools.partial(os.environ.pop, name, None),
+                name,
+                value,
             )
     return True
 

@@ -76,11 +76,8 @@ def init_distributed(world: int, installer: Installer) -> int:
 def _set_env(installer: Installer, name: str, value: str) -> None:
     """``name`` set to ``value`` for the job when the environment does not set it."""
     if name not in os.environ:
-        os.environ[name] = value
-        installer.add(
-            "megatron_ext.trainer",
-            "LOCAL_RANK and MASTER_PORT, where the launch sets none",
-            lambda: os.environ.pop(name, None),
+        installer.setenv(
+            "megatron_ext.trainer", "LOCAL_RANK and MASTER_PORT, where the launch sets none", name, value
         )
 
 
