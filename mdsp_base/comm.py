@@ -6,7 +6,10 @@ volume"), all of it on the slowest link class its group spans (``package``, ``no
 hops call the wrappers here, and :func:`patch_deepspeed_comm` wraps DeepSpeed's communication
 backend, so stock ZeRO-3, ZeRO++ and ours are counted alike while a :class:`CommCounter` is active
 (:func:`counting`). Alongside, each rank books the bytes it sends on each physical link
-(:mod:`mdsp_base.links`); :func:`nic_bytes_per_step` sums them and reports the most loaded NIC."""
+(:mod:`mdsp_base.links`); :func:`nic_bytes_per_step` sums them and reports the most loaded NIC.
+While a :class:`mdsp_base.spans.SpanLog` records, every collective through either way is also a
+span named by its collective and link class (an asynchronous one: its launch, its wait, and its
+time in flight from launch until the wait returned)."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ import contextlib
 import functools
 import inspect
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -21,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from mdsp_base import spans
 from mdsp_base.links import PhysicalLink, Transfer, link_count, links_crossed, sends
 from mdsp_base.topology import Topology
 from mdsp_base.volume import LINK_CLASSES, CallKey, span_class, volume
@@ -203,7 +208,8 @@ def all_gather_into_tensor(
 ) -> Any:
     """``output`` = concatenation of every member's ``input`` in group-rank order."""
     _record("gather", "all_gather", _nbytes(output), group)
-    return _ALL_GATHER(output, input, group=group, async_op=async_op)
+    call = functools.partial(_ALL_GATHER, output, input, group=group, async_op=async_op)
+    return _traced("gather", "all_gather", _nbytes(output), group, async_op, call)
 
 
 def reduce_scatter_tensor(
@@ -215,7 +221,8 @@ def reduce_scatter_tensor(
 ) -> Any:
     """``output`` = this member's block of the element-wise reduction of every member's ``input``."""
     _record("reduce", "reduce_scatter", _nbytes(input), group)
-    return _REDUCE_SCATTER(output, input, op=op, group=group, async_op=async_op)
+    call = functools.partial(_REDUCE_SCATTER, output, input, op=op, group=group, async_op=async_op)
+    return _traced("reduce", "reduce_scatter", _nbytes(input), group, async_op, call)
 
 
 def all_to_all_single(
@@ -223,7 +230,8 @@ def all_to_all_single(
 ) -> Any:
     """``output`` row ``i`` = member ``i``'s input row for this member (equal splits)."""
     _record(kind, "all_to_all", _nbytes(input), group)
-    return dist.all_to_all_single(output, input, group=group)
+    call = functools.partial(dist.all_to_all_single, output, input, group=group)
+    return _traced(kind, "all_to_all", _nbytes(input), group, False, call)
 
 
 def send_recv(
@@ -244,8 +252,13 @@ def send_recv(
             tags[peer] = tags.get(peer, -1) + 1
             ops.append(dist.P2POp(op, tensor, group=group, group_peer=peer, tag=tags[peer]))
     if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        nbytes = sum(_nbytes(tensor) for tensor, _ in sends)
+        _traced(kind, "p2p", nbytes, group, False, functools.partial(_exchange, ops))
+
+
+def _exchange(ops: list[dist.P2POp]) -> None:
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def all_reduce(
@@ -255,7 +268,51 @@ def all_reduce(
     async_op: bool = False,
 ) -> Any:
     _record("other", "all_reduce", _nbytes(tensor), group)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    call = functools.partial(dist.all_reduce, tensor, op=op, group=group, async_op=async_op)
+    return _traced("other", "all_reduce", _nbytes(tensor), group, async_op, call)
+
+
+def _traced(
+    kind: str,
+    collective: str,
+    nbytes: int,
+    group: dist.ProcessGroup | None,
+    async_op: bool,
+    call: Callable[[], Any],
+) -> Any:
+    """``call()`` (the collective), a span while a span log records (see the module docstring)."""
+    if not spans.active():
+        return call()
+    size = dist.get_world_size(group)
+    link = _active.link_class(group) if _active is not None else f"{size} ranks"
+    name, facts = f"{collective} {link}", {"link": str(link), "bytes": nbytes, "ranks": size}
+    if not async_op:
+        with spans.span(name, kind, **facts):
+            return call()
+    launched = time.perf_counter()
+    work = call()
+    spans.record(f"launch {name}", "launch", launched, time.perf_counter(), **facts)
+    return work if work is None else _TracedWork(work, launched, name, kind, facts)
+
+
+class _TracedWork:
+    """An asynchronous collective's work handle whose ``wait`` records the wait and the time in flight;
+    everything else is the handle's own."""
+
+    def __init__(self, work: Any, launched: float, name: str, kind: str, facts: dict[str, Any]) -> None:
+        self._work, self._launched, self._name, self._kind, self._facts = work, launched, name, kind, facts
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            end = time.perf_counter()
+            spans.record(f"wait {self._name}", "wait", start, end, **self._facts)
+            spans.record(self._name, self._kind, self._launched, end, "collectives in flight", **self._facts)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
 
 
 # DeepSpeed 0.19 backend methods we count: name -> (kind, collective, the argument whose size is the
@@ -301,14 +358,17 @@ def _counted(
 
     @functools.wraps(method)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _active is None and not spans.active():
+            return method(*args, **kwargs)
+        arguments = signature.bind(*args, **kwargs).arguments
+        buffer = arguments[sized]
+        nbytes = _nbytes(buffer) if isinstance(buffer, torch.Tensor) else sum(_nbytes(t) for t in buffer)
+        group, src = arguments.get("group"), arguments.get("src")  # src: a broadcast's global root
         if _active is not None:
-            arguments = signature.bind(*args, **kwargs).arguments
-            buffer = arguments[sized]
-            nbytes = _nbytes(buffer) if isinstance(buffer, torch.Tensor) else sum(_nbytes(t) for t in buffer)
-            group, src = arguments.get("group"), arguments.get("src")  # src: a broadcast's global root
             root = 0 if src is None else group_ranks(group).index(src)
             _active.record(kind, collective, nbytes, group, root)
-        return method(*args, **kwargs)
+        call = functools.partial(method, *args, **kwargs)
+        return _traced(kind, collective, nbytes, group, bool(arguments.get("async_op")), call)
 
     return wrapper
 

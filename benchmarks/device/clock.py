@@ -4,7 +4,8 @@ An op issued at host time ``t`` on a stream starts at ``max(t, the stream's end,
 ready time)`` and ends its charged duration later; the host does not wait. It waits only at a sync
 point (:meth:`VirtualDevice.wait_until`), sleeping until the virtual device gets there, as a GPU's
 host blocks on an event. Times are host ``time.perf_counter()`` seconds, so real transfers over the
-emulated links and virtual compute share one time line.
+emulated links and virtual compute share one time line; while a span log records
+(:mod:`mdsp_base.spans`), each op is a ``device`` span on its stream's track.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.device.tables import DeviceTable
+from mdsp_base import spans
 
 
 @dataclass
@@ -66,13 +68,17 @@ class VirtualDevice:
             self.stats.busy_s += duration
             self.stats.contended_ops += contended
             self.stats.by_kind[kind] = self.stats.by_kind.get(kind, 0.0) + duration
+            lane = list(self._ends).index(stream)
+        spans.record(kind, "device", start, end, f"virtual device stream {lane}")
         return end
 
     def wait_until(self, when: float) -> None:
         """Block the host until the virtual device reaches ``when`` (a sync point)."""
-        delay = when - time.perf_counter()
+        now = time.perf_counter()
+        delay = when - now
         if delay > 0:
             time.sleep(delay)
+            spans.record("wait for device", "device wait", now, time.perf_counter())
             with self._lock:
                 self.stats.waited_s += delay
 

@@ -236,6 +236,15 @@ def markdown(result: dict[str, Any]) -> str:
         for c in checks
     ]
     lines += ["", "```", result["table"], "```"]
+    if "trace_table" in result:
+        lines += [
+            "",
+            "One traced step per variant after the paired ones (the mean rank, ms; "
+            "`deepspeed_ext.zero.tools.ab.trace_report` defines each column; the Chrome/Perfetto traces "
+            f"are `{result['trace_dir']}/<variant>.trace.json`):",
+            "",
+            result["trace_table"].rstrip("\n"),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -297,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     # --quick: up to 1 MiB, the quick model's largest message, so that no prediction extrapolates
     sweep = ["--largest", str(2**20), "--repeats", "2"] if args.quick else []
     profiles = [out / f"{name}_profile.json", out / f"{name}_profile_heldout.json"]
-    bench_json = out / f"{name}_bench.json"
+    bench_json, trace_dir = out / f"{name}_bench.json", out / f"{name}_trace"
     rank = ["-m", "benchmarks.zero.ab", "--rank"]
     before, seconds = os.getloadavg(), []
     launcher = WarmLauncher(dict(os.environ), preload=RANK_IMPORTS) if args.warm else nullcontext()
@@ -311,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             seconds.append(time.monotonic() - start)
             print(f"probe: {seconds[-1]:.0f} s", flush=True)
         bench = ["--deepspeed-config", str(config), "--profile", str(profiles[0]), "--json", str(bench_json)]
+        bench += ["--trace", str(trace_dir)]  # one more step per variant, after the paired ones
         # pairs enough for a ratio; --quick checks that everything runs and is written
         bench += ["--quick"] if args.quick else ["--warmup", "1", "--steps", str(MIN_PAIRS), *regime.model]
         rows = cluster.launch([*rank, "bench", *bench, *device], timeout=args.timeout)[0]
@@ -340,6 +350,9 @@ def main(argv: list[str] | None = None) -> None:
         "paired": run["paired"],
         "dimensionless": dimensionless(rows, first),
         "table": table(rows, header) + "\n" + "\n".join(comparison(rows) + predictions(rows)),
+        "trace": {row["variant"]: row["trace"] for row in rows if row["ran"]},
+        "trace_table": (trace_dir / "trace.md").read_text(),
+        "trace_dir": os.path.relpath(trace_dir),
     }
     (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{name}.md").write_text(markdown(result))

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from deepspeed_ext.zero.engine import hops, quantize
 from deepspeed_ext.zero.engine.hop_worker import HopWorker
 from deepspeed_ext.zero.engine.levels import HopSchedule
+from mdsp_base import spans
 from mdsp_base.section import ConfigError
 from mdsp_base.topology import LinkClass
 
@@ -94,7 +95,9 @@ class GradientReducer:
         buffer, chunks = hops.pack(tensors, self.plan, self.pieces)
         results: list[torch.Tensor] = []
         worker.submit_stages(tensors[0].device, hops.reduce_scatter_stages(self.plan, buffer, results)).wait()
-        return hops.unpack(torch.cat(results), tensors, chunks, self.plan.parent.index(dist.get_rank()))
+        with spans.span("join reduced pieces", "copy"):
+            mine = torch.cat(results)
+        return hops.unpack(mine, tensors, chunks, self.plan.parent.index(dist.get_rank()))
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         plan = self.plan

@@ -9,6 +9,7 @@ docs/hierarchical_zero_modules.md."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from mdsp_base import comm
+from mdsp_base import comm, spans
 
 
 @dataclass(frozen=True)
@@ -41,8 +42,9 @@ class _FutureHandle:
         self._futures = futures
 
     def wait(self, *args: Any, **kwargs: Any) -> bool:
-        for future in self._futures:
-            future.result()
+        with spans.span("wait hops", "wait"):
+            for future in self._futures:
+                future.result()
         return True
 
     def is_completed(self) -> bool:
@@ -103,7 +105,9 @@ class HopWorker:
         if _on_stream(device):
             with torch.no_grad():
                 return fn()
-        return self._on_thread(fn).result()
+        future = self._on_thread(fn)
+        with spans.span("wait hops", "wait"):
+            return future.result()
 
     def submit_stages(self, device: torch.device, stages: Sequence[Stage]) -> _FutureHandle | _EventHandle:
         """Start a pipelined operation (stages listed so that each comes after those it needs); the
@@ -172,15 +176,17 @@ def _after(needs: Sequence[Future], fn: Callable[[], Any]) -> Any:
 
 
 def _attributed(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """``fn`` without autograd, its bytes counted in the phase of the thread that asked for it, and
-    under that thread's dispatch modes that follow work onto other threads (a mode offering
+    """``fn`` without autograd, its bytes counted in the phase of the thread that asked for it, its
+    wait to start and its run recorded as spans, and under that thread's dispatch modes that follow work onto other threads (a mode offering
     ``for_thread()``, such as a profiler's or an emulated device's; torch's modes are per thread)."""
     counter = comm.active_counter()
     phase = counter.current_phase if counter is not None else "other"
     modes = [m.for_thread() for m in _get_current_dispatch_mode_stack() if hasattr(m, "for_thread")]
+    asked = time.perf_counter()
 
     def attributed() -> Any:
-        with torch.no_grad(), ExitStack() as stack:
+        spans.record("hop queue", "queue", asked, time.perf_counter())  # behind what it runs after
+        with torch.no_grad(), ExitStack() as stack, spans.span("hops", "hop"):
             for mode in modes:
                 stack.enter_context(mode)
             if counter is None:

@@ -20,7 +20,7 @@ from deepspeed_ext.zero.cost.collectives import Algorithm, Operation
 from deepspeed_ext.zero.engine import p2p_hops, quantize
 from deepspeed_ext.zero.engine.hop_worker import Stage
 from deepspeed_ext.zero.engine.levels import HopSchedule
-from mdsp_base import comm
+from mdsp_base import comm, spans
 from mdsp_base.topology import LinkClass
 
 
@@ -134,7 +134,8 @@ def all_gather(
             gathered = gather_hop(plan, i, held)
         held = gathered
     # copied through a view of ``out`` in the hops' layout (no third full-size buffer)
-    _gathered_view(plan, out).copy_(held.view(*plan.sizes, -1))
+    with spans.span("reorder gathered", "copy", bytes=out.numel() * out.element_size()):
+        _gathered_view(plan, out).copy_(held.view(*plan.sizes, -1))
 
 
 def all_gather_stages(plan: HopSchedule, block: torch.Tensor, out: torch.Tensor, pieces: int) -> list[Stage]:
@@ -160,7 +161,8 @@ def all_gather_stages(plan: HopSchedule, block: torch.Tensor, out: torch.Tensor,
             ) -> torch.Tensor:
                 state[0] = gather_hop(plan, i, state[0])
                 if last:
-                    target[..., piece].copy_(state[0].view(*plan.sizes, -1))
+                    with spans.span("reorder gathered piece", "copy"):
+                        target[..., piece].copy_(state[0].view(*plan.sizes, -1))
                 return state[0]
 
             stages.append(Stage(plan.groups[i], run, (len(stages) - 1,) if step else ()))
@@ -210,7 +212,13 @@ def pack(
     (zero-padded), member ``i``'s chunks side by side in its row, the rows written straight into hop
     order (:func:`hop_order`, without its copy). The row's columns are cut into ``pieces`` equal
     ranges, each range's rows contiguous: returns ([pieces, p * width] buffer, chunk length per
-    tensor); with one piece, row 0 is the whole buffer."""
+    tensor); with one piece, row 0 is the whole buffer. A ``copy`` span while spans record."""
+    with spans.span("pack gradients", "copy", tensors=len(tensors)):
+        return _pack(tensors, plan, pieces)
+
+
+def _pack(tensors: Sequence[torch.Tensor], plan: HopSchedule, pieces: int) -> tuple[torch.Tensor, list[int]]:
+    """The body of :func:`pack`."""
     p = math.prod(plan.sizes)
     chunks = [math.ceil(t.numel() / p) for t in tensors]
     width = max(1, math.ceil(sum(chunks) / pieces))

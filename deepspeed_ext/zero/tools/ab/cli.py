@@ -70,6 +70,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="write one object per variant here (rank 0)")
     parser.add_argument("--plot", help="write a bar plot of the step times here (rank 0; PNG)")
     parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="one more step per variant after the timed ones, traced: DIR/<variant>.trace.json "
+        "(Chrome/Perfetto, every rank) and DIR/trace.md (what each step's time went to; rank 0)",
+    )
+    parser.add_argument(
         "--no-peak", action="store_true", help="CPU: skip the peak-memory pass (a second engine per variant)"
     )
     parser.add_argument(

@@ -15,6 +15,7 @@ from deepspeed_ext.zero.cost.workload import Model
 from deepspeed_ext.zero.tools.ab.model import build_model
 from deepspeed_ext.zero.tools.ab.prediction import slowest
 from deepspeed_ext.zero.tools.ab.variants import Variant
+from mdsp_base import spans
 from mdsp_base.topology import Topology
 
 
@@ -89,19 +90,24 @@ def one_step(
     """
     dist.barrier()
     start = time.perf_counter()
-    with emulated if emulated is not None else nullcontext():
+    with spans.span("step", "step"), emulated if emulated is not None else nullcontext():
         for micro in range(engine.gradient_accumulation_steps()):
             g = torch.Generator().manual_seed(1000 * step + 10 * micro + dist.get_rank())
             tokens = torch.randint(
                 shape.vocab, (engine.train_micro_batch_size_per_gpu(), shape.seq + 1), generator=g
             )
             tokens = tokens.to(device)
-            logits = engine(tokens[:, :-1])
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), tokens[:, 1:].flatten())
-            engine.backward(loss)
-            engine.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+            with spans.span("forward", "phase"):
+                logits = engine(tokens[:, :-1])
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().flatten(0, 1), tokens[:, 1:].flatten()
+                )
+            with spans.span("backward", "phase"):
+                engine.backward(loss)
+            with spans.span("optimizer step", "phase"):
+                engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
     return slowest(time.perf_counter() - start, device)
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from deepspeed_ext.zero.cost.profile import Profile
 from deepspeed_ext.zero.cost.profile import load as load_profile
 from deepspeed_ext.zero.cost.workload import Model
+from deepspeed_ext.zero.tools.ab import trace_report
 from deepspeed_ext.zero.tools.ab.engine import (
     EmulatedDevice,
     build,
@@ -28,8 +29,10 @@ from deepspeed_ext.zero.tools.ab.engine import (
 from deepspeed_ext.zero.tools.ab.gather_wait import GatherWait
 from deepspeed_ext.zero.tools.ab.model import flops_per_step
 from deepspeed_ext.zero.tools.ab.prediction import compute_steps, predicted, slowest
+from deepspeed_ext.zero.tools.ab.step_trace import StepTrace, gather_spans
 from deepspeed_ext.zero.tools.ab.variants import Variant, ds_config, variants
 from mdsp_base import comm
+from mdsp_base.spans import Span
 from mdsp_base.topology import Topology, TopologyConfig, detect_topology
 from mdsp_base.volume import LINK_CLASSES
 
@@ -56,8 +59,8 @@ def run_variants(
         emulated: an emulated device the steps' tensor work runs on.
 
     Returns:
-        Per variant name: its timed steps' seconds, collective counter, parameter-fetch wait, micro
-        batch and accumulation.
+        Per variant name: its timed steps' seconds, collective counter, parameter-fetch wait, the
+        spans of its traced step (None without ``--trace``), micro batch and accumulation.
     """
     engines = {v.name: build(v, ds_config(user, v, args.profile), shape, topology, device) for v in runnable}
     counters = {v.name: comm.CommCounter(topology) for v in runnable}
@@ -71,6 +74,12 @@ def run_variants(
                 continue
             with comm.counting(counters[v.name]), waits[v.name]:
                 seconds[v.name].append(one_step(engines[v.name], shape, step, device, emulated))
+    traced: dict[str, list[Span]] = {}
+    if args.trace:  # after the paired steps, so that tracing costs none of them
+        for v in runnable:
+            with comm.counting(comm.CommCounter(topology)), StepTrace() as trace:
+                one_step(engines[v.name], shape, args.warmup + args.steps, device, emulated)
+            traced[v.name] = trace.spans
     out = {}
     for v in runnable:
         engine = engines.pop(v.name)
@@ -78,6 +87,7 @@ def run_variants(
             "seconds": seconds[v.name],
             "counter": counters[v.name],
             "wait": waits[v.name],
+            "traced": traced.get(v.name),
             "micro": engine.train_micro_batch_size_per_gpu(),
             "accumulation": engine.gradient_accumulation_steps(),
         }
@@ -158,6 +168,27 @@ def variant_row(
     return row
 
 
+def traced_rows(rows: list[dict], measured: dict[str, dict[str, Any]], directory: Path) -> None:
+    """Each run variant's traced step gathered on rank 0, which writes its trace file and the table
+    and adds to its row ``trace`` (the mean rank's sums) and ``trace_file`` (a collective)."""
+    summaries = {}
+    for row in rows:
+        if not row["ran"]:
+            continue
+        per_rank = gather_spans(measured[row["variant"]]["traced"])
+        if per_rank is None:
+            continue
+        path = directory / f"{row['variant'].replace(' ', '_')}.trace.json"
+        trace_report.write_trace(per_rank, path)
+        row.update(
+            trace=trace_report.mean_summary([trace_report.summarize(r) for r in per_rank]),
+            trace_file=str(path),
+        )
+        summaries[row["variant"]] = row["trace"]
+    if summaries:
+        (directory / "trace.md").write_text(trace_report.table(summaries) + "\n")
+
+
 def run(args: argparse.Namespace, shape: Model, emulated: EmulatedDevice | None = None) -> list[dict]:
     """Run every variant; rank 0 prints the table and writes the JSON and plot.
 
@@ -201,6 +232,8 @@ def run(args: argparse.Namespace, shape: Model, emulated: EmulatedDevice | None 
             else {"variant": v.name, "ran": False, "reason": v.skipped}
             for v in every
         ]
+        if args.trace:
+            traced_rows(rows, measured, Path(args.trace))
         run = {
             "world_size": topology.world_size, "ranks_per_node": topology.ranks_per_node,
             "ranks_per_package": topology.ranks_per_package, "device": str(device), "shape": vars(shape),

@@ -169,6 +169,19 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(ab_quick):
     for p in pairs.values():
         assert p["metric"] == "step" and p["ci95"][0] <= p["ratio"] <= p["ci95"][1]
     assert result["auto_check"] and len(result["probe_s"]) == 2
+    # one traced step per variant after the paired ones: its sums, and a Chrome trace of every rank
+    assert set(result["trace"]) == set(ran) and result["trace_table"].count("\n") == 2 + len(ran)
+    for name in ran:
+        traced = result["trace"][name]
+        assert traced["step_s"] > 0 and 0 < traced["device_busy_s"] <= traced["step_s"]
+        assert traced["gather_wait_s"] == pytest.approx(sum(traced["gather_wait_by_level"].values()))
+        assert traced["gather_busy_by_level"]["inter_node"] > 0  # every variant gathers across nodes
+        chrome = json.loads(Path(rows[name]["trace_file"]).read_text())
+        slices = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+        assert {e["pid"] for e in slices} == set(range(8))
+        assert {"step", "fetch", "device", "gather", "reduce hook"} <= {e["cat"] for e in slices}
+    assert result["trace"]["ours"]["hop_queue_s"] > 0 and result["trace"]["ours"]["copy_s"] > 0
+    assert result["trace"]["zero3"]["hop_queue_s"] == 0  # stock ZeRO-3 has no hops
     assert (out / "ab_frontier_mi250x_quick.png").stat().st_size > 0
     assert (out / "ab_frontier_mi250x_quick_profile.json").exists()
 
