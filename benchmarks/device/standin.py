@@ -2,6 +2,16 @@
 
 Under :class:`StandIn` every aten op of the rank is one of:
 
+- a collective (``c10d``): run for real once the device has produced its inputs;
+- a read of a value (``.item()``, ``equal``): a sync point, computed for real;
+- a view or an allocation: run as is;
+- an op on host scalars: computed for real;
+- anything else: not computed; its output, of the right shape, is charged to the virtual device by
+  FLOPs (matmuls, attention) or by bytes moved (the rest), at least one kernel's floor.
+
+A function that stands for one fused kernel (:func:`as_one_kernel`) is charged once for its inputs
+and outputs, however many aten ops it takes on the host.
+
 Method in full: benchmarks/results/methods.md, `benchmarks.device.standin`.
 """
 
@@ -13,7 +23,7 @@ import time
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
@@ -51,6 +61,26 @@ class StandInMode(TorchDispatchMode):
     def __init__(self, shared: _Shared) -> None:
         super().__init__()
         self.shared = shared
+        self._fused = 0  # inside as_one_kernel: ops are not charged one by one
+
+    def one_kernel(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)`` charged as one memory-bound kernel: its tensor arguments read and
+        its tensor results written once, starting when its inputs are ready."""
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        after = self._ready(tensors)
+        self._fused += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self._fused -= 1
+        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
+        table = self.shared.device.table
+        end = self.shared.device.charge(
+            moved / (table.memory_gbps * 1e9 * table.memory_efficiency), after, "memory"
+        )
+        self._mark(out, end)
+        return out
 
     def for_thread(self) -> StandInMode:
         """A mode for another thread that runs this rank's work (on a stream of its own)."""
@@ -144,7 +174,10 @@ class StandInMode(TorchDispatchMode):
     def _charge(
         self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor], out: Any, after: float
     ) -> float:
-        """Queue the op's duration on this thread's stream; returns when it ends."""
+        """Queue the op's duration on this thread's stream; returns when it ends (inside a fused
+        kernel: nothing queued, ready when its inputs are)."""
+        if self._fused:
+            return after
         table = self.shared.device.table
         packet = ATTENTION.get(func, func._overloadpacket)
         formula = flop_registry.get(packet)
@@ -224,3 +257,17 @@ def _argument(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
                 return kwargs[name]
             return args[i] if i < len(args) else argument.default_value
     raise KeyError(name)
+
+
+def as_one_kernel(fn: Any) -> Any:
+    """``fn`` as one fused kernel under a rank's stand-in (:meth:`StandInMode.one_kernel`); as is
+    elsewhere. For pure-torch stand-ins of a library's fused kernels."""
+
+    @functools.wraps(fn)
+    def one(*args: Any, **kwargs: Any) -> Any:
+        mode = next(
+            (m for m in reversed(_get_current_dispatch_mode_stack()) if isinstance(m, StandInMode)), None
+        )
+        return fn(*args, **kwargs) if mode is None else mode.one_kernel(fn, args, kwargs)
+
+    return one

@@ -130,10 +130,10 @@ def rank_main(argv: list[str]) -> None:
         add_device_flags(parser)
         device, rest = parser.parse_known_args(argv[1:])
         with Installer() as installer:
-            # ZeRO++'s quantizer kernels as pure-torch ops on the host's compute. Not on a device
-            # stand-in: it would charge each of their several passes where the kernel makes one.
-            if device.device == "host":
-                quantizer_standin.install(installer, int(os.environ["LOCAL_WORLD_SIZE"]))
+            # ZeRO++'s quantizer kernels as pure-torch ops; on a device stand-in each charged as
+            # the one kernel it stands for
+            ranks_per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+            quantizer_standin.install(installer, ranks_per_node, on_device_standin=device.device != "host")
             write_result(bench.main(rest, stand_in(device)))
     # everything is written and the groups destroyed: skip the interpreter's teardown, where a
     # backend thread dropping a tensor can abort a rank that finished ("terminate called ...")
@@ -321,6 +321,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"probe: {seconds[-1]:.0f} s", flush=True)
         bench = ["--deepspeed-config", str(config), "--profile", str(profiles[0]), "--json", str(bench_json)]
         bench += ["--trace", str(trace_dir)]  # one more step per variant, after the paired ones
+        bench += ["--quantized-hops"]  # ours beside full ZeRO++ at its widths
         # pairs enough for a ratio; --quick checks that everything runs and is written
         bench += ["--quick"] if args.quick else ["--warmup", "1", "--steps", str(MIN_PAIRS), *regime.model]
         rows = cluster.launch([*rank, "bench", *bench, *device], timeout=args.timeout)[0]

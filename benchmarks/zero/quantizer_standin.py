@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import enum
 import sys
+import types
+from typing import Any
 
 import torch
 
@@ -251,9 +253,29 @@ class GlooWeights:
         return [codes, scales.view(-1)]
 
 
-def install(installer: Installer, ranks_per_node: int) -> None:
+def _as_kernels() -> tuple[Any, Any]:
+    """qwZ's and qgZ's modules with each function charged as the one kernel it stands for on a
+    rank's device stand-in (:func:`benchmarks.device.standin.as_one_kernel`), where its several
+    pure-torch passes would be charged one by one."""
+    from benchmarks.device.standin import as_one_kernel
+
+    weights = types.SimpleNamespace(
+        Symmetric=Symmetric,
+        quantize=as_one_kernel(GlooWeights.quantize),
+        dequantize=as_one_kernel(dequantize),
+    )
+    gradients = types.SimpleNamespace(
+        Symmetric=Symmetric,
+        dequantize=as_one_kernel(dequantize),
+        swizzle_quant=as_one_kernel(swizzle_quant),
+        quantized_reduction=as_one_kernel(quantized_reduction),
+    )
+    return weights, gradients
+
+
+def install(installer: Installer, ranks_per_node: int, on_device_standin: bool = False) -> None:
     """Put this module where DeepSpeed's ZeRO++ looks for its loaded quantizer module, until the
-    installer closes.
+    installer closes; ``on_device_standin``: each function charged as one kernel (:func:`_as_kernels`).
 
     DeepSpeed loads the module once into two slots, qwZ's (``CUDAQuantizer.quantizer_cuda_module``)
     and qgZ's (``coalesced_collectives.quantizer_module``), each loaded only while empty: filling
@@ -278,6 +300,7 @@ def install(installer: Installer, ranks_per_node: int) -> None:
             f"the quantizer stand-ins replace the CUDA kernels on the CPU only; DeepSpeed's accelerator "
             f"is {get_accelerator().device_name()}"
         )
-    installer.setattr(OWNER, MODULE_CHANGE, CUDAQuantizer, "quantizer_cuda_module", GlooWeights)
-    installer.setattr(OWNER, MODULE_CHANGE, coalesced_collectives, "quantizer_module", sys.modules[__name__])
+    weights, gradients = _as_kernels() if on_device_standin else (GlooWeights, sys.modules[__name__])
+    installer.setattr(OWNER, MODULE_CHANGE, CUDAQuantizer, "quantizer_cuda_module", weights)
+    installer.setattr(OWNER, MODULE_CHANGE, coalesced_collectives, "quantizer_module", gradients)
     installer.setenv(OWNER, NODE_CHANGE, "LOCAL_SIZE", str(ranks_per_node))

@@ -144,3 +144,21 @@ def test_work_the_hop_worker_runs_on_its_thread_is_charged_to_the_same_device():
 def test_impossible_factors_are_refused_by_name(dilation, contention):
     with pytest.raises(ValueError, match="dilation" if dilation <= 0 else "contention"):
         StandIn(H100, dilation, contention)
+
+
+def test_a_stand_in_for_a_fused_kernel_is_charged_once_for_what_it_reads_and_writes():
+    from benchmarks.device.standin import as_one_kernel
+    from benchmarks.zero import quantizer_standin as q
+
+    x = torch.ones(1 << 22, dtype=torch.float16)  # 8 MiB in: above the kernel floor
+    with StandIn(MI250X, dilation=100) as device:
+        codes, scales = as_one_kernel(q.quantize)(x, 4096, 8, q.Symmetric)
+    # one kernel: the fp16 input read, the int8 codes and fp32 scales written, its several passes not charged
+    moved = (1 << 22) * 2 + (1 << 22) * 1 + 4096 * 4
+    assert device.stats.ops == 1
+    assert device.stats.by_kind == {"memory": pytest.approx(moved / (1638.4e9 * 0.8) * 100)}
+    assert codes.shape == (1 << 22,) and scales.shape == (4096, 1)
+    with StandIn(MI250X, dilation=100) as device:
+        q.quantize(x, 4096, 8, q.Symmetric)  # the same function unfused: a charge per pass
+    assert device.stats.ops > 1
+    assert as_one_kernel(q.quantize)(x, 4096, 8, q.Symmetric)[0].eq(127).all()  # no stand-in: computed

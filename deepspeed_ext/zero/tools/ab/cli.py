@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", help="write one object per variant here (rank 0)")
     parser.add_argument("--plot", help="write a bar plot of the step times here (rank 0; PNG)")
     parser.add_argument(
+        "--quantized-hops",
+        action="store_true",
+        help="also ours with int8 weight and int4 gradient hops across nodes (ZeRO++'s qwZ / qgZ widths)",
+    )
+    parser.add_argument(
         "--trace",
         metavar="DIR",
         help="one more step per variant after the timed ones, traced: DIR/<variant>.trace.json "

@@ -78,12 +78,13 @@ def paired(rows: Sequence[dict]) -> list[dict[str, Any]]:
         rows: the variants' rows.
 
     Returns:
-        Each variant's step over stock ZeRO-3's, and ours over every other's, each with its 95 %
-        interval and pairs (:meth:`mdsp_base.paired.PairedRatio.record`).
+        Each variant's step over stock ZeRO-3's, and each of ours over every DeepSpeed variant's, each
+        with its 95 % interval and pairs (:meth:`mdsp_base.paired.PairedRatio.record`).
     """
     ran = {row["variant"]: row["step_s"] for row in rows if row["ran"]}
+    ours = [name for name in ran if name.startswith("ours")]
     pairs = [(name, "zero3") for name in ran if name != "zero3" and "zero3" in ran]
-    pairs += [("ours", name) for name in ran if name not in ("ours", "zero3") and "ours" in ran]
+    pairs += [(o, name) for o in ours for name in ran if name != "zero3" and not name.startswith("ours")]
     return [paired_ratio(ran[v], ran[b]).record(v, b, "step") for v, b in pairs]
 
 

@@ -222,7 +222,7 @@ def run(args: argparse.Namespace, shape: Model, emulated: EmulatedDevice | None 
         if profile is not None or emulated is not None:
             compute = compute_steps(shape, user, args.steps, args.warmup, device, emulated)
         compute_s = statistics.median(compute) if compute else None
-        every = variants(topology, device)
+        every = variants(topology, device, args.quantized_hops)
         runnable = [v for v in every if v.skipped is None]
         measured = run_variants(runnable, user, shape, topology, args, device, emulated)
         args.no_peak = args.no_peak or emulated is not None  # an emulated device holds no tensors

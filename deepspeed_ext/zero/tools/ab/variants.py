@@ -81,15 +81,21 @@ def quantizer_unavailable(device: torch.device, ranks_per_node: int) -> str | No
     return None
 
 
-def variants(topology: Topology, device: torch.device) -> list[Variant]:
+QUANTIZED_HOPS = {"quantized_weights": True, "quantized_gradients": "int4"}
+"""Ours with ZeRO++'s quantization across nodes: int8 weight gathers (qwZ's), int4 gradients (qgZ's)."""
+
+
+def variants(topology: Topology, device: torch.device, quantized_hops: bool = False) -> list[Variant]:
     """The A/B command's variants.
 
     Args:
         topology: the job's ranks.
         device: this rank's device (ZeRO++'s kernels are CUDA's).
+        quantized_hops: also ours with :data:`QUANTIZED_HOPS`.
 
     Returns:
-        Stock ZeRO-3, hpZ at each valid secondary size, ZeRO++ (or why not), ours.
+        Stock ZeRO-3, hpZ at each valid secondary size, ZeRO++ (or why not), ours (and ours with
+        quantized hops).
     """
     world = topology.world_size
     sizes = sorted({s for s in (topology.ranks_per_package, topology.ranks_per_node) if 1 < s < world})
@@ -108,6 +114,8 @@ def variants(topology: Topology, device: torch.device) -> list[Variant]:
         zeropp["zero_hpz_partition_size"] = node
     out.append(Variant("zero++ (hpZ + qwZ + qgZ)", ours=False, zero=zeropp, skipped=reason))
     out.append(Variant("ours", ours=True))
+    if quantized_hops:
+        out.append(Variant("ours, quantized hops", ours=True, hierarchical=dict(QUANTIZED_HOPS)))
     return out
 
 
