@@ -72,6 +72,9 @@ def left_out(network: str) -> dict[str, str]:
         out["benchmarks.zero.ab"] = (
             "the probe and the A/B command on the emulated cluster (8 ranks on 4 nodes): `--network cluster` only (root)"
         )
+        out["benchmarks.zero.ab_targets"] = (
+            "judges the emulated cluster's stand-in A/B runs: `--network cluster` only (root)"
+        )
         out["benchmarks.device.validation"] = (
             "reads the stand-in runs of the emulated cluster: `--network cluster` only (root)"
         )
@@ -168,6 +171,19 @@ def steps(network: str, quick: bool) -> list[Step]:
             (f"zero/compute_only_mi250x{'_quick' if quick else ''}.md",),
         )
     )
+    suffix = "_quick" if quick else ""
+    device.append(
+        Step(
+            "Hierarchical ZeRO's targets, from the stand-in A/B above",
+            "benchmarks.zero.ab_targets",
+            (
+                f"{RESULTS_ARG}/zero/ab_frontier_mi250x{suffix}.json",
+                "--out",
+                f"{RESULTS_ARG}/zero/targets{suffix}.md",
+            ),
+            (f"zero/targets{suffix}.md",),
+        )
+    )
     device.append(
         Step(
             "Validation of the device-faithful cluster, from the results above",
@@ -176,7 +192,6 @@ def steps(network: str, quick: bool) -> list[Step]:
             ("emulated_validation.md",),
         )
     )
-    suffix = "_quick" if quick else ""
     regime = Step(
         "The regimes' dimensionless numbers: Frontier's (computed) against both A/B runs'",
         "benchmarks.studies.zero.regime",

@@ -16,7 +16,8 @@ Per rank, from its spans (seconds):
 - ``copy_s``: the hops' packing and reordering copies;
 - ``hooks_host_s``: the host's own time in DeepSpeed's fetch, release and reduce hooks, that is
   those spans less the collectives and waits the same thread blocked in within them;
-- ``device_busy_s``: time at least one stream of a virtual device was busy (0 on real devices).
+- ``device_busy_s``: time at least one stream of a virtual device was busy, and ``device_ops``: the
+  ops charged to it (0 on real devices; every op costs at least a kernel's floor).
 """
 
 from __future__ import annotations
@@ -157,6 +158,7 @@ def summarize(rank_spans: Sequence[Span]) -> dict[str, Any]:
         "hop_queue_s": total("queue"),
         "copy_s": total("copy"),
         "hooks_host_s": sum(h.seconds - _covered(blocking, h.start, h.end) for h in hooks),
+        "device_ops": sum(1 for s in rank_spans if s.category == "device"),
         "device_busy_s": _covered(
             _merged((s.start, s.end) for s in rank_spans if s.category == "device"), -_INF, _INF
         ),

@@ -58,7 +58,7 @@ def test_a_step_sums_to_what_its_timeline_shows():
     assert (s["reduce_hook_s"], s["hop_queue_s"], s["copy_s"], s["device_wait_s"]) == (3, 1, 0.25, 1.5)
     # the hooks' own host time: fetch 3 - 2.5 asleep or waiting, reduce hook 3 - 2 waiting
     assert s["hooks_host_s"] == 1.5
-    assert s["device_busy_s"] == 5  # 3-8, the two matmuls back to back
+    assert s["device_busy_s"] == 5 and s["device_ops"] == 2  # 3-8, the two matmuls back to back
 
 
 def test_overlapping_transfers_of_one_link_count_once_and_ranks_average():
