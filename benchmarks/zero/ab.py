@@ -268,7 +268,12 @@ def main(argv: list[str] | None = None) -> None:
         help="fork each launch's ranks from one interpreter that has imported torch and DeepSpeed "
         "(multirank.warm); the probe's wall time then leaves the ranks' imports out",
     )
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=2700.0,
+        help="seconds per launch, a hang bound (a full --device run's A/B launch, 6 variants, takes about 25 minutes)",
+    )
     parser.add_argument(
         "--prefix",
         default="emab",
