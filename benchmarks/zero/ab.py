@@ -241,7 +241,7 @@ def markdown(result: dict[str, Any]) -> str:
             "",
             "One traced step per variant after the paired ones (the mean rank, ms; "
             "`deepspeed_ext.zero.tools.ab.trace_report` defines each column; the Chrome/Perfetto traces "
-            f"are `{result['trace_dir']}/<variant>.trace.json`):",
+            f"are `{result['trace_dir']}/<variant>.trace.json.gz`):",
             "",
             result["trace_table"].rstrip("\n"),
         ]
@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     name = (
         f"ab_{args.regime}"
         + ("" if args.device == "host" else f"_{args.device}")
+        + (f"_nodes{args.nodes}" if args.nodes != DEFAULT_NODES else "")
         + (f"_contention{args.contention:g}" if args.contention else "")
         + ("_quick" if args.quick else "")
     )

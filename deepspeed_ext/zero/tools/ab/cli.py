@@ -77,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--trace",
         metavar="DIR",
-        help="one more step per variant after the timed ones, traced: DIR/<variant>.trace.json "
+        help="one more step per variant after the timed ones, traced: DIR/<variant>.trace.json.gz "
         "(Chrome/Perfetto, every rank) and DIR/trace.md (what each step's time went to; rank 0)",
     )
     parser.add_argument(

@@ -178,7 +178,7 @@ def traced_rows(rows: list[dict], measured: dict[str, dict[str, Any]], directory
         per_rank = gather_spans(measured[row["variant"]]["traced"])
         if per_rank is None:
             continue
-        path = directory / f"{row['variant'].replace(' ', '_')}.trace.json"
+        path = trace_report.trace_path(directory, row["variant"])
         trace_report.write_trace(per_rank, path)
         row.update(
             trace=trace_report.mean_summary([trace_report.summarize(r) for r in per_rank]),

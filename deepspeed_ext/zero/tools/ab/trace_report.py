@@ -5,8 +5,9 @@ Per rank, from its spans (seconds):
 - ``step_s``, ``forward_s``, ``backward_s``, ``optimizer_s``: the step and its phases on the host;
 - ``gather_wait_s``: time in ZeRO-3's parameter fetches (what the step waited for its parameters,
   launches included), and ``gather_wait_by_level``: each instant of it charged to ``device`` when
-  the thread slept for a virtual device, else to the slowest link a gather was on the wire on then,
-  else to ``none`` (bookkeeping, queueing, copies);
+  a thread of the rank slept for a virtual device (the fetching thread itself, or the hop thread
+  its gather waits behind), else to the slowest link a gather was on the wire on then, else to
+  ``none`` (bookkeeping, queueing, copies);
 - ``gather_busy_by_level`` / ``reduce_busy_by_level``: per link class, how long at least one
   gather / reduce-scatter was on the wire: in flight (an asynchronous one from its launch until its
   wait ended) less the stretches its thread slept for a virtual device to produce its input;
@@ -22,7 +23,9 @@ Per rank, from its spans (seconds):
 
 from __future__ import annotations
 
+import gzip
 import json
+import re
 import statistics
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -90,8 +93,8 @@ def _wait_by_level(
     gathers: Sequence[tuple[str, float, float]],
     device_waits: Sequence[tuple[float, float]],
 ) -> dict[str, float]:
-    """Each instant of ``waits`` charged to the device when the thread slept for it, else to the
-    slowest link a gather was on the wire on, else to none."""
+    """Each instant of ``waits`` charged to the device when a thread slept for it (``device_waits``),
+    else to the slowest link a gather was on the wire on, else to none."""
     out: dict[str, float] = {}
     for wait in waits:
         inside = [g for g in gathers if g[2] > wait.start and g[1] < wait.end]
@@ -148,7 +151,9 @@ def summarize(rank_spans: Sequence[Span]) -> dict[str, Any]:
         "backward_s": phase("backward"),
         "optimizer_s": phase("optimizer step"),
         "gather_wait_s": sum(s.seconds for s in fetches),
-        "gather_wait_by_level": _wait_by_level(fetches, gathers, slept.get(step.thread, [])),
+        "gather_wait_by_level": _wait_by_level(
+            fetches, gathers, _merged(i for s in slept.values() for i in s)
+        ),
         "gather_busy_by_level": _busy_by_level(gathers),
         "reduce_busy_by_level": _busy_by_level(
             _in_flight([s for s in rank_spans if s.category == "reduce"], slept)
@@ -196,9 +201,32 @@ def chrome_trace(per_rank: Sequence[Sequence[Span]]) -> dict[str, Any]:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
+def trace_path(directory: Path, variant: str) -> Path:
+    """Where a variant's trace goes: its name in letters, digits and ``_``, gzipped JSON (which
+    Perfetto and ``chrome://tracing`` open as they are)."""
+    return directory / f"{re.sub(r'[^A-Za-z0-9]+', '_', variant).strip('_')}.trace.json.gz"
+
+
 def write_trace(per_rank: Sequence[Sequence[Span]], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(per_rank)))
+    with gzip.open(path, "wt") as out:
+        json.dump(chrome_trace(per_rank), out)
+
+
+def read_trace(path: Path) -> list[list[Span]]:
+    """A trace file back as each rank's spans (times from that rank's step start)."""
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    per_rank: dict[int, list[Span]] = {}
+    for e in events:
+        if e["ph"] == "X":
+            start = e["ts"] / 1e6
+            span = Span(
+                e["name"], e["cat"], threads[(e["pid"], e["tid"])], start, start + e["dur"] / 1e6, e["args"]
+            )
+            per_rank.setdefault(e["pid"], []).append(span)
+    return [per_rank[rank] for rank in sorted(per_rank)]
 
 
 def _levels(figures: dict[str, float]) -> str:

@@ -149,3 +149,24 @@ def test_a_collective_is_a_span_and_an_asynchronous_one_its_launch_wait_and_flig
     launch, flight = log.spans[1], log.spans[3]
     assert flight.thread == "collectives in flight" and flight.start == launch.start
     assert flight.end == log.spans[2].end
+
+
+def test_a_fetch_waiting_behind_a_hop_thread_asleep_for_the_device_waits_for_the_device():
+    step = [
+        Span("step", "step", MAIN, 0, 2),
+        Span("fetch parameters", "fetch", MAIN, 0, 2, {"forward": True}),
+        Span("wait for device", "device wait", HOPS, 0, 1),  # the gather's input not made yet
+        Span("all_gather inter_node", "gather", HOPS, 0, 2, {"link": "inter_node"}),
+    ]
+    s = trace_report.summarize(step)
+    assert s["gather_wait_by_level"] == {"device": 1, "inter_node": 1}
+    assert s["gather_busy_by_level"] == {"inter_node": 1}
+
+
+def test_a_trace_file_reads_back_as_each_ranks_spans_from_its_step_start(tmp_path):
+    path = trace_report.trace_path(tmp_path, "zero++ (hpZ + qwZ + qgZ)")
+    assert path.name == "zero_hpZ_qwZ_qgZ.trace.json.gz"
+    later = [Span(s.name, s.category, s.thread, s.start + 100, s.end + 100, s.args) for s in _step()]
+    trace_report.write_trace([_step(), later], path)
+    back = trace_report.read_trace(path)
+    assert len(back) == 2 and all(trace_report.summarize(r) == trace_report.summarize(_step()) for r in back)

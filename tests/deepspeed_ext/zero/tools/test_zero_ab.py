@@ -4,6 +4,7 @@ how it counts, and that it runs end to end on the emulated cluster and from the 
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import subprocess
@@ -179,7 +180,7 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(ab_quick):
         assert traced["step_s"] > 0 and 0 < traced["device_busy_s"] <= traced["step_s"]
         assert traced["gather_wait_s"] == pytest.approx(sum(traced["gather_wait_by_level"].values()))
         assert traced["gather_busy_by_level"]["inter_node"] > 0  # every variant gathers across nodes
-        chrome = json.loads(Path(rows[name]["trace_file"]).read_text())
+        chrome = json.loads(gzip.decompress(Path(rows[name]["trace_file"]).read_bytes()))
         slices = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
         assert {e["pid"] for e in slices} == set(range(8))
         assert {"step", "fetch", "device", "gather", "reduce hook"} <= {e["cat"] for e in slices}
