@@ -285,7 +285,8 @@ def _traced(
         return call()
     size = dist.get_world_size(group)
     link = _active.link_class(group) if _active is not None else f"{size} ranks"
-    name, facts = f"{collective} {link}", {"link": str(link), "bytes": nbytes, "ranks": size}
+    name = f"{collective} {link}"
+    facts: dict[str, Any] = {"link": str(link), "bytes": nbytes, "ranks": size}
     if not async_op:
         with spans.span(name, kind, **facts):
             return call()

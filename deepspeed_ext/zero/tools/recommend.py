@@ -190,6 +190,22 @@ def _ranges(
     )
 
 
+NO_GAIN = 1.01
+"""The best plan must project at least this many times stock ZeRO-3's TFLOPS to be recommended: below
+it (one node, where no byte crosses a NIC, for one) the planner writes stock ZeRO-3 instead."""
+
+
+def no_gain(best: Row) -> str | None:
+    """Why the best plan is not recommended over stock ZeRO-3 at its TP (None: it is)."""
+    ratio = best.ratios["zero3"]
+    if ratio >= NO_GAIN:
+        return None
+    return (
+        f"the best plan projects {ratio:.2f}x stock ZeRO-3's TFLOPS at the same TP (below {NO_GAIN:g}x): "
+        "hierarchical ZeRO saves NIC bytes, and here they do not set the step"
+    )
+
+
 def _what_has_run(backend: Backend, allow_unverified: bool) -> str:
     """What the proposed plans' paths have run on ``backend``, in :mod:`~deepspeed_ext.zero.cost.verified`'s words."""
     if allow_unverified:
@@ -271,6 +287,12 @@ def main(argv: list[str] | None = None, check_sections: Callable[[dict], object]
     )
     profile = args.profile if measured is not None and measured.job_reads_it else None
     written = written_config(ds, best.plan, profile, plan_batch)
+    why = no_gain(best)
+    if why is not None:
+        written["hierarchical_zero"]["enabled"] = False
+        print(
+            f"\nNo gain: {why}. Keep stock ZeRO-3: the JSON below is the best plan's with hierarchical_zero off."
+        )
     print(
         "\nDeepSpeed JSON (your --ds-config with the best plan's changes):\n" + json.dumps(written, indent=1)
     )

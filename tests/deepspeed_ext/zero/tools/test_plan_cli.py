@@ -213,3 +213,21 @@ def markdown_table() -> str:
 
 def test_the_docs_backend_table_is_the_planners_source():
     assert markdown_table() in (ROOT / "docs" / "hierarchical_zero.md").read_text()
+
+
+def test_where_no_byte_crosses_a_nic_the_planner_keeps_stock_zero3(tmp_path, capsys):
+    # one node: the best plan projects what stock ZeRO-3 does at its TP, so it is not recommended
+    out = tmp_path / "ds.json"
+    rows = plan_cli.main(
+        ["--model", "gpt-1.3b", "--nodes", "1", "--topology", "h100", "--output-json", str(out)]
+    )
+    assert rows[0].ratios["zero3"] < plan_cli.NO_GAIN
+    assert "No gain: the best plan projects 1.00x stock ZeRO-3's TFLOPS" in capsys.readouterr().out
+    written = json.loads(out.read_text())
+    assert written["hierarchical_zero"]["enabled"] is False and written["zero_optimization"]["stage"] == 3
+    # across nodes it is recommended
+    rows = plan_cli.main([*FRONTIER_20B, "--output-json", str(out), "--top", "1"])
+    assert (
+        rows[0].ratios["zero3"] >= plan_cli.NO_GAIN
+        and json.loads(out.read_text())["hierarchical_zero"]["enabled"]
+    )
