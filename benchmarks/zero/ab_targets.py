@@ -58,6 +58,7 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
     }
     worst = max(errors, key=lambda name: abs(errors[name]))
     return {
+        "regime": result.get("regime", "frontier"),
         "nodes": result["spec"]["nodes"],
         "ranks": result["spec"]["nodes"]
         * result["spec"]["packages_per_node"]
@@ -81,16 +82,16 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
 
 def _targets_table(judged: list[dict[str, Any]]) -> list[str]:
     lines = [
-        "| nodes (ranks) | contention | ours / hpZ at its best | ours / full ZeRO++ | ours quantized / full ZeRO++ "
+        "| regime | nodes (ranks) | contention | ours / hpZ at its best | ours / full ZeRO++ | ours quantized / full ZeRO++ "
         "| hpZ exposed | ours / compute-only (target <= 1.10 where hpZ exposed >= 20 %) | worst model error (target 15 %) |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for j in judged:
         ceiling = j["ours_over_compute"]
         verdict = ("met" if ceiling <= CEILING else "missed") if j["ceiling_applies"] else "does not apply"
         name, error = j["worst_model_error"]
         lines.append(
-            f"| {j['nodes']} ({j['ranks']}) | {j['contention']:g} | {j['hpz_best']}: {_ratio(j['ours_over_hpz'])} "
+            f"| {j['regime']} | {j['nodes']} ({j['ranks']}) | {j['contention']:g} | {j['hpz_best']}: {_ratio(j['ours_over_hpz'])} "
             f"| {_ratio(j['ours_over_zeropp'])} | {_ratio(j['quantized_over_zeropp'])} | {j['hpz_exposed_share']:.0%} "
             f"| {ceiling:.3f} {verdict} | {name} {error:+.1%} {'met' if abs(error) <= MODEL_TOLERANCE else 'missed'} |"
         )
@@ -100,9 +101,9 @@ def _targets_table(judged: list[dict[str, Any]]) -> list[str]:
 def _where_table(judged: list[dict[str, Any]]) -> list[str]:
     """Per run and variant: the step less the compute-only step, split by the traced step."""
     lines = [
-        "| nodes | contention | variant | step (s) | NIC MiB/step | device ops | device busy beyond compute-only (s) "
+        "| regime | nodes | contention | variant | step (s) | NIC MiB/step | device ops | device busy beyond compute-only (s) "
         "| device idle (s) | gather wait on the wire, by link (s) | reduce-scatters on the wire (s) | hooks' host time (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for j in judged:
         for name, step in j["steps_s"].items():
@@ -111,7 +112,7 @@ def _where_table(judged: list[dict[str, Any]]) -> list[str]:
                 continue
             wire = {k: v for k, v in t["gather_wait_by_level"].items() if k not in ("none", "device")}
             lines.append(
-                f"| {j['nodes']} | {j['contention']:g} | {name} | {step:.2f} | {j['nic_mib_per_step'][name]:.2f} "
+                f"| {j['regime']} | {j['nodes']} | {j['contention']:g} | {name} | {step:.2f} | {j['nic_mib_per_step'][name]:.2f} "
                 f"| {t.get('device_ops', 0):.0f} | {t['device_busy_s'] - j['compute_only_s']:+.2f} | {t['step_s'] - t['device_busy_s']:.2f} "
                 f"| {', '.join(f'{k} {v:.2f}' for k, v in sorted(wire.items())) or '-'} "
                 f"| {sum(t['reduce_busy_by_level'].values()):.2f} | {t['hooks_host_s']:.2f} |"
@@ -152,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
             f"no A/B results of a device run in {OUT}: run python -m benchmarks.zero.ab --device mi250x"
         )
     judged = [judge(json.loads(p.read_text())) for p in sources]
-    judged.sort(key=lambda j: (j["nodes"], j["contention"]))
+    judged.sort(key=lambda j: (j["regime"], j["nodes"], j["contention"]))
     args.out.write_text(markdown(judged, sources))
     print(args.out.read_text())
 
