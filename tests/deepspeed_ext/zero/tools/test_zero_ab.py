@@ -135,7 +135,7 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(ab_quick):
     # from the session's start (tests/helpers/ab_quick.py): the frontier regime, the default, 2 nodes
     # of 2 MI250Xs (a NIC each, shared by its 2 GCDs), compute on the stand-in; the ranks forked warm
     out = ab_quick.out
-    result = json.loads((out / "ab_frontier_mi250x_quick.json").read_text())
+    result = json.loads((out / "ab_frontier_mi250x_nodes2_quick.json").read_text())
     assert result["regime"] == "frontier" and result["spec"]["name"] == "frontier_bandwidth"
     assert result["spec"]["nodes"] == 2 and result["spec"]["packages_per_node"] == 2
     assert result["command"].endswith("--device mi250x --quick --warm")
@@ -187,8 +187,8 @@ def test_probe_and_ab_quick_on_the_emulated_cluster(ab_quick):
     assert result["trace"]["ours"]["hop_queue_s"] > 0 and result["trace"]["ours"]["copy_s"] > 0
     assert rows[quantized]["nic_mib_per_step"] < rows["ours"]["nic_mib_per_step"]  # int8 / int4 across nodes
     assert result["trace"]["zero3"]["hop_queue_s"] == 0  # stock ZeRO-3 has no hops
-    assert (out / "ab_frontier_mi250x_quick.png").stat().st_size > 0
-    assert (out / "ab_frontier_mi250x_quick_profile.json").exists()
+    assert (out / "ab_frontier_mi250x_nodes2_quick.png").stat().st_size > 0
+    assert (out / "ab_frontier_mi250x_nodes2_quick_profile.json").exists()
 
 
 @pytest.mark.netns
