@@ -72,7 +72,6 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
         "hpz_exposed_share": exposed,
         "ours_over_compute": _median(rows["ours"]) / compute,
         "ceiling_applies": exposed >= EXPOSED_SHARE,
-        "model_errors": errors,
         "worst_model_error": (worst, errors[worst]),
         "nic_mib_per_step": {name: row["nic_mib_per_step"] for name, row in rows.items()},
         "steps_s": {name: _median(row) for name, row in rows.items()},
