@@ -22,8 +22,11 @@ from megatron_ext.integration.gpt import causal_mask, local_layer_spec
 from megatron_ext.layers.config import FlashOverlapConfig
 from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
-BLOCKS = ("mlp", "layer")
-METHODS = ("megatron_core", "chunked_4", "flash_overlap", "megatron_core_p2p", "te_split_p2p")
+BLOCKS = ("mlp", "layer", "layers")
+"""The MLP alone, one transformer layer, or a stack of ``Shapes.layers`` layers."""
+METHODS = ("megatron_core", "chunked_4", "flash_overlap", "megatron_core_p2p", "te_split_p2p", "domino_p2p")
+WHOLE_SEQUENCE = ("domino_p2p",)
+"""Methods whose ranks hold the whole sequence (TP without sequence parallelism), not a 1/N shard."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,14 @@ class Shapes:
     """Attention heads (a multiple of the TP size)."""
     ffn: int
     """MLP width f (a multiple of the TP size)."""
+    layers: int = 1
+    """Layers of the ``layers`` block."""
 
 
 def _config(shapes: Shapes, tp: int, compute_only: bool, dtype: torch.dtype) -> TransformerConfig:
     n = tp if compute_only else 1  # compute-only: TP=1 with the shard shapes of TP=tp
     return TransformerConfig(
-        num_layers=1,
+        num_layers=shapes.layers,
         hidden_size=shapes.hidden,
         num_attention_heads=shapes.heads // n,
         kv_channels=shapes.hidden // shapes.heads,
@@ -93,6 +98,8 @@ class Block(torch.nn.Module):
         """``group``: the TP group of size ``tp``, or for compute_only a group of this rank alone;
         ``dtype``: of the weights (bf16 on a stand-in device, as GPUs train)."""
         super().__init__()
+        if method == "domino_p2p":
+            raise ValueError("domino_p2p is its own module: benchmarks.flash_overlap.domino.DominoStack")
         compute_only = method == "compute_only"
         config = _config(shapes, tp, compute_only, dtype)
         spec = copy.deepcopy(_layer_spec("megatron_core" if compute_only else method))
@@ -102,7 +109,11 @@ class Block(torch.nn.Module):
             self.module = build_module(spec.submodules.mlp, config=config, tp_group=group)
             self.mask = None
         else:
-            self.module = build_module(spec, config=config, layer_number=1, pg_collection=_pgs(group))
+            layers = shapes.layers if block == "layers" else 1
+            self.module = torch.nn.Sequential(*(
+                build_module(spec, config=config, layer_number=i + 1, pg_collection=_pgs(group))
+                for i in range(layers)
+            ))  # fmt: skip
             self.mask = causal_mask(shapes.seq, "cpu")
         self.block = block
 
@@ -112,7 +123,9 @@ class Block(torch.nn.Module):
             if self.block == "mlp":
                 out, _ = self.module(x)
             else:
-                out, _ = self.module(x, attention_mask=self.mask)
+                out = x
+                for layer in self.module:
+                    out, _ = layer(out, attention_mask=self.mask)
             out.backward(grad)
         return out
 

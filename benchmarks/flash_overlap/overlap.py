@@ -35,7 +35,51 @@ from mdsp_base.shutdown import exit_without_teardown
 TP_METHODS = ["megatron_core_p2p", "te_split_p2p", "flash_overlap", "megatron_core"]
 UP_MODULE = ["-m", "benchmarks.flash_overlap.ulysses_rank"]
 TP_MODULE = ["-m", "benchmarks.flash_overlap.rank"]
-TP_REGIME = "balanced"
+PRESETS = {"1.3b": (2048, 16), "20b": (6144, 64)}
+"""(hidden, attention heads) of the GPT presets whose layers ``--preset`` stacks (MLP width 4 h)."""
+
+
+def _tp_regime(args: argparse.Namespace) -> str:
+    """A preset keeps its real MLP width; without one the width is tuned to the balanced regime."""
+    return "fixed" if args.preset else "balanced"
+
+
+def _tp_args(args: argparse.Namespace, tp: int) -> list[str]:
+    """The TP rank's sizes: a preset's stack of layers (whole sequence ``--seq``), or the tuned MLP
+    and layer at the rank's default sizes."""
+    if not args.preset:
+        return ["--methods", *TP_METHODS, "--regimes", _tp_regime(args)]
+    hidden, heads = PRESETS[args.preset]
+    return [
+        "--methods", *TP_METHODS, "domino_p2p", "--regimes", "fixed", "--blocks", "layers",
+        "--layers", str(args.layers), "--hidden", str(hidden), "--heads", str(heads),
+        "--ffn", str(4 * hidden), "--seq-per-rank", str(args.seq // tp), "--batch", str(args.batch),
+    ]  # fmt: skip
+
+
+def _check_preset(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse preset sizes that a TP or SP degree does not divide, before any launch."""
+    if not args.preset:
+        return
+    heads = PRESETS[args.preset][1]
+    for tp in args.tp:
+        if args.seq % (4 * tp) or heads % tp:
+            parser.error(
+                f"--preset {args.preset} at TP={tp}: --seq {args.seq} must be a multiple of 4 x {tp} "
+                f"(the 4-chunk slicing cuts each rank's share in 4) and {tp} must divide its {heads} heads"
+            )
+    if args.batch % 2:
+        parser.error(f"--batch {args.batch}: Domino splits the micro-batch in two halves, so it must be even")
+    for sp in args.sp:
+        if args.seq % sp:
+            parser.error(f"--preset {args.preset} at SP={sp}: --seq {args.seq} must be a multiple of {sp}")
+
+
+def _up_args(args: argparse.Namespace, sp: int) -> list[str]:
+    """The UP rank's sizes: a preset's whole sequence ``--seq`` cut over SP ranks, or its defaults."""
+    if not args.preset:
+        return []
+    return ["--seq-per-rank", str(args.seq // sp), "--batch", str(args.batch)]
 
 
 def _launch(
@@ -53,14 +97,13 @@ def _dilation(args: argparse.Namespace, world: int, mbit: float) -> float:
 
 def _tp_launches(args: argparse.Namespace, tp: int, repeats: list[str]) -> list[list[dict]]:
     """Every launch's summaries at TP=tp, the MLP width tuned by the first launch and kept."""
-    runs, fixed = [], []
+    runs, fixed, regime = [], [], _tp_regime(args)
     for _ in range(args.launches):
-        rank_args = ["--methods", *TP_METHODS, "--regimes", TP_REGIME, *fixed, *repeats]
+        rank_args = [*_tp_args(args, tp), *fixed, *repeats]
         per_rank = _launch(args, tp, TP_MODULE, rank_args, args.mbit)
-        fixed = fixed or ["--ffn", str(per_rank[0]["regimes"][TP_REGIME]["ffn"])]
-        runs.append(
-            [summarize(per_rank, TP_REGIME, block) for block in per_rank[0]["regimes"][TP_REGIME]["blocks"]]
-        )
+        if not args.preset:
+            fixed = fixed or ["--ffn", str(per_rank[0]["regimes"][regime]["ffn"])]
+        runs.append([summarize(per_rank, regime, block) for block in per_rank[0]["regimes"][regime]["blocks"]])
     return runs
 
 
@@ -74,6 +117,16 @@ def main() -> None:
     parser.add_argument("--sp", type=int, nargs="*", default=[2], help="sequence-parallel sizes of UP")
     parser.add_argument("--up-mbit", type=float, default=100.0, help="link rate of the UP runs")
     parser.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="time a stack of this GPT preset's layers at its real shapes (TP, with Domino) and its "
+        "sequence under UP, instead of the tuned MLP and layer",
+    )
+    parser.add_argument("--layers", type=int, default=4, help="layers of a preset's stack")
+    parser.add_argument("--seq", type=int, default=2048, help="whole sequence of a preset's runs")
+    parser.add_argument("--batch", type=int, default=2, help="micro-batch of a preset's runs (Domino halves it)")
+    parser.add_argument(
         "--launches", type=int, default=None, help="fresh launches per size (default 5, quick 1)"
     )
     parser.add_argument("--quick", action="store_true", help="one launch (a few minutes in all)")
@@ -84,6 +137,7 @@ def main() -> None:
     add_device_flags(parser, dilation=None)
     args = parser.parse_args()
     check_device_flags(parser, args)
+    _check_preset(parser, args)
     argv = sys.argv[1:]
     steps = args.steps
     warmup = args.warmup or (1 if args.quick else 2)
@@ -98,7 +152,8 @@ def main() -> None:
     tp_runs = [_tp_launches(args, tp, repeats) for tp in args.tp]
     up_runs = []
     for sp in args.sp:
-        launches = [_launch(args, sp, UP_MODULE, repeats, args.up_mbit) for _ in range(args.launches)]
+        up_args = [*_up_args(args, sp), *repeats]
+        launches = [_launch(args, sp, UP_MODULE, up_args, args.up_mbit) for _ in range(args.launches)]
         up_runs.append(
             [[up_summary(per_rank, regime) for regime in per_rank[0]["regimes"]] for per_rank in launches]
         )
@@ -134,7 +189,8 @@ def main() -> None:
         ),
     }
     label = f"overlap_{'cluster' + format(args.mbit, 'g') if args.network == 'cluster' else 'loopback'}"
-    label += ("" if args.device == "host" else f"_{args.device}") + ("_quick" if args.quick else "")
+    label += ("" if args.device == "host" else f"_{args.device}") + (f"_{args.preset}" if args.preset else "")
+    label += (f"_contention{args.contention:g}" if args.contention else "") + ("_quick" if args.quick else "")
     entries = paired_across(tp_runs, up_runs)
     rows = targets(entries, tp_runs, up_runs)
     page = "\n".join([

@@ -36,7 +36,7 @@ class Linear:
 
 
 def linears(block: str, shapes: Shapes, tp: int) -> list[Linear]:
-    """The block's linears with this rank's shard shapes."""
+    """The block's linears with this rank's shard shapes (one layer's, for a stack of layers)."""
     h, f = shapes.hidden, shapes.ffn // tp
     mlp = [Linear("fc1", True, h, f), Linear("fc2", False, f, h)]
     if block == "mlp":

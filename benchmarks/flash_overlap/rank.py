@@ -23,10 +23,13 @@ import torch.distributed as dist
 from benchmarks.cluster import write_result
 from benchmarks.device import StandIn, add_device_flags, stand_in
 from benchmarks.flash_overlap import probes
-from benchmarks.flash_overlap.blocks import BLOCKS, METHODS, Block, Shapes
+from benchmarks.flash_overlap.blocks import BLOCKS, METHODS, WHOLE_SEQUENCE, Block, Shapes
+from benchmarks.flash_overlap.domino import DominoStack
 from mdsp_base.shutdown import exit_without_teardown
 
-REGIMES = ("hideable", "balanced")
+REGIMES = ("hideable", "balanced", "fixed")
+"""How the MLP width is chosen: tuned so that fc1's slice compute is 2x its slice transfer (hideable) or
+(N-1)/N of it (balanced), or ``--ffn`` as given (fixed: a preset's real shapes)."""
 COMPUTE_OPS = {
     "aten::mm",
     "aten::addmm",
@@ -129,6 +132,8 @@ def _check(modules: dict[str, Block], shard: torch.Tensor, grad: torch.Tensor) -
     from megatron-core's on gloo: the baselines compute what they replace."""
     results = {}
     for name, module in modules.items():
+        if name in WHOLE_SEQUENCE:  # its own layers and weights: not the same function's values
+            continue
         out = module.step(shard, grad)
         results[name] = [out.detach(), *(p.grad for p in module.parameters())]
         module.zero_grad(set_to_none=True)
@@ -144,6 +149,11 @@ def _dtype(device: StandIn | None) -> torch.dtype:
     return torch.float32 if device is None else torch.bfloat16
 
 
+def _layers(block: str, shapes: Shapes) -> int:
+    """Transformer layers in ``block``: the stack's, one, or none (the MLP alone counts as one)."""
+    return shapes.layers if block == "layers" else 1
+
+
 def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn | None) -> dict:
     n, rank = tp_group.size(), tp_group.rank()
     dtype = _dtype(device)
@@ -151,17 +161,21 @@ def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn
     x = torch.randn(shapes.seq, shapes.batch, shapes.hidden, dtype=dtype)
     shard, grad_full = x.chunk(n)[rank].contiguous(), torch.ones_like(x)
     grad_shard = grad_full.chunk(n)[rank].contiguous()
-    modules = {}
+    modules: dict[str, torch.nn.Module] = {}
     for method in args.methods:
         torch.manual_seed(1)  # equal weights in every method, for _check
-        modules[method] = Block(block, method, shapes, tp_group, n, dtype)
+        if method not in WHOLE_SEQUENCE:
+            modules[method] = Block(block, method, shapes, tp_group, n, dtype)
+        elif block != "mlp":  # Domino's unit is the whole layer
+            modules[method] = DominoStack(shapes, _layers(block, shapes), tp_group, dtype)
     load = [os.getloadavg()[0]]
     # a stand-in computes no values: there is nothing to compare
     check = _check(modules, shard, grad_shard) if device is None else {}
-    steps = {method: (lambda m=module: m.step(shard, grad_shard)) for method, module in modules.items()}
+    inputs = {m: (x, grad_full) if m in WHOLE_SEQUENCE else (shard, grad_shard) for m in modules}
+    steps = {method: (lambda m=module, a=inputs[method]: m.step(*a)) for method, module in modules.items()}
     compute = Block(block, "compute_only", shapes, solo, n, dtype)
     steps["compute_only"] = lambda: compute.step(x, grad_full)
-    pairs = 1 if block == "mlp" else 2
+    pairs = 1 if block == "mlp" else 2 * _layers(block, shapes)
     for transport in probes.TRANSPORTS:
         steps[f"comm_only_{transport}"] = lambda t=transport: probes.comm_only(t, pairs, shard, tp_group)
     times = _timed(steps, args.warmup, args.steps, device)
@@ -175,7 +189,7 @@ def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn
         for lin in probes.linears(block, shapes, n)
     }
     return {
-        "times": times, "profiled": profiled, "gemms": gemms, "pairs": pairs,
+        "times": times, "profiled": profiled, "gemms": gemms, "pairs": pairs, "layers": _layers(block, shapes),
         "max_abs_diff_vs_megatron_core": check, "load": load,
     }  # fmt: skip
 
@@ -190,7 +204,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--heads", type=int, default=12, help="attention heads of the layer (multiple of TP)")
-    parser.add_argument("--blocks", nargs="+", choices=BLOCKS, default=list(BLOCKS))
+    parser.add_argument("--blocks", nargs="+", choices=BLOCKS, default=["mlp", "layer"])
+    parser.add_argument("--layers", type=int, default=4, help="layers of the layers block")
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--regimes", nargs="+", choices=REGIMES, default=list(REGIMES))
     parser.add_argument("--ffn", type=int, default=None, help="fixed MLP width instead of tuning per regime")
@@ -200,6 +215,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.seq_per_rank % 4:
         parser.error(f"--seq-per-rank {args.seq_per_rank} must be a multiple of 4 (chunked_4 cuts it in 4)")
+    if "fixed" in args.regimes and args.ffn is None:
+        parser.error("--regimes fixed keeps the MLP width as given: pass --ffn")
+    if "domino_p2p" in args.methods and args.batch % 2:
+        parser.error(f"domino_p2p splits the micro-batch in two halves: --batch {args.batch} must be even")
 
     warnings.filterwarnings("ignore")  # gloo's tensor collectives warn on every call in torch 2.13
     torch.set_num_threads(1)
@@ -223,9 +242,9 @@ def main() -> None:
     device = stand_in(args)
     result: dict = {"world_size": n, "args": vars(args), "regimes": {}}
     for regime in args.regimes:
-        base = Shapes(args.seq_per_rank * n, args.batch, args.hidden, args.heads, args.ffn or n)
+        base = Shapes(args.seq_per_rank * n, args.batch, args.hidden, args.heads, args.ffn or n, args.layers)
         ffn, probe = (args.ffn, {}) if args.ffn else _tune_ffn(regime, base, tp_group, args.warmup, device)
-        shapes = Shapes(base.seq, base.batch, base.hidden, base.heads, ffn)
+        shapes = Shapes(base.seq, base.batch, base.hidden, base.heads, ffn, base.layers)
         blocks = {block: _run_block(block, shapes, tp_group, solo, args, device) for block in args.blocks}
         result["regimes"][regime] = {"ffn": ffn, **probe, "blocks": blocks}
         if dist.get_rank() == 0:

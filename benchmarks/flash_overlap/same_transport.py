@@ -2,7 +2,7 @@
 overlap schedule and not the transport (on the emulated cluster gloo's collectives move the same bytes
 about 1.5x slower than the P2P exchange).
 
-Two context managers, used by the benchmark only, each restoring what it swapped on exit:
+Context managers, used by the benchmark only, each restoring what it swapped on exit.
 
 Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.same_transport`.
 """
@@ -10,12 +10,14 @@ Method in full: benchmarks/results/methods.md, `benchmarks.flash_overlap.same_tr
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from mdsp_base import dispatch
 from megatron_ext.layers.p2p.all_to_all import start_all_to_all
 from megatron_ext.layers.p2p.link import OverlapGroup
 from megatron_ext.layers.p2p.overlap import start_all_gather, start_reduce_scatter
@@ -144,3 +146,48 @@ def deepspeed_on_p2p() -> Iterator[None]:
         yield
     finally:
         ds_comm.all_to_all_single = original
+
+
+@contextmanager
+def deepspeed_all_reduce_on_p2p() -> Iterator[None]:
+    """``deepspeed.comm.all_reduce`` (in-place sum, what DeepSpeed's Domino layers call) as the P2P
+    reduce-scatter then all-gather of its rows. Every all-reduce runs on one worker thread in issue
+    order, as NCCL runs a communicator's collectives on one stream, so that the caller's next kernels
+    are issued while it moves; ``async_op=True`` returns a handle whose ``wait()`` joins it. Restored,
+    and the worker stopped, on exit."""
+    import deepspeed.comm as ds_comm
+
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="all-reduce on P2P")
+
+    def all_reduce(
+        tensor: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        group: dist.ProcessGroup | None = None,
+        async_op: bool = False,
+        **_: Any,
+    ) -> _Posted | None:
+        og = _og(group, "Domino all-reduce on P2P")
+        if op != dist.ReduceOp.SUM or tensor.shape[0] % og.size:
+            raise ValueError(
+                f"the P2P all-reduce sums rows split evenly: op {op}, {tensor.shape[0]} rows over {og.size} ranks"
+            )
+        modes = dispatch.modes_for_thread()
+
+        def run() -> None:
+            with torch.no_grad(), ExitStack() as stack:
+                dispatch.entered(modes, stack)
+                start_all_gather(start_reduce_scatter(tensor, og)(), og, tensor)()
+
+        posted = _Posted(worker.submit(run).result)
+        if async_op:
+            return posted
+        posted.wait()
+        return None
+
+    original = ds_comm.all_reduce
+    ds_comm.all_reduce = all_reduce
+    try:
+        yield
+    finally:
+        ds_comm.all_reduce = original
+        worker.shutdown(wait=True)

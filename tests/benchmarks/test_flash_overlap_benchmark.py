@@ -163,3 +163,22 @@ def test_a_comparison_needs_enough_pairs_of_positive_times() -> None:
     repeats["b"] = [3.0, 3.3] * (MIN_PAIRS // 2)
     entry = compare("c", repeats, "b", "a", "step")
     assert entry["ci95"][0] > 1 and verdict(entry).startswith("1.5")
+
+
+@pytest.mark.slow
+def test_a_presets_stack_of_layers_runs_every_tp_method_with_domino_on_a_stand_in(tmp_path: Path) -> None:
+    # one 1.3B layer (hidden 2048, MLP 8192) over a 64-token sequence: fields, not speed
+    _command(
+        "benchmarks.flash_overlap.overlap", "--quick", "--preset", "1.3b", "--layers", "1", "--seq", "64",
+        "--tp", "2", "--sp", "--out", str(tmp_path),
+    )  # fmt: skip
+    result = json.loads((tmp_path / "overlap_loopback_h100_1.3b_quick.json").read_text())
+    case = result["tp"][0]
+    assert (case["block"], case["tp"], case["ffn"]) == ("layers", 2, 8192)
+    assert set(case["methods"]) == {*TP_BASELINES, "flash_overlap"}
+    bound = case["schedule_bound_s"]  # max(compute, communication) + one slice
+    assert bound > max(case["t_comp_s"]["median"], case["t_comm_s"]["p2p"]["median"])
+    _check_paired(result["paired"], {"tp2-layers"})
+    versus_domino = [e for e in result["paired"] if e["baseline"] == "domino_p2p"]
+    assert [e["metric"] for e in versus_domino] == ["step"]  # its compute is not the twin's
+    assert any(r["target"].startswith("step <= 1.0x DeepSpeed Domino") for r in result["targets"])

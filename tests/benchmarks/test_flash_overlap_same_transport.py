@@ -1,7 +1,8 @@
 """The same-transport baselines compute what they replace: megatron-core's linears with their collectives
 swapped for the P2P exchange, and TransformerEngine's split on P2P, give megatron-core's outputs and
 gradients (MLP and whole layer, TP=2 and 4); DeepSpeed's DistributedAttention with its all-to-alls on
-P2P gives its unswapped output and gradients; and every swap is undone on exit."""
+P2P gives its unswapped output and gradients; DeepSpeed's Domino layers with their all-reduces on P2P
+give their output and gradients on gloo's all-reduce; and every swap is undone on exit."""
 
 from __future__ import annotations
 
@@ -82,3 +83,52 @@ def test_every_ulysses_method_equals_distributed_attention_on_its_gloo_all_to_al
             "ulysses_flash_overlap", "ulysses_group_major",
         }  # fmt: skip
         assert max(per_rank["errors"].values()) < 1e-5, per_rank["errors"]
+
+
+def _all_reduce_and_domino_on_p2p(tp: int) -> dict:
+    """The P2P all-reduce against gloo's on the same tensors, synchronous and overlapped with compute;
+    then two steps of DeepSpeed's Domino stack from equal weights, one with its all-reduces on gloo
+    (unswapped), one on P2P: the largest differences of outputs and gradients."""
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+
+    from benchmarks.flash_overlap.blocks import Shapes
+    from benchmarks.flash_overlap.domino import DominoStack
+    from benchmarks.flash_overlap.same_transport import deepspeed_all_reduce_on_p2p
+
+    rank = dist.get_rank()
+    tensors = [torch.randn(4 * tp, 3, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    expected = [t.clone() for t in tensors]
+    for t in expected:
+        dist.all_reduce(t)
+    original = ds_comm.all_reduce
+    with deepspeed_all_reduce_on_p2p():
+        handle = ds_comm.all_reduce(tensors[0], async_op=True)
+        ds_comm.all_reduce(tensors[1])  # queued behind the first, in issue order
+        handle.wait()
+    all_reduce = max((a - b).abs().max().item() for a, b in zip(tensors, expected))
+
+    shapes = Shapes(seq=8 * tp, batch=2, hidden=32, heads=4, ffn=64)
+    x = torch.randn(shapes.seq, shapes.batch, shapes.hidden, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for transport in ("gloo", "p2p"):
+        torch.manual_seed(0)
+        stack = DominoStack(shapes, 2, dist.group.WORLD, torch.float32)
+        if transport == "gloo":  # DeepSpeed's own step: its all-reduces unswapped
+            x_in = x.detach().requires_grad_()
+            y = stack.module(x_in, attention_mask=None)
+            y.backward(grad)
+        else:
+            y = stack.step(x, grad)
+        results[transport] = [y.detach(), *(p.grad for p in stack.parameters())]
+    domino = max((a - b).abs().max().item() for a, b in zip(results["p2p"], results["gloo"]))
+    return {"all_reduce": all_reduce, "domino": domino, "restored": ds_comm.all_reduce is original}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_domino_on_p2p_equals_domino_on_gloo_and_its_all_reduce_equals_gloo_all_reduce(run_ranks, tp):
+    for per_rank in run_ranks(tp, _all_reduce_and_domino_on_p2p, tp, timeout=180):
+        assert per_rank["restored"]
+        assert per_rank["all_reduce"] < 1e-6, per_rank
+        assert per_rank["domino"] < 1e-5, per_rank

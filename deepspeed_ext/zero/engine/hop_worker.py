@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from mdsp_base import comm, spans
+from mdsp_base import comm, dispatch, spans
 
 
 @dataclass(frozen=True)
@@ -177,18 +176,17 @@ def _after(needs: Sequence[Future], fn: Callable[[], Any]) -> Any:
 
 def _attributed(fn: Callable[[], Any]) -> Callable[[], Any]:
     """``fn`` without autograd, its bytes counted in the phase of the thread that asked for it, its
-    wait to start and its run recorded as spans, and under that thread's dispatch modes that follow work onto other threads (a mode offering
-    ``for_thread()``, such as a profiler's or an emulated device's; torch's modes are per thread)."""
+    wait to start and its run recorded as spans, under the asking thread's modes that follow work onto
+    other threads (``mdsp_base.dispatch``)."""
     counter = comm.active_counter()
     phase = counter.current_phase if counter is not None else "other"
-    modes = [m.for_thread() for m in _get_current_dispatch_mode_stack() if hasattr(m, "for_thread")]
+    modes = dispatch.modes_for_thread()
     asked = time.perf_counter()
 
     def attributed() -> Any:
         spans.record("hop queue", "queue", asked, time.perf_counter())  # behind what it runs after
         with torch.no_grad(), ExitStack() as stack, spans.span("hops", "hop"):
-            for mode in modes:
-                stack.enter_context(mode)
+            dispatch.entered(modes, stack)
             if counter is None:
                 return fn()
             with counter.phase(phase):

@@ -1,0 +1,23 @@
+"""Dispatch modes that follow a rank's work onto its helper threads.
+
+torch's dispatch modes are per thread: work handed to another thread leaves them behind. A mode that
+offers ``for_thread()`` (an emulated device's, a profiler's) gives a copy for the other thread to enter.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from typing import Any
+
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+
+def modes_for_thread() -> list[Any]:
+    """The calling thread's modes that follow work onto other threads, copied for another thread."""
+    return [m.for_thread() for m in _get_current_dispatch_mode_stack() if hasattr(m, "for_thread")]
+
+
+def entered(modes: list[Any], stack: ExitStack) -> None:
+    """Enter ``modes`` (from :func:`modes_for_thread`) on this thread for the life of ``stack``."""
+    for mode in modes:
+        stack.enter_context(mode)
