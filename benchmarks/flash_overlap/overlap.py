@@ -103,7 +103,9 @@ def _tp_launches(args: argparse.Namespace, tp: int, repeats: list[str]) -> list[
         per_rank = _launch(args, tp, TP_MODULE, rank_args, args.mbit)
         if not args.preset:
             fixed = fixed or ["--ffn", str(per_rank[0]["regimes"][regime]["ffn"])]
-        runs.append([summarize(per_rank, regime, block) for block in per_rank[0]["regimes"][regime]["blocks"]])
+        runs.append(
+            [summarize(per_rank, regime, block) for block in per_rank[0]["regimes"][regime]["blocks"]]
+        )
     return runs
 
 
@@ -125,7 +127,9 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, default=4, help="layers of a preset's stack")
     parser.add_argument("--seq", type=int, default=2048, help="whole sequence of a preset's runs")
-    parser.add_argument("--batch", type=int, default=2, help="micro-batch of a preset's runs (Domino halves it)")
+    parser.add_argument(
+        "--batch", type=int, default=2, help="micro-batch of a preset's runs (Domino halves it)"
+    )
     parser.add_argument(
         "--launches", type=int, default=None, help="fresh launches per size (default 5, quick 1)"
     )

@@ -97,7 +97,9 @@ def _all_reduce_and_domino_on_p2p(tp: int) -> dict:
     from benchmarks.flash_overlap.same_transport import deepspeed_all_reduce_on_p2p
 
     rank = dist.get_rank()
-    tensors = [torch.randn(4 * tp, 3, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)]
+    tensors = [
+        torch.randn(4 * tp, 3, generator=torch.Generator().manual_seed(10 * rank + i)) for i in range(2)
+    ]
     expected = [t.clone() for t in tensors]
     for t in expected:
         dist.all_reduce(t)
