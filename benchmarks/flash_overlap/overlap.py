@@ -194,6 +194,12 @@ def main() -> None:
     }
     label = f"overlap_{'cluster' + format(args.mbit, 'g') if args.network == 'cluster' else 'loopback'}"
     label += ("" if args.device == "host" else f"_{args.device}") + (f"_{args.preset}" if args.preset else "")
+    if args.preset:  # one command per size at its own link rate: each keeps its file
+        label += "".join(
+            f"_{kind}{'-'.join(map(str, sizes))}"
+            for kind, sizes in (("tp", args.tp), ("sp", args.sp))
+            if sizes
+        )
     label += (f"_contention{args.contention:g}" if args.contention else "") + ("_quick" if args.quick else "")
     entries = paired_across(tp_runs, up_runs)
     rows = targets(entries, tp_runs, up_runs)

@@ -72,6 +72,11 @@ def _exposed(m: dict[str, Any]) -> str:
     return _ms(m["exposed_per_repeat_s"])
 
 
+def _charged(device: dict[str, float] | None) -> str:
+    """Device kernels | busy ms per step on a stand-in; n/a on the host."""
+    return "n/a | n/a" if not device else f"{device['kernels']:.0f} | {device['busy_s'] * 1e3:.1f}"
+
+
 def _diff(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1e}"
 
@@ -90,15 +95,17 @@ def markdown(title: str, tp: list[dict[str, Any]], up: list[dict[str, Any]], met
             f"{s['schedule_bound_s'] * 1e3:.1f} (computed).",
             "",
             "| method | step | compute-only | exposed (step - compute-only) | bound (computed) | step / bound "
-            "| max abs diff vs megatron-core |",
-            "|---|---|---|---|---:|---:|---:|",
+            "| device kernels / step | device busy / step | max abs diff vs megatron-core |",
+            "|---|---|---|---|---:|---:|---:|---:|---:|",
         ]
         for name, m in s["methods"].items():
             diff = s["max_abs_diff_vs_megatron_core"].get(name)
             lines.append(
                 f"| {LABELS.get(name, name)} | {_ms(m['step_s'])} | {_ms(s['t_comp_s'])} | {_exposed(m)} "
-                f"| {_optional_ms(m['bound_s'])} | {_ratio(m['step_over_bound'])} | {_diff(diff)} |"
+                f"| {_optional_ms(m['bound_s'])} | {_ratio(m['step_over_bound'])} "
+                f"| {_charged(m['device_per_step'])} | {_diff(diff)} |"
             )
+        lines.append(f"| compute-only twin | | | | | | {_charged(s['compute_only_device_per_step'])} | |")
         lines.append("")
     for s in up:
         z = s["sizes"]

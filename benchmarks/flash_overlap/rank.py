@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -50,17 +51,20 @@ def _timed(
     warmup: int,
     steps: int,
     device: AbstractContextManager | None = None,
+    charged: dict[str, list[tuple[int, float]]] | None = None,
 ) -> dict[str, list[float]]:
     """Every function warmup + steps times, interleaved step by step (load drifts on a shared host hit
     all alike: the pairs of a paired comparison), each after a barrier and without garbage collection
     inside; the timed steps' seconds. ``device``: a stand-in entered around each step, whose exit
-    waits for its virtual device as ``torch.cuda.synchronize`` would."""
+    waits for its virtual device as ``torch.cuda.synchronize`` would; ``charged`` (with a stand-in)
+    receives each timed step's device kernels and busy seconds per function."""
     out: dict[str, list[float]] = {name: [] for name in fns}
     for i in range(warmup + steps):
         for name, fn in fns.items():
             gc.collect()
             gc.disable()
             dist.barrier()
+            before = _charged(device)
             start = time.perf_counter()
             with device if device is not None else nullcontext():
                 fn()
@@ -68,7 +72,17 @@ def _timed(
             gc.enable()
             if i >= warmup:
                 out[name].append(elapsed)
+                if charged is not None and before is not None:
+                    after = _charged(device)
+                    charged.setdefault(name, []).append((after[0] - before[0], after[1] - before[1]))
     return out
+
+
+def _charged(device: AbstractContextManager | None) -> tuple[int, float] | None:
+    """The stand-in's kernels and busy seconds so far (None on the host)."""
+    if not isinstance(device, StandIn):
+        return None
+    return device.stats.ops, device.stats.busy_s
 
 
 def _profiled(fn) -> dict:
@@ -178,7 +192,8 @@ def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn
     pairs = 1 if block == "mlp" else 2 * _layers(block, shapes)
     for transport in probes.TRANSPORTS:
         steps[f"comm_only_{transport}"] = lambda t=transport: probes.comm_only(t, pairs, shard, tp_group)
-    times = _timed(steps, args.warmup, args.steps, device)
+    charged: dict[str, list[tuple[int, float]]] = {}
+    times = _timed(steps, args.warmup, args.steps, device, charged)
     load.append(os.getloadavg()[0])
     # the profiler sees host compute ops, which a stand-in does not run
     names = (*args.methods, "compute_only") if device is None else ()
@@ -190,6 +205,10 @@ def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn
     }
     return {
         "times": times, "profiled": profiled, "gemms": gemms, "pairs": pairs, "layers": _layers(block, shapes),
+        "device_per_step": {
+            name: {"kernels": statistics.median(k for k, _ in c), "busy_s": statistics.median(b for _, b in c)}
+            for name, c in charged.items()
+        },
         "max_abs_diff_vs_megatron_core": check, "load": load,
     }  # fmt: skip
 

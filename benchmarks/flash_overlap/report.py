@@ -98,6 +98,8 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
             "bound_s": bound,
             "step_over_bound": None if bound is None else step["median"] / bound,
             "timeline": [p["spans"] for p in profiled],
+            # on a stand-in: device kernels and busy seconds per step (rank 0's median), else None
+            "device_per_step": recs[0].get("device_per_step", {}).get(name),
         }
     return {
         "block": block,
@@ -105,6 +107,7 @@ def summarize(per_rank: list[dict[str, Any]], regime: str, block: str) -> dict[s
         "tp": n,
         "ffn": per_rank[0]["regimes"][regime]["ffn"],
         "t_comp_s": _stats(times["compute_only"]),
+        "compute_only_device_per_step": recs[0].get("device_per_step", {}).get("compute_only"),
         "repeats_s": times,
         "stand_in": per_rank[0].get("device"),
         "t_comm_s": {t: _stats(times[f"comm_only_{t}"]) for t in t_comm},
