@@ -178,9 +178,10 @@ def test_a_presets_stack_of_layers_runs_every_tp_method_with_domino_on_a_stand_i
     assert set(case["methods"]) == {*TP_BASELINES, "flash_overlap"}
     bound = case["schedule_bound_s"]  # max(compute, communication) + one slice
     assert bound > max(case["t_comp_s"]["median"], case["t_comm_s"]["p2p"]["median"])
-    kernels = {name: m["device_per_step"]["kernels"] for name, m in case["methods"].items()}
-    assert kernels["flash_overlap"] > kernels["megatron_core_p2p"] > 0  # slicing issues more kernels
-    assert case["compute_only_device_per_step"]["busy_s"] > 0
+    charged = [m["device_per_step"] for m in case["methods"].values()] + [
+        case["compute_only_device_per_step"]
+    ]
+    assert all(c["kernels"] > 0 and c["busy_s"] > 0 for c in charged)  # counted per method and twin
     _check_paired(result["paired"], {"tp2-layers"})
     versus_domino = [e for e in result["paired"] if e["baseline"] == "domino_p2p"]
     assert [e["metric"] for e in versus_domino] == ["step"]  # its compute is not the twin's
