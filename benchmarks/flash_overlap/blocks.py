@@ -16,7 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from benchmarks.flash_overlap.chunked import ChunkedColumnParallelLinear, ChunkedRowParallelLinear
-from benchmarks.flash_overlap.same_transport import megatron_core_on_p2p
+from benchmarks.flash_overlap.same_transport import megatron_core_on_p2p, megatron_core_without_communication
 from benchmarks.flash_overlap.te_split import TESplitColumnParallelLinear, TESplitRowParallelLinear
 from megatron_ext.integration.gpt import causal_mask, local_layer_spec
 from megatron_ext.layers.config import FlashOverlapConfig
@@ -27,6 +27,11 @@ BLOCKS = ("mlp", "layer", "layers")
 METHODS = ("megatron_core", "chunked_4", "flash_overlap", "megatron_core_p2p", "te_split_p2p", "domino_p2p")
 WHOLE_SEQUENCE = ("domino_p2p",)
 """Methods whose ranks hold the whole sequence (TP without sequence parallelism), not a 1/N shard."""
+_COLLECTIVES = {
+    "megatron_core_p2p": megatron_core_on_p2p,
+    "compute_only": megatron_core_without_communication,
+}
+"""What megatron-core's collectives become in a method's step (the others keep their own)."""
 
 
 @dataclass(frozen=True)
@@ -47,16 +52,15 @@ class Shapes:
     """Layers of the ``layers`` block."""
 
 
-def _config(shapes: Shapes, tp: int, compute_only: bool, dtype: torch.dtype) -> TransformerConfig:
-    n = tp if compute_only else 1  # compute-only: TP=1 with the shard shapes of TP=tp
+def _config(shapes: Shapes, tp: int, dtype: torch.dtype) -> TransformerConfig:
     return TransformerConfig(
         num_layers=shapes.layers,
         hidden_size=shapes.hidden,
-        num_attention_heads=shapes.heads // n,
+        num_attention_heads=shapes.heads,
         kv_channels=shapes.hidden // shapes.heads,
-        ffn_hidden_size=shapes.ffn // n,
-        tensor_model_parallel_size=1 if compute_only else tp,
-        sequence_parallel=not compute_only and tp > 1,
+        ffn_hidden_size=shapes.ffn,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=tp > 1,
         use_cpu_initialization=True,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -95,16 +99,16 @@ class Block(torch.nn.Module):
         tp: int,
         dtype: torch.dtype = torch.float32,
     ) -> None:
-        """``group``: the TP group of size ``tp``, or for compute_only a group of this rank alone;
-        ``dtype``: of the weights (bf16 on a stand-in device, as GPUs train)."""
+        """``group``: the TP group of size ``tp``; ``dtype``: of the weights (bf16 on a stand-in
+        device, as GPUs train). ``compute_only``: megatron-core's layers whose collectives move
+        nothing, the compute-only twin of every method."""
         super().__init__()
         if method == "domino_p2p":
             raise ValueError("domino_p2p is its own module: benchmarks.flash_overlap.domino.DominoStack")
-        compute_only = method == "compute_only"
-        config = _config(shapes, tp, compute_only, dtype)
-        spec = copy.deepcopy(_layer_spec("megatron_core" if compute_only else method))
-        # megatron_core_p2p: megatron-core's own layers, their collectives swapped for the step only.
-        self.on_p2p = method == "megatron_core_p2p"
+        config = _config(shapes, tp, dtype)
+        spec = copy.deepcopy(_layer_spec("megatron_core" if method == "compute_only" else method))
+        # megatron-core's own layers with their collectives swapped for the step only
+        self.collectives = _COLLECTIVES.get(method, contextlib.nullcontext)
         if block == "mlp":
             self.module = build_module(spec.submodules.mlp, config=config, tp_group=group)
             self.mask = None
@@ -119,7 +123,7 @@ class Block(torch.nn.Module):
 
     def step(self, x: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         x = x.detach().requires_grad_()
-        with megatron_core_on_p2p() if self.on_p2p else contextlib.nullcontext():
+        with self.collectives():
             if self.block == "mlp":
                 out, _ = self.module(x)
             else:

@@ -46,6 +46,7 @@ def up_summary(per_rank: list[dict[str, Any]], regime: str) -> dict[str, Any]:
         name: {
             "step_s": _stats(times[name]),
             "exposed_per_repeat_s": _stats([a - b for a, b in zip(times[name], comp)]),
+            "device_per_step": recs[0].get("device_per_step", {}).get(name),
             # none on a stand-in device, which computes no values
             "max_abs_diff_vs_distributed_attention": recs[0]["max_abs_diff_vs_distributed_attention"].get(
                 name
@@ -59,6 +60,7 @@ def up_summary(per_rank: list[dict[str, Any]], regime: str) -> dict[str, Any]:
         "regime": regime,
         "sizes": recs[0]["sizes"],
         "t_comp_s": t_comp,
+        "compute_only_device_per_step": recs[0].get("device_per_step", {}).get("compute_only"),
         "repeats_s": times,
         "stand_in": per_rank[0].get("device"),
         "t_comm_s": t_comm,
@@ -117,8 +119,9 @@ def markdown(title: str, tp: list[dict[str, Any]], up: list[dict[str, Any]], met
             f"{s['comm_over_comp']['p2p']:.2f} (P2P), {s['comm_over_comp']['collectives']:.2f} (gloo).",
             "",
             "| method | step | compute-only | exposed (step - compute-only) "
-            "| step / DistributedAttention's (P2P), paired | max abs diff vs DistributedAttention (gloo) |",
-            "|---|---|---|---|---|---:|",
+            "| step / DistributedAttention's (P2P), paired | device kernels / step | device busy / step "
+            "| max abs diff vs DistributedAttention (gloo) |",
+            "|---|---|---|---|---|---:|---:|---:|",
         ]
         reference = "distributed_attention_p2p"
         for name, m in s["methods"].items():
@@ -129,7 +132,8 @@ def markdown(title: str, tp: list[dict[str, Any]], up: list[dict[str, Any]], met
             )
             lines.append(
                 f"| {LABELS[name]} | {_ms(m['step_s'])} | {_ms(s['t_comp_s'])} | {_exposed(m)} "
-                f"| {ratio} | {_diff(m['max_abs_diff_vs_distributed_attention'])} |"
+                f"| {ratio} | {_charged(m['device_per_step'])} | {_diff(m['max_abs_diff_vs_distributed_attention'])} |"
             )
+        lines.append(f"| compute-only twin | | | | | {_charged(s['compute_only_device_per_step'])} | |")
         lines.append("")
     return "\n".join(lines)

@@ -78,6 +78,14 @@ def _timed(
     return out
 
 
+def device_per_step(charged: dict[str, list[tuple[int, float]]]) -> dict[str, dict[str, float]]:
+    """Per function, the median over timed steps of its device kernels and busy seconds."""
+    return {
+        name: {"kernels": statistics.median(k for k, _ in c), "busy_s": statistics.median(b for _, b in c)}
+        for name, c in charged.items()
+    }
+
+
 def _charged(device: AbstractContextManager | None) -> tuple[int, float] | None:
     """The stand-in's kernels and busy seconds so far (None on the host)."""
     if not isinstance(device, StandIn):
@@ -168,7 +176,7 @@ def _layers(block: str, shapes: Shapes) -> int:
     return shapes.layers if block == "layers" else 1
 
 
-def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn | None) -> dict:
+def _run_block(block: str, shapes: Shapes, tp_group, args, device: StandIn | None) -> dict:
     n, rank = tp_group.size(), tp_group.rank()
     dtype = _dtype(device)
     torch.manual_seed(0)
@@ -187,8 +195,8 @@ def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn
     check = _check(modules, shard, grad_shard) if device is None else {}
     inputs = {m: (x, grad_full) if m in WHOLE_SEQUENCE else (shard, grad_shard) for m in modules}
     steps = {method: (lambda m=module, a=inputs[method]: m.step(*a)) for method, module in modules.items()}
-    compute = Block(block, "compute_only", shapes, solo, n, dtype)
-    steps["compute_only"] = lambda: compute.step(x, grad_full)
+    compute = Block(block, "compute_only", shapes, tp_group, n, dtype)
+    steps["compute_only"] = lambda: compute.step(shard, grad_shard)
     pairs = 1 if block == "mlp" else 2 * _layers(block, shapes)
     for transport in probes.TRANSPORTS:
         steps[f"comm_only_{transport}"] = lambda t=transport: probes.comm_only(t, pairs, shard, tp_group)
@@ -205,10 +213,7 @@ def _run_block(block: str, shapes: Shapes, tp_group, solo, args, device: StandIn
     }
     return {
         "times": times, "profiled": profiled, "gemms": gemms, "pairs": pairs, "layers": _layers(block, shapes),
-        "device_per_step": {
-            name: {"kernels": statistics.median(k for k, _ in c), "busy_s": statistics.median(b for _, b in c)}
-            for name, c in charged.items()
-        },
+        "device_per_step": device_per_step(charged),
         "max_abs_diff_vs_megatron_core": check, "load": load,
     }  # fmt: skip
 
@@ -254,17 +259,13 @@ def main() -> None:
     ps.initialize_model_parallel(tensor_model_parallel_size=n, create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(0)
     tp_group = ps.get_tensor_model_parallel_group()
-    solo = None
-    for r in range(n):  # every rank creates every group, in the same order
-        made = dist.new_group([r])
-        solo = made if r == dist.get_rank() else solo
     device = stand_in(args)
     result: dict = {"world_size": n, "args": vars(args), "regimes": {}}
     for regime in args.regimes:
         base = Shapes(args.seq_per_rank * n, args.batch, args.hidden, args.heads, args.ffn or n, args.layers)
         ffn, probe = (args.ffn, {}) if args.ffn else _tune_ffn(regime, base, tp_group, args.warmup, device)
         shapes = Shapes(base.seq, base.batch, base.hidden, base.heads, ffn, base.layers)
-        blocks = {block: _run_block(block, shapes, tp_group, solo, args, device) for block in args.blocks}
+        blocks = {block: _run_block(block, shapes, tp_group, args, device) for block in args.blocks}
         result["regimes"][regime] = {"ffn": ffn, **probe, "blocks": blocks}
         if dist.get_rank() == 0:
             print(f"regime {regime}: ffn={ffn} done", flush=True)

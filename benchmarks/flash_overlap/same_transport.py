@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from typing import Any
 
 import torch
@@ -71,18 +71,17 @@ def p2p_reduce_scatter_tensor(
 
 
 @contextmanager
-def megatron_core_on_p2p() -> Iterator[None]:
-    """megatron-core's sequence-parallel linears with their collectives on the P2P exchange (module
-    docstring lists what is swapped); restored on exit, also on error."""
+def _megatron_core_collectives(
+    all_gather: Callable[..., Any], reduce_scatter: Callable[..., Any]
+) -> Iterator[None]:
+    """megatron-core's sequence-parallel linears with their all-gather and reduce-scatter swapped
+    (module docstring lists the bindings); restored on exit, also on error."""
     from megatron.core.tensor_parallel import layers, mappings
 
     swaps = [
         (module, name, fn)
         for module in (layers, mappings)
-        for name, fn in (
-            ("dist_all_gather_func", p2p_all_gather_into_tensor),
-            ("dist_reduce_scatter_func", p2p_reduce_scatter_tensor),
-        )
+        for name, fn in (("dist_all_gather_func", all_gather), ("dist_reduce_scatter_func", reduce_scatter))
     ]
     originals = [(module, name, getattr(module, name)) for module, name, _ in swaps]
     try:
@@ -92,6 +91,26 @@ def megatron_core_on_p2p() -> Iterator[None]:
     finally:
         for module, name, original in originals:
             setattr(module, name, original)
+
+
+def megatron_core_on_p2p() -> AbstractContextManager[None]:
+    """megatron-core's sequence-parallel linears with their collectives on the P2P exchange."""
+    return _megatron_core_collectives(p2p_all_gather_into_tensor, p2p_reduce_scatter_tensor)
+
+
+def _nothing_moved(
+    output: torch.Tensor, input: torch.Tensor, *_: Any, async_op: bool = False, **__: Any
+) -> _Posted | None:
+    """A collective that moves nothing: ``output`` keeps what its allocation held."""
+    return _Posted(lambda: None) if async_op else None
+
+
+def megatron_core_without_communication() -> AbstractContextManager[None]:
+    """megatron-core's sequence-parallel linears with every all-gather and reduce-scatter of theirs a
+    no-op: each rank runs exactly its own kernels (norms and residuals on its 1/N of the sequence,
+    GEMMs at the gathered shapes) and nothing moves. The compute-only twin: its values are not the
+    layer's."""
+    return _megatron_core_collectives(_nothing_moved, _nothing_moved)
 
 
 @contextmanager

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from benchmarks.device import add_device_flags, stand_in
-from benchmarks.flash_overlap.rank import _timed
+from benchmarks.flash_overlap.rank import _timed, device_per_step
 from benchmarks.flash_overlap.same_transport import deepspeed_on_p2p, p2p_all_to_all_single
 from mdsp_base.shutdown import exit_without_teardown
 from megatron_ext.layers.p2p.link import OverlapGroup
@@ -204,11 +204,13 @@ def main() -> None:
     steps = {name: block.step for name, block in blocks.items()}
     for transport in ("p2p", "collectives"):
         steps[f"comm_only_{transport}"] = lambda t=transport: comm_only(t, sizes, dtype)
-    times = _timed(steps, args.warmup, args.steps, device)
+    charged: dict[str, list[tuple[int, float]]] = {}
+    times = _timed(steps, args.warmup, args.steps, device, charged)
     load.append(os.getloadavg()[0])
     regime = {
         "sizes": asdict(sizes),
         "times": times,
+        "device_per_step": device_per_step(charged),
         "max_abs_diff_vs_distributed_attention": check,
         "load": load,
     }
