@@ -16,6 +16,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from benchmarks.flash_overlap.chunked import ChunkedColumnParallelLinear, ChunkedRowParallelLinear
+from benchmarks.flash_overlap.fused_attention import FusedDotProductAttention
 from benchmarks.flash_overlap.same_transport import megatron_core_on_p2p, megatron_core_without_communication
 from benchmarks.flash_overlap.te_split import TESplitColumnParallelLinear, TESplitRowParallelLinear
 from megatron_ext.integration.gpt import causal_mask, local_layer_spec
@@ -71,9 +72,14 @@ def _config(shapes: Shapes, tp: int, dtype: torch.dtype) -> TransformerConfig:
 
 
 def _layer_spec(method: str) -> ModuleSpec:
+    """The method's layer spec, its core attention the fused kernel a GPU runs (``fused_attention``)."""
     if method == "flash_overlap":
-        return get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, backend="p2p"))
-    spec = local_layer_spec()
+        spec = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, backend="p2p"))
+    else:
+        spec = local_layer_spec()
+    spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
+    if method == "flash_overlap":
+        return spec
     swapped = {
         "chunked_4": (ChunkedColumnParallelLinear, ChunkedRowParallelLinear),
         "te_split_p2p": (TESplitColumnParallelLinear, TESplitRowParallelLinear),

@@ -134,3 +134,45 @@ def test_domino_on_p2p_equals_domino_on_gloo_and_its_all_reduce_equals_gloo_all_
         assert per_rank["restored"]
         assert per_rank["all_reduce"] < 1e-6, per_rank
         assert per_rank["domino"] < 1e-5, per_rank
+
+
+def _fused_against_megatron_core_attention() -> float:
+    """megatron-core's unfused DotProductAttention and the fused one on the same causal GQA inputs: the
+    largest difference of output and input gradients."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from benchmarks.flash_overlap.fused_attention import FusedDotProductAttention
+    from megatron_ext.integration.core_on_cpu import enable_cpu_support
+    from megatron_ext.integration.gpt import causal_mask
+
+    enable_cpu_support()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=2, create_gloo_process_groups=False)
+    model_parallel_cuda_manual_seed(0)  # the unfused attention's dropout forks this generator
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=8, num_query_groups=4, tensor_model_parallel_size=2,
+        use_cpu_initialization=True, attention_dropout=0.0,
+    )  # fmt: skip
+    s, b, d = 12, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(s, b, 4, d, generator=gen)  # this rank's 4 of 8 heads, 2 of 4 key/value groups
+    k, v = (torch.randn(s, b, 2, d, generator=gen) for _ in range(2))
+    grad = torch.randn(s, b, 4 * d, generator=gen)
+    results = []
+    for cls in (DotProductAttention, FusedDotProductAttention):
+        attention = cls(config, 1, AttnMaskType.causal, "self")
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*inputs, attention_mask=causal_mask(s, "cpu"))
+        out.backward(grad)
+        results.append([out.detach(), *(t.grad for t in inputs)])
+    ps.destroy_model_parallel()
+    return max((a - b).abs().max().item() for a, b in zip(*results))
+
+
+def test_the_fused_attention_equals_megatron_cores_unfused_attention(run_ranks):
+    for difference in run_ranks(2, _fused_against_megatron_core_attention, timeout=120):
+        assert difference < 1e-5, difference
