@@ -108,11 +108,19 @@ def _sequence_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
 def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` ([..., k] x [k, m]) for 16-bit operands, summed and returned in fp32, so that the
     partial products UP adds up per head group are rounded once, after the last one, as one GEMM
-    rounds them: on CUDA straight from the GEMM's accumulator (``out_dtype``), elsewhere on
-    operands made fp32."""
+    rounds them: straight from the GEMM's accumulator (``out_dtype``, one 16-bit GEMM) wherever
+    the backend has that GEMM, else (torch's CPU kernels) on operands made fp32."""
     a2d = a.reshape(-1, a.shape[-1])
-    out = torch.mm(a2d, b, out_dtype=torch.float32) if a.is_cuda else a2d.float() @ b.float()
-    return out.view(*a.shape[:-1], b.shape[-1])
+    return _mm_into_fp32(a2d, b).view(*a.shape[:-1], b.shape[-1])
+
+
+def _mm_into_fp32(a2d: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if a2d.is_cuda:
+        return torch.mm(a2d, b, out_dtype=torch.float32)
+    try:  # CPU has no such kernel; a dispatch mode in front of it (an emulated device) may
+        return torch.mm(a2d, b, out_dtype=torch.float32)
+    except NotImplementedError:
+        return a2d.float() @ b.float()
 
 
 def _sums_in_fp32(t: torch.Tensor) -> bool:

@@ -162,3 +162,21 @@ def test_a_stand_in_for_a_fused_kernel_is_charged_once_for_what_it_reads_and_wri
         q.quantize(x, 4096, 8, q.Symmetric)  # the same function unfused: a charge per pass
     assert device.stats.ops > 1
     assert as_one_kernel(q.quantize)(x, 4096, 8, q.Symmetric)[0].eq(127).all()  # no stand-in: computed
+
+
+def test_a_16_bit_gemm_summed_in_fp32_is_one_16_bit_gemm_as_on_the_gpu():
+    # Ulysses sums its per-head-group products in fp32: on a GPU one bf16 GEMM with an fp32 output
+    from megatron_ext.layers.ulysses import _matmul_fp32
+
+    a, b = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(128, 32, dtype=torch.bfloat16)
+    with StandIn(H100, dilation=1000) as device:
+        out = _matmul_fp32(a, b)
+    assert out.dtype == torch.float32 and out.shape == (64, 32)
+    assert device.stats.ops == 1
+    flops = 2 * 64 * 128 * 32
+    floor = H100.kernel_floor_us * 1e-6 * 1000
+    assert device.stats.by_kind["matmul"] == pytest.approx(
+        max(floor, flops / (989.4e12 * H100.gemm_efficiency) * 1000)
+    )
+    # without an emulated device the CPU computes it on fp32 operands
+    assert torch.allclose(_matmul_fp32(a, b), a.float() @ b.float())
