@@ -191,3 +191,25 @@ def test_a_presets_stack_of_layers_runs_every_tp_method_with_domino_on_a_stand_i
     versus_domino = [e for e in result["paired"] if e["baseline"] == "domino_p2p"]
     assert [e["metric"] for e in versus_domino] == ["step"]  # its compute is not the twin's
     assert any(r["target"].startswith("step <= 1.0x DeepSpeed Domino") for r in result["targets"])
+
+
+def test_the_summary_states_the_schedules_gain_and_the_transports_apart(tmp_path: Path) -> None:
+    from benchmarks.flash_overlap.summary import main as summary_main
+
+    case = _summary("layers", 0.7) | {"tp": 4, "schedule_bound_s": 0.5}
+    del case["repeats_s"]["domino_p2p"]  # a run without Domino: said, not guessed
+    charged = {"kernels": 10, "busy_s": 0.6}
+    case |= {"methods": {"flash_overlap": {"step_s": {"median": 0.7}, "device_per_step": charged}}}
+    case |= {"compute_only_device_per_step": {"kernels": 8, "busy_s": 0.5}}
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({"device": "mi250x", "dilation": {"tp4": 800}, "tp": [case], "up": []}))
+    summary_main(["--tp", str(run), "--out", str(tmp_path / "page.md")])
+    row = next(
+        line for line in (tmp_path / "page.md").read_text().splitlines() if line.startswith("| tp4-layers")
+    )
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "mi250x (dilation 800)"
+    assert cells[3].startswith("0.40")  # exposed about (0.7 - 0.5) / (1.0 - 0.5)
+    assert cells[6] == "not run"  # Domino
+    assert cells[7].startswith("1.000x") and cells[7].endswith("not separated")  # the transport alone
+    assert cells[8] == "1.40" and cells[9] == "10 / 8, +100.0 ms"
