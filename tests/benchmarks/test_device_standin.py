@@ -180,3 +180,36 @@ def test_a_16_bit_gemm_summed_in_fp32_is_one_16_bit_gemm_as_on_the_gpu():
     )
     # without an emulated device the CPU computes it on fp32 operands
     assert torch.allclose(_matmul_fp32(a, b), a.float() @ b.float())
+
+
+def _send_after_a_long_kernel() -> float:
+    """Rank 0 writes a buffer with one long virtual kernel and sends it over the Flash-Overlap link;
+    rank 1 returns how long after the common start its receive completed."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_ext.layers.p2p.link import Link, OverlapGroup, shutdown_posters
+
+    og = OverlapGroup(dist.group.WORLD, "direct", name="test")
+    link = Link(og, torch.device("cpu"), "stand-in send")
+    buf = torch.empty(1024, dtype=torch.bfloat16)
+    dist.barrier()
+    start = time.perf_counter()
+    if dist.get_rank() == 0:
+        a, b = torch.ones(2048, 2048, dtype=torch.bfloat16), torch.ones(2048, 2048, dtype=torch.bfloat16)
+        with StandIn(H100, dilation=40000):  # 2 x 2048^3 flops: about 0.7 s of virtual device
+            out = (a @ b).flatten()[:1024]
+            posted = link.exchange(None, 1, out, 1, 1)
+            link.wait(posted, False, 1, "send")
+    else:
+        link.wait(link.exchange(buf, 0, None, 0, 1), True, 0, "receive")
+    elapsed = time.perf_counter() - start
+    shutdown_posters()
+    return elapsed
+
+
+def test_a_p2p_send_waits_for_the_kernel_that_wrote_its_buffer(run_ranks):
+    kernel = 2 * 2048**3 / (989.4e12 * H100.gemm_efficiency) * 40000
+    received = run_ranks(2, _send_after_a_long_kernel, timeout=60)[1]
+    assert received >= kernel, (received, kernel)

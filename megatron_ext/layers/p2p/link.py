@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from mdsp_base import dispatch
 from megatron_ext.layers.config import Mode
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -182,7 +183,9 @@ class Link:
             works: Future = Future()
             works.set_result(dist.batch_isend_irecv(ops))
         else:
-            works = _poster().submit(dist.batch_isend_irecv, ops)  # one thread: batches stay in order
+            # one thread: batches stay in order; under the caller's modes that follow work (an
+            # emulated device makes a send wait for the kernel that writes its buffer, as NCCL's does)
+            works = _poster().submit(dispatch.carried(dist.batch_isend_irecv), ops)
         posted = Posted(works, int(recv_buf is not None), len(ops))
         if send_buf is not None:
             self.sends.append((posted, dst))
