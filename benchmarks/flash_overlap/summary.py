@@ -53,6 +53,15 @@ def _device(run: dict[str, Any], case: str) -> str:
     return f"{run['device']} (dilation {run['dilation'][case]:g})"
 
 
+def _row(
+    run: dict[str, Any], s: dict[str, Any], case: str, before: list[str], rows: tuple, after: list[str]
+) -> str:
+    """One case's row: case, device, ``before``, the paired comparisons of ``rows``, ``after``."""
+    cells = [case, _device(run, case.split("-")[0]), *before]
+    cells += [_cell(case, s["repeats_s"], row) for row in rows]
+    return "| " + " | ".join([*cells, *after]) + " |"
+
+
 def tp_table(runs: list[dict[str, Any]]) -> list[str]:
     """One row per TP case: the paired comparisons of ``TP_ROWS``, the bound and the device's cost."""
     lines = [
@@ -63,14 +72,10 @@ def tp_table(runs: list[dict[str, Any]]) -> list[str]:
     ]
     for run in runs:
         for s in run["tp"]:
-            case = f"tp{s['tp']}-{s['block']}"
-            cells = [_cell(case, s["repeats_s"], row) for row in TP_ROWS]
             bound = s["methods"]["flash_overlap"]["step_s"]["median"] / s["schedule_bound_s"]
-            lines.append(
-                f"| {case} | {_device(run, case.split('-')[0])} | {s['comm_over_comp']['p2p']:.2f} | "
-                + " | ".join(cells)
-                + f" | {bound:.2f} | {_charged(s, 'flash_overlap')} |"
-            )
+            before = [f"{s['comm_over_comp']['p2p']:.2f}"]
+            after = [f"{bound:.2f}", _charged(s, "flash_overlap")]
+            lines.append(_row(run, s, f"tp{s['tp']}-{s['block']}", before, TP_ROWS, after))
     return lines
 
 
@@ -84,14 +89,12 @@ def up_table(runs: list[dict[str, Any]]) -> list[str]:
     ]
     for run in runs:
         for s in run["up"]:
-            case = f"sp{s['sp']}-ulysses"
-            cells = [_cell(case, s["repeats_s"], row) for row in UP_ROWS]
-            lines.append(
-                f"| {case} | {_device(run, case.split('-')[0])} | {s['sizes']['seq_per_rank']} x {s['sizes']['batch']} "
-                f"| {s['comm_over_comp']['p2p']:.2f} | "
-                + " | ".join(cells)
-                + f" | {_charged(s, 'ulysses_group_major')} |"
-            )
+            before = [
+                f"{s['sizes']['seq_per_rank']} x {s['sizes']['batch']}",
+                f"{s['comm_over_comp']['p2p']:.2f}",
+            ]
+            after = [_charged(s, "ulysses_group_major")]
+            lines.append(_row(run, s, f"sp{s['sp']}-ulysses", before, UP_ROWS, after))
     return lines
 
 
