@@ -50,6 +50,7 @@ class StandIn:
             "dilation": self.device.dilation,
             "contention": self.device.contention,
             "gemm_efficiency": table.gemm_efficiency,
+            "gemm_tail_us": table.gemm_tail_us,
             "ops": s.ops,
             "busy_s": s.busy_s,
             "busy_s_by_kind": dict(s.by_kind),

@@ -7,7 +7,8 @@ Under :class:`StandIn` every aten op of the rank is one of:
 - a view or an allocation: run as is;
 - an op on host scalars: computed for real;
 - anything else: not computed; its output, of the right shape, is charged to the virtual device by
-  FLOPs (matmuls, attention) or by bytes moved (the rest), at least one kernel's floor.
+  FLOPs (attention), by FLOPs or bytes plus a fixed tail (GEMMs, :mod:`.gemm_fit`), or by bytes
+  moved (the rest, at least one kernel's floor).
 
 A function that stands for one fused kernel (:func:`as_one_kernel`) is charged once for its inputs
 and outputs, however many aten ops it takes on the host.
@@ -73,12 +74,8 @@ class StandInMode(TorchDispatchMode):
             out = fn(*args, **kwargs)
         finally:
             self._fused -= 1
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
-        table = self.shared.device.table
-        end = self.shared.device.charge(
-            moved / (table.memory_gbps * 1e9 * table.memory_efficiency), after, "memory"
-        )
+        rate = self.shared.device.table.memory_rate()
+        end = self.shared.device.charge(_bytes(tensors, out) / rate, after, "memory")
         self._mark(out, end)
         return out
 
@@ -181,26 +178,20 @@ class StandInMode(TorchDispatchMode):
         table = self.shared.device.table
         packet = ATTENTION.get(func, func._overloadpacket)
         formula = flop_registry.get(packet)
-        if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)  # torch's formula reads the shapes
-            attention = func in ATTENTION
-            if attention and _argument(func, args, kwargs, "is_causal"):
-                flops /= 2  # fused causal attention skips the masked half
-            efficiency = table.attention_efficiency if attention else table.gemm_efficiency
-            seconds = flops / (table.matmul_peak(tensors[0].dtype) * efficiency)
-            kind = "attention" if attention else "matmul"
-        else:
-            outs = (
-                [out]
-                if isinstance(out, torch.Tensor)
-                else [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if func._overloadpacket is aten.embedding:  # reads the rows it returns, not the table
+            tensors = tensors[1:]
+        moved = _bytes(tensors, out)
+        if formula is None:
+            return self.shared.device.charge(moved / table.memory_rate(), after, "memory")
+        flops = formula(*args, **kwargs, out_val=out)  # torch's formula reads the shapes
+        if func not in ATTENTION:
+            return self.shared.device.charge(
+                table.gemm_seconds(flops, moved, tensors[0].dtype), after, "matmul"
             )
-            if func._overloadpacket is aten.embedding:  # reads the rows it returns, not the table
-                tensors = tensors[1:]
-            moved = sum(t.numel() * t.element_size() for t in (*tensors, *outs))
-            seconds = moved / (table.memory_gbps * 1e9 * table.memory_efficiency)
-            kind = "memory"
-        return self.shared.device.charge(seconds, after, kind)
+        if _argument(func, args, kwargs, "is_causal"):
+            flops /= 2  # fused causal attention skips the masked half
+        seconds = flops / (table.matmul_peak(tensors[0].dtype) * table.attention_efficiency)
+        return self.shared.device.charge(seconds, after, "attention")
 
     def _collective(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> Any:
         device = self.shared.device
@@ -240,6 +231,12 @@ class StandInMode(TorchDispatchMode):
                 ptr = t.untyped_storage().data_ptr()
                 if ptr != zero:
                     self.shared.ready_of_storage[ptr] = when
+
+
+def _bytes(inputs: list[torch.Tensor], out: Any) -> int:
+    """Bytes a kernel reads (``inputs``) and writes (the tensors of ``out``)."""
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return sum(t.numel() * t.element_size() for t in (*inputs, *outs))
 
 
 @functools.cache

@@ -14,8 +14,14 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from .gemm_fit import HELD_OUT_PRESET, held_out_summary
+from .tables import H100
+
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 SCALE_TARGET, RECORD_TARGET, AB_TARGET, LOOPBACK_TARGET = 0.05, 0.25, 0.15, 0.25
+GEMM_TYPICAL, GEMM_WORST = 0.10, 0.25
 
 
 def _load(path: Path) -> Any:
@@ -34,6 +40,20 @@ def scale_rows(results: Path) -> list[str]:
     return [
         f"| scale invariance: compute-only step, `{run['command']}` | {steps}: spread {run['spread']:.1%} "
         f"| <= {SCALE_TARGET:.0%} | {_verdict(run['spread'] <= SCALE_TARGET)} |"
+    ]
+
+
+def gemm_rows() -> list[str]:
+    """The GEMM model (fitted on one preset's H100 GEMMs) against the other preset's, sliced 1-8 ways."""
+    rows, typical, worst = held_out_summary(
+        H100.gemm_model(), H100.matmul_peak(torch.bfloat16), H100.memory_rate()
+    )
+    ok = typical <= GEMM_TYPICAL and worst <= GEMM_WORST
+    return [
+        f"| GEMM model (tail {H100.gemm_tail_us:.2f} us, efficiency {H100.gemm_efficiency:.3f}) against the "
+        f"{rows} measured {HELD_OUT_PRESET} GEMMs it was not fitted to, `python -m benchmarks.gpu.sliced_gemm` "
+        f"| median {typical:.1%}, largest {worst:.1%} | median {GEMM_TYPICAL:.0%}, largest {GEMM_WORST:.0%} "
+        f"| {_verdict(ok)} |"
     ]
 
 
@@ -103,6 +123,7 @@ def main(argv: list[str] | None = None) -> str:
         "",
         "| check | figure | target | verdict |",
         "|---|---|---|---|",
+        *gemm_rows(),
         *scale_rows(args.results),
         *record_rows(args.results),
         *ab_rows(args.results),
