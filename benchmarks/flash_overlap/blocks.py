@@ -25,7 +25,15 @@ from megatron_ext.layers.spec import get_flash_overlap_layer_spec
 
 BLOCKS = ("mlp", "layer", "layers")
 """The MLP alone, one transformer layer, or a stack of ``Shapes.layers`` layers."""
-METHODS = ("megatron_core", "chunked_4", "flash_overlap", "megatron_core_p2p", "te_split_p2p", "domino_p2p")
+METHODS = (
+    "megatron_core",
+    "chunked_4",
+    "flash_overlap",
+    "flash_overlap_merged",
+    "megatron_core_p2p",
+    "te_split_p2p",
+    "domino_p2p",
+)
 WHOLE_SEQUENCE = ("domino_p2p",)
 """Methods whose ranks hold the whole sequence (TP without sequence parallelism), not a 1/N shard."""
 _COLLECTIVES = {
@@ -71,14 +79,18 @@ def _config(shapes: Shapes, tp: int, dtype: torch.dtype) -> TransformerConfig:
     )
 
 
-def _layer_spec(method: str) -> ModuleSpec:
-    """The method's layer spec, its core attention the fused kernel a GPU runs (``fused_attention``)."""
-    if method == "flash_overlap":
-        spec = get_flash_overlap_layer_spec(FlashOverlapConfig(enabled=True, backend="p2p"))
+def _layer_spec(method: str, compute_slices: int) -> ModuleSpec:
+    """The method's layer spec, its core attention the fused kernel a GPU runs (``fused_attention``);
+    ``flash_overlap_merged`` is Flash-Overlap with ``compute_slices`` GEMMs per collective."""
+    ours = method in ("flash_overlap", "flash_overlap_merged")
+    if ours:
+        merged = compute_slices if method == "flash_overlap_merged" else 0
+        config = FlashOverlapConfig(enabled=True, backend="p2p", compute_slices=merged)
+        spec = get_flash_overlap_layer_spec(config)
     else:
         spec = local_layer_spec()
     spec.submodules.self_attention.submodules.core_attention = FusedDotProductAttention
-    if method == "flash_overlap":
+    if ours:
         return spec
     swapped = {
         "chunked_4": (ChunkedColumnParallelLinear, ChunkedRowParallelLinear),
@@ -104,15 +116,19 @@ class Block(torch.nn.Module):
         group: dist.ProcessGroup,
         tp: int,
         dtype: torch.dtype = torch.float32,
+        compute_slices: int = 0,
     ) -> None:
         """``group``: the TP group of size ``tp``; ``dtype``: of the weights (bf16 on a stand-in
-        device, as GPUs train). ``compute_only``: megatron-core's layers whose collectives move
-        nothing, the compute-only twin of every method."""
+        device, as GPUs train); ``compute_slices``: GEMMs per collective of ``flash_overlap_merged``.
+        ``compute_only``: megatron-core's layers whose collectives move nothing, the compute-only
+        twin of every method."""
         super().__init__()
         if method == "domino_p2p":
             raise ValueError("domino_p2p is its own module: benchmarks.flash_overlap.domino.DominoStack")
         config = _config(shapes, tp, dtype)
-        spec = copy.deepcopy(_layer_spec("megatron_core" if method == "compute_only" else method))
+        spec = copy.deepcopy(
+            _layer_spec("megatron_core" if method == "compute_only" else method, compute_slices)
+        )
         # megatron-core's own layers with their collectives swapped for the step only
         self.collectives = _COLLECTIVES.get(method, contextlib.nullcontext)
         if block == "mlp":

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.device import add_device_flags
+from benchmarks.device import TABLES, add_device_flags
 from benchmarks.flash_overlap.overlap_report import LABELS, markdown, up_summary
 from benchmarks.flash_overlap.paired import table
 from benchmarks.flash_overlap.report import summarize
@@ -28,6 +28,7 @@ from benchmarks.flash_overlap.run import (
     run_cluster,
     run_loopback,
 )
+from benchmarks.flash_overlap.slices import best_compute_slices
 from benchmarks.flash_overlap.targets import paired_across, targets, targets_markdown
 from mdsp_base.paired import MIN_PAIRS
 from mdsp_base.shutdown import exit_without_teardown
@@ -50,11 +51,37 @@ def _tp_args(args: argparse.Namespace, tp: int) -> list[str]:
     if not args.preset:
         return ["--methods", *TP_METHODS, "--regimes", _tp_regime(args)]
     hidden, heads = PRESETS[args.preset]
+    merged = args.merged[tp]["gemms"]
     return [
-        "--methods", *TP_METHODS, "domino_p2p", "--regimes", "fixed", "--blocks", "layers",
+        "--methods", *TP_METHODS, "domino_p2p", *(["flash_overlap_merged"] if merged else []),
+        "--compute-slices", str(merged), "--regimes", "fixed", "--blocks", "layers",
         "--layers", str(args.layers), "--hidden", str(hidden), "--heads", str(heads),
         "--ffn", str(4 * hidden), "--seq-per-rank", str(args.seq // tp), "--batch", str(args.batch),
     ]  # fmt: skip
+
+
+def _merged(parser: argparse.ArgumentParser, args: argparse.Namespace, tp: int) -> dict:
+    """GEMMs per collective of ``flash_overlap_merged`` at TP=tp (0: it does not run) and, for
+    ``auto``, every candidate's computed layer forward (``benchmarks.flash_overlap.slices``)."""
+    if args.compute_slices is None:
+        return {"gemms": 0, "computed_layer_forward_s": None}
+    if not args.preset:
+        parser.error("--compute-slices runs on a preset's stack of layers: pass --preset")
+    if args.compute_slices == "auto" and (args.device == "host" or args.network != "cluster"):
+        parser.error(
+            "--compute-slices auto reads a device table and a link: pass --device h100 or mi250x "
+            "and --network cluster, or give the count"
+        )
+    if args.compute_slices != "auto":
+        gemms = int(args.compute_slices)
+        if not 2 <= gemms < tp:
+            parser.error(f"--compute-slices {gemms} at TP={tp}: merging needs 2 to {tp - 1} GEMMs")
+        return {"gemms": gemms, "computed_layer_forward_s": None}
+    hidden = PRESETS[args.preset][0]
+    link = args.mbit * 1e6 / 8 * _dilation(args, tp, args.mbit)  # bytes per second of device time
+    tokens = args.seq * args.batch
+    gemms, times = best_compute_slices(TABLES[args.device], tokens, hidden, 4 * hidden, tp, link)
+    return {"gemms": gemms, "computed_layer_forward_s": times}
 
 
 def _check_preset(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -126,6 +153,12 @@ def main() -> None:
         "sequence under UP, instead of the tuned MLP and layer",
     )
     parser.add_argument("--layers", type=int, default=4, help="layers of a preset's stack")
+    parser.add_argument(
+        "--compute-slices",
+        default=None,
+        help="also run Flash-Overlap with this many GEMMs per collective (flash_overlap_merged), or "
+        "auto: the count whose layer forward the device table and the link time first (0 there: not run)",
+    )
     parser.add_argument("--seq", type=int, default=2048, help="whole sequence of a preset's runs")
     parser.add_argument(
         "--batch", type=int, default=2, help="micro-batch of a preset's runs (Domino halves it)"
@@ -142,6 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     check_device_flags(parser, args)
     _check_preset(parser, args)
+    args.merged = {tp: _merged(parser, args, tp) for tp in args.tp}
     argv = sys.argv[1:]
     steps = args.steps
     warmup = args.warmup or (1 if args.quick else 2)
@@ -200,6 +234,7 @@ def main() -> None:
             for kind, sizes in (("tp", args.tp), ("sp", args.sp))
             if sizes
         )
+    label += f"_slices-{args.compute_slices}" if args.compute_slices else ""
     label += (f"_contention{args.contention:g}" if args.contention else "") + ("_quick" if args.quick else "")
     entries = paired_across(tp_runs, up_runs)
     rows = targets(entries, tp_runs, up_runs)
@@ -222,6 +257,7 @@ def main() -> None:
         "paired": [e for e in entries if e["ratio"] is not None],
         "unpaired": [e for e in entries if e["ratio"] is None],
         "targets": rows, "tp": tp_summaries, "up": up_summaries,
+        "compute_slices": {f"tp{tp}": merged for tp, merged in args.merged.items()},
     }  # fmt: skip
     (args.out / f"{label}.json").write_text(json.dumps(result, indent=1))
 

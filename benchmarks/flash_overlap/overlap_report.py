@@ -21,6 +21,7 @@ LABELS = {
     "te_split_p2p": "TE split, P2P",
     "domino_p2p": "DeepSpeed Domino (half-batch split), P2P",
     "flash_overlap": "Flash-Overlap, P2P",
+    "flash_overlap_merged": "Flash-Overlap, merged GEMMs (compute_slices), P2P",
     "megatron_core": "megatron-core, gloo collectives (reference)",
     "chunked_4": "4-chunk slicing, gloo collectives (reference)",
     "distributed_attention_p2p": "DistributedAttention, P2P",

@@ -187,7 +187,7 @@ def _run_block(block: str, shapes: Shapes, tp_group, args, device: StandIn | Non
     for method in args.methods:
         torch.manual_seed(1)  # equal weights in every method, for _check
         if method not in WHOLE_SEQUENCE:
-            modules[method] = Block(block, method, shapes, tp_group, n, dtype)
+            modules[method] = Block(block, method, shapes, tp_group, n, dtype, args.compute_slices)
         elif block != "mlp":  # Domino's unit is the whole layer
             modules[method] = DominoStack(shapes, _layers(block, shapes), tp_group, dtype)
     load = [os.getloadavg()[0]]
@@ -235,12 +235,20 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=None, help="fixed MLP width instead of tuning per regime")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--compute-slices",
+        type=int,
+        default=0,
+        help="GEMMs per collective of flash_overlap_merged (2 and up)",
+    )
     add_device_flags(parser)
     args = parser.parse_args()
     if args.seq_per_rank % 4:
         parser.error(f"--seq-per-rank {args.seq_per_rank} must be a multiple of 4 (chunked_4 cuts it in 4)")
     if "fixed" in args.regimes and args.ffn is None:
         parser.error("--regimes fixed keeps the MLP width as given: pass --ffn")
+    if "flash_overlap_merged" in args.methods and args.compute_slices < 2:
+        parser.error(f"flash_overlap_merged needs --compute-slices 2 or more (got {args.compute_slices})")
     if "domino_p2p" in args.methods and args.batch % 2:
         parser.error(f"domino_p2p splits the micro-batch in two halves: --batch {args.batch} must be even")
 

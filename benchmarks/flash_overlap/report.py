@@ -18,6 +18,7 @@ TRANSPORT = {
     "megatron_core": "collectives",
     f"chunked_{CHUNKS}": "collectives",
     "flash_overlap": "p2p",
+    "flash_overlap_merged": "p2p",
     "megatron_core_p2p": "p2p",
     "te_split_p2p": "p2p",
     "domino_p2p": "p2p",

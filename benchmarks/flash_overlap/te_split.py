@@ -16,7 +16,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from benchmarks.flash_overlap.chunked import CHUNKS, _chunk_rows, _with_bias
 from megatron_ext.layers.p2p.link import Link, OverlapGroup
-from megatron_ext.layers.p2p.overlap import all_gather_compute, rows, start_all_gather, start_reduce_scatter
+from megatron_ext.layers.p2p.overlap import all_gather_compute, span, start_all_gather, start_reduce_scatter
 
 # Tags clear of the project's schedules (steps 1 .. n-1 and k << 20 for k = 1..4).
 _PIPELINE_TAG = 5 << 20
@@ -56,7 +56,7 @@ class _RingExchangeColumn(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, og: OverlapGroup) -> torch.Tensor:
         n = og.size
         out = x.new_empty((x.shape[0] * n, *x.shape[1:-1], weight.shape[0]))
-        all_gather_compute(x, lambda j, xj: torch.matmul(xj, weight.t(), out=rows(out, j, n)), og)
+        all_gather_compute(x, lambda js, xj: torch.matmul(xj, weight.t(), out=span(out, js, n)), og)
         ctx.save_for_backward(x, weight)
         ctx.og = og
         return out
@@ -89,7 +89,7 @@ class _PipelinedRow(torch.autograd.Function):
         grad_x = grad.new_empty((*x.shape[:-1], weight.shape[1]))
         gathered = grad.new_empty((x.shape[0], *grad.shape[1:]))
         all_gather_compute(
-            grad, lambda j, gj: torch.matmul(gj, weight, out=rows(grad_x, j, n)), og, out=gathered
+            grad, lambda js, gj: torch.matmul(gj, weight, out=span(grad_x, js, n)), og, out=gathered
         )
         return grad_x, gathered.flatten(0, -2).t() @ x.flatten(0, -2), None
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from enum import StrEnum
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from mdsp_base.section import ConfigError, Section
 
@@ -54,6 +54,17 @@ class FlashOverlapConfig(Section):
     """p2p: our P2P schedules (megatron-core's activation memory); auto: torch's symmetric-memory fused ops where they run (NCCL on CUDA or ROCm gfx942/950, TP group in one node, peer access), else p2p; symm_mem forces them. The fused ops keep qkv's and fc1's gathered inputs for backward: TP times p2p's memory for those."""
     timeout_s: float = Field(default=300.0, gt=0)
     """Seconds a gloo wait for a peer's transfer may take before raising; on NCCL the process group's own timeout applies."""
+    compute_slices: int = Field(default=0, ge=0)
+    """GEMMs each overlapped all-gather or reduce-scatter is computed in (p2p backend): 0, one per TP rank's slice (the finest overlap); 2 and up merge the slices of consecutive steps into fewer, larger GEMMs, for slices too small for the device to run efficiently (docs/flash_overlap.md)."""
+
+    @field_validator("compute_slices")
+    @classmethod
+    def _overlaps_something(cls, value: int) -> int:
+        if value == 1:
+            raise ValueError(
+                "one GEMM leaves nothing to overlap: use 0 (one per TP rank's slice) or 2 and up"
+            )
+        return value
 
     def check_megatron_args(self, args: argparse.Namespace) -> None:
         """Refuses, at start-up, what megatron-core's layers built through the layer spec cannot

@@ -54,6 +54,8 @@ class _FlashOverlapMixin:
     """P2P pattern used when the constructor gets none (the spec sets it per config)."""
     p2p_timeout_s: ClassVar[float] = DEFAULT_TIMEOUT_S
     """Wait bound used when the constructor gets none."""
+    p2p_compute_slices: ClassVar[int] = 0
+    """GEMMs per fused collective (0: one per rank's slice; the spec sets it per config)."""
     overlap_backend: ClassVar[Requested] = Requested.P2P
     """Backend requested when the constructor gets none: p2p, auto or symm_mem."""
     overlap_topology: ClassVar[Topology | None] = None
@@ -147,6 +149,7 @@ class _FlashOverlapMixin:
             mode=mode or self.p2p_mode,
             timeout_s=timeout_s if timeout_s is not None else self.p2p_timeout_s,
             name=name or kind,
+            compute_slices=self.p2p_compute_slices,
         )
         device = run_device(getattr(self, "weight", None))
         check_nccl_waits(self.overlap, device)

@@ -92,6 +92,7 @@ def _configured(cls: type, config: FlashOverlapConfig, topology: Topology | None
     defaults = {
         "p2p_mode": config.mode,
         "p2p_timeout_s": config.timeout_s,
+        "p2p_compute_slices": config.compute_slices,
         "overlap_backend": config.backend,
         "overlap_topology": topology,
     }

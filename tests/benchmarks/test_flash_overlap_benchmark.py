@@ -193,6 +193,28 @@ def test_a_presets_stack_of_layers_runs_every_tp_method_with_domino_on_a_stand_i
     assert any(r["target"].startswith("step <= 1.0x DeepSpeed Domino") for r in result["targets"])
 
 
+@pytest.mark.slow
+def test_merged_gemms_run_beside_the_default_with_fewer_kernels_on_a_stand_in(tmp_path: Path) -> None:
+    # one 1.3B layer at TP=4, each collective's slices merged into 2 GEMMs: fields, not speed
+    _command(
+        "benchmarks.flash_overlap.overlap", "--quick", "--preset", "1.3b", "--layers", "1", "--seq", "64",
+        "--tp", "4", "--sp", "--compute-slices", "2", "--out", str(tmp_path),
+    )  # fmt: skip
+    result = json.loads((tmp_path / "overlap_loopback_h100_1.3b_tp4_slices-2_quick.json").read_text())
+    assert result["compute_slices"] == {"tp4": {"gemms": 2, "computed_layer_forward_s": None}}
+    methods = result["tp"][0]["methods"]
+    merged, finest = (
+        methods[m]["device_per_step"]["kernels"] for m in ("flash_overlap_merged", "flash_overlap")
+    )
+    # forward and backward: 2 GEMMs instead of 4 in each of the 4 linears' fused all-gathers or reduce-scatters
+    assert merged < finest, (merged, finest)
+    formed = {(e["variant"], e["baseline"]) for e in result["paired"] if e["metric"] == "step"}
+    assert {
+        ("flash_overlap_merged", "flash_overlap"),
+        ("flash_overlap_merged", "megatron_core_p2p"),
+    } <= formed
+
+
 def test_the_summary_states_the_schedules_gain_and_the_transports_apart(tmp_path: Path) -> None:
     from benchmarks.flash_overlap.summary import main as summary_main
 

@@ -215,8 +215,10 @@ def _child(path: str) -> None:
     out = torch.empty(256, 4, 512, device=dev, dtype=torch.bfloat16)
 
     def layer(group: OverlapGroup) -> torch.Tensor:
-        all_gather_compute(x, lambda j, xj: torch.matmul(xj, w.t(), out=out[j * 128 : (j + 1) * 128]), group)
-        return compute_reduce_scatter(lambda j: torch.matmul(out[j * 128 : (j + 1) * 128], w), group)
+        all_gather_compute(
+            x, lambda js, xj: torch.matmul(xj, w.t(), out=out[js.start * 128 : js.stop * 128]), group
+        )
+        return compute_reduce_scatter(lambda js: torch.matmul(out[js.start * 128 : js.stop * 128], w), group)
 
     torch.cuda.set_sync_debug_mode("error")
     result = layer(og)

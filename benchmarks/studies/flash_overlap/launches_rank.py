@@ -68,12 +68,17 @@ def count(forward: Callable[[], torch.Tensor], cotangent: torch.Tensor) -> dict[
     return result
 
 
+MERGED_GEMMS = 2
+"""GEMMs per collective of ``flash_overlap_merged`` (``flash_overlap.compute_slices``): the fewest."""
+
+
 def _tp_layer(method: str, shapes: Shapes, group: dist.ProcessGroup) -> dict:
     n, r = group.size(), group.rank()
     torch.manual_seed(1)
-    block = Block("layer", method, shapes, group, n)
+    block = Block("layer", method, shapes, group, n, compute_slices=MERGED_GEMMS)
     x = torch.randn(shapes.seq, shapes.batch, shapes.hidden).chunk(n)[r].contiguous().requires_grad_()
-    return count(lambda: block.module(x, attention_mask=block.mask)[0], torch.ones_like(x))
+    (layer,) = block.module  # the "layer" block: a stack of one
+    return count(lambda: layer(x, attention_mask=block.mask)[0], torch.ones_like(x))
 
 
 def ulysses_launches(method: str, seq: int, hidden: int, heads: int, kv_heads: int, head_dim: int) -> dict:
@@ -129,7 +134,12 @@ def main() -> None:
     hidden = args.heads * args.head_dim
     shapes = Shapes(args.seq, 1, hidden, args.heads, 4 * hidden)
     result: dict[str, Any] = {"world_size": n, "args": vars(args), "tp_layer": {}, "ulysses": {}}
-    for method in ("megatron_core", "flash_overlap"):
+    # merging needs a rank's peers to be more than one slice
+    for method in (
+        "megatron_core",
+        "flash_overlap",
+        *(("flash_overlap_merged",) if n > MERGED_GEMMS else ()),
+    ):
         result["tp_layer"][method] = _tp_layer(method, shapes, ps.get_tensor_model_parallel_group())
     for method in ("distributed_attention", "ulysses_qkv_layout", "ulysses_group_major"):
         result["ulysses"][method] = ulysses_launches(

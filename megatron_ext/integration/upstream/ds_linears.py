@@ -101,7 +101,11 @@ def overlap_linears(layer: torch.nn.Module) -> None:
                 stock.append(f"{role}.{attribute} (gather_output)")
                 continue
             og = OverlapGroup(
-                group, overlap.mode, overlap.timeout_s, f"layer {layer.layer_number} {name.value}"
+                group,
+                overlap.mode,
+                overlap.timeout_s,
+                f"layer {layer.layer_number} {name.value}",
+                compute_slices=overlap.compute_slices,
             )
             check_nccl_waits(og, run_device(linear.weight))
             linear.flash_overlap = _column(linear, og) if column else _row(linear, og)

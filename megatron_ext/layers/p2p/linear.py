@@ -17,7 +17,7 @@ from megatron_ext.layers.p2p.link import OverlapGroup
 from megatron_ext.layers.p2p.overlap import (
     all_gather_compute,
     compute_reduce_scatter,
-    rows,
+    span,
     start_all_gather,
     start_reduce_scatter,
 )
@@ -42,7 +42,7 @@ class P2PAllGatherLinear(torch.autograd.Function):
         xc, wc = precision.cast(x), precision.cast(weight)
         out = xc.new_empty((x.shape[0] * n, *x.shape[1:-1], weight.shape[0]))
         with precision.exact():
-            all_gather_compute(xc, lambda j, xj: torch.matmul(xj, wc.t(), out=rows(out, j, n)), og)
+            all_gather_compute(xc, lambda js, xj: torch.matmul(xj, wc.t(), out=span(out, js, n)), og)
         save_linear(ctx, xc, weight, og, precision, fuse_wgrad)
         return out
 
@@ -93,7 +93,7 @@ class P2PLinearReduceScatter(torch.autograd.Function):
         n, precision = og.size, GemmPrecision.of(x)
         xc, wc = precision.cast(x), precision.cast(weight)
         with precision.exact():
-            out = compute_reduce_scatter(lambda j: torch.matmul(rows(xc, j, n), wc.t()), og)
+            out = compute_reduce_scatter(lambda js: torch.matmul(span(xc, js, n), wc.t()), og)
         save_linear(ctx, xc, weight, og, precision, fuse_wgrad)
         return out
 
@@ -110,9 +110,9 @@ class P2PLinearReduceScatter(torch.autograd.Function):
         grad_x = g.new_empty((g.shape[0] * n, *g.shape[1:-1], weight.shape[1])) if saved.want_x else None
         gathered = g.new_empty((g.shape[0] * n, *g.shape[1:])) if saved.want_w else None
 
-        def dgrad(j: int, gj: torch.Tensor) -> None:
+        def dgrad(js: range, gj: torch.Tensor) -> None:
             if grad_x is not None:
-                torch.matmul(gj, wc, out=rows(grad_x, j, n))
+                torch.matmul(gj, wc, out=span(grad_x, js, n))
 
         with precision.exact():
             all_gather_compute(g, dgrad, og, out=gathered)

@@ -60,6 +60,9 @@ class OverlapGroup:
     """Layer name used in error messages."""
     trace: Trace | None = None
     """Optional recorder of compute slices and waits (benchmarks)."""
+    compute_slices: int = 0
+    """GEMMs each fused all-gather or reduce-scatter is computed in: 0, one per rank's slice (the
+    finest overlap); 2 .. TP-1 merge the slices of consecutive steps into fewer, larger GEMMs."""
 
     def __post_init__(self) -> None:
         if self.mode not in tuple(Mode):
@@ -68,6 +71,11 @@ class OverlapGroup:
             )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s={self.timeout_s} of layer {self.name!r} must be positive")
+        if self.compute_slices < 0 or self.compute_slices == 1:
+            raise ValueError(
+                f"compute_slices={self.compute_slices} of layer {self.name!r}: one GEMM leaves nothing to "
+                "overlap; use 0 (one GEMM per rank's slice) or 2 and up"
+            )
 
     @property
     def size(self) -> int:

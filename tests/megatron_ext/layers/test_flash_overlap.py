@@ -1,6 +1,7 @@
 """Flash-Overlap linears against a dense single-process computation and megatron-core's own layers
-(TP=2 and 4, both P2P modes, with and without bias; the symm_mem backend over torch's reference
-implementations of its fused ops), a GPT trained with them, the backend choice, and their errors.
+(TP=2 and 4, both P2P modes, with and without bias; at TP=4 also with the slices merged into 2 and
+3 GEMMs; the symm_mem backend over torch's reference implementations of its fused ops), a GPT
+trained with them, the backend choice, and their errors.
 
 All layer cases of one TP size run in one pool call (module-scoped fixture); tests then read them.
 """
@@ -55,7 +56,7 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item() / max(1.0, b.double().abs().max().item())
 
 
-def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dict:
+def _run_case(tp: int, config, group, case: tuple, backend: str = "auto", compute_slices: int = 0) -> dict:
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     from megatron_ext.layers.linear import FlashOverlapColumnParallelLinear, FlashOverlapRowParallelLinear
@@ -78,6 +79,8 @@ def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dic
     else:
         common["input_is_parallel"] = True
         ours_cls, ref_cls = FlashOverlapRowParallelLinear, RowParallelLinear
+    if compute_slices:  # as the spec configures it: a subclass with the config's default
+        ours_cls = type(ours_cls.__name__, (ours_cls,), {"p2p_compute_slices": compute_slices})
     torch.manual_seed(1234)
     ours = ours_cls(
         size_in, size_out, keep_master_weight_for_test=True, p2p_mode=mode, backend=backend, **common
@@ -147,9 +150,9 @@ def _run_case(tp: int, config, group, case: tuple, backend: str = "auto") -> dic
     return result
 
 
-def _all_cases(tp: int) -> list[dict]:
+def _all_cases(tp: int, compute_slices: int = 0) -> list[dict]:
     config, group = setup_tp(tp)
-    return [_run_case(tp, config, group, case) for case in CASES]
+    return [_run_case(tp, config, group, case, compute_slices=compute_slices) for case in CASES]
 
 
 def _symm_mem_cases(tp: int) -> list[dict]:
@@ -169,12 +172,15 @@ def _symm_mem_cases(tp: int) -> list[dict]:
 
 
 @pytest.fixture(
-    scope="module", params=[(2, "auto"), (4, "auto"), (2, "symm_mem")], ids=["tp2", "tp4", "tp2-symm_mem"]
+    scope="module",
+    params=[(2, "auto", 0), (4, "auto", 0), (4, "auto", 2), (4, "auto", 3), (2, "symm_mem", 0)],
+    ids=["tp2", "tp4", "tp4-2-gemms", "tp4-3-gemms", "tp2-symm_mem"],
 )
 def case_results(request, run_ranks):
-    tp, backend = request.param
-    cases = _all_cases if backend == "auto" else _symm_mem_cases
-    return tp, backend, run_ranks(tp, cases, tp, timeout=120)
+    tp, backend, compute_slices = request.param
+    if backend == "auto":
+        return tp, backend, run_ranks(tp, _all_cases, tp, compute_slices, timeout=120)
+    return tp, backend, run_ranks(tp, _symm_mem_cases, tp, timeout=120)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
