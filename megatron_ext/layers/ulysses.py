@@ -115,11 +115,9 @@ def _matmul_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _mm_into_fp32(a2d: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if a2d.is_cuda:
+    try:  # CUDA and ROCm have the kernel, and so does a dispatch mode in front of the CPU (an emulated device)
         return torch.mm(a2d, b, out_dtype=torch.float32)
-    try:  # CPU has no such kernel; a dispatch mode in front of it (an emulated device) may
-        return torch.mm(a2d, b, out_dtype=torch.float32)
-    except NotImplementedError:
+    except NotImplementedError:  # torch's CPU kernels do not
         return a2d.float() @ b.float()
 
 
