@@ -49,6 +49,14 @@ def _charged(summary: dict[str, Any], method: str) -> str:
     return f"{ours['kernels']:.0f} / {twin['kernels']:.0f}, +{(ours['busy_s'] - twin['busy_s']) * 1e3:.1f} ms"
 
 
+def _merged(run: dict[str, Any], s: dict[str, Any], case: str) -> str:
+    """Ours with fewer, larger GEMMs (``--compute-slices``) over ours' default, where it ran."""
+    gemms = run.get("compute_slices", {}).get(f"tp{s['tp']}", {}).get("gemms", 0)
+    if not gemms:
+        return "not run"
+    return f"{gemms} GEMMs: " + _cell(case, s["repeats_s"], ("flash_overlap_merged", "flash_overlap", "step"))
+
+
 def _device(run: dict[str, Any], case: str) -> str:
     return f"{run['device']} (dilation {run['dilation'][case]:g})"
 
@@ -67,15 +75,17 @@ def tp_table(runs: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| case | device | T_comm / T_comp (P2P) | exposed / megatron-core's (P2P) | step / megatron-core's (P2P) "
         "| step / TE split's (P2P) | step / Domino's (P2P) | transport alone: megatron-core P2P / gloo, step "
-        "| ours / its bound | ours' kernels / twin's, device busy beyond the twin |",
-        "|---|---|---:|---|---|---|---|---|---:|---|",
+        "| ours / its bound | ours' kernels / twin's, device busy beyond the twin "
+        "| fewer GEMMs per collective: step / ours' default |",
+        "|---|---|---:|---|---|---|---|---|---:|---|---|",
     ]
     for run in runs:
         for s in run["tp"]:
             bound = s["methods"]["flash_overlap"]["step_s"]["median"] / s["schedule_bound_s"]
             before = [f"{s['comm_over_comp']['p2p']:.2f}"]
-            after = [f"{bound:.2f}", _charged(s, "flash_overlap")]
-            lines.append(_row(run, s, f"tp{s['tp']}-{s['block']}", before, TP_ROWS, after))
+            case = f"tp{s['tp']}-{s['block']}"
+            after = [f"{bound:.2f}", _charged(s, "flash_overlap"), _merged(run, s, case)]
+            lines.append(_row(run, s, case, before, TP_ROWS, after))
     return lines
 
 
@@ -110,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("give at least one run: --tp RUN.json and/or --up RUN.json")
     tp = [json.loads(p.read_text()) for p in args.tp]
     up = [json.loads(p.read_text()) for p in args.up]
-    sources = ", ".join(p.name for p in [*args.tp, *args.up])
+    sources = ", ".join(dict.fromkeys(p.name for p in [*args.tp, *args.up]))  # each file once
     page = [
         "Flash-Overlap on the compute stand-in, from the preset runs (measured; this page: "
         f"`python -m benchmarks.flash_overlap.summary`, from {sources}). Every ratio is ours (or the "

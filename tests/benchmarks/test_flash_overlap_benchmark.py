@@ -235,3 +235,4 @@ def test_the_summary_states_the_schedules_gain_and_the_transports_apart(tmp_path
     assert cells[6] == "not run"  # Domino
     assert cells[7].startswith("1.000x") and cells[7].endswith("not separated")  # the transport alone
     assert cells[8] == "1.40" and cells[9] == "10 / 8, +100.0 ms"
+    assert cells[10] == "not run"  # no merged GEMMs in this run
