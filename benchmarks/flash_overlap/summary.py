@@ -70,6 +70,12 @@ def _row(
     return "| " + " | ".join([*cells, *after]) + " |"
 
 
+def _by_degree(runs: list[dict[str, Any]], kind: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Every (run, case) of ``kind`` ("tp" or "up"), by TP or SP degree."""
+    degree = "tp" if kind == "tp" else "sp"
+    return sorted(((run, s) for run in runs for s in run[kind]), key=lambda pair: pair[1][degree])
+
+
 def tp_table(runs: list[dict[str, Any]]) -> list[str]:
     """One row per TP case: the paired comparisons of ``TP_ROWS``, the bound and the device's cost."""
     lines = [
@@ -79,13 +85,12 @@ def tp_table(runs: list[dict[str, Any]]) -> list[str]:
         "| fewer GEMMs per collective: step / ours' default |",
         "|---|---|---:|---|---|---|---|---|---:|---|---|",
     ]
-    for run in runs:
-        for s in run["tp"]:
-            bound = s["methods"]["flash_overlap"]["step_s"]["median"] / s["schedule_bound_s"]
-            before = [f"{s['comm_over_comp']['p2p']:.2f}"]
-            case = f"tp{s['tp']}-{s['block']}"
-            after = [f"{bound:.2f}", _charged(s, "flash_overlap"), _merged(run, s, case)]
-            lines.append(_row(run, s, case, before, TP_ROWS, after))
+    for run, s in _by_degree(runs, "tp"):
+        bound = s["methods"]["flash_overlap"]["step_s"]["median"] / s["schedule_bound_s"]
+        before = [f"{s['comm_over_comp']['p2p']:.2f}"]
+        case = f"tp{s['tp']}-{s['block']}"
+        after = [f"{bound:.2f}", _charged(s, "flash_overlap"), _merged(run, s, case)]
+        lines.append(_row(run, s, case, before, TP_ROWS, after))
     return lines
 
 
@@ -97,14 +102,13 @@ def up_table(runs: list[dict[str, Any]]) -> list[str]:
         "| transport alone: DistributedAttention P2P / gloo, step | group-major kernels / twin's, device busy beyond the twin |",
         "|---|---|---:|---:|---|---|---|---|---|",
     ]
-    for run in runs:
-        for s in run["up"]:
-            before = [
-                f"{s['sizes']['seq_per_rank']} x {s['sizes']['batch']}",
-                f"{s['comm_over_comp']['p2p']:.2f}",
-            ]
-            after = [_charged(s, "ulysses_group_major")]
-            lines.append(_row(run, s, f"sp{s['sp']}-ulysses", before, UP_ROWS, after))
+    for run, s in _by_degree(runs, "up"):
+        before = [
+            f"{s['sizes']['seq_per_rank']} x {s['sizes']['batch']}",
+            f"{s['comm_over_comp']['p2p']:.2f}",
+        ]
+        after = [_charged(s, "ulysses_group_major")]
+        lines.append(_row(run, s, f"sp{s['sp']}-ulysses", before, UP_ROWS, after))
     return lines
 
 
