@@ -37,7 +37,10 @@ def _cases(tp_runs: list[list[list[dict]]], up_runs: list[list[list[dict]]]):
     for runs in tp_runs:
         for i, first in enumerate(runs[0]):
             pairs = [("flash_overlap", base) for base in TP_BASELINES]
-            pairs += [("flash_overlap_merged", base) for base in ("flash_overlap", "megatron_core_p2p")]
+            pairs += [
+                ("flash_overlap_merged", base)
+                for base in ("flash_overlap", "megatron_core_p2p", "domino_p2p")
+            ]
             yield f"tp{first['tp']}-{first['block']}", [launch[i] for launch in runs], pairs
     for runs in up_runs:
         for i, first in enumerate(runs[0]):
