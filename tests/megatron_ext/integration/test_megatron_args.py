@@ -153,6 +153,7 @@ CASES = [
     (["--flash-overlap-mode", "ring"], {"flash_overlap": {"mode": "ring"}}),
     (["--flash-overlap-backend", "symm_mem"], {"flash_overlap": {"backend": "symm_mem"}}),
     (["--flash-overlap-timeout", "12"], {"flash_overlap": {"timeout_s": 12.0}}),
+    (["--flash-overlap-compute-slices", "2"], {"flash_overlap": {"compute_slices": 2}}),
     (["--ranks-per-node", "8"], {"topology": {"ranks_per_node": 8}}),
     (["--ranks-per-package", "2"], {"topology": {"ranks_per_package": 2}}),
 ]
