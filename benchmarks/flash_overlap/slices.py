@@ -21,10 +21,9 @@ from collections.abc import Callable
 
 import torch
 
+from benchmarks.device.gemm_fit import BF16_BYTES as BF16
 from benchmarks.device.tables import DeviceTable
 from megatron_ext.layers.p2p.overlap import step_runs
-
-BF16 = 2
 
 
 def gathered_gemms_end_s(gemm_s: Callable[[int], float], n: int, gemms: int, transfer_s: float) -> float:
