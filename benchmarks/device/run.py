@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any
 
@@ -33,6 +34,11 @@ class StandIn:
         self._mode.__exit__(kind, error, tb)
         if kind is None:
             self.device.synchronize()
+
+    def building(self) -> AbstractContextManager[None]:
+        """Build modules under it: their parameters are allocated but never initialised, so a
+        stand-in run's many copies of a large stack cost the host no memory (nothing reads them)."""
+        return self._mode.uncharged()
 
     def synchronize(self) -> None:
         """Wait until the virtual device has run everything issued (a step's end)."""

@@ -18,9 +18,11 @@ Method in full: benchmarks/results/methods.md, `benchmarks.device.standin`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -78,6 +80,17 @@ class StandInMode(TorchDispatchMode):
         end = self.shared.device.charge(_bytes(tensors, out) / rate, after, "memory")
         self._mark(out, end)
         return out
+
+    @contextlib.contextmanager
+    def uncharged(self) -> Iterator[None]:
+        """Ops under it are intercepted but charged nothing: building modules, whose initialisation
+        writes values no stand-in op reads, so their parameters' pages are never touched."""
+        self._fused += 1
+        try:
+            with self:
+                yield
+        finally:
+            self._fused -= 1
 
     def for_thread(self) -> StandInMode:
         """A mode for another thread that runs this rank's work (on a stream of its own)."""

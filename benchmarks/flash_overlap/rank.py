@@ -184,18 +184,19 @@ def _run_block(block: str, shapes: Shapes, tp_group, args, device: StandIn | Non
     shard, grad_full = x.chunk(n)[rank].contiguous(), torch.ones_like(x)
     grad_shard = grad_full.chunk(n)[rank].contiguous()
     modules: dict[str, torch.nn.Module] = {}
-    for method in args.methods:
-        torch.manual_seed(1)  # equal weights in every method, for _check
-        if method not in WHOLE_SEQUENCE:
-            modules[method] = Block(block, method, shapes, tp_group, n, dtype, args.compute_slices)
-        elif block != "mlp":  # Domino's unit is the whole layer
-            modules[method] = DominoStack(shapes, _layers(block, shapes), tp_group, dtype)
+    with nullcontext() if device is None else device.building():  # a stand-in's weights: untouched
+        for method in args.methods:
+            torch.manual_seed(1)  # equal weights in every method, for _check
+            if method not in WHOLE_SEQUENCE:
+                modules[method] = Block(block, method, shapes, tp_group, n, dtype, args.compute_slices)
+            elif block != "mlp":  # Domino's unit is the whole layer
+                modules[method] = DominoStack(shapes, _layers(block, shapes), tp_group, dtype)
+        compute = Block(block, "compute_only", shapes, tp_group, n, dtype)
     load = [os.getloadavg()[0]]
     # a stand-in computes no values: there is nothing to compare
     check = _check(modules, shard, grad_shard) if device is None else {}
     inputs = {m: (x, grad_full) if m in WHOLE_SEQUENCE else (shard, grad_shard) for m in modules}
     steps = {method: (lambda m=module, a=inputs[method]: m.step(*a)) for method, module in modules.items()}
-    compute = Block(block, "compute_only", shapes, tp_group, n, dtype)
     steps["compute_only"] = lambda: compute.step(shard, grad_shard)
     pairs = 1 if block == "mlp" else 2 * _layers(block, shapes)
     for transport in probes.TRANSPORTS:

@@ -94,6 +94,19 @@ def test_an_elementwise_op_is_charged_the_bytes_it_reads_and_writes():
     assert not y.any()
 
 
+def test_modules_built_for_a_stand_in_are_neither_initialised_nor_charged_but_then_run_as_usual():
+    """What lets a run build six copies of a 20B stack: no initialisation writes a page."""
+    weight = torch.full((256, 256), 7.0)
+    device = StandIn(MI250X, dilation=100)
+    with device.building():
+        torch.nn.init.normal_(weight)
+        linear = torch.nn.Linear(256, 256, bias=False)
+    assert (weight == 7).all() and device.stats.ops == 0
+    with device:
+        linear(torch.ones(8, 256))
+    assert device.stats.by_kind["matmul"] > 0
+
+
 def test_tiny_ops_cost_at_least_the_kernel_floor():
     with StandIn(H100, dilation=10) as device:
         torch.ones(16) + torch.ones(16)
