@@ -57,23 +57,34 @@ def _merged(run: dict[str, Any], s: dict[str, Any], case: str) -> str:
     return f"{gemms} GEMMs: " + _cell(case, s["repeats_s"], ("flash_overlap_merged", "flash_overlap", "step"))
 
 
-def _device(run: dict[str, Any], case: str) -> str:
-    return f"{run['device']} (dilation {run['dilation'][case]:g})"
+def _contention(s: dict[str, Any]) -> float:
+    """The case's contention factor (0 off the stand-in)."""
+    return (s.get("stand_in") or {}).get("contention", 0.0)
+
+
+def _device(run: dict[str, Any], s: dict[str, Any], case: str) -> str:
+    contention = _contention(s)
+    return f"{run['device']} (dilation {run['dilation'][case]:g}" + (
+        f", contention {contention:g})" if contention else ")"
+    )
 
 
 def _row(
     run: dict[str, Any], s: dict[str, Any], case: str, before: list[str], rows: tuple, after: list[str]
 ) -> str:
     """One case's row: case, device, ``before``, the paired comparisons of ``rows``, ``after``."""
-    cells = [case, _device(run, case.split("-")[0]), *before]
+    cells = [case, _device(run, s, case.split("-")[0]), *before]
     cells += [_cell(case, s["repeats_s"], row) for row in rows]
     return "| " + " | ".join([*cells, *after]) + " |"
 
 
 def _by_degree(runs: list[dict[str, Any]], kind: str) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """Every (run, case) of ``kind`` ("tp" or "up"), by TP or SP degree."""
+    """Every (run, case) of ``kind`` ("tp" or "up"), by TP or SP degree, then contention."""
     degree = "tp" if kind == "tp" else "sp"
-    return sorted(((run, s) for run in runs for s in run[kind]), key=lambda pair: pair[1][degree])
+    return sorted(
+        ((run, s) for run in runs for s in run[kind]),
+        key=lambda pair: (pair[1][degree], _contention(pair[1])),
+    )
 
 
 def tp_table(runs: list[dict[str, Any]]) -> list[str]:

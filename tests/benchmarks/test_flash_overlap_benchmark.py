@@ -236,3 +236,27 @@ def test_the_summary_states_the_schedules_gain_and_the_transports_apart(tmp_path
     assert cells[7].startswith("1.000x") and cells[7].endswith("not separated")  # the transport alone
     assert cells[8] == "1.40" and cells[9] == "10 / 8, +100.0 ms"
     assert cells[10] == "not run"  # no merged GEMMs in this run
+
+
+def test_the_summary_lists_a_degree_once_per_contention_and_names_it(tmp_path: Path) -> None:
+    from benchmarks.flash_overlap.summary import main as summary_main
+
+    case = _summary("layers", 0.7) | {"tp": 4, "schedule_bound_s": 0.5}
+    case |= {"methods": {"flash_overlap": {"step_s": {"median": 0.7}}}, "compute_only_device_per_step": None}
+    runs = []
+    for contention in (0.2, None, 0.1):  # given out of order; a case off the stand-in records none
+        stand_in = None if contention is None else {"contention": contention}
+        runs.append(tmp_path / f"run{len(runs)}.json")
+        runs[-1].write_text(json.dumps({"device": "mi250x", "dilation": {"tp4": 800},
+                                        "tp": [case | {"stand_in": stand_in}], "up": []}))  # fmt: skip
+    summary_main(["--tp", *map(str, runs), "--out", str(tmp_path / "page.md")])
+    devices = [
+        line.split("|")[2].strip()
+        for line in (tmp_path / "page.md").read_text().splitlines()
+        if line.startswith("| tp4-layers")
+    ]
+    assert devices == [
+        "mi250x (dilation 800)",
+        "mi250x (dilation 800, contention 0.1)",
+        "mi250x (dilation 800, contention 0.2)",
+    ]
