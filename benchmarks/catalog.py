@@ -58,6 +58,10 @@ def left_out(network: str) -> dict[str, str]:
         "the hop path's own host cost against gloo's flat collectives on 4 local ranks, run by hand beside "
         "an engine change (`python -m benchmarks.zero.hop_gather`): its figures move with the host's load"
     )
+    out["benchmarks.zero.loopback"] = (
+        "the cost model's host term against 4 local ranks' steps, run by hand on a quiet host "
+        "(`python -m benchmarks.zero.loopback`, refused above a load of 3): other work stretches its steps"
+    )
     out["benchmarks.flash_overlap.summary"] = (
         "tabulates the preset runs of `benchmarks.flash_overlap.overlap --preset`, each 15 to 30 minutes on the "
         "emulated cluster: by hand, commands in benchmarks/results/flash_overlap.md"
