@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .gemm_fit import HELD_OUT_PRESET, held_out_summary
-from .tables import H100
+from .tables import H100, MI250X
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 SCALE_TARGET, RECORD_TARGET, AB_TARGET, LOOPBACK_TARGET = 0.05, 0.25, 0.15, 0.25
@@ -106,19 +106,21 @@ def engine_device_lines(results: Path) -> list[str]:
         return []
     compute = run["compute_only_step_s"]
     parts = [
-        f"{name} +{trace['device_busy_s'] - compute:.2f} s"
+        f"{name} +{trace['device_busy_s'] - compute:.2f} s ({trace['device_ops']:.0f} kernels in the step)"
         for name, trace in run["trace"].items()
         if trace.get("device_busy_s") is not None
     ]
+    floor_ms = MI250X.kernel_floor_us * 1e-3 * run["dilation"]
     return [
         "",
         f"Where the frontier-regime predictions fall short, the traced step (`{run['command']}`, "
         f"`{run['trace_dir']}/trace.md`) says why: each variant's virtual device is busy beyond the "
-        f"compute-only step ({compute:.3f} s), with the engine's own kernels (copies into and out of its "
-        "flat buffers, the fp32 optimizer step on the rank's shard, ZeRO++'s quantization): "
+        f"compute-only step ({compute:.3f} s) with the engine's own kernels (copies into and out of its "
+        "flat buffers, the optimizer step on the rank's shard, ZeRO++'s quantization): "
         + ", ".join(parts)
-        + ". The cost model charges compute as the compute-only step and has no term for these "
-        "(measured figures; not a validation).",
+        + f". Most are small, so each costs about the device's kernel floor ({MI250X.kernel_floor_us:g} us, "
+        f"{floor_ms:.0f} ms at dilation {run['dilation']:g}). The cost model charges compute as the "
+        "compute-only step and has no term for the engine's kernels (measured figures; not a validation).",
     ]
 
 
