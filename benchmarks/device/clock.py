@@ -83,10 +83,14 @@ class VirtualDevice:
                 self.stats.waited_s += delay
 
     def synchronize(self) -> None:
-        """Block until every stream is idle (the step's end, ``torch.cuda.synchronize``)."""
+        """Block until every stream is idle (the step's end, ``torch.cuda.synchronize``). What the
+        step sent has arrived by then, so no collective is in flight after it: a send whose handle
+        nobody waited on reports itself incomplete for ever, and would slow the next steps' compute."""
         with self._lock:
             last = max(self._ends.values(), default=0.0)
         self.wait_until(last)
+        with self._lock:
+            self._in_flight.clear()
 
     def collective_started(self, work: Any) -> None:
         """Note an asynchronous collective's work handle: compute slows while it runs."""

@@ -185,6 +185,26 @@ def test_collectives_wait_for_the_device_ops_that_wrote_their_input_and_only_tho
             assert result["contended"] == 2
 
 
+def _send_left_unwaited() -> int:
+    """A send whose handle nobody waits on reports itself incomplete for ever; the step's end
+    ends it, so the next step's compute is not slowed by it."""
+    peer, device = 1 - dist.get_rank(), StandIn(H100, contention=0.2)
+    with device:
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.ones(8), peer), dist.P2POp(dist.irecv, torch.empty(8), peer)]
+        )
+        works[1].wait()  # the receive only, as a schedule that waits for its sends later would
+    dist.barrier()  # both receives done: every send has arrived
+    with device:
+        before = device.stats.contended_ops
+        torch.ones(8, 8) + 1
+    return device.stats.contended_ops - before
+
+
+def test_a_step_does_not_inherit_the_contention_of_a_send_nobody_waited_on(run_ranks):
+    assert run_ranks(2, _send_left_unwaited) == [0, 0]
+
+
 def test_work_the_hop_worker_runs_on_its_thread_is_charged_to_the_same_device():
     worker = HopWorker()
     a = torch.ones(1024, 1024)
