@@ -219,6 +219,12 @@ class StandInMode(TorchDispatchMode):
             return x
 
         out = func(*tree_map(writable, args), **tree_map(writable, kwargs))
+        # A blocking call's caller waits at once: nothing of this thread runs beside it. (Its work
+        # may never report completion: gloo's reduce-scatter does not, even once waited on.)
+        if any(a.name == "async_op" for a in func._schema.arguments) and not _argument(
+            func, args, kwargs, "async_op"
+        ):
+            return out
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.ScriptObject):  # the op's work handle, boxed
                 device.collective_started(torch._C._distributed_c10d.Work.unbox(item))

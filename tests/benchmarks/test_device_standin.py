@@ -205,6 +205,21 @@ def test_a_step_does_not_inherit_the_contention_of_a_send_nobody_waited_on(run_r
     assert run_ranks(2, _send_left_unwaited) == [0, 0]
 
 
+def _after_a_blocking_reduce_scatter() -> int:
+    """gloo's reduce-scatter never reports its work complete, even once waited on; a blocking call
+    is waited on at once, so nothing after it runs beside it."""
+    device = StandIn(H100, contention=0.2)
+    with device:
+        dist.reduce_scatter_tensor(torch.empty(4), torch.ones(8))
+        before = device.stats.contended_ops
+        torch.ones(8, 8) + 1
+    return device.stats.contended_ops - before
+
+
+def test_compute_after_a_blocking_collective_is_not_slowed_by_it(run_ranks):
+    assert run_ranks(2, _after_a_blocking_reduce_scatter) == [0, 0]
+
+
 def test_work_the_hop_worker_runs_on_its_thread_is_charged_to_the_same_device():
     worker = HopWorker()
     a = torch.ones(1024, 1024)
