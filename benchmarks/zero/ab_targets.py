@@ -79,6 +79,26 @@ def judge(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def uniformly_slowed(run: dict[str, Any], judged: list[dict[str, Any]]) -> bool | None:
+    """Whether a run at contention c > 0 slowed every device op by (1 + c): each variant's traced
+    device time exactly (1 + c) times its time in the 0 % run of the same regime and nodes, as the
+    stand-in gave when it counted a blocking collective as in flight for the rest of the run. None:
+    no traced variant to tell by."""
+    base = next(
+        (j for j in judged if j["contention"] == 0 and (j["regime"], j["nodes"]) == (run["regime"], run["nodes"])),
+        None,
+    )
+    if not run["contention"] or base is None:
+        return False
+    shared = [v for v in run["trace"] if v in base["trace"]]
+    if not shared:
+        return None
+    return all(
+        abs(run["trace"][v]["device_busy_s"] / base["trace"][v]["device_busy_s"] - (1 + run["contention"])) < 1e-3
+        for v in shared
+    )
+
+
 def _targets_table(judged: list[dict[str, Any]]) -> list[str]:
     lines = [
         "| regime | nodes (ranks) | contention | ours / hpZ at its best | ours / full ZeRO++ | ours quantized / full ZeRO++ "
@@ -89,8 +109,10 @@ def _targets_table(judged: list[dict[str, Any]]) -> list[str]:
         ceiling = j["ours_over_compute"]
         verdict = ("met" if ceiling <= CEILING else "missed") if j["ceiling_applies"] else "does not apply"
         name, error = j["worst_model_error"]
+        uniform = uniformly_slowed(j, judged)
+        contention = f"{j['contention']:g}" + {True: " (every op slowed)", None: " (untraced)"}.get(uniform, "")
         lines.append(
-            f"| {j['regime']} | {j['nodes']} ({j['ranks']}) | {j['contention']:g} | {j['hpz_best']}: {_ratio(j['ours_over_hpz'])} "
+            f"| {j['regime']} | {j['nodes']} ({j['ranks']}) | {contention} | {j['hpz_best']}: {_ratio(j['ours_over_hpz'])} "
             f"| {_ratio(j['ours_over_zeropp'])} | {_ratio(j['quantized_over_zeropp'])} | {j['hpz_exposed_share']:.0%} "
             f"| {ceiling:.3f} {verdict} | {name} {error:+.1%} {'met' if abs(error) <= MODEL_TOLERANCE else 'missed'} |"
         )
@@ -128,6 +150,11 @@ def markdown(judged: list[dict[str, Any]], sources: list[Path]) -> str:
         "Ratios are the variant's step over the baseline's, median of paired steps, with the paired 95 % interval.",
         "",
         *_targets_table(judged),
+        "",
+        "Every op slowed: a run whose variants' device time is exactly (1 + c) times the 0 % run's, a "
+        "uniformly slower device rather than contention (the stand-in then counted gloo's blocking "
+        "reduce-scatter as in flight for the rest of the run; it no longer does). Untraced: no traced "
+        "step to tell by.",
         "",
         "Where each step went, from one traced step per variant after the paired ones (the mean rank; columns "
         "defined in `deepspeed_ext/zero/tools/ab/trace_report.py`):",

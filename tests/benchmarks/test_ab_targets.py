@@ -84,3 +84,18 @@ def test_the_page_lists_every_run_by_nodes_and_contention(tmp_path):
         "8 (32)",
     ]  # the regime (absent: frontier), then nodes
     assert "zero++ (hpZ + qwZ + qgZ) -38.5% missed" in rows[0]
+
+
+@pytest.mark.parametrize("busy_at_10_percent, verdict", [(11.0, True), (10.4, False), (None, None)])
+def test_a_contention_run_that_slowed_every_op_by_the_factor_is_told_apart(busy_at_10_percent, verdict):
+    """Contention slows only what runs beside a collective; a run whose every traced device second
+    is (1 + c) times the 0 % run's slowed the device as a whole."""
+    judged = []
+    for contention, busy in ((0.0, 10.0), (0.1, busy_at_10_percent)):
+        run = _run(ours_step=9.0, compute=7.0) | {"contention": contention}
+        if busy is not None:
+            run["trace"] = {"ours": {"device_busy_s": busy}, "zero3": {"device_busy_s": busy * 0.9}}
+        judged.append(ab_targets.judge(run))
+    judged[0]["trace"]["zero3"] = {"device_busy_s": 9.0}
+    assert ab_targets.uniformly_slowed(judged[1], judged) is verdict
+    assert ab_targets.uniformly_slowed(judged[0], judged) is False  # 0 %: nothing to tell
