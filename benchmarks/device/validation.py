@@ -134,6 +134,15 @@ def loopback_rows(results: Path) -> list[str]:
     )
 
 
+def loopback_trace_lines(results: Path) -> list[str]:
+    """Where the loopback run's steps went, from its traced step per variant."""
+    table = results / "zero" / "bench_quick_loopback_trace" / "trace.md"
+    if not table.exists():
+        return []
+    return ["", "The loopback run's traced steps (ms, mean rank; `zero/bench_quick_loopback_trace/`):", "",
+            *table.read_text().strip().splitlines()]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,6 +174,7 @@ def main(argv: list[str] | None = None) -> str:
         "zero/bench_quick_loopback.json`. It computes on the host, so other work on the host stretches its "
         "steps and the probe's timings alike; the command refuses to start above a load of 3.",
     ]
+    lines += loopback_trace_lines(args.results)
     text = "\n".join(lines) + "\n"
     (args.results / "emulated_validation.md").write_text(text)
     print(text)

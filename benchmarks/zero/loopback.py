@@ -3,8 +3,9 @@
   python -m benchmarks.zero.loopback [--steps 10] [--out benchmarks/results]
 
 What a user runs on two nodes, on one host: the probe, then ``deepspeed_ext.zero.bench --quick``
-with the probe's profile. The bench's rows carry the cost model's prediction (compute, the engine's
-host cost the probe measured, communication) beside the measured steps; the validation table
+with the probe's profile, and one traced step per variant. The bench's rows carry the cost model's
+prediction (compute, the engine's host cost the probe measured, communication) beside the measured
+steps; the validation table
 (``benchmarks.device.validation``) compares them. The ranks compute on the host's cores, so other
 work on the host stretches the probe's timings and the steps alike: the load is recorded before
 each launch, and a run above ``--max-load`` is refused.
@@ -92,7 +93,8 @@ def main(argv: list[str] | None = None) -> Path:
     config.write_text(json.dumps(TOPOLOGY, indent=1) + "\n")
     run_agents([*PROBE, "--deepspeed-config", str(config), "--out", str(profile)], args.timeout)
     bench = ["-m", "deepspeed_ext.zero.bench", "--quick", "--steps", str(args.steps), "--deepspeed-config", str(config)]
-    run_agents([*bench, "--profile", str(profile), "--json", str(result)], args.timeout)
+    trace = out / "bench_quick_loopback_trace"  # one more step per variant, after the timed ones
+    run_agents([*bench, "--profile", str(profile), "--json", str(result), "--trace", str(trace)], args.timeout)
     for row in json.loads(result.read_text()):
         if row["ran"]:
             print(
