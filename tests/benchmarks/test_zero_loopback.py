@@ -30,3 +30,13 @@ def test_a_busy_host_is_refused_before_anything_runs(tmp_path):
 def test_a_failing_rank_stops_both_agents_and_names_the_command():
     with pytest.raises(RuntimeError, match="no_such_module"):
         run_agents(["-m", "no_such_module"], timeout=120)
+
+
+def test_the_validation_page_shows_the_loopback_runs_traced_steps_when_they_exist(tmp_path):
+    from benchmarks.device.validation import loopback_trace_lines
+
+    assert loopback_trace_lines(tmp_path) == []
+    table = tmp_path / "zero" / "bench_quick_loopback_trace" / "trace.md"
+    table.parent.mkdir(parents=True)
+    table.write_text("| variant | step |\n|---|---|\n| zero3 | 87.8 |\n")
+    assert loopback_trace_lines(tmp_path)[-3:] == ["| variant | step |", "|---|---|", "| zero3 | 87.8 |"]
