@@ -85,7 +85,11 @@ def uniformly_slowed(run: dict[str, Any], judged: list[dict[str, Any]]) -> bool 
     stand-in gave when it counted a blocking collective as in flight for the rest of the run. None:
     no traced variant to tell by."""
     base = next(
-        (j for j in judged if j["contention"] == 0 and (j["regime"], j["nodes"]) == (run["regime"], run["nodes"])),
+        (
+            j
+            for j in judged
+            if j["contention"] == 0 and (j["regime"], j["nodes"]) == (run["regime"], run["nodes"])
+        ),
         None,
     )
     if not run["contention"] or base is None:
@@ -94,7 +98,8 @@ def uniformly_slowed(run: dict[str, Any], judged: list[dict[str, Any]]) -> bool 
     if not shared:
         return None
     return all(
-        abs(run["trace"][v]["device_busy_s"] / base["trace"][v]["device_busy_s"] - (1 + run["contention"])) < 1e-3
+        abs(run["trace"][v]["device_busy_s"] / base["trace"][v]["device_busy_s"] - (1 + run["contention"]))
+        < 1e-3
         for v in shared
     )
 
@@ -110,7 +115,9 @@ def _targets_table(judged: list[dict[str, Any]]) -> list[str]:
         verdict = ("met" if ceiling <= CEILING else "missed") if j["ceiling_applies"] else "does not apply"
         name, error = j["worst_model_error"]
         uniform = uniformly_slowed(j, judged)
-        contention = f"{j['contention']:g}" + {True: " (every op slowed)", None: " (untraced)"}.get(uniform, "")
+        contention = f"{j['contention']:g}" + {True: " (every op slowed)", None: " (untraced)"}.get(
+            uniform, ""
+        )
         lines.append(
             f"| {j['regime']} | {j['nodes']} ({j['ranks']}) | {contention} | {j['hpz_best']}: {_ratio(j['ours_over_hpz'])} "
             f"| {_ratio(j['ours_over_zeropp'])} | {_ratio(j['quantized_over_zeropp'])} | {j['hpz_exposed_share']:.0%} "

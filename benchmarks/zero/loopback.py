@@ -55,7 +55,9 @@ def run_agents(module_argv: list[str], timeout: float) -> None:
         while any(p.poll() is None for p in procs):
             failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
             if failed:
-                raise RuntimeError(f"an agent of `{' '.join(module_argv)}` exited with {failed}: see its output")
+                raise RuntimeError(
+                    f"an agent of `{' '.join(module_argv)}` exited with {failed}: see its output"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"`{' '.join(module_argv)}` outlived {timeout:.0f} s: raise --timeout")
             time.sleep(0.2)
@@ -70,9 +72,13 @@ def run_agents(module_argv: list[str], timeout: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=10, help="timed steps per variant (paired)")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="results folder (writes zero/bench_quick_loopback*)")
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="results folder (writes zero/bench_quick_loopback*)"
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch, a hang bound")
     parser.add_argument(
         "--max-load",
@@ -89,12 +95,24 @@ def main(argv: list[str] | None = None) -> Path:
         )
     out = args.out / "zero"
     out.mkdir(parents=True, exist_ok=True)
-    config, profile, result = (out / f"bench_quick_loopback{s}" for s in ("_ds_config.json", "_profile.json", ".json"))
+    config, profile, result = (
+        out / f"bench_quick_loopback{s}" for s in ("_ds_config.json", "_profile.json", ".json")
+    )
     config.write_text(json.dumps(TOPOLOGY, indent=1) + "\n")
     run_agents([*PROBE, "--deepspeed-config", str(config), "--out", str(profile)], args.timeout)
-    bench = ["-m", "deepspeed_ext.zero.bench", "--quick", "--steps", str(args.steps), "--deepspeed-config", str(config)]
+    bench = [
+        "-m",
+        "deepspeed_ext.zero.bench",
+        "--quick",
+        "--steps",
+        str(args.steps),
+        "--deepspeed-config",
+        str(config),
+    ]
     trace = out / "bench_quick_loopback_trace"  # one more step per variant, after the timed ones
-    run_agents([*bench, "--profile", str(profile), "--json", str(result), "--trace", str(trace)], args.timeout)
+    run_agents(
+        [*bench, "--profile", str(profile), "--json", str(result), "--trace", str(trace)], args.timeout
+    )
     for row in json.loads(result.read_text()):
         if row["ran"]:
             print(
