@@ -133,19 +133,26 @@ def launch_ranks(
             for r in range(world_size)
         ]
         try:
-            _wait(procs, timeout)
+            wait_all(procs, timeout)
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+            kill_all(procs)
         missing = [r for r in range(world_size) if not Path(f"{tmp}/{r}.json").exists()]
         if missing:
             raise RankError(f"ranks {missing} of {world_size} exited 0 without write_result()")
         return [json.loads(Path(f"{tmp}/{r}.json").read_text()) for r in range(world_size)]
 
 
-def _wait(procs: list[subprocess.Popen], timeout: float) -> None:
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process group of every process of ``procs`` still running, and reap it."""
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Return once every process of ``procs`` exited 0; ``RankError`` at the first that fails,
+    ``TimeoutError`` past ``timeout`` seconds (the caller kills the rest: :func:`kill_all`)."""
     deadline = time.monotonic() + timeout
     while True:
         codes = [p.poll() for p in procs]

@@ -159,9 +159,9 @@ def markdown(judged: list[dict[str, Any]], sources: list[Path]) -> str:
         *_targets_table(judged),
         "",
         "Every op slowed: a run whose variants' device time is exactly (1 + c) times the 0 % run's, a "
-        "uniformly slower device rather than contention (the stand-in then counted gloo's blocking "
-        "reduce-scatter as in flight for the rest of the run; it no longer does). Untraced: no traced "
-        "step to tell by.",
+        "uniformly slower device rather than contention (a stand-in that counted gloo's blocking "
+        "reduce-scatter as in flight for the rest of the run; the stand-in counts no blocking call). "
+        "Untraced: no traced step to tell by.",
         "",
         "Where each step went, from one traced step per variant after the paired ones (the mean rank; columns "
         "defined in `deepspeed_ext/zero/tools/ab/trace_report.py`):",

@@ -7,8 +7,8 @@ with the probe's profile, and one traced step per variant. The bench's rows carr
 prediction (compute, the engine's host cost the probe measured, communication) beside the measured
 steps; the validation table
 (``benchmarks.device.validation``) compares them. The ranks compute on the host's cores, so other
-work on the host stretches the probe's timings and the steps alike: the load is recorded before
-each launch, and a run above ``--max-load`` is refused.
+work on the host stretches the probe's timings and the steps alike: the bench records the load,
+and the command refuses to start above ``--max-load``.
 
 Method in full: benchmarks/results/methods.md, `benchmarks.device.validation`.
 """
@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
+import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from multirank.processes import REPO_ROOT, free_port
+from multirank.processes import REPO_ROOT, RankError, free_port, kill_all, wait_all
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 NODES, PER_NODE = 2, 2
@@ -50,25 +49,14 @@ def run_agents(module_argv: list[str], timeout: float) -> None:
         subprocess.Popen(argv, cwd=REPO_ROOT, env=env, start_new_session=True)
         for argv in agents(module_argv, free_port())
     ]
-    deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
-            failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-            if failed:
-                raise RuntimeError(
-                    f"an agent of `{' '.join(module_argv)}` exited with {failed}: see its output"
-                )
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"`{' '.join(module_argv)}` outlived {timeout:.0f} s: raise --timeout")
-            time.sleep(0.2)
-        failed = [p.returncode for p in procs if p.returncode != 0]
-        if failed:
-            raise RuntimeError(f"an agent of `{' '.join(module_argv)}` exited with {failed}: see its output")
+        wait_all(procs, timeout)
+    except (RankError, TimeoutError) as e:
+        raise type(e)(
+            f"`{' '.join(module_argv)}` (agents, one per node): {e}; raise --timeout if only slow"
+        ) from e
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        kill_all(procs)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -117,7 +105,7 @@ def main(argv: list[str] | None = None) -> Path:
         if row["ran"]:
             print(
                 f"{row['variant']}: predicted {row['predicted_step_s']:.3f} s {row['predicted']}, "
-                f"measured median {sorted(row['step_s'])[len(row['step_s']) // 2]:.3f} s"
+                f"measured median {statistics.median(row['step_s']):.3f} s"
             )
     return result
 
